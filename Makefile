@@ -1,0 +1,33 @@
+# Two commands are the contract: `make demo` and `make test`. Both do all set-up on a fresh clone.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.silverrec-setup
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# CPU builds only: torch 2.13.0 from local disk, fbgemm-gpu-cpu instead of the CUDA fbgemm-gpu that
+# torchrec declares (so torchrec goes in with --no-deps), then silverrec itself in editable mode.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0 fbgemm-gpu-cpu==1.8.0 tensordict \
+		torchmetrics==1.0.3 tqdm pyre-extensions numpy pyarrow triton==3.9.0 pytest \
+		faiss-cpu hnswlib pyroaring transformers
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(BIN)/python -c "import silverrec, torchrec, fbgemm_gpu; print('silverrec', silverrec.__version__, 'ready')"
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m silverrec.publish.demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+bench: setup
+	$(BIN)/python benchmarks/exact_topk.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
