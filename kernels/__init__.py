@@ -1,0 +1,8 @@
+"""silverrec's hot operators, one `torch.library` op per module (see kernels/README.md).
+
+Importing this package registers every op; triton is imported lazily, only when a CUDA kernel runs.
+"""
+
+from silverrec.kernels import int8_topk  # noqa: F401
+
+__all__ = ["int8_topk"]

@@ -1,0 +1,1 @@
+"""The publish pipeline: candidate pool -> runtime module -> versioned snapshot, and the CLI."""

@@ -1,0 +1,23 @@
+"""silverrec: large-scale recommendation served as one PyTorch model.
+
+Importing silverrec registers its operators (`torch.ops.silverrec.*`), which a snapshot needs
+before it can be loaded in a fresh process.
+"""
+
+__version__ = "0.1.0"
+
+from silverrec import kernels as _kernels  # noqa: F401  (registers torch.ops.silverrec.*)
+from silverrec.errors import PoolError, QueryError, SilverrecError, SnapshotError
+from silverrec.predictor import SearchResult, Snapshot, load
+from silverrec.snapshot import FORMAT_VERSION
+
+__all__ = [
+    "FORMAT_VERSION",
+    "PoolError",
+    "QueryError",
+    "SilverrecError",
+    "SnapshotError",
+    "load",
+    "SearchResult",
+    "Snapshot",
+]

@@ -1,0 +1,159 @@
+"""The snapshot format: one directory per model version, written atomically.
+
+    DIR/manifest.json   format version, silverrec/torch versions, kind, config, item count,
+                        creation time, and {file: {sha256, bytes}} for every other file
+    DIR/model.pt2       torch.export program (dynamic batch dimension)
+    DIR/model.ts        TorchScript of the same module (optional)
+
+`write_snapshot` builds the directory under a temporary sibling and renames it into place, so a
+reader never sees a half-written snapshot. `read_manifest` verifies format version, sizes and
+checksums before anything is deserialised.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from silverrec.errors import SnapshotError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+EXPORT_FILE = "model.pt2"
+SCRIPT_FILE = "model.ts"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_snapshot(
+    out_dir: str | os.PathLike,
+    *,
+    kind: str,
+    config: dict[str, Any],
+    item_count: int,
+    write_files: Callable[[Path], None],
+    overwrite: bool = False,
+) -> Path:
+    """Write a snapshot atomically.
+
+    Args:
+        out_dir: final directory. Must not exist unless `overwrite`.
+        kind: runtime module kind ("exact", "ivf", "generative", ...); the predictor dispatches on it.
+        config: JSON-serialisable description the predictor needs (dims, feature vocabularies...).
+        item_count: number of items in the candidate pool.
+        write_files: called with the temporary directory; writes model.pt2 / model.ts / extras.
+    Returns:
+        The final path.
+    """
+    out = Path(out_dir).resolve()
+    if out.exists() and not overwrite:
+        raise SnapshotError(f"{out} already exists; choose a new version directory or pass overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write_files(tmp)
+        files = {}
+        for p in sorted(tmp.iterdir()):
+            if p.is_file():
+                files[p.name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        if EXPORT_FILE not in files:
+            raise SnapshotError(f"snapshot writer produced no {EXPORT_FILE}")
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "silverrec_version": _silverrec_version(),
+            "torch_version": torch.__version__,
+            "kind": kind,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "item_count": int(item_count),
+            "config": config,
+            "files": files,
+        }
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        if out.exists():  # overwrite: swap the old version out, then remove it
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / "snap")
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_manifest(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
+    """Read and verify a snapshot's manifest (format version, file sizes, sha256)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise SnapshotError(f"{root} is not a snapshot directory")
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        raise SnapshotError(f"{root} has no {MANIFEST}: not a snapshot, or an unfinished write")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise SnapshotError(f"{mpath} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    version = manifest.get("format_version")
+    if not isinstance(version, int):
+        raise SnapshotError(f"{mpath} has no integer format_version")
+    if version > FORMAT_VERSION:
+        raise SnapshotError(
+            f"snapshot {root} has format version {version}, written by silverrec "
+            f"{manifest.get('silverrec_version', '?')}; this silverrec {_silverrec_version()} "
+            f"reads format versions <= {FORMAT_VERSION}: upgrade silverrec"
+        )
+    if not verify:
+        return manifest
+    for name, meta in manifest.get("files", {}).items():
+        p = root / name
+        if not p.is_file():
+            raise SnapshotError(f"snapshot {root} is missing {name}")
+        size = p.stat().st_size
+        if size != meta["bytes"]:
+            raise SnapshotError(
+                f"{p} is truncated or altered: {size} bytes, manifest says {meta['bytes']}"
+            )
+        digest = sha256_file(p)
+        if digest != meta["sha256"]:
+            raise SnapshotError(f"{p} checksum mismatch: sha256 {digest[:12]}..., manifest says {meta['sha256'][:12]}...")
+    return manifest
+
+
+def export_module(
+    module: torch.nn.Module,
+    example_args: tuple,
+    dynamic_shapes: dict[str, Any],
+    directory: Path,
+    torchscript: bool = True,
+) -> None:
+    """Save `module` as model.pt2 (torch.export, non-strict) and, optionally, model.ts."""
+    module = module.eval()
+    with torch.no_grad():
+        program = torch.export.export(module, example_args, dynamic_shapes=dynamic_shapes, strict=False)
+    torch.export.save(program, directory / EXPORT_FILE)
+    if torchscript:
+        torch.jit.save(torch.jit.script(module), str(directory / SCRIPT_FILE))
+
+
+def _silverrec_version() -> str:
+    from silverrec import __version__
+
+    return __version__
