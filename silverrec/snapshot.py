@@ -137,6 +137,20 @@ def read_manifest(path: str | os.PathLike, verify: bool = True) -> dict[str, Any
     return manifest
 
 
+def export_program(module: torch.nn.Module, example_args: tuple, dynamic_shapes: dict[str, Any]):
+    """torch.export (non-strict) with backed size-oblivious shapes.
+
+    Without `backed_size_oblivious`, export specialises dynamic sizes and int inputs away from 0/1
+    (e.g. a guard `k != 1`), so a snapshot exported with k=2 would reject k=1 or batch 1.
+    Int arguments (k, nprobe) are made dynamic with `Dim.DYNAMIC`.
+    """
+    import torch.fx.experimental._config as fx_config
+
+    module = module.eval()
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
+        return torch.export.export(module, example_args, dynamic_shapes=dynamic_shapes, strict=False)
+
+
 def export_module(
     module: torch.nn.Module,
     example_args: tuple,
@@ -145,12 +159,9 @@ def export_module(
     torchscript: bool = True,
 ) -> None:
     """Save `module` as model.pt2 (torch.export, non-strict) and, optionally, model.ts."""
-    module = module.eval()
-    with torch.no_grad():
-        program = torch.export.export(module, example_args, dynamic_shapes=dynamic_shapes, strict=False)
-    torch.export.save(program, directory / EXPORT_FILE)
+    torch.export.save(export_program(module, example_args, dynamic_shapes), directory / EXPORT_FILE)
     if torchscript:
-        torch.jit.save(torch.jit.script(module), str(directory / SCRIPT_FILE))
+        torch.jit.save(torch.jit.script(module.eval()), str(directory / SCRIPT_FILE))
 
 
 def _silverrec_version() -> str:
