@@ -1,0 +1,210 @@
+"""Compile filter strings into postfix programs of tensors (the predictor's "plan" step).
+
+The compile uses only the snapshot manifest (`FilterPlan.from_config(manifest["config"]["filter"])`):
+feature names, their value vocabularies, the Bloom size M, hash count K and seed, and where each
+feature's exact value-code planes live in the model's row bank.
+
+Program tensors, one program per query, padded to a common length L with NOP:
+
+    ops  int64 [B, L]      opcode per instruction (kernels/bloom_filter.py: NOP PUSH AND OR NOT FALSE TRUE)
+    rows int64 [B, L, T]   for PUSH: the row-bank rows ANDed together (r >= 0: row r; r < 0: ~row ~r);
+                           shorter lists are padded by repeating their first row (AND is idempotent)
+
+Semantics (documented in README "Filtering"):
+- A positive term `f = v` (under an even number of NOTs) is a Bloom test: the AND of v's K hashed
+  bit rows. It can pass items without the value (false positives, rate estimated at publish,
+  <= 1% by default) but never drops an item that has it.
+- A negated term (under an odd number of NOTs) is evaluated exactly when the feature has exact
+  value-code planes (`exact` in the manifest; every feature whose slots x code bits <= 64): the
+  item's value code in each slot is compared bit by bit, so `NOT f = v` never drops a true match.
+  Features without planes (very wide multi-valued ones) fall back to NOT of the Bloom test, which
+  can drop true matches at the false-positive rate; `FilterPlan.approximate_not` lists them.
+  Together: the filter result is a superset of the exact answer (no false negatives) whenever no
+  negated term touches an approximate feature.
+- A value not in the feature's vocabulary matches nothing, exactly (compiled to FALSE; a Bloom
+  test of an unseen value could otherwise false-positive). `f IN (...)` drops unknown values.
+- An unknown feature name is a QueryError naming it and its position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from silverrec.bloom_hash import token_positions
+from silverrec.errors import QueryError
+from silverrec.filter_lang import And, Node, Not, Or, Term, parse
+from silverrec.kernels.bloom_filter import OP_AND, OP_FALSE, OP_NOT, OP_OR, OP_PUSH, OP_TRUE
+
+
+@dataclass(frozen=True)
+class ExactPlanes:
+    """Exact value codes of one feature, bit-sliced: `slots` x `bits` rows starting at `row`.
+
+    Item value j of the feature (0-based in the vocabulary) has code j + 1; slot s of an item holds
+    the code of its s-th value (0 = no value). Row `row + s * bits + b` holds bit b of slot s.
+    """
+
+    row: int
+    slots: int
+    bits: int
+
+
+@dataclass
+class FilterPlan:
+    """What a predictor needs to compile filters for one snapshot (all from its manifest)."""
+
+    bloom_bits: int
+    bloom_hashes: int
+    seed: int
+    vocab: dict[str, dict[str, int]]  # feature -> value -> index in the vocabulary
+    exact: dict[str, Optional[ExactPlanes]]
+    total_rows: int
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> "FilterPlan":
+        bloom = cfg["bloom"]
+        vocab, exact = {}, {}
+        for name, meta in cfg["features"].items():
+            vocab[name] = {v: i for i, v in enumerate(meta["values"])}
+            e = meta.get("exact")
+            exact[name] = ExactPlanes(int(e["row"]), int(e["slots"]), int(e["bits"])) if e else None
+        return cls(int(bloom["bits"]), int(bloom["hashes"]), int(bloom["seed"]), vocab, exact, int(cfg["rows"]))
+
+    @property
+    def approximate_not(self) -> list[str]:
+        """Features whose negation falls back to NOT of the Bloom test (may drop true matches)."""
+        return sorted(f for f, e in self.exact.items() if e is None)
+
+    def bloom_rows(self, feature: str, value: str) -> list[int]:
+        key = (feature, value)
+        rows = self._cache.get(key)
+        if rows is None:
+            rows = token_positions(feature, value, self.bloom_bits, self.bloom_hashes, self.seed)
+            self._cache[key] = rows
+        return rows
+
+    def exact_slot_rows(self, feature: str, value: str) -> list[list[int]]:
+        """Per slot, the signed rows whose AND is 1 exactly where that slot holds `value`."""
+        planes = self.exact[feature]
+        code = self.vocab[feature][value] + 1
+        out = []
+        for s in range(planes.slots):
+            base = planes.row + s * planes.bits
+            out.append([base + b if (code >> b) & 1 else ~(base + b) for b in range(planes.bits)])
+        return out
+
+
+# ------------------------------------------------------------------------------ intermediate form
+# ("push", rows) | ("false",) | ("true",) | ("not", x) | ("and", a, b) | ("or", a, b)
+
+_FALSE = ("false",)
+_TRUE = ("true",)
+
+
+def _balanced(op: str, items: list[tuple]) -> tuple:
+    """Fold a list with a binary op as a balanced tree (shallow stacks), with constant folding."""
+    absorbing, neutral = (_FALSE, _TRUE) if op == "and" else (_TRUE, _FALSE)
+    items = [x for x in items if x != neutral]
+    if any(x == absorbing for x in items):
+        return absorbing
+    if not items:
+        return neutral
+    while len(items) > 1:
+        nxt = [(op, items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
+        if len(items) % 2:
+            nxt.append(items[-1])
+        items = nxt
+    return items[0]
+
+
+def _negate(x: tuple) -> tuple:
+    if x == _TRUE:
+        return _FALSE
+    if x == _FALSE:
+        return _TRUE
+    if x[0] == "not":
+        return x[1]
+    return ("not", x)
+
+
+def _lower(node: Node, plan: FilterPlan, negated: bool) -> tuple:
+    if isinstance(node, Term):
+        if node.feature not in plan.vocab:
+            raise QueryError(
+                f"unknown feature {node.feature!r} in filter at position {node.position}; "
+                f"this snapshot can filter on {sorted(plan.vocab) or 'no features'}"
+            )
+        known = [v for v in node.values if v in plan.vocab[node.feature]]
+        if negated and plan.exact[node.feature] is not None:
+            pushes = [("push", r) for v in known for r in plan.exact_slot_rows(node.feature, v)]
+        else:
+            pushes = [("push", plan.bloom_rows(node.feature, v)) for v in known]
+        return _balanced("or", pushes)
+    if isinstance(node, Not):
+        return _negate(_lower(node.child, plan, not negated))
+    op = "and" if isinstance(node, And) else "or"
+    return _balanced(op, [_lower(c, plan, negated) for c in node.children])
+
+
+def _emit(x: tuple, out: list[tuple[int, list[int]]]) -> None:
+    kind = x[0]
+    if kind == "push":
+        out.append((OP_PUSH, list(x[1])))
+    elif kind == "false":
+        out.append((OP_FALSE, []))
+    elif kind == "true":
+        out.append((OP_TRUE, []))
+    elif kind == "not":
+        _emit(x[1], out)
+        out.append((OP_NOT, []))
+    else:
+        _emit(x[1], out)
+        _emit(x[2], out)
+        out.append((OP_AND if kind == "and" else OP_OR, []))
+
+
+def compile_filter(text_or_ast: Union[str, Node, None], plan: FilterPlan) -> list[tuple[int, list[int]]]:
+    """One filter -> postfix instructions [(opcode, signed rows)]. None means "all items"."""
+    if text_or_ast is None:
+        return [(OP_TRUE, [])]
+    node = parse(text_or_ast) if isinstance(text_or_ast, str) else text_or_ast
+    out: list[tuple[int, list[int]]] = []
+    _emit(_lower(node, plan, False), out)
+    return out
+
+
+def compile_batch(
+    filters: Sequence[Union[str, Node, None]], plan: FilterPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compile one filter per query into padded program tensors (ops int64 [B, L], rows int64 [B, L, T])."""
+    programs = [compile_filter(f, plan) for f in filters]
+    if not programs:
+        raise QueryError("no filters to compile")
+    length = max(len(p) for p in programs)
+    width = max([len(r) for p in programs for _, r in p] + [1])
+    ops = torch.zeros(len(programs), length, dtype=torch.int64)
+    rows = torch.zeros(len(programs), length, width, dtype=torch.int64)
+    for b, prog in enumerate(programs):
+        for i, (op, r) in enumerate(prog):
+            ops[b, i] = op
+            if r:
+                rows[b, i] = torch.tensor(r + [r[0]] * (width - len(r)), dtype=torch.int64)
+    return ops, rows
+
+
+def normalize_filters(filt: Union[str, Sequence[Optional[str]], None], batch: int) -> Optional[list[Optional[str]]]:
+    """A request's `filter` option -> one filter (or None) per query row; None if nothing filters."""
+    if filt is None:
+        return None
+    if isinstance(filt, str):
+        return [filt] * batch
+    filters = list(filt)
+    if len(filters) != batch:
+        raise QueryError(f"got {len(filters)} filters for {batch} query rows: give one per row, or one string for all")
+    if all(f is None for f in filters):
+        return None
+    return filters
