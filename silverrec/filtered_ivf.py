@@ -1,0 +1,148 @@
+"""`FilteredIVFIndex`: int8 IVF search with attribute filters, co-designed and selectivity-aware.
+
+One forward call per request; every decision below is made per query, on the device, with no
+host round trip (static shapes: `max_probe` candidate slots, unused ones set to -1):
+
+1. Probe candidates: the `max_probe` best centroids by dot product (`[B, P]`, best first).
+2. Filter only those clusters: `silverrec::bloom_filter` runs each query's program over its
+   candidates' word windows -> bitmask `[B, P, Wc]` (scratch proportional to probed items).
+3. Per-cluster match counts: popcount of the bitmask inside each cluster's row range.
+4. Widen: probe the smallest prefix of candidates holding >= `match_factor * k` matching items,
+   but at least `nprobe` clusters.
+5. Switch: when even all `max_probe` candidates hold fewer matches than that, or scanning the
+   needed clusters would touch more rows than the whole pool has matches (estimated from the
+   candidates' match density), the query goes "unprobed": the filter runs over the whole pool
+   and `silverrec::masked_topk` scans exactly the matching rows.
+6. `silverrec::ivf_scan` scans the chosen clusters, dropping rows whose bit is 0 before top-k.
+
+Modes (forward arg `mode`): AUTO (0, the above), PROBED (1: exactly `nprobe` clusters, the plain
+co-designed search), UNPROBED (2: filter the whole pool, then exact scan; exact up to Bloom false
+positives, for small pools or very selective filters).
+
+Results are `(scores float32 [B, k], item_ids int64 [B, k])`, padded with -inf / -1 when fewer
+than k items pass. Filter semantics (Bloom false positives, exact NOT) are in filter_program.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
+from silverrec.kernels.bloom_filter import popcount64, range_word_masks
+
+MODE_AUTO, MODE_PROBED, MODE_UNPROBED = 0, 1, 2
+MODES = {"auto": MODE_AUTO, "probed": MODE_PROBED, "unprobed": MODE_UNPROBED}
+DEFAULT_MATCH_FACTOR = 8.0
+
+
+def cluster_window_width(cluster_offsets: torch.Tensor) -> int:
+    """Wc: the most 64-item words any cluster's row range touches."""
+    lo, hi = cluster_offsets[:-1], cluster_offsets[1:]
+    return max(1, int((((hi + 63) >> 6) - (lo >> 6)).max()))
+
+
+class FilteredIVFIndex(nn.Module):
+    """Filtered int8 IVF search (see module docstring).
+
+    Buffers:
+        codes int8 [N, D] (cluster-major rows), scale/offset float32 [], cluster_offsets int64
+        [nlist + 1], centroids float32 [nlist, D], row_to_item int64 [N],
+        bits int64 [R, ceil(N / 64)] filter row bank (Bloom rows + exact planes) in the same row order.
+
+    Example:
+        >>> ops, rows = compile_batch(["genre = Drama"] * B, plan)
+        >>> scores, ids = index(queries, 100, 32, ops, rows, 256, 0)
+    """
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor,
+        cluster_offsets: torch.Tensor,
+        centroids: torch.Tensor,
+        row_to_item: torch.Tensor,
+        bits: torch.Tensor,
+        match_factor: float = DEFAULT_MATCH_FACTOR,
+        exact_cost_ratio: float = 1.0,
+    ):
+        super().__init__()
+        n = codes.shape[0]
+        if bits.dim() != 2 or bits.shape[1] != (n + 63) // 64:
+            raise ValueError(f"bits must be int64 [R, {(n + 63) // 64}], got {tuple(bits.shape)}")
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.to(torch.float32).reshape(()))
+        self.register_buffer("offset", offset.to(torch.float32).reshape(()))
+        self.register_buffer("cluster_offsets", cluster_offsets.to(torch.int64).contiguous())
+        self.register_buffer("centroids", centroids.to(torch.float32).contiguous())
+        self.register_buffer("row_to_item", row_to_item.to(torch.int64).contiguous())
+        self.register_buffer("bits", bits.to(torch.int64).contiguous())
+        self.window_words = cluster_window_width(self.cluster_offsets)
+        self.total_words = int(bits.shape[1])
+        self.num_items = int(n)
+        self.match_factor = float(match_factor)
+        self.exact_cost_ratio = float(exact_cost_ratio)
+
+    @property
+    def nlist(self) -> int:
+        return int(self.centroids.shape[0])
+
+    def plan_probes(
+        self, queries: torch.Tensor, k: int, nprobe: int, ops: torch.Tensor, rows: torch.Tensor, max_probe: int, mode: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps 1-5: (probes int64 [B, P] with -1 = unused, bitmask int64 [B, P, Wc], unprobed bool [B])."""
+        nlist = self.centroids.shape[0]
+        p = min(max(max_probe, nprobe), nlist)
+        cand = torch.topk(queries @ self.centroids.t(), p, dim=1).indices  # [B, P] best first
+        lo = self.cluster_offsets[cand]
+        hi = self.cluster_offsets[cand + 1]
+        starts = lo >> 6
+        bitmask = torch.ops.silverrec.bloom_filter(self.bits, ops, rows, starts, self.window_words)
+        inside = range_word_masks(lo, hi, starts, self.window_words)
+        matches = popcount64(bitmask & inside).sum(dim=2)  # [B, P]
+        cum = torch.cumsum(matches, dim=1)
+        target = int(self.match_factor * k + 0.999999)
+        need = (cum < target).sum(dim=1) + 1  # probes to reach the target (P + 1 if never)
+        use = need.clamp(min=min(nprobe, p), max=p)
+        if mode == MODE_PROBED:
+            use = torch.full_like(use, min(nprobe, p))
+        slot = torch.arange(p, device=queries.device)[None, :]
+        chosen = slot < use[:, None]
+        sizes = hi - lo
+        scanned = torch.where(chosen, sizes, torch.zeros_like(sizes)).sum(dim=1)  # rows the IVF scan touches
+        cand_rows = sizes.sum(dim=1).clamp_min(1)
+        est_total = cum[:, -1].to(torch.float32) * (self.num_items / cand_rows.to(torch.float32))
+        unprobed = (cum[:, -1] < target) | (scanned.to(torch.float32) > est_total * self.exact_cost_ratio)
+        if mode == MODE_PROBED:
+            unprobed = torch.zeros_like(unprobed)
+        elif mode == MODE_UNPROBED:
+            unprobed = torch.ones_like(unprobed)
+        probes = torch.where(chosen & ~unprobed[:, None], cand, torch.full_like(cand, -1))
+        return probes, bitmask, unprobed
+
+    def forward(
+        self,
+        queries: torch.Tensor,
+        k: int,
+        nprobe: int,
+        ops: torch.Tensor,
+        rows: torch.Tensor,
+        max_probe: int,
+        mode: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """queries float32 [B, D]; ops int64 [B, L], rows int64 [B, L, T] (compiled filters);
+        -> (scores float32 [B, k], item_ids int64 [B, k])."""
+        probes, bitmask, unprobed = self.plan_probes(queries, k, nprobe, ops, rows, max_probe, mode)
+        s_ivf, r_ivf = torch.ops.silverrec.ivf_scan(
+            queries, self.codes, self.scale, self.offset, self.cluster_offsets, probes, k, bitmask
+        )
+        starts = torch.where(unprobed, torch.zeros_like(unprobed, dtype=torch.int64), torch.full_like(unprobed, -1, dtype=torch.int64))
+        pool_mask = torch.ops.silverrec.bloom_filter(self.bits, ops, rows, starts[:, None], self.total_words)
+        s_ex, r_ex = torch.ops.silverrec.masked_topk(
+            queries, self.codes, self.scale, self.offset, pool_mask[:, 0], unprobed, k
+        )
+        scores = torch.where(unprobed[:, None], s_ex, s_ivf)
+        rows_out = torch.where(unprobed[:, None], r_ex, r_ivf)
+        ids = self.row_to_item[rows_out.clamp_min(0)]
+        return scores, torch.where(rows_out >= 0, ids, torch.full_like(ids, -1))
