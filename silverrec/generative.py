@@ -1,0 +1,154 @@
+"""`GenerativeRetrieval`: next-item retrieval by constrained beam search over semantic IDs, one call.
+
+Contract (shared with publish/semantic_ids.py, the training script and the predictor):
+  * every item has a unique semantic-ID path of L codes (level l in [0, level_sizes[l]); the last
+    level is the disambiguation token, always present);
+  * tokens: PAD = 0, BOS = 1, token = level_offsets[l] + code (see silverrec/decoder.py);
+  * history int64 [B, T] = BOS + the L tokens of each past item (oldest first), LEFT-padded with PAD;
+  * item rows are in trie leaf order (sorted paths): `row_to_item[r]` is the external id of row r
+    and the optional per-request `item_bitmask` int64 [B, ceil(N / 64)] has bit r & 63 of word
+    r >> 6 set for each allowed row r (the Bloom packed format).
+
+    item_ids, scores = module(history, item_bitmask)   # int64 [B, W], float32 [B, W]
+    # scores: summed log-probs (full-vocabulary log-softmax) of the L tokens, sorted descending;
+    # fewer than W valid items: item id -1 and score -inf in the remaining slots
+
+One forward:
+  1. prefill the history ONCE: its K/V per layer is the shared cache [n_layers, B, KV, T, hd]
+     (stored once per request, not per beam);
+  2. step 0: the last position's log-probs over level-0 codes, masked by the trie (and the
+     bitmask: a node with no passing item below it is pruned), expand the single start beam;
+  3. steps 1..L-1: feed each beam's last token, attention = shared stage (all W beams' queries vs
+     the shared KV, one batched matmul) + unshared stage (per-beam KV [n_layers, B*W, L-1, KV, hd],
+     preallocated once) merged by log-sum-exp (`silverrec::staged_attention`); mask by the trie,
+     select with `silverrec::beam_topk` (per-beam top_k, then global top W, exact full-sort
+     semantics with ties to lower (beam, code)); reorder the unshared cache by parent index.
+
+The loop has exactly L static steps with static shapes (W, top_k, L fixed per module); no host
+synchronisation in forward (data-dependent work happens only inside the opaque ops' CPU
+implementations), so it exports with torch.export (dynamic batch and history length) and
+scripts with TorchScript.
+
+The unshared cache is reordered out of place (`reorder_beams`: an index_select into a fresh buffer,
+i.e. ping-pong). An in-place row gather `cache[j] = cache[parent[j]]` would overwrite a row before
+a later beam reads it (tests/test_generative.py::test_reorder_hazard).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.beam_topk / staged_attention)
+from silverrec.decoder import PAD, RecDecoder, level_offsets
+from silverrec.trie import ValidPathTrie
+
+
+def reorder_beams(cache: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+    """Gather beams of cache [n_layers, B*W, ...] by parent int64 [B, W] (index within request).
+
+    Out of place (a fresh buffer), so no row is overwritten before it is read.
+    """
+    B, W = parent.shape
+    rows = (parent + torch.arange(B, device=parent.device)[:, None] * W).reshape(B * W)
+    return cache.index_select(1, rows)
+
+
+class GenerativeRetrieval(nn.Module):
+    """Constrained beam search over semantic IDs in one forward (see module docstring).
+
+    Args:
+        decoder: a trained `RecDecoder` whose vocabulary matches `trie.level_sizes`.
+        trie: the `ValidPathTrie` of the candidate pool.
+        row_to_item: int64 [N] external item id of each trie row (`item_ids[trie.row_order]`).
+        beam_width: W, beams kept per step and results per request.
+        top_k: candidates kept per beam before the global top W (>= W: plain beam search).
+    """
+
+    def __init__(self, decoder: RecDecoder, trie: ValidPathTrie, row_to_item: torch.Tensor, beam_width: int, top_k: int):
+        super().__init__()
+        level_sizes = list(trie.level_sizes)
+        expected = 2 + sum(level_sizes)
+        if decoder.vocab_size != expected:
+            raise ValueError(f"decoder vocab_size {decoder.vocab_size} != 2 + sum(level_sizes) = {expected}")
+        if row_to_item.shape != (trie.n_items,):
+            raise ValueError(f"row_to_item must be [{trie.n_items}], got {tuple(row_to_item.shape)}")
+        if beam_width <= 0 or top_k <= 0:
+            raise ValueError(f"beam_width and top_k must be positive, got {beam_width} and {top_k}")
+        self.decoder = decoder
+        self.trie = trie
+        self.register_buffer("row_to_item", row_to_item.to(torch.int64).contiguous())
+        self.beam_width = int(beam_width)
+        self.top_k = int(top_k)
+        self.n_levels = len(level_sizes)
+        self.level_sizes: list[int] = level_sizes
+        self.level_offsets: list[int] = level_offsets(level_sizes)
+
+    def _level_logprobs(self, logits: torch.Tensor, level: int) -> torch.Tensor:
+        """logits [..., V] -> log-probs over level `level`'s codes [..., C] (full-vocab softmax)."""
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        lo = self.level_offsets[level]
+        return F.log_softmax(logits.to(dtype), dim=-1)[..., lo : lo + self.level_sizes[level]]
+
+    def forward(self, history: torch.Tensor, item_bitmask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """history int64 [B, T] (left-padded, see contract), item_bitmask int64 [B, ceil(N/64)] or None
+        -> (item_ids int64 [B, W], scores float32 [B, W])."""
+        B = history.shape[0]
+        W = self.beam_width
+        dec = self.decoder
+        key_valid = history != PAD  # [B, T]
+        n_real = key_valid.to(torch.int64).sum(dim=1)  # [B] positions of the first generated token
+        last_logits, shared_k, shared_v = dec.prefill(history)  # [B, V], [n_layers, B, KV, T, hd]
+        alive: Optional[torch.Tensor] = None
+        if item_bitmask is not None:
+            alive = self.trie.node_alive(item_bitmask)  # [B, n_nodes]
+
+        # step 0: one start beam per request
+        logprobs = self._level_logprobs(last_logits, 0)[:, None, :]  # [B, 1, C0]
+        child = self.trie.child_table(torch.zeros(B, dtype=torch.int64, device=history.device), 0)[:, None, :]
+        logprobs = self._mask(logprobs, child, alive)
+        scores, parent, code = torch.ops.silverrec.beam_topk(
+            logprobs.new_zeros(B, 1), logprobs, self.top_k, W
+        )  # [B, W] each
+        nodes = self._advance(child, parent, code, scores, 1)  # [B, W] depth-1 node ids
+        tokens = code + self.level_offsets[0]
+
+        n_slots = max(self.n_levels - 1, 1)
+        unshared_k = shared_k.new_zeros(dec.n_layers, B * W, n_slots, dec.n_kv_heads, dec.head_dim)
+        unshared_v = torch.zeros_like(unshared_k)
+        for level in range(1, self.n_levels):
+            logits = dec.decode(
+                tokens, n_real + (level - 1), shared_k, shared_v, key_valid, unshared_k, unshared_v, level - 1
+            )  # [B, W, V]
+            child = self.trie.child_table(nodes.reshape(B * W), level).reshape(B, W, self.level_sizes[level])
+            logprobs = self._mask(self._level_logprobs(logits, level), child, alive)
+            scores, parent, code = torch.ops.silverrec.beam_topk(scores, logprobs, self.top_k, W)
+            nodes = self._advance(child, parent, code, scores, level + 1)
+            tokens = code + self.level_offsets[level]
+            if level < self.n_levels - 1:
+                unshared_k = reorder_beams(unshared_k, parent)
+                unshared_v = reorder_beams(unshared_v, parent)
+
+        found = scores > float("-inf")
+        rows = (nodes - self.trie.leaf_base).clamp(0, self.trie.n_items - 1)
+        item_ids = torch.where(found, self.row_to_item[rows], torch.full_like(rows, -1))
+        return item_ids, scores.to(torch.float32)
+
+    def _mask(self, logprobs: torch.Tensor, child: torch.Tensor, alive: Optional[torch.Tensor]) -> torch.Tensor:
+        """-inf where child [B, W', C] is not a valid node or (with a bitmask) has no passing item."""
+        ok = child >= 0
+        if alive is not None:
+            B = child.shape[0]
+            flat = child.clamp_min(0).reshape(B, -1)
+            ok = ok & alive.gather(1, flat).reshape(child.shape)
+        return logprobs.masked_fill(~ok, float("-inf"))
+
+    def _advance(self, child: torch.Tensor, parent: torch.Tensor, code: torch.Tensor, scores: torch.Tensor, depth: int) -> torch.Tensor:
+        """Node ids [B, W] of the selected (parent, code); dead beams get a valid placeholder node."""
+        B, Wp, C = child.shape
+        nodes = child.reshape(B, Wp * C).gather(1, parent * C + code)
+        placeholder = torch.full_like(nodes, self.trie.level_base[depth])
+        return torch.where(scores > float("-inf"), nodes, placeholder)
