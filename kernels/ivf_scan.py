@@ -1,0 +1,307 @@
+"""`silverrec::ivf_scan`: top-k by inner product over the probed clusters of a cluster-major int8 IVF.
+
+    scores, rows = torch.ops.silverrec.ivf_scan(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask)
+
+Args:
+    queries: float [B, D].
+    codes: int8 [N, D], rows sorted by cluster; item ~= scale * code + offset.
+    scale, offset: float32 [] global quantisation parameters.
+    cluster_offsets: int64 [nlist + 1]; cluster c holds rows [off[c], off[c + 1]).
+    probes: int64 [B, P]; probes[b, j] is a cluster id, or -1 for an empty slot (skipped). A cluster
+        repeated in one query's row is scanned once (its first slot counts, also for the bitmask).
+    k: results per query, >= 1 (may exceed the number of probed items: see padding).
+    bitmask: optional int64 [B, P, Wc], 1 bit per item (the bit-sliced Bloom layout): for slot j of
+        query b with cluster c = probes[b, j], row r in [off[c], off[c + 1]) is allowed iff
+        `(bitmask[b, j, (r >> 6) - (off[c] >> 6)] >> (r & 63)) & 1`. Word w of the window covers rows
+        64 * ((off[c] >> 6) + w) .. + 63; Wc = max over clusters of
+        ((off[c + 1] + 63) >> 6) - (off[c] >> 6) (see `bitmask_words`). None = every item allowed.
+Returns:
+    scores float32 [B, k], descending; rows int64 [B, k] (cluster-major rows), ties broken by lower
+    row. Fewer than k allowed items in the probed clusters: the tail is padded with row -1 and
+    score -inf.
+
+Queries are quantised to int8 per query (`common.quantize_queries`), so the ranking is exact for the
+int8 scores: with every cluster probed it equals `silverrec::int8_topk` on the same codes.
+
+CPU (`scan_keys_cpu`): the union of the batch's probed clusters is visited in order of the best
+probe rank any query gave it (so each query's nearest clusters come first and its k-th best score
+rises early), in chunks of about CHUNK_ROWS rows. Within a chunk, clusters are sorted by id and
+merged into contiguous row runs (small gaps included and masked) and each run is one int8 x int8 ->
+int32 `torch._int_mm` (AMX / VNNI) of all B queries into a [rows, B] buffer. An entry becomes a
+candidate only if its query probed that cluster and its score reaches the query's current k-th
+best; candidates (after the bitmask) are merged into the running top-k sort keys. Memory is
+O(CHUNK_ROWS * B + B * k): no [B, N] matrix, no copy of the probed rows. CUDA: the Triton kernel in
+`ivf_scan_triton.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from silverrec.kernels.common import EMPTY_KEY, dequantize_scores, make_keys, quantize_queries, split_keys
+from silverrec.kernels.int8_topk import merge_candidates
+
+CHUNK_ROWS = 32768  # rows of the union scored per chunk: buffer int32 [CHUNK_ROWS, B]
+GAP_ROWS = 512  # unprobed rows between two runs cheaper to score (and mask) than a second matmul
+INT32_MAX = torch.iinfo(torch.int32).max
+
+
+def bitmask_words(cluster_offsets: torch.Tensor) -> int:
+    """Wc: words per probe slot in the ivf_scan bitmask, max over clusters of the 64-row words
+    its row range touches."""
+    off = cluster_offsets.to(torch.int64)
+    if off.numel() < 2:
+        return 0
+    return int((((off[1:] + 63) >> 6) - (off[:-1] >> 6)).max())
+
+
+def canonical_probes(probes: torch.Tensor) -> torch.Tensor:
+    """Replace repeats of a cluster within one query's probe row by -1 (first slot wins).
+
+    int64 [B, P] -> int64 [B, P]; device-side, no host synchronisation.
+    """
+    if probes.shape[1] < 2:
+        return probes
+    sorted_c, order = torch.sort(probes, dim=1, stable=True)
+    dup = torch.zeros_like(sorted_c, dtype=torch.bool)
+    dup[:, 1:] = (sorted_c[:, 1:] == sorted_c[:, :-1]) & (sorted_c[:, 1:] >= 0)
+    dup_orig = torch.zeros_like(dup).scatter_(1, order, dup)
+    return torch.where(dup_orig, torch.full_like(probes, -1), probes)
+
+
+def check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask) -> None:
+    """Shapes and dtypes (no data-dependent checks: those need a host sync)."""
+    if codes.dtype != torch.int8 or codes.dim() != 2:
+        raise ValueError(f"codes must be int8 [N, D], got {codes.dtype} {tuple(codes.shape)}")
+    if queries.dim() != 2 or queries.shape[1] != codes.shape[1]:
+        raise ValueError(f"queries must be [B, {codes.shape[1]}], got {tuple(queries.shape)}")
+    if scale.numel() != 1 or offset.numel() != 1:
+        raise ValueError("scale and offset must be scalars")
+    if cluster_offsets.dtype != torch.int64 or cluster_offsets.dim() != 1 or cluster_offsets.numel() < 2:
+        raise ValueError(
+            f"cluster_offsets must be int64 [nlist + 1], got {cluster_offsets.dtype} {tuple(cluster_offsets.shape)}"
+        )
+    if probes.dtype != torch.int64 or probes.dim() != 2 or probes.shape[0] != queries.shape[0]:
+        raise ValueError(f"probes must be int64 [{queries.shape[0]}, P], got {probes.dtype} {tuple(probes.shape)}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if bitmask is not None:
+        if bitmask.dtype != torch.int64 or bitmask.dim() != 3 or tuple(bitmask.shape[:2]) != tuple(probes.shape):
+            raise ValueError(
+                f"bitmask must be int64 [{probes.shape[0]}, {probes.shape[1]}, Wc], "
+                f"got {bitmask.dtype} {tuple(bitmask.shape)}"
+            )
+
+
+def _check_values(codes, cluster_offsets, probes, bitmask) -> None:
+    """Data-dependent checks (host side; CPU implementation only)."""
+    nlist = cluster_offsets.numel() - 1
+    off = cluster_offsets
+    if int(off[0]) != 0 or int(off[-1]) != codes.shape[0] or bool((off[1:] < off[:-1]).any()):
+        raise ValueError(f"cluster_offsets must rise from 0 to N={codes.shape[0]}")
+    if probes.numel() and (int(probes.min()) < -1 or int(probes.max()) >= nlist):
+        raise ValueError(f"probes must hold cluster ids in [0, {nlist}) or -1")
+    if bitmask is not None and bitmask.shape[2] < bitmask_words(off):
+        raise ValueError(f"bitmask has {bitmask.shape[2]} words per slot, the index needs {bitmask_words(off)}")
+
+
+def _allowed(bitmask, cand_b, rows, clusters, slot_of, off) -> torch.Tensor:
+    """Bitmask test for candidate (query, row) pairs -> bool [M]."""
+    slot = slot_of[cand_b, clusters]
+    word = bitmask[cand_b, slot, (rows >> 6) - (off[clusters] >> 6)]
+    return ((word >> (rows & 63)) & 1).bool()
+
+
+def _plan_chunks(off: np.ndarray, probes: np.ndarray, chunk_rows: int):
+    """Host-side plan: chunks of the union of probed clusters, best probe rank first.
+
+    Returns a list of int64 arrays of cluster ids (each sorted by id).
+    """
+    B, P = probes.shape
+    nlist = off.shape[0] - 1
+    rank = np.full(nlist + 1, P, dtype=np.int64)
+    slots = np.broadcast_to(np.arange(P, dtype=np.int64), (B, P))
+    np.minimum.at(rank, np.where(probes >= 0, probes, nlist).ravel(), slots.ravel())
+    union = np.flatnonzero(rank[:nlist] < P)
+    order = union[np.lexsort((union, rank[union]))]  # by rank, then id
+    sizes = off[order + 1] - off[order]
+    ends = np.cumsum(sizes)
+    chunks, start, consumed = [], 0, 0
+    while start < order.shape[0]:
+        stop = int(np.searchsorted(ends, consumed + chunk_rows, side="right"))
+        stop = max(stop, start + 1)
+        chunks.append(np.sort(order[start:stop]))
+        consumed = int(ends[stop - 1])
+        start = stop
+    return chunks
+
+
+def _runs(off: np.ndarray, clusters: np.ndarray, gap_rows: int):
+    """Merge the row ranges of sorted clusters into runs; gaps of <= gap_rows rows are included.
+
+    Returns (run_start int64 [R], run_stop int64 [R], first cluster of each run, last cluster + 1).
+    """
+    starts, stops = off[clusters], off[clusters + 1]
+    new_run = np.ones(clusters.shape[0], dtype=bool)
+    new_run[1:] = starts[1:] - stops[:-1] > gap_rows
+    idx = np.flatnonzero(new_run)
+    last = np.r_[idx[1:], clusters.shape[0]] - 1
+    return starts[idx], stops[last], clusters[idx], clusters[last] + 1
+
+
+def scan_keys_cpu(
+    qcodes: torch.Tensor,
+    codes: torch.Tensor,
+    cluster_offsets: torch.Tensor,
+    probes: torch.Tensor,
+    k: int,
+    bitmask: Optional[torch.Tensor],
+    chunk_rows: int = CHUNK_ROWS,
+    gap_rows: int = GAP_ROWS,
+) -> torch.Tensor:
+    """Top-k sort keys int64 [B, k] (descending, EMPTY_KEY padding) of the probed, allowed rows.
+
+    Args: qcodes int8 [B, D]; codes int8 [N, D]; cluster_offsets int64 [nlist + 1];
+    probes int64 [B, P] canonical (no repeats, see `canonical_probes`); bitmask as in the op.
+    """
+    B = qcodes.shape[0]
+    nlist = cluster_offsets.numel() - 1
+    best = torch.full((B, k), EMPTY_KEY, dtype=torch.int64)
+    if probes.shape[1] == 0 or B == 0:
+        return best
+    off_np = cluster_offsets.numpy()
+    probes_np = probes.numpy()
+    qt = qcodes.contiguous().t()  # [D, B] column-major, as _int_mm wants its second operand
+    # probed[c, b]: query b probes cluster c (row nlist = the -1 slots).
+    probed = torch.zeros(nlist + 1, B, dtype=torch.bool)
+    b_idx = torch.arange(B)[:, None].expand_as(probes)
+    probed[torch.where(probes >= 0, probes, nlist), b_idx] = True
+    slot_of = None
+    if bitmask is not None:
+        slot_of = torch.zeros(B, nlist + 1, dtype=torch.int64)
+        slot_of[b_idx, torch.where(probes >= 0, probes, nlist)] = torch.arange(probes.shape[1]).expand_as(probes)
+    blocked = torch.full((1, B), INT32_MAX, dtype=torch.int32)
+    buf = torch.empty(0, B, dtype=torch.int32)
+
+    for clusters in _plan_chunks(off_np, probes_np, chunk_rows):
+        run_start, run_stop, first_c, stop_c = _runs(off_np, clusters, gap_rows)
+        total = int((run_stop - run_start).sum())
+        if total == 0:
+            continue
+        if buf.shape[0] < total:
+            buf = torch.empty(total, B, dtype=torch.int32)
+        pos = 0
+        for a, z in zip(run_start.tolist(), run_stop.tolist()):
+            if z > a:
+                torch._int_mm(codes[a:z], qt, out=buf[pos : pos + z - a])
+                pos += z - a
+        scores = buf[:total]
+        # Clusters covered by the runs (chunk members and gap clusters), in buffer order.
+        covered = np.concatenate([np.arange(f, s) for f, s in zip(first_c.tolist(), stop_c.tolist())])
+        covered_t = torch.from_numpy(covered)
+        in_chunk = torch.zeros(nlist, dtype=torch.bool)
+        in_chunk[torch.from_numpy(clusters)] = True
+        # Per covered cluster and query: the score an entry must reach (INT32_MAX = not scanned).
+        threshold = (best.amin(dim=1) >> 32).to(torch.int32)  # [B]; EMPTY -> int32 min: all pass
+        table = torch.where(
+            probed[covered_t] & in_chunk[covered_t][:, None], threshold[None, :], blocked
+        )  # [C, B]
+        sizes = torch.from_numpy(off_np[covered + 1] - off_np[covered])
+        local = torch.repeat_interleave(torch.arange(covered.shape[0]), sizes)  # [total]
+        b, j = (scores >= table[local]).t().nonzero(as_tuple=True)  # sorted by query b
+        if b.numel() == 0:
+            continue
+        run_rows = torch.from_numpy(run_stop - run_start)
+        rows = torch.repeat_interleave(torch.from_numpy(run_start) - (torch.cumsum(run_rows, 0) - run_rows), run_rows)
+        rows = rows[j] + j  # cluster-major row of each candidate
+        cand_scores = scores[j, b]
+        if bitmask is not None:
+            ok = _allowed(bitmask, b, rows, covered_t[local[j]], slot_of, cluster_offsets)
+            b, rows, cand_scores = b[ok], rows[ok], cand_scores[ok]
+            if b.numel() == 0:
+                continue
+        best = merge_candidates(best, b, make_keys(cand_scores, rows))
+    return best.sort(dim=1, descending=True).values
+
+
+def _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, keys_fn):
+    check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask)
+    qcodes, qscale = quantize_queries(queries)
+    keys = keys_fn(qcodes, codes, cluster_offsets, canonical_probes(probes), k, bitmask)
+    int_scores, rows = split_keys(keys)
+    scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)
+    return scores, rows
+
+
+@torch.library.custom_op("silverrec::ivf_scan", mutates_args=())
+def ivf_scan(
+    queries: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    cluster_offsets: torch.Tensor,
+    probes: torch.Tensor,
+    k: int,
+    bitmask: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU (reference semantics and fast path). See the module docstring for the contract."""
+    check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask)
+    _check_values(codes, cluster_offsets, probes, bitmask)
+    return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, scan_keys_cpu)
+
+
+@ivf_scan.register_fake
+def _(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None):
+    b = queries.shape[0]
+    return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
+
+
+@torch.library.register_kernel("silverrec::ivf_scan", "cuda")
+def _(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None):
+    from silverrec.kernels.ivf_scan_triton import scan_keys_triton
+
+    return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, scan_keys_triton)
+
+
+def ivf_scan_reference(
+    queries: torch.Tensor,
+    codes: torch.Tensor,
+    cluster_offsets: torch.Tensor,
+    probes: torch.Tensor,
+    k: int,
+    bitmask: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent, straightforward reference (for tests and benchmarks).
+
+    Per query: walk its probe slots, skip -1 and repeated clusters, test each row's bit one by one,
+    score the allowed rows with exact int64 dot products, stable-sort. Returns (int64 integer
+    scores [B, k], int64 rows [B, k]) with padding score INT64_MIN... no: padding score 0, row -1.
+    """
+    qcodes, _ = quantize_queries(queries)
+    q64 = qcodes.to(torch.int64)
+    off = [int(v) for v in cluster_offsets]
+    out_s = torch.zeros(queries.shape[0], k, dtype=torch.int64)
+    out_r = torch.full((queries.shape[0], k), -1, dtype=torch.int64)
+    for b in range(queries.shape[0]):
+        seen, rows = set(), []
+        for j, c in enumerate(int(v) for v in probes[b]):
+            if c < 0 or c in seen:
+                continue
+            seen.add(c)
+            for r in range(off[c], off[c + 1]):
+                if bitmask is not None:
+                    word = int(bitmask[b, j, (r >> 6) - (off[c] >> 6)]) & ((1 << 64) - 1)
+                    if not (word >> (r & 63)) & 1:
+                        continue
+                rows.append(r)
+        if not rows:
+            continue
+        rows_t = torch.tensor(sorted(rows), dtype=torch.int64)
+        s = codes[rows_t].to(torch.int64) @ q64[b]
+        order = torch.sort(-s, stable=True).indices[:k]
+        out_s[b, : order.numel()] = s[order]
+        out_r[b, : order.numel()] = rows_t[order]
+    return out_s, out_r

@@ -1,0 +1,131 @@
+"""Build and publish the int8 IVF index: k-means, global int8 quantisation, cluster-major layout."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import Dim
+
+from silverrec.errors import PoolError
+from silverrec.ivf_index import Int8IVFIndex
+from silverrec.kernels.ivf_scan import bitmask_words
+from silverrec.publish.kmeans import KMeansResult, default_nlist, kmeans
+from silverrec.publish.pool import Pool
+from silverrec.publish.progress import step
+from silverrec.publish.quantize import quantize_global
+from silverrec.snapshot import export_module, write_snapshot
+
+BATCH = Dim("batch", min=1, max=1 << 16)
+
+
+def default_nprobe(nlist: int) -> int:
+    """A sensible default probe count: about 1/16 of the clusters, at least 1, at most 128."""
+    return max(1, min(nlist, 128, (nlist + 15) // 16))
+
+
+@dataclass
+class IVFConfig:
+    """How an IVF index is built. nlist None = `default_nlist(N)` (about 4 * sqrt(N))."""
+
+    nlist: int | None = None
+    seed: int = 0
+    niter: int = 10
+    max_points_per_centroid: int = 256
+    seed_points_per_centroid: int = 32
+
+    def __post_init__(self):
+        if self.nlist is not None and (isinstance(self.nlist, bool) or int(self.nlist) < 1):
+            raise PoolError(f"nlist must be a positive int, got {self.nlist!r}")
+        if self.niter < 0:
+            raise PoolError(f"niter must be >= 0, got {self.niter}")
+
+
+def cluster_major_layout(
+    embeddings: torch.Tensor, item_ids: torch.Tensor, centroids: torch.Tensor, assignment: torch.Tensor
+) -> Int8IVFIndex:
+    """Sort items by cluster (stable: pool order within a cluster), quantise with the global range.
+
+    Args:
+        embeddings: float [N, D]; item_ids: int64 [N]; centroids: float [nlist, D];
+        assignment: int64 [N] cluster of each item.
+    """
+    nlist = centroids.shape[0]
+    order = torch.sort(assignment, stable=True).indices
+    counts = torch.bincount(assignment, minlength=nlist)
+    offsets = torch.zeros(nlist + 1, dtype=torch.int64, device=embeddings.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    codes, scale, offset = quantize_global(embeddings)
+    return Int8IVFIndex(codes[order], scale, offset, offsets, centroids, item_ids[order])
+
+
+def build_ivf(pool: Pool, config: IVFConfig | None = None) -> tuple[Int8IVFIndex, KMeansResult]:
+    """k-means the pool's embeddings and lay them out as an Int8IVFIndex."""
+    config = config or IVFConfig()
+    x = torch.from_numpy(pool.embeddings)
+    nlist = default_nlist(pool.size) if config.nlist is None else int(config.nlist)
+    if nlist > pool.size:
+        raise PoolError(f"nlist={nlist} exceeds the {pool.size} items in the pool")
+    with step(f"k-means: {pool.size} items into {nlist} clusters"):
+        km = kmeans(
+            x,
+            nlist,
+            niter=config.niter,
+            seed=config.seed,
+            max_points_per_centroid=config.max_points_per_centroid,
+            seed_points_per_centroid=config.seed_points_per_centroid,
+        )
+    with step("quantising to int8, cluster-major layout"):
+        index = cluster_major_layout(x, torch.from_numpy(pool.item_ids), km.centroids, km.assignment)
+    return index, km
+
+
+def ivf_manifest_config(pool: Pool, index: Int8IVFIndex, config: IVFConfig, km: KMeansResult) -> dict[str, Any]:
+    """Everything needed to describe the index (and rebuild it) for the snapshot manifest."""
+    sizes = index.cluster_offsets[1:] - index.cluster_offsets[:-1]
+    last = km.stats[-1] if km.stats else None
+    return {
+        "dim": pool.dim,
+        "index": "ivf_int8",
+        "nlist": index.nlist,
+        "default_nprobe": default_nprobe(index.nlist),
+        "bitmask_words": bitmask_words(index.cluster_offsets),
+        "quantization": {"kind": "global_minmax", "scale": float(index.scale), "offset": float(index.offset)},
+        "build": asdict(config) | {"nlist": index.nlist},
+        "clusters": {
+            "min_size": int(sizes.min()),
+            "max_size": int(sizes.max()),
+            "empty": int((sizes == 0).sum()),
+            "imbalance": float(index.nlist * (sizes.double() ** 2).sum() / max(1, pool.size) ** 2),
+            "kmeans_objective": None if last is None else last.objective,
+        },
+        "features": sorted(pool.features),
+    }
+
+
+def publish_ivf(
+    pool: Pool,
+    out: str | os.PathLike,
+    *,
+    config: IVFConfig | None = None,
+    torchscript: bool = True,
+    overwrite: bool = False,
+) -> Path:
+    """Build an int8 IVF snapshot of `pool` at `out` (kind "ivf"; forward(queries, k, nprobe))."""
+    config = config or IVFConfig()
+    module, km = build_ivf(pool, config)
+    manifest_config = ivf_manifest_config(pool, module, config, km)
+    # Distinct example values for k and nprobe so that export keeps them as separate symbols.
+    example = (torch.zeros(2, pool.dim), min(3, pool.size), min(2, module.nlist))
+    dynamic = {"queries": {0: BATCH}, "k": Dim.DYNAMIC, "nprobe": Dim.DYNAMIC}
+
+    def write(tmp: Path) -> None:
+        with step("exporting model (torch.export + TorchScript)"):
+            export_module(module, example, dynamic, tmp, torchscript=torchscript)
+
+    return write_snapshot(
+        out, kind="ivf", config=manifest_config, item_count=pool.size, write_files=write, overwrite=overwrite
+    )

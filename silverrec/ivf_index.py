@@ -1,0 +1,78 @@
+"""`Int8IVFIndex`: inverted-file ANN search by inner product over cluster-major int8 codes."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
+from silverrec.exact_index import rows_to_items
+
+
+class Int8IVFIndex(nn.Module):
+    """IVF index as tensors: probe = top-`nprobe` centroids by dot product, scan = `silverrec::ivf_scan`.
+
+    Buffers:
+        codes: int8 [N, D] item codes sorted cluster-major, item ~= scale * code + offset.
+        scale, offset: float32 [] global quantisation parameters.
+        cluster_offsets: int64 [nlist + 1]; cluster c holds rows [off[c], off[c + 1]) (no padding).
+        centroids: float32 [nlist, D] coarse quantiser.
+        row_to_item: int64 [N] external item id of each row.
+
+    `probe` and `scan` are public so that a caller (e.g. the Bloom filter) can evaluate something on
+    the probed clusters and hand a bitmask to the scan:
+
+        >>> probes = index.probe(queries, nprobe)                 # int64 [B, nprobe]
+        >>> scores, item_ids = index.scan(queries, probes, k, bitmask)
+
+    Example:
+        >>> scores, item_ids = index(queries, 100, 32)            # [B, 100] each
+    """
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor,
+        cluster_offsets: torch.Tensor,
+        centroids: torch.Tensor,
+        row_to_item: torch.Tensor,
+    ):
+        super().__init__()
+        if codes.dim() != 2 or centroids.dim() != 2 or centroids.shape[1] != codes.shape[1]:
+            raise ValueError(f"codes [N, D] and centroids [nlist, D] disagree: {tuple(codes.shape)} vs {tuple(centroids.shape)}")
+        if cluster_offsets.shape != (centroids.shape[0] + 1,):
+            raise ValueError(f"cluster_offsets must be [{centroids.shape[0] + 1}], got {tuple(cluster_offsets.shape)}")
+        if row_to_item.shape != (codes.shape[0],):
+            raise ValueError(f"row_to_item must be [{codes.shape[0]}], got {tuple(row_to_item.shape)}")
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.to(torch.float32).reshape(()))
+        self.register_buffer("offset", offset.to(torch.float32).reshape(()))
+        self.register_buffer("cluster_offsets", cluster_offsets.to(torch.int64).contiguous())
+        self.register_buffer("centroids", centroids.to(torch.float32).contiguous())
+        self.register_buffer("row_to_item", row_to_item.to(torch.int64).contiguous())
+
+    @property
+    def nlist(self) -> int:
+        return int(self.centroids.shape[0])
+
+    def probe(self, queries: torch.Tensor, nprobe: int) -> torch.Tensor:
+        """queries float [B, D] -> probes int64 [B, nprobe]: cluster ids by descending dot product."""
+        return torch.topk(queries.float() @ self.centroids.t(), nprobe, dim=1).indices
+
+    def scan(
+        self, queries: torch.Tensor, probes: torch.Tensor, k: int, bitmask: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scan the probed clusters (probes int64 [B, P], -1 = empty slot; optional bitmask int64
+        [B, P, Wc], see `silverrec::ivf_scan`) -> (scores float32 [B, k], item_ids int64 [B, k]),
+        padded with item id -1 and score -inf when fewer than k items are probed and allowed."""
+        scores, rows = torch.ops.silverrec.ivf_scan(
+            queries, self.codes, self.scale, self.offset, self.cluster_offsets, probes, k, bitmask
+        )
+        return scores, rows_to_items(self.row_to_item, rows)
+
+    def forward(self, queries: torch.Tensor, k: int, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """queries float [B, D], k >= 1, 1 <= nprobe <= nlist -> (scores float32 [B, k], item_ids int64 [B, k])."""
+        return self.scan(queries, self.probe(queries, nprobe), k, None)
