@@ -1,7 +1,7 @@
 """The `silverrec` command line: publish, query, inspect.
 
-    silverrec publish --pool POOL.parquet --out DIR [--exact]
-    silverrec query DIR --queries Q.npy --k K [--json]
+    silverrec publish --pool POOL.parquet --out DIR [--exact] [--nlist N] [--seed S]
+    silverrec query DIR --queries Q.npy --k K [--nprobe P] [--json]
     silverrec inspect DIR
 """
 
@@ -32,9 +32,16 @@ def _publish_exact(pool, args) -> Path:
     return publish_exact(pool, args.out, overwrite=args.overwrite)
 
 
-# Index kind -> publisher(pool, args). The IVF issue makes "ivf" the default.
-PUBLISHERS = {"exact": _publish_exact}
-DEFAULT_KIND = "exact"
+def _publish_ivf(pool, args) -> Path:
+    from silverrec.publish.ivf import IVFConfig, publish_ivf
+
+    config = IVFConfig(nlist=args.nlist, seed=args.seed)
+    return publish_ivf(pool, args.out, config=config, overwrite=args.overwrite)
+
+
+# Index kind -> publisher(pool, args).
+PUBLISHERS = {"exact": _publish_exact, "ivf": _publish_ivf}
+DEFAULT_KIND = "ivf"
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -92,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--out", required=True, help="snapshot directory to create")
     pub.add_argument("--exact", action="store_true", help="exact int8 index instead of IVF")
     pub.add_argument("--overwrite", action="store_true", help="replace an existing snapshot atomically")
+    pub.add_argument("--nlist", type=int, default=None, help="IVF clusters (default about 4*sqrt(N))")
+    pub.add_argument("--seed", type=int, default=0, help="IVF k-means seed")
     pub.set_defaults(func=_publish)
 
     q = sub.add_parser("query", help="top-k items for each query vector")
@@ -100,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--k", type=int, required=True)
     q.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or stdout)")
     q.add_argument("--backend", choices=("export", "torchscript"), default="export")
+    q.add_argument("--nprobe", type=int, default=None, help="IVF clusters to probe (default: the snapshot's)")
     q.set_defaults(func=_query)
 
     i = sub.add_parser("inspect", help="print a snapshot's manifest")

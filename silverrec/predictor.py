@@ -71,9 +71,21 @@ def _search_exact(snap: Snapshot, queries: torch.Tensor, k: int, **options: Any)
     return snap.module(queries, k)
 
 
+def _search_ivf(snap: Snapshot, queries: torch.Tensor, k: int, nprobe: int | None = None, **options: Any):
+    """IVF search; nprobe defaults to the manifest's default_nprobe and must be in [1, nlist]."""
+    if options:
+        raise QueryError(f"an ivf snapshot takes only the search option nprobe, got {sorted(options)}")
+    nlist = int(snap.config["nlist"])
+    if nprobe is None:
+        nprobe = int(snap.config["default_nprobe"])
+    if isinstance(nprobe, bool) or not isinstance(nprobe, int) or not 1 <= nprobe <= nlist:
+        raise QueryError(f"nprobe must be an int in [1, {nlist}] (the cluster count), got {nprobe!r}")
+    return snap.module(queries, k, nprobe)
+
+
 # kind -> callable(snapshot, queries, k, **options) -> (scores, item_ids). Runtime modules of other
 # kinds register here.
-SEARCH_HANDLERS = {"exact": _search_exact}
+SEARCH_HANDLERS = {"exact": _search_exact, "ivf": _search_ivf}
 
 
 def load(path: str | os.PathLike, backend: str = "export", verify: bool = True) -> Snapshot:

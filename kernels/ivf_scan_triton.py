@@ -1,0 +1,128 @@
+"""Triton kernel for `silverrec::ivf_scan` on CUDA.
+
+`_ivf_scan_keys_kernel` streams the probed clusters straight from the cluster-major int8 codes:
+program (b, g, t) takes query b's probe slot j = j0 + g, loads row tile t of cluster probes[b, j],
+scores it with int8 `tl.dot` (int32 accumulation), applies the slot's bitmask and writes int64 sort
+keys (score << 32 | ~row), EMPTY_KEY for rows outside the cluster, masked rows or slot -1. The
+launcher walks the probe slots in groups of SLOT_GROUP and merges each group's keys into the running
+top-k with `torch.topk` on the device. The probed rows are never gathered; the key buffer is
+O(B * SLOT_GROUP * max cluster size).
+
+The query is broadcast over the 16 columns of the dot's second operand (tl.dot needs N >= 16), so
+the MMA does 16x the useful work; the scan is bound by reading the codes, which happens once.
+Grouping the queries that probe the same cluster into one program would recover that factor.
+
+Runs on CPU tensors under TRITON_INTERPRET=1 (tests).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from silverrec.kernels.common import EMPTY_KEY
+
+SLOT_GROUP = 8  # probe slots scored per launch before a top-k merge
+
+
+@triton.jit
+def _ivf_scan_keys_kernel(
+    q_ptr,  # int8 [B, D] quantised queries
+    x_ptr,  # int8 [N, D] cluster-major codes
+    off_ptr,  # int64 [nlist + 1] cluster offsets
+    probes_ptr,  # int64 [B, P] (canonical: repeats replaced by -1)
+    mask_ptr,  # int64 [B, P, Wc] bitmask (ignored unless HAS_MASK)
+    out_ptr,  # int64 [B, G * L] sort keys
+    D,
+    P,
+    Wc,
+    j0,  # first probe slot of this launch
+    L,  # key columns per slot (>= max cluster size)
+    stride_q,
+    stride_x,
+    stride_p,
+    stride_mb,
+    stride_mp,
+    stride_o,
+    HAS_MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[b, g * L + n] = key of row off[c] + n of cluster c = probes[b, j0 + g]:
+    (sum_d q[b, d] * x[row, d]) * 2**32 + (2**32 - 1 - row) if the row exists and is allowed,
+    else EMPTY_KEY."""
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    t = tl.program_id(2)
+    j = j0 + g
+    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = out_ptr + b * stride_o + g * L + offs_n
+    empty = tl.full((BLOCK_N,), -9223372036854775808, tl.int64)
+    c = tl.load(probes_ptr + b * stride_p + j, mask=j < P, other=-1)
+    if c < 0:
+        tl.store(out_ptrs, empty, mask=offs_n < L)
+    else:
+        start = tl.load(off_ptr + c)
+        stop = tl.load(off_ptr + c + 1)
+        rows = start + offs_n  # int64 [BLOCK_N]
+        valid = rows < stop
+        acc = tl.zeros((BLOCK_N, 16), dtype=tl.int32)
+        cols = tl.arange(0, 16)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_x + offs_d[None, :],
+                mask=valid[:, None] & (offs_d[None, :] < D),
+                other=0,
+            )  # [BLOCK_N, BLOCK_D]
+            q = tl.load(
+                q_ptr + b * stride_q + offs_d[:, None] + cols[None, :] * 0,
+                mask=(offs_d[:, None] < D) & (cols[None, :] >= 0),
+                other=0,
+            )  # [BLOCK_D, 16], every column = query b
+            acc += tl.dot(x, q, out_dtype=tl.int32)
+        score = tl.max(acc, axis=1)  # all 16 columns are equal
+        if HAS_MASK:
+            word = tl.load(
+                mask_ptr + b * stride_mb + j * stride_mp + ((rows >> 6) - (start >> 6)),
+                mask=valid,
+                other=0,
+            )
+            valid = valid & (((word >> (rows & 63)) & 1) != 0)
+        keys = score.to(tl.int64) * 4294967296 + (4294967295 - rows)
+        tl.store(out_ptrs, tl.where(valid, keys, empty), mask=offs_n < L)
+
+
+def scan_keys_triton(qcodes, codes, cluster_offsets, probes, k, bitmask, slot_group: int = SLOT_GROUP):
+    """Top-k sort keys int64 [B, k] (descending, EMPTY_KEY padding); same contract as
+    `ivf_scan.scan_keys_cpu` (probes canonical)."""
+    qcodes = qcodes.contiguous()
+    codes = codes.contiguous()
+    probes = probes.contiguous()
+    B, D = qcodes.shape
+    P = probes.shape[1]
+    best = torch.full((B, k), EMPTY_KEY, dtype=torch.int64, device=codes.device)
+    if B == 0 or P == 0:
+        return best
+    # One host read of an index constant (the largest cluster); everything else stays on the device.
+    max_size = int((cluster_offsets[1:] - cluster_offsets[:-1]).max())
+    if max_size == 0:
+        return best
+    BLOCK_N = 64
+    BLOCK_D = max(16, min(128, triton.next_power_of_2(D)))
+    L = triton.cdiv(max_size, BLOCK_N) * BLOCK_N
+    G = min(slot_group, P)
+    has_mask = bitmask is not None
+    mask = bitmask.contiguous() if has_mask else probes  # dummy pointer when unused
+    Wc = mask.shape[2] if has_mask else 0
+    keys = torch.empty((B, G * L), dtype=torch.int64, device=codes.device)
+    for j0 in range(0, P, G):
+        grid = (B, G, L // BLOCK_N)
+        _ivf_scan_keys_kernel[grid](
+            qcodes, codes, cluster_offsets, probes, mask, keys,
+            D, P, Wc, j0, L,
+            qcodes.stride(0), codes.stride(0), probes.stride(0),
+            mask.stride(0) if has_mask else 0, mask.stride(1) if has_mask else 0, keys.stride(0),
+            HAS_MASK=has_mask, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        )
+        best = torch.cat([best, keys], dim=1).topk(k, dim=1, sorted=False).values
+    return best.sort(dim=1, descending=True).values
