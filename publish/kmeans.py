@@ -109,6 +109,34 @@ def kmeanspp_init(x: torch.Tensor, k: int, generator: torch.Generator) -> torch.
     return x[chosen].clone()
 
 
+def lloyd_step(
+    x: torch.Tensor, centroids: torch.Tensor, spherical: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """One Lloyd iteration: assign every row, move each centroid to its members' mean.
+
+    A cluster left without members is re-seeded with one of the rows farthest from their current
+    centroid (distinct rows for distinct empty clusters, farthest first).
+
+    Args:
+        x: float32 [N, D]; centroids: float32 [K, D].
+    Returns:
+        (new centroids float32 [K, D], member counts int64 [K] of the assignment step,
+        squared distance float32 [N] of each row to its assigned centroid, number re-seeded).
+    """
+    k = centroids.shape[0]
+    labels, dist = assign(x, centroids)
+    counts = torch.bincount(labels, minlength=k)
+    sums = torch.zeros_like(centroids).index_add_(0, labels, x)
+    new = sums / counts.clamp_min(1).to(sums.dtype)[:, None]
+    empty = (counts == 0).nonzero().flatten()
+    if empty.numel():
+        far = dist.topk(min(empty.numel(), dist.numel())).indices
+        new[empty[: far.numel()]] = x[far]
+    if spherical:
+        new = torch.nn.functional.normalize(new, dim=1)
+    return new, counts, dist, int(empty.numel())
+
+
 def _sample(n: int, size: int, generator: torch.Generator, device) -> torch.Tensor:
     if size >= n:
         return torch.arange(n, device=device)
@@ -124,9 +152,8 @@ def kmeans(
     max_points_per_centroid: int = 256,
     seed_points_per_centroid: int = 32,
     spherical: bool = False,
-    progress: bool = True,
 ) -> KMeansResult:
-    """Cluster `x` into `nlist` groups.
+    """Cluster `x` into `nlist` groups (progress bar on stderr unless SILVERREC_QUIET=1).
 
     Args:
         x: float [N, D], finite. Any device.
@@ -136,7 +163,6 @@ def kmeans(
         max_points_per_centroid: Lloyd iterations run on at most this many points per cluster.
         seed_points_per_centroid: k-means++ seeding runs on at most this many points per cluster.
         spherical: normalise centroids to unit norm after each update.
-        progress: show a progress bar (silenced by SILVERREC_QUIET=1).
     Returns:
         KMeansResult with centroids float32 [nlist, D], assignment int64 [N], per-iteration stats.
     """
@@ -158,28 +184,17 @@ def kmeans(
         centroids = torch.nn.functional.normalize(centroids, dim=1)
 
     stats: list[IterationStats] = []
+    m = train.shape[0]
     with bar(niter, f"k-means nlist={nlist}") as pbar:
         for it in range(niter):
             t0 = time.perf_counter()
-            labels, dist = assign(train, centroids)
-            counts = torch.bincount(labels, minlength=nlist)
-            sums = torch.zeros_like(centroids).index_add_(0, labels, train)
-            new = sums / counts.clamp_min(1).to(sums.dtype)[:, None]
-            empty = (counts == 0).nonzero().flatten()
-            if empty.numel():
-                # Re-seed each empty cluster with one of the points farthest from its centroid.
-                far = dist.topk(min(empty.numel(), dist.numel())).indices
-                new[empty[: far.numel()]] = train[far]
-            if spherical:
-                new = torch.nn.functional.normalize(new, dim=1)
-            centroids = new
-            m = train.shape[0]
+            centroids, counts, dist, reseeded = lloyd_step(train, centroids, spherical=spherical)
             stats.append(
                 IterationStats(
                     iteration=it,
                     objective=float(dist.mean()),  # of this iteration's assignment step
                     imbalance=float(nlist * (counts.double() ** 2).sum() / (m * m)),
-                    reseeded=int(empty.numel()),
+                    reseeded=reseeded,
                     seconds=time.perf_counter() - t0,
                 )
             )
