@@ -107,6 +107,8 @@ def staged_attention(
     _check(q, shared_k, shared_v, key_valid, unshared_k, unshared_v, n_unshared)
     B, W, H, hd = q.shape
     o_a, s_a = shared_stage(q, shared_k, shared_v, key_valid)
+    if n_unshared == 0:
+        return o_a.reshape(B, W, H, hd)
     o_b, s_b = unshared_stage(q, unshared_k, unshared_v, n_unshared)
     out, _ = torch.ops.silverrec.merge_attention_states(o_a, s_a, o_b, s_b)
     return out.reshape(B, W, H, hd)

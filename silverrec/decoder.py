@@ -157,7 +157,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def positions_from_tokens(tokens: torch.Tensor) -> torch.Tensor:
     """Position ids int64 [B, T] of a left-padded batch: cumsum(non-PAD) - 1, PADs clamped to 0."""
-    return (torch.cumsum((tokens != PAD).to(torch.int64), dim=1) - 1).clamp_min(0)
+    return (torch.cumsum((tokens != 0).to(torch.int64), dim=1) - 1).clamp_min(0)  # 0 = PAD
 
 
 class Attention(nn.Module):
@@ -272,7 +272,7 @@ class RecDecoder(nn.Module):
     def _trunk(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """Causal PAD-aware pass: final-norm hidden [B, T, dim] and per-layer K, V [B, KV, T, hd]."""
         T = tokens.shape[1]
-        valid = tokens != PAD  # [B, T]
+        valid = tokens != 0  # [B, T], 0 = PAD
         positions = positions_from_tokens(tokens)
         x = self.tok_embeddings(tokens)
         cos, sin = self._rope(positions, x.dtype)

@@ -34,16 +34,15 @@ i.e. ping-pong). An in-place row gather `cache[j] = cache[parent[j]]` would over
 a later beam reads it (tests/test_generative.py::test_reorder_hazard).
 """
 
-from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.beam_topk / staged_attention)
-from silverrec.decoder import PAD, RecDecoder, level_offsets
+from silverrec.decoder import RecDecoder, level_offsets
 from silverrec.trie import ValidPathTrie
 
 
@@ -68,6 +67,9 @@ class GenerativeRetrieval(nn.Module):
         top_k: candidates kept per beam before the global top W (>= W: plain beam search).
     """
 
+    level_sizes: List[int]
+    level_offsets: List[int]
+
     def __init__(self, decoder: RecDecoder, trie: ValidPathTrie, row_to_item: torch.Tensor, beam_width: int, top_k: int):
         super().__init__()
         level_sizes = list(trie.level_sizes)
@@ -84,8 +86,8 @@ class GenerativeRetrieval(nn.Module):
         self.beam_width = int(beam_width)
         self.top_k = int(top_k)
         self.n_levels = len(level_sizes)
-        self.level_sizes: list[int] = level_sizes
-        self.level_offsets: list[int] = level_offsets(level_sizes)
+        self.level_sizes = level_sizes
+        self.level_offsets = level_offsets(level_sizes)
 
     def _level_logprobs(self, logits: torch.Tensor, level: int) -> torch.Tensor:
         """logits [..., V] -> log-probs over level `level`'s codes [..., C] (full-vocab softmax)."""
@@ -99,7 +101,7 @@ class GenerativeRetrieval(nn.Module):
         B = history.shape[0]
         W = self.beam_width
         dec = self.decoder
-        key_valid = history != PAD  # [B, T]
+        key_valid = history != 0  # [B, T], 0 = PAD
         n_real = key_valid.to(torch.int64).sum(dim=1)  # [B] positions of the first generated token
         last_logits, shared_k, shared_v = dec.prefill(history)  # [B, V], [n_layers, B, KV, T, hd]
         alive: Optional[torch.Tensor] = None

@@ -26,7 +26,8 @@ Example:
     >>> child = trie.child_table(torch.zeros(1, dtype=torch.int64), 0)   # [1, 256]: depth-1 ids or -1
 """
 
-from __future__ import annotations
+
+from typing import List
 
 import torch
 from torch import nn
@@ -62,6 +63,13 @@ class ValidPathTrie(nn.Module):
         leaf_paths int64 [N, L] (the sorted paths).
     """
 
+    level_sizes: List[int]
+    level_base: List[int]
+    max_children: List[int]
+    n_levels: int
+    n_items: int
+    leaf_base: int
+
     def __init__(self, paths: torch.Tensor, level_sizes: list[int]):
         super().__init__()
         paths = torch.as_tensor(paths)
@@ -95,12 +103,12 @@ class ValidPathTrie(nn.Module):
             node_of_row.append(local)
             n_nodes.append(int(first.numel()))
 
-        self.level_sizes: list[int] = level_sizes
-        self.n_levels: int = L
-        self.n_items: int = N
-        self.level_base: list[int] = [sum(n_nodes[:d]) for d in range(L + 1)]
-        self.leaf_base: int = self.level_base[L]
-        self.max_children: list[int] = [int(c.max()) for c in counts_per_depth]
+        self.level_sizes = level_sizes
+        self.n_levels = L
+        self.n_items = N
+        self.level_base = [sum(n_nodes[:d]) for d in range(L + 1)]
+        self.leaf_base = self.level_base[L]
+        self.max_children = [int(c.max()) for c in counts_per_depth]
         counts = torch.cat(counts_per_depth)
         offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(counts, 0)

@@ -1,0 +1,154 @@
+"""GenerativeRetrieval (prefill once, staged shared/unshared KV, trie + bitmask masks, beam_topk)
+vs the straightforward reference beam search; validity of results; reorder hazard; export."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from silverrec.generative import GenerativeRetrieval, reorder_beams
+from silverrec.trie import ValidPathTrie, pack_bitmask
+
+from .reference_beam_search import random_decoder, random_histories, random_paths, reference_beam_search
+
+SIZES = [8, 6, 5, 3]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    paths = random_paths(160, SIZES, seed=1)
+    item_ids = torch.arange(paths.shape[0], dtype=torch.int64) * 10 + 7  # external ids != rows
+    return paths, item_ids, ValidPathTrie(paths, SIZES)
+
+
+def _module(pool, decoder, W, k):
+    paths, item_ids, trie = pool
+    return GenerativeRetrieval(decoder, trie, item_ids[trie.row_order], W, k).eval()
+
+
+@pytest.mark.parametrize("W,k", [(1, 1), (4, 4), (16, 3), (24, 100), (300, 7)])
+def test_matches_reference_float64(pool, W, k):
+    paths, item_ids, _ = pool
+    dec = random_decoder(SIZES, dtype=torch.float64, seed=W)
+    hist = random_histories(paths, SIZES, 3, 5, seed=W)
+    with torch.no_grad():
+        ids, scores = _module(pool, dec, W, k)(hist)
+    ref_ids, ref_scores = reference_beam_search(dec, hist, paths, item_ids, SIZES, W, k)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(scores, ref_scores.float(), atol=1e-6, rtol=1e-6)
+    assert ids.shape == (3, W) and scores.dtype == torch.float32
+
+
+@pytest.mark.parametrize("W,k,n_kv", [(8, 8, 2), (32, 5, 1), (20, 50, 4)])
+def test_matches_reference_float32_with_bitmask(pool, W, k, n_kv):
+    paths, item_ids, trie = pool
+    dec = random_decoder(SIZES, n_heads=4, n_kv_heads=n_kv, seed=3)
+    hist = random_histories(paths, SIZES, 4, 6, seed=4)
+    allowed = torch.rand(4, paths.shape[0]) < torch.tensor([[0.02], [0.2], [0.6], [1.0]])
+    bitmask = pack_bitmask(allowed[:, trie.row_order])
+    with torch.no_grad():
+        ids, scores = _module(pool, dec, W, k)(hist, bitmask)
+    ref_ids, ref_scores = reference_beam_search(dec, hist, paths, item_ids, SIZES, W, k, allowed)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(scores, ref_scores, atol=2e-5, rtol=2e-5)
+    # every returned item is real, unique per request and passes its request's filter
+    for b in range(4):
+        got = ids[b][ids[b] >= 0]
+        assert got.unique().numel() == got.numel()
+        ok = set(item_ids[allowed[b]].tolist())
+        assert set(got.tolist()) <= ok
+        assert torch.all(scores[b][ids[b] < 0] == float("-inf"))
+        assert torch.all(scores[b][ids[b] >= 0] > float("-inf"))
+        assert torch.all(scores[b][:-1] >= scores[b][1:])
+    assert (ids[0] >= 0).sum() < W  # the 2% request has fewer than W items: padded
+
+
+def test_empty_filter_returns_nothing(pool):
+    paths, _, trie = pool
+    dec = random_decoder(SIZES)
+    hist = random_histories(paths, SIZES, 2, 3)
+    bitmask = pack_bitmask(torch.zeros(2, trie.n_items, dtype=torch.bool))
+    with torch.no_grad():
+        ids, scores = _module(pool, dec, 6, 6)(hist, bitmask)
+    assert torch.all(ids == -1) and torch.all(scores == float("-inf"))
+
+
+def test_batch_independence(pool):
+    """A request's answer does not depend on the other requests (padding, batch size)."""
+    paths, _, _ = pool
+    dec = random_decoder(SIZES)
+    hist = random_histories(paths, SIZES, 3, 6, seed=9, min_items=1)
+    m = _module(pool, dec, 12, 4)
+    with torch.no_grad():
+        ids, scores = m(hist)
+        for b in range(3):
+            row = hist[b : b + 1]
+            row = row[:, (row != 0).nonzero()[0, 1] :]  # strip the left padding
+            ids_b, scores_b = m(row)
+            assert torch.equal(ids_b[0], ids[b])
+            torch.testing.assert_close(scores_b[0], scores[b], atol=1e-5, rtol=1e-5)
+
+
+def test_reorder_hazard():
+    """Parents forming chains (beam j takes beam j-1's cache): a naive in-place row-by-row gather
+    reads rows it already overwrote; `reorder_beams` matches an independent gather."""
+    B, W = 2, 5
+    cache = torch.arange(2 * B * W * 3, dtype=torch.float32).reshape(2, B * W, 3)
+    parent = torch.tensor([[0, 0, 1, 2, 3], [4, 1, 1, 0, 2]])
+    expect = torch.stack([cache[:, b * W + parent[b]] for b in range(B)], dim=1).reshape(2, B * W, 3)
+    naive = cache.clone()
+    for b in range(B):
+        for j in range(W):
+            naive[:, b * W + j] = naive[:, b * W + int(parent[b, j])]
+    assert not torch.equal(naive, expect)  # the hazard is real for this permutation
+    before = cache.clone()
+    out = reorder_beams(cache, parent)
+    assert torch.equal(out, expect)
+    assert torch.equal(cache, before)
+
+
+def test_constructor_validation(pool):
+    paths, item_ids, trie = pool
+    dec = random_decoder([8, 6, 5, 4])
+    with pytest.raises(ValueError, match="vocab_size"):
+        GenerativeRetrieval(dec, trie, item_ids[trie.row_order], 4, 4)
+    with pytest.raises(ValueError, match="row_to_item"):
+        GenerativeRetrieval(random_decoder(SIZES), trie, item_ids[:5], 4, 4)
+
+
+_LOAD = textwrap.dedent(
+    """
+    import sys, torch
+    import silverrec  # registers torch.ops.silverrec.*
+    d = sys.argv[1]
+    hist, bm = torch.load(d + "/inputs.pt")
+    ids, scores = torch.export.load(d + "/model.pt2").module()(hist, bm)
+    ids2, scores2 = torch.jit.load(d + "/model.ts")(hist, bm)
+    torch.save((ids, scores, ids2, scores2), d + "/out.pt")
+    """
+)
+
+
+def test_export_round_trip(pool, tmp_path):
+    from silverrec.snapshot import export_module
+
+    paths, item_ids, trie = pool
+    dec = random_decoder(SIZES, n_layers=1)
+    m = _module(pool, dec, 8, 4)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    length = torch.export.Dim("length", min=2, max=dec.max_seq_len - len(SIZES))
+    example = (random_histories(paths, SIZES, 2, 3, seed=1), pack_bitmask(torch.rand(2, trie.n_items) < 0.5))
+    export_module(m, example, {"history": {0: batch, 1: length}, "item_bitmask": {0: batch}}, tmp_path)
+    # other batch size and history length than the example
+    hist = random_histories(paths, SIZES, 5, 7, seed=2)
+    bm = pack_bitmask(torch.rand(5, trie.n_items) < 0.7)
+    torch.save((hist, bm), tmp_path / "inputs.pt")
+    subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path)], check=True, timeout=300)
+    ids, scores, ids_ts, scores_ts = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():
+        ref_ids, ref_scores = m(hist, bm)
+    assert torch.equal(ids, ref_ids) and torch.equal(ids_ts, ref_ids)
+    torch.testing.assert_close(scores, ref_scores)
+    torch.testing.assert_close(scores_ts, ref_scores)
