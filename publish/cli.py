@@ -1,7 +1,7 @@
 """The `silverrec` command line: publish, query, inspect.
 
     silverrec publish --pool POOL.parquet --out DIR [--exact] [--nlist N] [--seed S]
-    silverrec query DIR --queries Q.npy --k K [--nprobe P] [--json]
+    silverrec query DIR --queries Q.npy --k K [--nprobe P] [--filter "..."] [--json]
     silverrec inspect DIR
 """
 
@@ -20,7 +20,10 @@ def _publish(args: argparse.Namespace) -> int:
 
     pool = read_pool(args.pool)
     print(f"pool: {pool.size} items, dim {pool.dim}, features {sorted(pool.features) or 'none'}", file=sys.stderr)
-    publisher = PUBLISHERS["exact" if args.exact else DEFAULT_KIND]
+    kind = "exact" if args.exact else DEFAULT_KIND
+    if kind == "ivf" and pool.features and "filtered_ivf" in PUBLISHERS:
+        kind = "filtered_ivf"  # categorical columns become filterable features
+    publisher = PUBLISHERS[kind]
     out = publisher(pool, args)
     print(f"published {out}")
     return 0
@@ -39,8 +42,18 @@ def _publish_ivf(pool, args) -> Path:
     return publish_ivf(pool, args.out, config=config, overwrite=args.overwrite)
 
 
+def _publish_filtered_ivf(pool, args) -> Path:
+    from silverrec.publish.filtered_ivf import publish_filtered_ivf
+    from silverrec.publish.ivf import IVFConfig
+
+    config = IVFConfig(nlist=args.nlist, seed=args.seed)
+    return publish_filtered_ivf(
+        pool, args.out, config=config, bloom_bits=args.bloom_bits, bloom_hashes=args.bloom_hashes, overwrite=args.overwrite
+    )
+
+
 # Index kind -> publisher(pool, args).
-PUBLISHERS = {"exact": _publish_exact, "ivf": _publish_ivf}
+PUBLISHERS = {"exact": _publish_exact, "ivf": _publish_ivf, "filtered_ivf": _publish_filtered_ivf}
 DEFAULT_KIND = "ivf"
 
 
@@ -54,7 +67,7 @@ def _query(args: argparse.Namespace) -> int:
         raise silverrec.QueryError(f"cannot read queries from {args.queries}: {e}") from None
     if queries.dtype != np.float32:
         raise silverrec.QueryError(f"queries in {args.queries} must be float32 [B, D], got {queries.dtype}")
-    options = {name: getattr(args, name) for name in ("nprobe", "filter") if getattr(args, name, None) is not None}
+    options = {name: getattr(args, name) for name in ("nprobe", "filter", "max_probe", "mode") if getattr(args, name, None) is not None}
     result = snap.search(queries, args.k, **options)
     if args.json:
         text = json.dumps(result.to_json())
@@ -101,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--overwrite", action="store_true", help="replace an existing snapshot atomically")
     pub.add_argument("--nlist", type=int, default=None, help="IVF clusters (default about 4*sqrt(N))")
     pub.add_argument("--seed", type=int, default=0, help="IVF k-means seed")
+    pub.add_argument("--bloom-bits", type=int, default=None, help="Bloom bits M per item (default: sizing rule, max tokens x K x 1.5)")
+    pub.add_argument("--bloom-hashes", type=int, default=None, help="Bloom hash functions K per token (default 7)")
     pub.set_defaults(func=_publish)
 
     q = sub.add_parser("query", help="top-k items for each query vector")
@@ -110,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or stdout)")
     q.add_argument("--backend", choices=("export", "torchscript"), default="export")
     q.add_argument("--nprobe", type=int, default=None, help="IVF clusters to probe (default: the snapshot's)")
+    q.add_argument("--filter", default=None, help="attribute filter, e.g. \"genre = Drama AND NOT decade = 1990s\"")
+    q.add_argument("--max-probe", dest="max_probe", type=int, default=None, help="filtered search: widest probe (default: the snapshot's)")
+    q.add_argument("--mode", choices=("auto", "probed", "unprobed"), default=None, help="filtered search mode (default auto)")
     q.set_defaults(func=_query)
 
     i = sub.add_parser("inspect", help="print a snapshot's manifest")

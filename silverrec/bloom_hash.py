@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import hashlib
 
-SEPARATOR = "\x1f"  # unit separator: cannot collide "a=b|c" with "a|b=c"
 _PER_BLOCK = 16
 
 
 def token_key(feature: str, value: str) -> bytes:
-    return f"{feature}{SEPARATOR}{value}".encode("utf-8")
+    """Length-prefixed feature name, then the value: ("a", "bc") and ("ab", "c") cannot collide."""
+    name = feature.encode("utf-8")
+    return len(name).to_bytes(4, "little") + name + value.encode("utf-8")
 
 
 def token_positions(feature: str, value: str, bits: int, hashes: int, seed: int) -> list[int]:

@@ -26,7 +26,7 @@ with a caret under it. Feature names are checked later, against a snapshot's voc
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 from silverrec.errors import QueryError
@@ -62,7 +62,7 @@ class Term:
 
     feature: str
     values: tuple[str, ...]
-    position: int = 0  # where the feature name starts in the filter string
+    position: int = field(default=0, compare=False)  # where the feature name starts in the filter
 
     def __repr__(self) -> str:
         return f"Term({self.feature!r}, {self.values!r})"

@@ -15,7 +15,7 @@ host round trip (static shapes: `max_probe` candidate slots, unused ones set to 
    and `silverrec::masked_topk` scans exactly the matching rows.
 6. `silverrec::ivf_scan` scans the chosen clusters, dropping rows whose bit is 0 before top-k.
 
-Modes (forward arg `mode`): AUTO (0, the above), PROBED (1: exactly `nprobe` clusters, the plain
+Modes (forward arg `mode`, int64 [B], one per query): AUTO (0, the above), PROBED (1: exactly `nprobe` clusters, the plain
 co-designed search), UNPROBED (2: filter the whole pool, then exact scan; exact up to Bloom false
 positives, for small pools or very selective filters).
 
@@ -30,16 +30,11 @@ from torch import nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
 from silverrec.kernels.bloom_filter import popcount64, range_word_masks
+from silverrec.kernels.ivf_scan import bitmask_words
 
 MODE_AUTO, MODE_PROBED, MODE_UNPROBED = 0, 1, 2
 MODES = {"auto": MODE_AUTO, "probed": MODE_PROBED, "unprobed": MODE_UNPROBED}
-DEFAULT_MATCH_FACTOR = 8.0
-
-
-def cluster_window_width(cluster_offsets: torch.Tensor) -> int:
-    """Wc: the most 64-item words any cluster's row range touches."""
-    lo, hi = cluster_offsets[:-1], cluster_offsets[1:]
-    return max(1, int((((hi + 63) >> 6) - (lo >> 6)).max()))
+DEFAULT_MATCH_FACTOR = 8  # probe until the probed clusters hold >= this many matches per result
 
 
 class FilteredIVFIndex(nn.Module):
@@ -52,7 +47,7 @@ class FilteredIVFIndex(nn.Module):
 
     Example:
         >>> ops, rows = compile_batch(["genre = Drama"] * B, plan)
-        >>> scores, ids = index(queries, 100, 32, ops, rows, 256, 0)
+        >>> scores, ids = index(queries, 100, 32, ops, rows, 256, torch.zeros(B, dtype=torch.int64))
     """
 
     def __init__(
@@ -64,7 +59,7 @@ class FilteredIVFIndex(nn.Module):
         centroids: torch.Tensor,
         row_to_item: torch.Tensor,
         bits: torch.Tensor,
-        match_factor: float = DEFAULT_MATCH_FACTOR,
+        match_factor: int = DEFAULT_MATCH_FACTOR,
         exact_cost_ratio: float = 1.0,
     ):
         super().__init__()
@@ -78,23 +73,29 @@ class FilteredIVFIndex(nn.Module):
         self.register_buffer("centroids", centroids.to(torch.float32).contiguous())
         self.register_buffer("row_to_item", row_to_item.to(torch.int64).contiguous())
         self.register_buffer("bits", bits.to(torch.int64).contiguous())
-        self.window_words = cluster_window_width(self.cluster_offsets)
+        self.window_words = max(1, bitmask_words(self.cluster_offsets))
         self.total_words = int(bits.shape[1])
         self.num_items = int(n)
-        self.match_factor = float(match_factor)
+        self.match_factor = int(match_factor)
         self.exact_cost_ratio = float(exact_cost_ratio)
 
     @property
     def nlist(self) -> int:
         return int(self.centroids.shape[0])
 
+    @classmethod
+    def from_ivf(cls, ivf: nn.Module, bits: torch.Tensor, **kwargs) -> "FilteredIVFIndex":
+        """Wrap an `Int8IVFIndex`'s buffers (same rows, same order) with a filter row bank."""
+        return cls(ivf.codes, ivf.scale, ivf.offset, ivf.cluster_offsets, ivf.centroids, ivf.row_to_item, bits, **kwargs)
+
     def plan_probes(
-        self, queries: torch.Tensor, k: int, nprobe: int, ops: torch.Tensor, rows: torch.Tensor, max_probe: int, mode: int
+        self, queries: torch.Tensor, k: int, nprobe: int, ops: torch.Tensor, rows: torch.Tensor, max_probe: int, mode: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Steps 1-5: (probes int64 [B, P] with -1 = unused, bitmask int64 [B, P, Wc], unprobed bool [B])."""
-        nlist = self.centroids.shape[0]
-        p = min(max(max_probe, nprobe), nlist)
-        cand = torch.topk(queries @ self.centroids.t(), p, dim=1).indices  # [B, P] best first
+        """Steps 1-5: (probes int64 [B, P] with -1 = unused, bitmask int64 [B, P, Wc], unprobed bool [B]).
+
+        Requires 1 <= nprobe <= max_probe <= nlist (the predictor checks; no host sync here).
+        """
+        cand = torch.topk(queries @ self.centroids.t(), max_probe, dim=1).indices  # [B, P] best first
         lo = self.cluster_offsets[cand]
         hi = self.cluster_offsets[cand + 1]
         starts = lo >> 6
@@ -102,22 +103,19 @@ class FilteredIVFIndex(nn.Module):
         inside = range_word_masks(lo, hi, starts, self.window_words)
         matches = popcount64(bitmask & inside).sum(dim=2)  # [B, P]
         cum = torch.cumsum(matches, dim=1)
-        target = int(self.match_factor * k + 0.999999)
+        target = k * self.match_factor
         need = (cum < target).sum(dim=1) + 1  # probes to reach the target (P + 1 if never)
-        use = need.clamp(min=min(nprobe, p), max=p)
-        if mode == MODE_PROBED:
-            use = torch.full_like(use, min(nprobe, p))
-        slot = torch.arange(p, device=queries.device)[None, :]
+        mode_t = mode.to(need.dtype)
+        use = torch.where(mode_t == 1,  # MODE_PROBED (literal: TorchScript reads no globals)
+                           torch.full_like(need, nprobe), need.clamp(min=nprobe, max=max_probe))
+        slot = torch.arange(cand.shape[1], device=queries.device)[None, :]
         chosen = slot < use[:, None]
         sizes = hi - lo
         scanned = torch.where(chosen, sizes, torch.zeros_like(sizes)).sum(dim=1)  # rows the IVF scan touches
         cand_rows = sizes.sum(dim=1).clamp_min(1)
         est_total = cum[:, -1].to(torch.float32) * (self.num_items / cand_rows.to(torch.float32))
-        unprobed = (cum[:, -1] < target) | (scanned.to(torch.float32) > est_total * self.exact_cost_ratio)
-        if mode == MODE_PROBED:
-            unprobed = torch.zeros_like(unprobed)
-        elif mode == MODE_UNPROBED:
-            unprobed = torch.ones_like(unprobed)
+        auto = (cum[:, -1] < target) | (scanned.to(torch.float32) > est_total * self.exact_cost_ratio)
+        unprobed = torch.where(mode_t == 0, auto, mode_t == 2)  # MODE_AUTO, MODE_UNPROBED
         probes = torch.where(chosen & ~unprobed[:, None], cand, torch.full_like(cand, -1))
         return probes, bitmask, unprobed
 
@@ -129,9 +127,10 @@ class FilteredIVFIndex(nn.Module):
         ops: torch.Tensor,
         rows: torch.Tensor,
         max_probe: int,
-        mode: int,
+        mode: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """queries float32 [B, D]; ops int64 [B, L], rows int64 [B, L, T] (compiled filters);
+        1 <= nprobe <= max_probe <= nlist; mode int64 [B] (MODE_AUTO / MODE_PROBED / MODE_UNPROBED per query);
         -> (scores float32 [B, k], item_ids int64 [B, k])."""
         probes, bitmask, unprobed = self.plan_probes(queries, k, nprobe, ops, rows, max_probe, mode)
         s_ivf, r_ivf = torch.ops.silverrec.ivf_scan(

@@ -118,7 +118,12 @@ class ForwardIndex(nn.Module):
         ids = [self.feature_base[fi] + self.value_index[fi][v] for v in values if v in self.value_index[fi]]
         mask = torch.zeros(self.size, dtype=torch.bool)
         if ids:
-            hit = torch.isin(self.token_ids, torch.tensor(ids, dtype=torch.int32))
+            if len(ids) <= 8:  # a few equality scans beat isin's sort
+                hit = self.token_ids == ids[0]
+                for t in ids[1:]:
+                    hit |= self.token_ids == t
+            else:
+                hit = torch.isin(self.token_ids, torch.tensor(ids, dtype=torch.int32))
             mask[self.token_rows[hit].to(torch.int64)] = True
         return mask
 

@@ -18,6 +18,7 @@ import torch
 
 import silverrec.kernels  # noqa: F401  (ops must be registered before deserialising)
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
+from silverrec.filtered_search import search_filtered_ivf
 from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, read_manifest
 
 
@@ -85,7 +86,7 @@ def _search_ivf(snap: Snapshot, queries: torch.Tensor, k: int, nprobe: int | Non
 
 # kind -> callable(snapshot, queries, k, **options) -> (scores, item_ids). Runtime modules of other
 # kinds register here.
-SEARCH_HANDLERS = {"exact": _search_exact, "ivf": _search_ivf}
+SEARCH_HANDLERS = {"exact": _search_exact, "ivf": _search_ivf, "filtered_ivf": search_filtered_ivf}
 
 
 def load(path: str | os.PathLike, backend: str = "export", verify: bool = True) -> Snapshot:

@@ -1,0 +1,116 @@
+"""Publish a filtered IVF snapshot (kind "filtered_ivf"): the IVF index plus the Bloom row bank.
+
+The pool's categorical columns become the filterable features. The row bank is built in the IVF's
+cluster-major row order, and the manifest's config gets a "filter" section (Bloom M, K, seed,
+feature vocabularies, exact-plane locations, statistics) from which the predictor compiles filter
+strings without touching the model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.export import Dim
+
+from silverrec.errors import PoolError
+from silverrec.filtered_ivf import DEFAULT_MATCH_FACTOR, FilteredIVFIndex
+from silverrec.forward_index import ForwardIndex
+from silverrec.publish.bloom import build_filter_bank, choose_config
+from silverrec.publish.ivf import IVFConfig, build_ivf, ivf_manifest_config
+from silverrec.publish.pool import Pool
+from silverrec.publish.progress import step
+from silverrec.snapshot import export_module, write_snapshot
+
+BATCH = Dim("batch", min=1, max=1 << 16)
+
+
+def default_max_probe(nlist: int, nprobe: int) -> int:
+    """Candidate clusters the selectivity-aware search may widen to: 8x nprobe, at least 64."""
+    return max(nprobe, min(nlist, max(64, 8 * nprobe)))
+
+
+def pool_rows(pool: Pool, row_to_item: torch.Tensor) -> torch.Tensor:
+    """int64 [N]: the pool row of each index row (index rows are in cluster-major order)."""
+    ids = pool.item_ids
+    order = np.argsort(ids, kind="stable")
+    pos = np.searchsorted(ids[order], row_to_item.numpy())
+    return torch.from_numpy(order[pos])
+
+
+def build_filtered_ivf(
+    pool: Pool,
+    config: Optional[IVFConfig] = None,
+    bloom_bits: Optional[int] = None,
+    bloom_hashes: Optional[int] = None,
+) -> tuple[FilteredIVFIndex, dict]:
+    """Build the module and the manifest config (IVF config + "filter" section)."""
+    if not pool.features:
+        raise PoolError("the pool has no categorical feature columns: nothing to filter on (publish plain IVF)")
+    config = config or IVFConfig()
+    ivf, km = build_ivf(pool, config)
+    with step("Bloom signatures and exact value planes"):
+        fwd = ForwardIndex.from_lists(pool.features).permute(pool_rows(pool, ivf.row_to_item))
+        cfg = choose_config(fwd, bloom_bits, bloom_hashes)
+        bank, filter_config = build_filter_bank(fwd, cfg)
+    module = FilteredIVFIndex.from_ivf(ivf, bank)
+    manifest = ivf_manifest_config(pool, ivf, config, km)
+    nprobe = int(manifest["default_nprobe"])
+    manifest["index"] = "filtered_ivf_int8"
+    manifest["filter"] = filter_config
+    manifest["search"] = {
+        "default_max_probe": default_max_probe(module.nlist, nprobe),
+        "match_factor": module.match_factor,
+        "exact_cost_ratio": module.exact_cost_ratio,
+        "modes": ["auto", "probed", "unprobed"],
+    }
+    return module, manifest
+
+
+def example_inputs(module: FilteredIVFIndex, dim: int) -> tuple:
+    """Export example: distinct values so that every dynamic int stays its own symbol."""
+    nlist = module.nlist
+    ops = torch.tensor([[1, 1, 2], [6, 0, 0]], dtype=torch.int64)
+    rows = torch.zeros(2, 3, 4, dtype=torch.int64)
+    return (torch.zeros(2, dim), 5, min(6, nlist), ops, rows, min(7, nlist), torch.zeros(2, dtype=torch.int64))
+
+
+DYNAMIC = {
+    "queries": {0: BATCH},
+    "k": Dim.DYNAMIC,
+    "nprobe": Dim.DYNAMIC,
+    "ops": {0: BATCH, 1: Dim.DYNAMIC},
+    "rows": {0: BATCH, 1: Dim.DYNAMIC, 2: Dim.DYNAMIC},
+    "max_probe": Dim.DYNAMIC,
+    "mode": {0: BATCH},
+}
+
+
+def publish_filtered_ivf(
+    pool: Pool,
+    out: str | os.PathLike,
+    *,
+    config: Optional[IVFConfig] = None,
+    bloom_bits: Optional[int] = None,
+    bloom_hashes: Optional[int] = None,
+    torchscript: bool = True,
+    overwrite: bool = False,
+) -> Path:
+    """Build a filtered int8 IVF snapshot of `pool` at `out` (kind "filtered_ivf")."""
+    module, manifest = build_filtered_ivf(pool, config, bloom_bits, bloom_hashes)
+    stats = manifest["filter"]["stats"]
+    bloom = manifest["filter"]["bloom"]
+    with step(
+        f"Bloom M={bloom['bits']} K={bloom['hashes']}: estimated FP rate {stats['estimated_fp_rate']:.2e}, "
+        f"{stats['bank_bytes'] / 2**20:.1f} MiB"
+    ):
+        pass
+
+    def write(tmp: Path) -> None:
+        with step("exporting model (torch.export + TorchScript)"):
+            export_module(module, example_inputs(module, pool.dim), DYNAMIC, tmp, torchscript=torchscript)
+
+    return write_snapshot(out, kind="filtered_ivf", config=manifest, item_count=pool.size, write_files=write, overwrite=overwrite)

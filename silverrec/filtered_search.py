@@ -1,0 +1,79 @@
+"""Predictor side of filtered search: validate options, compile filters (the "plan"), one forward call.
+
+    >>> snap = silverrec.load("snapshots/v1")                    # kind "filtered_ivf"
+    >>> snap.search(queries, k=100, filter="genre = Drama AND NOT decade = 1990s")
+    >>> snap.search(queries, k=100, filter=["genre = Drama", None], nprobe=16, mode="probed")
+
+Options: `filter` (one string for every query row, or one string / None per row), `nprobe`
+(default the manifest's), `max_probe` (candidate clusters the search may widen to; default the
+manifest's, at least nprobe), `mode` ("auto" | "probed" | "unprobed", or one per row).
+Only the manifest is read to compile filters (`FilterPlan`), never the model's tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from silverrec.errors import QueryError
+from silverrec.filter_program import FilterPlan, compile_batch, normalize_filters
+from silverrec.filtered_ivf import MODE_PROBED, MODES
+
+
+def filter_plan(snap) -> FilterPlan:
+    """The snapshot's FilterPlan, built once from its manifest and cached on the snapshot."""
+    plan = getattr(snap, "_filter_plan", None)
+    if plan is None:
+        cfg = snap.config.get("filter")
+        if cfg is None:
+            raise QueryError(f"snapshot {snap.path} has no filter index (its pool had no categorical features)")
+        plan = FilterPlan.from_config(cfg)
+        snap._filter_plan = plan
+    return plan
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise QueryError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _modes(mode: Union[str, Sequence[str]], batch: int) -> torch.Tensor:
+    names = [mode] * batch if isinstance(mode, str) else list(mode)
+    if len(names) != batch:
+        raise QueryError(f"got {len(names)} modes for {batch} query rows")
+    bad = [m for m in names if m not in MODES]
+    if bad:
+        raise QueryError(f"unknown search mode {bad[0]!r}: use one of {sorted(MODES)}")
+    return torch.tensor([MODES[m] for m in names], dtype=torch.int64)
+
+
+def search_filtered_ivf(
+    snap,
+    queries: torch.Tensor,
+    k: int,
+    nprobe: Optional[int] = None,
+    filter: Union[str, Sequence[Optional[str]], None] = None,  # noqa: A002  (the request field's name)
+    max_probe: Optional[int] = None,
+    mode: Union[str, Sequence[str]] = "auto",
+    **options: Any,
+):
+    """SEARCH_HANDLERS["filtered_ivf"]: (scores float32 [B, k], item_ids int64 [B, k])."""
+    if options:
+        raise QueryError(f"unknown search options {sorted(options)}: a filtered_ivf snapshot takes filter, nprobe, max_probe, mode")
+    cfg = snap.config
+    nlist = int(cfg["nlist"])
+    batch = queries.shape[0]
+    nprobe = _check_int("nprobe", int(cfg["default_nprobe"]) if nprobe is None else nprobe, 1, nlist)
+    filters = normalize_filters(filter, batch)
+    plan = filter_plan(snap)
+    if filters is None:  # unfiltered request: plain IVF semantics, exactly nprobe clusters
+        filters, modes, max_probe = [None] * batch, torch.full((batch,), MODE_PROBED, dtype=torch.int64), nprobe
+    else:
+        modes = _modes(mode, batch)
+        if max_probe is None:
+            max_probe = max(nprobe, min(nlist, int(cfg["search"]["default_max_probe"])))
+        max_probe = _check_int("max_probe", max_probe, nprobe, nlist)
+    ops, rows = compile_batch(filters, plan)
+    return snap.module(queries, k, nprobe, ops, rows, max_probe, modes)
