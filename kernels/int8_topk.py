@@ -24,6 +24,7 @@ from silverrec.kernels.common import (
 )
 
 CHUNK_ROWS = 65536
+TILE = 64  # items per threshold tile in the CPU scan
 
 
 def _check(queries: torch.Tensor, codes: torch.Tensor, k: int) -> None:
@@ -60,31 +61,53 @@ def merge_candidates(best: torch.Tensor, cand_query: torch.Tensor, cand_keys: to
 def topk_keys_cpu(qcodes: torch.Tensor, codes: torch.Tensor, k: int, chunk: int = CHUNK_ROWS) -> torch.Tensor:
     """Exact top-k sort keys of int8 dot products, chunked over the items.
 
+    Per chunk: one int8 GEMM (`torch._int_mm`, VNNI/AMX on x86) into int32 scores [B, c]. The first
+    chunk's top-k sets a per-query threshold (its k-th best score); later chunks keep only tiles of
+    64 items whose max beats the threshold and, inside them, only items that beat it (later rows
+    lose ties to earlier ones, so "beats" is strict). Candidates are merged into the top-k only when
+    B * k of them are pending, which tightens the threshold without a merge per chunk.
+
     Args:
         qcodes: int8 [B, D]; codes: int8 [N, D]; k <= N.
     Returns:
         int64 [B, k] sort keys, sorted descending.
     """
     n = codes.shape[0]
-    step = max(chunk, k)  # the first chunk alone fills the top-k
-    qt = qcodes.t()
-    best = None
-    for start in range(0, n, step):
-        block = torch._int_mm(codes[start : start + step], qt)  # [c, B] int32
-        rows = torch.arange(start, start + block.shape[0], dtype=torch.int64)
-        if best is None:
-            best = make_keys(block.t(), rows[None, :]).topk(k, dim=1, sorted=False).values
-        else:
-            # Later rows lose ties to earlier ones, so only strictly better scores can enter.
-            threshold = (best.amin(dim=1) >> 32).to(torch.int32)  # [B]
-            j, b = (block > threshold[None, :]).nonzero(as_tuple=True)
-            if j.numel() == 0:
-                continue
-            order = torch.argsort(b, stable=True)
-            j, b = j[order], b[order]
-            keys = make_keys(block[j, b], rows[j])
-            best = merge_candidates(best, b, keys)
+    B = qcodes.shape[0]
+    step = -(-max(chunk, k) // TILE) * TILE  # the first chunk alone fills the top-k
+    first = torch._int_mm(qcodes, codes[:step].t())  # [B, c] int32
+    best = make_keys(first, torch.arange(first.shape[1])[None, :]).topk(k, dim=1, sorted=False).values
+    threshold = (best.amin(dim=1) >> 32).to(torch.int32)
+    pending_q: list[torch.Tensor] = []
+    pending_keys: list[torch.Tensor] = []
+    pending = 0
+    for start in range(step, n, step):
+        scores = torch._int_mm(qcodes, codes[start : start + step].t())  # [B, c] int32
+        c = scores.shape[1]
+        if c % TILE:  # ragged last chunk: pad to whole tiles with a score no threshold admits
+            scores = torch.nn.functional.pad(scores, (0, TILE - c % TILE), value=torch.iinfo(torch.int32).min)
+        tiles = scores.view(B, -1, TILE)
+        b, t = (tiles.amax(dim=2) > threshold[:, None]).nonzero(as_tuple=True)
+        if b.numel() == 0:
+            continue
+        values = tiles[b, t]  # [M, TILE]
+        m, j = (values > threshold[b][:, None]).nonzero(as_tuple=True)
+        pending_q.append(b[m])
+        pending_keys.append(make_keys(values[m, j], start + t[m] * TILE + j))
+        pending += m.numel()
+        if pending > B * k:
+            best = _merge_pending(best, pending_q, pending_keys)
+            threshold = (best.amin(dim=1) >> 32).to(torch.int32)
+            pending_q, pending_keys, pending = [], [], 0
+    if pending:
+        best = _merge_pending(best, pending_q, pending_keys)
     return best.sort(dim=1, descending=True).values
+
+
+def _merge_pending(best: torch.Tensor, queries: list[torch.Tensor], keys: list[torch.Tensor]) -> torch.Tensor:
+    q = torch.cat(queries)
+    order = torch.argsort(q, stable=True)
+    return merge_candidates(best, q[order], torch.cat(keys)[order])
 
 
 def _int8_topk_impl(queries, codes, scale, offset, k, keys_fn):
