@@ -324,6 +324,8 @@ class RecDecoder(nn.Module):
         Args:
             tokens: int64 [B, W] one token per beam; positions: int64 [B] their position id.
             shared_k, shared_v: [n_layers, B, KV, T, hd] from `prefill` (stored once per request).
+                Attention runs in their dtype (GenerativeRetrieval keeps them float32 when the
+                weights are bf16: the matmuls run in bf16, the attention in float32).
             key_valid: bool [B, T], False at PAD keys.
             unshared_k, unshared_v: [n_layers, B*W, S, KV, hd] per-beam cache, slots < `slot` filled
                 (already reordered to the current beams). This step's K/V is written at `slot`
@@ -342,9 +344,9 @@ class RecDecoder(nn.Module):
             unshared_k[i, :, slot] = k.reshape(B * W, self.n_kv_heads, self.head_dim)
             unshared_v[i, :, slot] = v.reshape(B * W, self.n_kv_heads, self.head_dim)
             y = torch.ops.silverrec.staged_attention(
-                q, shared_k[i], shared_v[i], key_valid, unshared_k[i], unshared_v[i], slot + 1
+                q.to(shared_k.dtype), shared_k[i], shared_v[i], key_valid, unshared_k[i], unshared_v[i], slot + 1
             )  # [B, W, H, hd]
-            x = x + attn.wo(y.reshape(B, W, self.n_heads * self.head_dim))
+            x = x + attn.wo(y.reshape(B, W, self.n_heads * self.head_dim).to(x.dtype))
             x = x + layer.feed_forward(layer.ffn_norm(x))
             i += 1
         return self.output(self.norm(x))

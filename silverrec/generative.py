@@ -104,6 +104,10 @@ class GenerativeRetrieval(nn.Module):
         key_valid = history != 0  # [B, T], 0 = PAD
         n_real = key_valid.to(torch.int64).sum(dim=1)  # [B] positions of the first generated token
         last_logits, shared_k, shared_v = dec.prefill(history)  # [B, V], [n_layers, B, KV, T, hd]
+        # attention state in float32 at least (bf16 weights: bf16 matmuls, float32 attention)
+        attn_dtype = torch.promote_types(shared_k.dtype, torch.float32)
+        shared_k = shared_k.to(attn_dtype)
+        shared_v = shared_v.to(attn_dtype)
         alive: Optional[torch.Tensor] = None
         if item_bitmask is not None:
             alive = self.trie.node_alive(item_bitmask)  # [B, n_nodes]

@@ -152,3 +152,19 @@ def test_export_round_trip(pool, tmp_path):
     assert torch.equal(ids, ref_ids) and torch.equal(ids_ts, ref_ids)
     torch.testing.assert_close(scores, ref_scores)
     torch.testing.assert_close(scores_ts, ref_scores)
+
+
+def test_bf16_weights(pool):
+    """bf16 weights (bf16 matmuls, float32 attention state and scores): valid, sorted results that
+    agree with the float32 model on most items."""
+    paths, item_ids, trie = pool
+    dec = random_decoder(SIZES, seed=5)
+    hist = random_histories(paths, SIZES, 3, 6, seed=6)
+    with torch.no_grad():
+        ids32, _ = _module(pool, dec, 16, 16)(hist)
+        ids16, scores16 = _module(pool, random_decoder(SIZES, seed=5).to(torch.bfloat16), 16, 16)(hist)
+    assert scores16.dtype == torch.float32
+    assert torch.all(scores16[:, :-1] >= scores16[:, 1:])
+    assert set(ids16[ids16 >= 0].tolist()) <= set(item_ids.tolist())
+    for b in range(3):
+        assert len(set(ids16[b].tolist()) & set(ids32[b].tolist())) >= 12
