@@ -76,25 +76,35 @@ def topk_keys_cpu(qcodes: torch.Tensor, codes: torch.Tensor, k: int, chunk: int 
     B = qcodes.shape[0]
     step = -(-max(chunk, k) // TILE) * TILE  # the first chunk alone fills the top-k
     first = torch._int_mm(qcodes, codes[:step].t())  # [B, c] int32
-    best = make_keys(first, torch.arange(first.shape[1])[None, :]).topk(k, dim=1, sorted=False).values
+    # k-th best int32 score of the first chunk; only items reaching it get (int64) sort keys.
+    top_scores, top_rows = first.topk(k, dim=1, sorted=False)
+    kth = top_scores.amin(dim=1)
+    if bool(((first >= kth[:, None]).sum(dim=1, dtype=torch.int32) == k).all()):  # no tie straddles k-th place
+        best = make_keys(top_scores, top_rows)
+    else:
+        b, j = (first >= kth[:, None]).nonzero(as_tuple=True)
+        best = merge_candidates(torch.full((B, k), EMPTY_KEY, dtype=torch.int64), b, make_keys(first[b, j], j))
     threshold = (best.amin(dim=1) >> 32).to(torch.int32)
     pending_q: list[torch.Tensor] = []
     pending_keys: list[torch.Tensor] = []
     pending = 0
     for start in range(step, n, step):
         scores = torch._int_mm(qcodes, codes[start : start + step].t())  # [B, c] int32
-        c = scores.shape[1]
-        if c % TILE:  # ragged last chunk: pad to whole tiles with a score no threshold admits
-            scores = torch.nn.functional.pad(scores, (0, TILE - c % TILE), value=torch.iinfo(torch.int32).min)
-        tiles = scores.view(B, -1, TILE)
+        full = scores.shape[1] // TILE * TILE
+        tiles = scores[:, :full].unflatten(1, (-1, TILE))  # [B, c / TILE, TILE]
         b, t = (tiles.amax(dim=2) > threshold[:, None]).nonzero(as_tuple=True)
-        if b.numel() == 0:
-            continue
-        values = tiles[b, t]  # [M, TILE]
-        m, j = (values > threshold[b][:, None]).nonzero(as_tuple=True)
-        pending_q.append(b[m])
-        pending_keys.append(make_keys(values[m, j], start + t[m] * TILE + j))
-        pending += m.numel()
+        if b.numel():
+            values = tiles[b, t]  # [M, TILE]
+            m, j = (values > threshold[b][:, None]).nonzero(as_tuple=True)
+            pending_q.append(b[m])
+            pending_keys.append(make_keys(values[m, j], start + t[m] * TILE + j))
+            pending += m.numel()
+        if full < scores.shape[1]:  # ragged tail of the last chunk (< TILE items)
+            tail = scores[:, full:]
+            b, j = (tail > threshold[:, None]).nonzero(as_tuple=True)
+            pending_q.append(b)
+            pending_keys.append(make_keys(tail[b, j], start + full + j))
+            pending += j.numel()
         if pending > B * k:
             best = _merge_pending(best, pending_q, pending_keys)
             threshold = (best.amin(dim=1) >> 32).to(torch.int32)

@@ -1,0 +1,91 @@
+"""Exact top-k: silverrec's CPU int8 `int8_topk` vs faiss.IndexFlatIP (float) vs torch.topk(q @ x.T).
+
+Same items, same queries, one process. 1M x 128 items (a Gaussian mixture, so neighbourhoods are
+not uniform noise), batch 16, k in {100, 1024, 10000}. Reports median latency per batch (p20/p80),
+the ratio of each reference to silverrec (> 1 means silverrec is faster), recall@k of the int8
+answer against the float answer, and memory of each index.
+
+    .venv/bin/python benchmarks/exact_topk.py [--n 1000000] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import measure, print_table, write_results  # noqa: E402
+
+import silverrec  # noqa: E402,F401
+from silverrec.publish.quantize import quantize_global  # noqa: E402
+
+
+def gaussian_mixture(n: int, d: int, clusters: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((clusters, d)).astype(np.float32)
+    labels = rng.integers(0, clusters, n)
+    return centers[labels] + 0.5 * rng.standard_normal((n, d)).astype(np.float32)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=1_000_000)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--ks", default="100,1024,10000")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--quick", action="store_true", help="100k items, fewer repeats")
+    args = p.parse_args()
+    if args.quick:
+        args.n = 100_000
+    import faiss
+
+    torch.set_num_threads(args.threads)
+    faiss.omp_set_num_threads(args.threads)
+    x = gaussian_mixture(args.n, args.d, 1000, seed=0)
+    q = gaussian_mixture(args.batch, args.d, 1000, seed=1)
+    xt, qt = torch.from_numpy(x), torch.from_numpy(q)
+    codes, scale, offset = quantize_global(xt)
+    flat = faiss.IndexFlatIP(args.d)
+    flat.add(x)
+
+    rows = []
+    for k in [int(v) for v in args.ks.split(",")]:
+        def ours():
+            return torch.ops.silverrec.int8_topk(qt, codes, scale, offset, k)
+
+        def faiss_flat():
+            return flat.search(q, k)
+
+        def torch_topk():
+            return torch.topk(qt @ xt.T, k, dim=1)
+
+        _, ours_rows = ours()
+        _, faiss_ids = faiss_flat()
+        recall = np.mean([len(set(a) & set(b)) / k for a, b in zip(ours_rows.numpy(), faiss_ids)])
+        timings = {}
+        for name, fn in (("silverrec_int8", ours), ("faiss_flat_ip", faiss_flat), ("torch_topk_float", torch_topk)):
+            timings[name] = measure(fn, repeat=3 if args.quick else 7)
+        base = timings["silverrec_int8"]["median_ms"]
+        for name, t in timings.items():
+            rows.append({
+                "k": k, "system": name, "median_ms": t["median_ms"], "p20_ms": t["p20_ms"], "p80_ms": t["p80_ms"],
+                "ratio_vs_silverrec": t["median_ms"] / base,
+                "recall_vs_float": recall if name == "silverrec_int8" else 1.0,
+            })
+    memory = {"silverrec_int8_bytes": codes.numel(), "faiss_flat_bytes": x.nbytes, "torch_float_bytes": x.nbytes}
+    print(f"\nexact top-k, {args.n:,} x {args.d} items, batch {args.batch}, {args.threads} threads "
+          f"(ratio = system latency / silverrec latency; > 1: silverrec faster)")
+    print_table(rows, ["k", "system", "median_ms", "p20_ms", "p80_ms", "ratio_vs_silverrec", "recall_vs_float"])
+    print(f"memory: int8 codes {memory['silverrec_int8_bytes'] / 2**20:.0f} MiB, "
+          f"float {memory['faiss_flat_bytes'] / 2**20:.0f} MiB")
+    write_results("exact_topk" + ("_quick" if args.quick else ""), vars(args) | memory, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
