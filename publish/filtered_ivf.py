@@ -75,7 +75,9 @@ def example_inputs(module: FilteredIVFIndex, dim: int) -> tuple:
     nlist = module.nlist
     ops = torch.tensor([[1, 1, 2], [6, 0, 0]], dtype=torch.int64)
     rows = torch.zeros(2, 3, 4, dtype=torch.int64)
-    return (torch.zeros(2, dim), 5, min(6, nlist), ops, rows, min(7, nlist), torch.zeros(2, dtype=torch.int64))
+    vops = torch.tensor([[1, 1, 3, 4, 0], [6, 0, 0, 0, 0]], dtype=torch.int64)
+    vrows = torch.zeros(2, 5, 6, dtype=torch.int64)
+    return (torch.zeros(2, dim), 5, min(8, nlist), ops, rows, vops, vrows, min(9, nlist), torch.zeros(2, dtype=torch.int64))
 
 
 DYNAMIC = {
@@ -84,6 +86,8 @@ DYNAMIC = {
     "nprobe": Dim.DYNAMIC,
     "ops": {0: BATCH, 1: Dim.DYNAMIC},
     "rows": {0: BATCH, 1: Dim.DYNAMIC, 2: Dim.DYNAMIC},
+    "vops": {0: BATCH, 1: Dim.DYNAMIC},
+    "vrows": {0: BATCH, 1: Dim.DYNAMIC, 2: Dim.DYNAMIC},
     "max_probe": Dim.DYNAMIC,
     "mode": {0: BATCH},
 }

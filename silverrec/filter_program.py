@@ -21,6 +21,9 @@ Semantics (documented in README "Filtering"):
   can drop true matches at the false-positive rate; `FilterPlan.approximate_not` lists them.
   Together: the filter result is a superset of the exact answer (no false negatives) whenever no
   negated term touches an approximate feature.
+- The verify program (`exact_positive=True`) evaluates positive terms with the exact planes too;
+  the search uses it to drop Bloom false positives from its results and for the unprobed
+  (filter-then-exact-scan) mask, so results are exact for filters over features with planes.
 - A value not in the feature's vocabulary matches nothing, exactly (compiled to FALSE; a Bloom
   test of an unseen value could otherwise false-positive). `f IN (...)` drops unknown values.
 - An unknown feature name is a QueryError naming it and its position.
@@ -131,7 +134,7 @@ def _negate(x: tuple) -> tuple:
     return ("not", x)
 
 
-def _lower(node: Node, plan: FilterPlan, negated: bool) -> tuple:
+def _lower(node: Node, plan: FilterPlan, negated: bool, exact_positive: bool = False) -> tuple:
     if isinstance(node, Term):
         if node.feature not in plan.vocab:
             raise QueryError(
@@ -139,15 +142,15 @@ def _lower(node: Node, plan: FilterPlan, negated: bool) -> tuple:
                 f"this snapshot can filter on {sorted(plan.vocab) or 'no features'}"
             )
         known = [v for v in node.values if v in plan.vocab[node.feature]]
-        if negated and plan.exact[node.feature] is not None:
+        if (negated or exact_positive) and plan.exact[node.feature] is not None:
             pushes = [("push", r) for v in known for r in plan.exact_slot_rows(node.feature, v)]
         else:
             pushes = [("push", plan.bloom_rows(node.feature, v)) for v in known]
         return _balanced("or", pushes)
     if isinstance(node, Not):
-        return _negate(_lower(node.child, plan, not negated))
+        return _negate(_lower(node.child, plan, not negated, exact_positive))
     op = "and" if isinstance(node, And) else "or"
-    return _balanced(op, [_lower(c, plan, negated) for c in node.children])
+    return _balanced(op, [_lower(c, plan, negated, exact_positive) for c in node.children])
 
 
 def _emit(x: tuple, out: list[tuple[int, list[int]]]) -> None:
@@ -167,21 +170,27 @@ def _emit(x: tuple, out: list[tuple[int, list[int]]]) -> None:
         out.append((OP_AND if kind == "and" else OP_OR, []))
 
 
-def compile_filter(text_or_ast: Union[str, Node, None], plan: FilterPlan) -> list[tuple[int, list[int]]]:
-    """One filter -> postfix instructions [(opcode, signed rows)]. None means "all items"."""
+def compile_filter(
+    text_or_ast: Union[str, Node, None], plan: FilterPlan, exact_positive: bool = False
+) -> list[tuple[int, list[int]]]:
+    """One filter -> postfix instructions [(opcode, signed rows)]. None means "all items".
+
+    exact_positive: also evaluate positive terms with the exact planes where the feature has them
+    (the "verify" program: exact for filters over such features, a Bloom superset otherwise).
+    """
     if text_or_ast is None:
         return [(OP_TRUE, [])]
     node = parse(text_or_ast) if isinstance(text_or_ast, str) else text_or_ast
     out: list[tuple[int, list[int]]] = []
-    _emit(_lower(node, plan, False), out)
+    _emit(_lower(node, plan, False, exact_positive), out)
     return out
 
 
 def compile_batch(
-    filters: Sequence[Union[str, Node, None]], plan: FilterPlan
+    filters: Sequence[Union[str, Node, None]], plan: FilterPlan, exact_positive: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compile one filter per query into padded program tensors (ops int64 [B, L], rows int64 [B, L, T])."""
-    programs = [compile_filter(f, plan) for f in filters]
+    programs = [compile_filter(f, plan, exact_positive) for f in filters]
     if not programs:
         raise QueryError("no filters to compile")
     length = max(len(p) for p in programs)

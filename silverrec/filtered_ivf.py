@@ -13,7 +13,11 @@ host round trip (static shapes: `max_probe` candidate slots, unused ones set to 
    needed clusters would touch more rows than the whole pool has matches (estimated from the
    candidates' match density), the query goes "unprobed": the filter runs over the whole pool
    and `silverrec::masked_topk` scans exactly the matching rows.
-6. `silverrec::ivf_scan` scans the chosen clusters, dropping rows whose bit is 0 before top-k.
+6. `silverrec::ivf_scan` scans the chosen clusters, dropping rows whose bit is 0 before top-k
+   (k + k/4 + 16 results, a margin for Bloom false positives).
+7. Verify: the "verify" program (positive terms on exact value-code planes where the features
+   have them) is evaluated on the result rows only; false positives are dropped, the best k kept.
+   The unprobed mask is computed with the verify program directly.
 
 Modes (forward arg `mode`, int64 [B], one per query): AUTO (0, the above), PROBED (1: exactly `nprobe` clusters, the plain
 co-designed search), UNPROBED (2: filter the whole pool, then exact scan; exact up to Bloom false
@@ -119,6 +123,12 @@ class FilteredIVFIndex(nn.Module):
         probes = torch.where(chosen & ~unprobed[:, None], cand, torch.full_like(cand, -1))
         return probes, bitmask, unprobed
 
+    def verify(self, vops: torch.Tensor, vrows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """bool [B, K]: the verify program (exact where the features have planes) on result rows
+        int64 [B, K] (-1 = padding -> False). One single-word window per result row."""
+        words = torch.ops.silverrec.bloom_filter(self.bits, vops, vrows, torch.where(rows >= 0, rows >> 6, rows), 1)
+        return (((words[:, :, 0] >> (rows.clamp_min(0) & 63)) & 1) != 0) & (rows >= 0)
+
     def forward(
         self,
         queries: torch.Tensor,
@@ -126,18 +136,30 @@ class FilteredIVFIndex(nn.Module):
         nprobe: int,
         ops: torch.Tensor,
         rows: torch.Tensor,
+        vops: torch.Tensor,
+        vrows: torch.Tensor,
         max_probe: int,
         mode: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """queries float32 [B, D]; ops int64 [B, L], rows int64 [B, L, T] (compiled filters);
-        1 <= nprobe <= max_probe <= nlist; mode int64 [B] (MODE_AUTO / MODE_PROBED / MODE_UNPROBED per query);
+        """queries float32 [B, D]; (ops int64 [B, L], rows int64 [B, L, T]) the Bloom programs and
+        (vops, vrows) the verify programs of the filters (filter_program.compile_batch with
+        exact_positive False / True); 1 <= nprobe <= max_probe <= nlist; mode int64 [B]
+        (MODE_AUTO / MODE_PROBED / MODE_UNPROBED per query)
         -> (scores float32 [B, k], item_ids int64 [B, k])."""
         probes, bitmask, unprobed = self.plan_probes(queries, k, nprobe, ops, rows, max_probe, mode)
+        # Bloom false positives may take result slots: scan a margin, verify, keep the best k.
+        k2 = k + k // 4 + 16
         s_ivf, r_ivf = torch.ops.silverrec.ivf_scan(
-            queries, self.codes, self.scale, self.offset, self.cluster_offsets, probes, k, bitmask
+            queries, self.codes, self.scale, self.offset, self.cluster_offsets, probes, k2, bitmask
         )
+        ok = self.verify(vops, vrows, r_ivf)
+        s_ivf = torch.where(ok, s_ivf, torch.full_like(s_ivf, float("-inf")))
+        r_ivf = torch.where(ok, r_ivf, torch.full_like(r_ivf, -1))
+        order = torch.sort(s_ivf, dim=1, descending=True, stable=True).indices[:, :k]
+        s_ivf, r_ivf = torch.gather(s_ivf, 1, order), torch.gather(r_ivf, 1, order)
+        # Unprobed queries: the verify program over the whole pool, then an exact scan of its rows.
         starts = torch.where(unprobed, torch.zeros_like(unprobed, dtype=torch.int64), torch.full_like(unprobed, -1, dtype=torch.int64))
-        pool_mask = torch.ops.silverrec.bloom_filter(self.bits, ops, rows, starts[:, None], self.total_words)
+        pool_mask = torch.ops.silverrec.bloom_filter(self.bits, vops, vrows, starts[:, None], self.total_words)
         s_ex, r_ex = torch.ops.silverrec.masked_topk(
             queries, self.codes, self.scale, self.offset, pool_mask[:, 0], unprobed, k
         )

@@ -76,4 +76,5 @@ def search_filtered_ivf(
             max_probe = max(nprobe, min(nlist, int(cfg["search"]["default_max_probe"])))
         max_probe = _check_int("max_probe", max_probe, nprobe, nlist)
     ops, rows = compile_batch(filters, plan)
-    return snap.module(queries, k, nprobe, ops, rows, max_probe, modes)
+    vops, vrows = compile_batch(filters, plan, exact_positive=True)
+    return snap.module(queries, k, nprobe, ops, rows, vops, vrows, max_probe, modes)
