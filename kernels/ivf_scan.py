@@ -115,41 +115,115 @@ def _allowed(bitmask, cand_b, rows, clusters, slot_of, off) -> torch.Tensor:
     return ((word >> (rows & 63)) & 1).bool()
 
 
-def _plan_chunks(off: np.ndarray, probes: np.ndarray, chunk_rows: int):
-    """Host-side plan: chunks of the union of probed clusters, best probe rank first.
+def _plan_segments(off: np.ndarray, probes: np.ndarray, chunk_rows: int, gap_rows: int):
+    """Host-side plan: the row ranges to score, grouped into chunks.
 
-    Returns a list of int64 arrays of cluster ids (each sorted by id).
+    The union of the batch's probed clusters, in id order, is merged into contiguous row runs
+    (gaps of <= gap_rows unprobed rows are included: one matmul over them is cheaper than two
+    calls), and the runs are cut into chunks of at most chunk_rows rows.
+
+    Returns a list of chunks, each a list of (start, stop) row ranges.
     """
     B, P = probes.shape
     nlist = off.shape[0] - 1
-    rank = np.full(nlist + 1, P, dtype=np.int64)
-    slots = np.broadcast_to(np.arange(P, dtype=np.int64), (B, P))
-    np.minimum.at(rank, np.where(probes >= 0, probes, nlist).ravel(), slots.ravel())
-    union = np.flatnonzero(rank[:nlist] < P)
-    order = union[np.lexsort((union, rank[union]))]  # by rank, then id
-    sizes = off[order + 1] - off[order]
-    ends = np.cumsum(sizes)
-    chunks, start, consumed = [], 0, 0
-    while start < order.shape[0]:
-        stop = int(np.searchsorted(ends, consumed + chunk_rows, side="right"))
-        stop = max(stop, start + 1)
-        chunks.append(np.sort(order[start:stop]))
-        consumed = int(ends[stop - 1])
-        start = stop
+    hit = np.zeros(nlist + 1, dtype=bool)
+    hit[np.where(probes >= 0, probes, nlist).ravel()] = True
+    union = np.flatnonzero(hit[:nlist])
+    union = union[off[union + 1] > off[union]]  # empty clusters need no scan
+    if union.size == 0:
+        return []
+    starts, stops = off[union], off[union + 1]
+    new_run = np.ones(union.size, dtype=bool)
+    new_run[1:] = starts[1:] - stops[:-1] > gap_rows
+    first = np.flatnonzero(new_run)
+    last = np.r_[first[1:], union.size] - 1
+    chunks, current, filled = [], [], 0
+    for a, z in zip(starts[first].tolist(), stops[last].tolist()):
+        while a < z:
+            take = min(z - a, chunk_rows - filled)
+            current.append((a, a + take))
+            filled += take
+            a += take
+            if filled == chunk_rows:
+                chunks.append(current)
+                current, filled = [], 0
+    if current:
+        chunks.append(current)
     return chunks
 
 
-def _runs(off: np.ndarray, clusters: np.ndarray, gap_rows: int):
-    """Merge the row ranges of sorted clusters into runs; gaps of <= gap_rows rows are included.
+def _pilot_slots(cluster_offsets: torch.Tensor, probes: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [B, P]: each query's first probe slots until they hold >= k items (all slots if fewer)."""
+    sizes = cluster_offsets[1:] - cluster_offsets[:-1]
+    slot_sizes = torch.where(probes >= 0, sizes[probes.clamp_min(0)], 0)
+    before = torch.cumsum(slot_sizes, dim=1) - slot_sizes
+    return (before < k) & (probes >= 0)
 
-    Returns (run_start int64 [R], run_stop int64 [R], first cluster of each run, last cluster + 1).
+
+def _pairs(probes: torch.Tensor, slots: torch.Tensor, nlist: int) -> torch.Tensor:
+    """bool [nlist + 1, B]: pairs[c, b] = query b scans cluster c in the given slots."""
+    B = probes.shape[0]
+    c = torch.where(slots, probes, nlist)
+    pairs = torch.zeros(nlist + 1, B, dtype=torch.bool)
+    pairs[c, torch.arange(B)[:, None].expand_as(probes)] = True
+    pairs[nlist] = False
+    return pairs
+
+
+def _nonzero_by_query(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (b, j) of the True entries of a sparse bool [R, B], sorted by query b.
+
+    Rows without any hit are dropped first, 8 entries per int64 compare (B a multiple of 8), so
+    nonzero only walks the rare rows that have one.
     """
-    starts, stops = off[clusters], off[clusters + 1]
-    new_run = np.ones(clusters.shape[0], dtype=bool)
-    new_run[1:] = starts[1:] - stops[:-1] > gap_rows
-    idx = np.flatnonzero(new_run)
-    last = np.r_[idx[1:], clusters.shape[0]] - 1
-    return starts[idx], stops[last], clusters[idx], clusters[last] + 1
+    R, B = mask.shape
+    if B % 8 == 0 and R > 0:
+        hit = mask.view(torch.int64).ne(0).any(dim=1).nonzero().flatten()
+        b, jj = mask[hit].t().nonzero(as_tuple=True)
+        return b, hit[jj]
+    return mask.t().nonzero(as_tuple=True)
+
+
+def _scan_pass(best, qt, codes, cluster_offsets, pairs, probes_np, chunk_rows, gap_rows, dense, bitmask, slot_of):
+    """Score the clusters in `pairs` chunk by chunk and merge qualifying entries into `best`.
+
+    dense: mask entries by pairs before the threshold (first pass, when thresholds are still
+    low); otherwise only candidates above the threshold are looked up in `pairs`.
+    """
+    B = qt.shape[1]
+    buf = torch.empty(chunk_rows, B, dtype=torch.int32)
+    for segments in _plan_segments(cluster_offsets.numpy(), probes_np, chunk_rows, gap_rows):
+        pos = 0
+        for a, z in segments:
+            torch._int_mm(codes[a:z], qt, out=buf[pos : pos + z - a])
+            pos += z - a
+        scores = buf[:pos]
+        seg = torch.tensor(segments, dtype=torch.int64)  # [S, 2] row ranges
+        seg_len = seg[:, 1] - seg[:, 0]
+        # Only entries reaching the query's current k-th best can enter (EMPTY -> int32 min: all).
+        threshold = (best.amin(dim=1) >> 32).to(torch.int32)  # [B]
+        mask = scores >= threshold[None, :]
+        if dense:
+            all_rows = torch.repeat_interleave(seg[:, 0] - (torch.cumsum(seg_len, 0) - seg_len), seg_len)
+            all_rows += torch.arange(pos)
+            mask &= pairs[torch.searchsorted(cluster_offsets, all_rows, right=True) - 1]
+        b, j = _nonzero_by_query(mask)
+        if b.numel() == 0:
+            continue
+        seg_end = torch.cumsum(seg_len, 0)
+        s_of_j = torch.searchsorted(seg_end, j, right=True)
+        rows = seg[s_of_j, 1] - (seg_end[s_of_j] - j)
+        clusters = torch.searchsorted(cluster_offsets, rows, right=True) - 1
+        ok = None if dense else pairs[clusters, b]  # drops gap rows and other queries' clusters
+        if bitmask is not None:
+            allowed = _allowed(bitmask, b, rows, clusters, slot_of, cluster_offsets)
+            ok = allowed if ok is None else ok & allowed
+        if ok is not None and not bool(ok.all()):
+            b, j, rows = b[ok], j[ok], rows[ok]
+            if b.numel() == 0:
+                continue
+        best = merge_candidates(best, b, make_keys(scores[j, b], rows))
+    return best
 
 
 def scan_keys_cpu(
@@ -164,6 +238,11 @@ def scan_keys_cpu(
 ) -> torch.Tensor:
     """Top-k sort keys int64 [B, k] (descending, EMPTY_KEY padding) of the probed, allowed rows.
 
+    Two passes over disjoint (query, cluster) pairs: the pilot pass scans each query's first probe
+    slots until they hold k items (its nearest clusters, so its k-th best score there is a tight
+    lower bound of the final one), exactly; the main pass scans the remaining pairs and only looks
+    at entries reaching that bound.
+
     Args: qcodes int8 [B, D]; codes int8 [N, D]; cluster_offsets int64 [nlist + 1];
     probes int64 [B, P] canonical (no repeats, see `canonical_probes`); bitmask as in the op.
     """
@@ -172,58 +251,20 @@ def scan_keys_cpu(
     best = torch.full((B, k), EMPTY_KEY, dtype=torch.int64)
     if probes.shape[1] == 0 or B == 0:
         return best
-    off_np = cluster_offsets.numpy()
-    probes_np = probes.numpy()
     qt = qcodes.contiguous().t()  # [D, B] column-major, as _int_mm wants its second operand
-    # probed[c, b]: query b probes cluster c (row nlist = the -1 slots).
-    probed = torch.zeros(nlist + 1, B, dtype=torch.bool)
-    b_idx = torch.arange(B)[:, None].expand_as(probes)
-    probed[torch.where(probes >= 0, probes, nlist), b_idx] = True
     slot_of = None
     if bitmask is not None:
         slot_of = torch.zeros(B, nlist + 1, dtype=torch.int64)
-        slot_of[b_idx, torch.where(probes >= 0, probes, nlist)] = torch.arange(probes.shape[1]).expand_as(probes)
-    blocked = torch.full((1, B), INT32_MAX, dtype=torch.int32)
-    buf = torch.empty(0, B, dtype=torch.int32)
-
-    for clusters in _plan_chunks(off_np, probes_np, chunk_rows):
-        run_start, run_stop, first_c, stop_c = _runs(off_np, clusters, gap_rows)
-        total = int((run_stop - run_start).sum())
-        if total == 0:
+        slot_c = torch.where(probes >= 0, probes, nlist)
+        slot_of[torch.arange(B)[:, None].expand_as(probes), slot_c] = torch.arange(probes.shape[1]).expand_as(probes)
+    pilot = _pilot_slots(cluster_offsets, probes, k)
+    rest = (probes >= 0) & ~pilot
+    for slots, dense in ((pilot, True), (rest, False)):
+        if not bool(slots.any()):
             continue
-        if buf.shape[0] < total:
-            buf = torch.empty(total, B, dtype=torch.int32)
-        pos = 0
-        for a, z in zip(run_start.tolist(), run_stop.tolist()):
-            if z > a:
-                torch._int_mm(codes[a:z], qt, out=buf[pos : pos + z - a])
-                pos += z - a
-        scores = buf[:total]
-        # Clusters covered by the runs (chunk members and gap clusters), in buffer order.
-        covered = np.concatenate([np.arange(f, s) for f, s in zip(first_c.tolist(), stop_c.tolist())])
-        covered_t = torch.from_numpy(covered)
-        in_chunk = torch.zeros(nlist, dtype=torch.bool)
-        in_chunk[torch.from_numpy(clusters)] = True
-        # Per covered cluster and query: the score an entry must reach (INT32_MAX = not scanned).
-        threshold = (best.amin(dim=1) >> 32).to(torch.int32)  # [B]; EMPTY -> int32 min: all pass
-        table = torch.where(
-            probed[covered_t] & in_chunk[covered_t][:, None], threshold[None, :], blocked
-        )  # [C, B]
-        sizes = torch.from_numpy(off_np[covered + 1] - off_np[covered])
-        local = torch.repeat_interleave(torch.arange(covered.shape[0]), sizes)  # [total]
-        b, j = (scores >= table[local]).t().nonzero(as_tuple=True)  # sorted by query b
-        if b.numel() == 0:
-            continue
-        run_rows = torch.from_numpy(run_stop - run_start)
-        rows = torch.repeat_interleave(torch.from_numpy(run_start) - (torch.cumsum(run_rows, 0) - run_rows), run_rows)
-        rows = rows[j] + j  # cluster-major row of each candidate
-        cand_scores = scores[j, b]
-        if bitmask is not None:
-            ok = _allowed(bitmask, b, rows, covered_t[local[j]], slot_of, cluster_offsets)
-            b, rows, cand_scores = b[ok], rows[ok], cand_scores[ok]
-            if b.numel() == 0:
-                continue
-        best = merge_candidates(best, b, make_keys(cand_scores, rows))
+        pairs = _pairs(probes, slots, nlist)
+        probes_np = torch.where(slots, probes, -1).numpy()
+        best = _scan_pass(best, qt, codes, cluster_offsets, pairs, probes_np, chunk_rows, gap_rows, dense, bitmask, slot_of)
     return best.sort(dim=1, descending=True).values
 
 
