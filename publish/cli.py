@@ -2,6 +2,8 @@
 
     silverrec publish --pool POOL.parquet --out DIR [--exact] [--nlist N] [--seed S]
     silverrec query DIR --queries Q.npy --k K [--nprobe P] [--filter "..."] [--json]
+    silverrec publish --generative --pool POOL --out DIR [--model CKPT] [--beam-width W] [--top-k K]
+    silverrec query DIR --history "id1,id2,..." [--history-file F] --k K      (generative snapshots)
     silverrec inspect DIR
 """
 
@@ -20,7 +22,7 @@ def _publish(args: argparse.Namespace) -> int:
 
     pool = read_pool(args.pool)
     print(f"pool: {pool.size} items, dim {pool.dim}, features {sorted(pool.features) or 'none'}", file=sys.stderr)
-    kind = "exact" if args.exact else DEFAULT_KIND
+    kind = "generative" if getattr(args, "generative", False) else "exact" if args.exact else DEFAULT_KIND
     if kind == "ivf" and pool.features and "filtered_ivf" in PUBLISHERS:
         kind = "filtered_ivf"  # categorical columns become filterable features
     publisher = PUBLISHERS[kind]
@@ -52,8 +54,18 @@ def _publish_filtered_ivf(pool, args) -> Path:
     )
 
 
+def _publish_generative(pool, args) -> Path:
+    from silverrec.publish.generative import publish_from_pool
+
+    return publish_from_pool(
+        pool, args.out, model=args.model, minutes=args.minutes, beam_width=args.beam_width, top_k=args.top_k,
+        weights=args.weights, seed=args.seed, overwrite=args.overwrite,
+    )
+
+
 # Index kind -> publisher(pool, args).
 PUBLISHERS = {"exact": _publish_exact, "ivf": _publish_ivf, "filtered_ivf": _publish_filtered_ivf}
+PUBLISHERS["generative"] = _publish_generative
 DEFAULT_KIND = "ivf"
 
 
@@ -61,6 +73,10 @@ def _query(args: argparse.Namespace) -> int:
     import silverrec
 
     snap = silverrec.load(args.snapshot, backend=args.backend)
+    if snap.kind == "generative":
+        return _query_generative(snap, args)
+    if args.queries is None:
+        raise silverrec.QueryError(f"a {snap.kind} snapshot needs --queries Q.npy")
     try:
         queries = np.load(args.queries)
     except (OSError, ValueError) as e:
@@ -69,6 +85,11 @@ def _query(args: argparse.Namespace) -> int:
         raise silverrec.QueryError(f"queries in {args.queries} must be float32 [B, D], got {queries.dtype}")
     options = {name: getattr(args, name) for name in ("nprobe", "filter", "max_probe", "mode") if getattr(args, name, None) is not None}
     result = snap.search(queries, args.k, **options)
+    _print_result(result, args)
+    return 0
+
+
+def _print_result(result, args: argparse.Namespace) -> None:
     if args.json:
         text = json.dumps(result.to_json())
         if args.json == "-":
@@ -81,6 +102,39 @@ def _query(args: argparse.Namespace) -> int:
                 f"{int(i)}:{float(s):.4f}" for i, s in zip(result.item_ids[b], result.scores[b])
             )
             print(f"query {b}: {pairs}")
+
+
+def _parse_history(text: str, where: str) -> list[int]:
+    from silverrec.errors import QueryError
+
+    items = [t for t in text.replace(",", " ").split() if t]
+    try:
+        return [int(t) for t in items]
+    except ValueError:
+        bad = next(t for t in items if not t.lstrip("-").isdigit())
+        raise QueryError(f"{where}: history item id {bad!r} is not an integer") from None
+
+
+def _query_generative(snap, args: argparse.Namespace) -> int:
+    """Next items for each history: --history "1,2,3" (one request) or --history-file (one per line)."""
+    from silverrec.errors import QueryError, check_k
+
+    histories = []
+    if args.history is not None:
+        histories.append(_parse_history(args.history, "--history"))
+    if args.history_file is not None:
+        try:
+            lines = Path(args.history_file).read_text().splitlines()
+        except OSError as e:
+            raise QueryError(f"cannot read histories from {args.history_file}: {e.strerror}") from None
+        histories += [_parse_history(line, f"{args.history_file} line {n}") for n, line in enumerate(lines, 1) if line.strip()]
+    if not histories:
+        raise QueryError("a generative snapshot needs --history \"id1,id2,...\" or --history-file F")
+    width = int(snap.config["beam_width"])
+    check_k(args.k, width, "beams (the snapshot's beam_width)")
+    result = snap.recommend(histories)
+    result = type(result)(item_ids=result.item_ids[:, : args.k], scores=result.scores[:, : args.k])
+    _print_result(result, args)
     return 0
 
 
@@ -116,11 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--seed", type=int, default=0, help="IVF k-means seed")
     pub.add_argument("--bloom-bits", type=int, default=None, help="Bloom bits M per item (default: sizing rule, max tokens x K x 1.5)")
     pub.add_argument("--bloom-hashes", type=int, default=None, help="Bloom hash functions K per token (default 7)")
+    pub.add_argument("--generative", action="store_true", help="generative (semantic-ID beam decode) snapshot")
+    pub.add_argument("--model", default=None, help="generative: checkpoint from python -m silverrec.publish.train_generative (default: train now)")
+    pub.add_argument("--minutes", type=float, default=3.0, help="generative without --model: training budget (default 3)")
+    pub.add_argument("--beam-width", dest="beam_width", type=int, default=64, help="generative: beams = items returned (default 64)")
+    pub.add_argument("--top-k", dest="top_k", type=int, default=None, help="generative: candidates per beam (default beam width)")
+    pub.add_argument("--weights", choices=("auto", "bf16", "fp32"), default="auto", help="generative: weight dtype (auto: bf16 if it agrees with fp32)")
     pub.set_defaults(func=_publish)
 
     q = sub.add_parser("query", help="top-k items for each query vector")
     q.add_argument("snapshot")
-    q.add_argument("--queries", required=True, help=".npy float32 [B, D]")
+    q.add_argument("--queries", default=None, help=".npy float32 [B, D] (retrieval snapshots)")
+    q.add_argument("--history", default=None, help="generative: one history, item ids oldest first, e.g. \"1,50,260\"")
+    q.add_argument("--history-file", dest="history_file", default=None, help="generative: one history per line")
     q.add_argument("--k", type=int, required=True)
     q.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or stdout)")
     q.add_argument("--backend", choices=("export", "torchscript"), default="export")

@@ -52,6 +52,48 @@ class Snapshot:
     def config(self) -> dict[str, Any]:
         return self.manifest["config"]
 
+    def recommend(self, history_item_ids: list[list[int]], filter_bitmask: torch.Tensor | None = None) -> SearchResult:
+        """Next items for each history (a "generative" snapshot), one forward call.
+
+        Args:
+            history_item_ids: per request, item ids oldest first; only the most recent
+                `config["max_history_items"]` are used. Unknown ids raise QueryError.
+            filter_bitmask: optional int64 [B, ceil(N/64)]: bit r & 63 of word r >> 6 allows item
+                row r of `generative_item_ids()` (trie leaf order); None = every item.
+        Returns:
+            item_ids int64 [B, beam_width] (-1 = fewer valid items) and scores float32 (summed
+            log-probs, descending; -inf = none).
+        """
+        if self.kind != "generative":
+            raise QueryError(f"snapshot kind {self.kind!r} does not answer recommend requests (use search)")
+        ids, tokens, order = self._generative_items()
+        history = history_tokens(history_item_ids, ids[order], tokens[order], int(self.config["max_history_items"]))
+        n, B = self.manifest["item_count"], history.shape[0]
+        words = (n + 63) // 64
+        if filter_bitmask is None:
+            filter_bitmask = torch.full((B, words), -1, dtype=torch.int64)
+        elif not isinstance(filter_bitmask, torch.Tensor) or filter_bitmask.dtype != torch.int64 \
+                or tuple(filter_bitmask.shape) != (B, words):
+            got = tuple(filter_bitmask.shape) if isinstance(filter_bitmask, torch.Tensor) else type(filter_bitmask).__name__
+            raise QueryError(f"filter_bitmask must be int64 [{B}, {words}], got "
+                             f"{getattr(filter_bitmask, 'dtype', '')} {got}")
+        if B == 1:  # the exported program guards batch != 1 (a 0/1 specialisation in the decode): pad to 2
+            history, filter_bitmask = history.expand(2, -1), filter_bitmask.expand(2, -1)
+        with torch.inference_mode():
+            item_ids, scores = self.module(history.contiguous(), filter_bitmask.contiguous())
+        return SearchResult(item_ids=item_ids[:B], scores=scores[:B])
+
+    def generative_item_ids(self) -> np.ndarray:
+        """int64 [N] item id of every row of a generative snapshot (the filter bitmask's order)."""
+        return self._generative_items()[0]
+
+    def _generative_items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if getattr(self, "_items", None) is None:
+            with np.load(self.path / self.config["items_file"], allow_pickle=False) as f:
+                ids, tokens = f["item_ids"], f["tokens"]
+            self._items = (ids, tokens, np.argsort(ids, kind="stable"))
+        return self._items
+
     def search(self, queries: torch.Tensor | np.ndarray, k: int, **options: Any) -> SearchResult:
         """Top-k items for each query row. `options` are kind-specific (e.g. nprobe for "ivf")."""
         if isinstance(queries, np.ndarray):
@@ -87,6 +129,38 @@ def _search_ivf(snap: Snapshot, queries: torch.Tensor, k: int, nprobe: int | Non
 # kind -> callable(snapshot, queries, k, **options) -> (scores, item_ids). Runtime modules of other
 # kinds register here.
 SEARCH_HANDLERS = {"exact": _search_exact, "ivf": _search_ivf, "filtered_ivf": search_filtered_ivf}
+
+
+ITEMS_FILE = "items.npz"  # generative snapshots: item_ids [N], tokens [N, L] in trie leaf order
+
+
+def history_tokens(histories: list[list[int]], sorted_ids: np.ndarray, sorted_tokens: np.ndarray,
+                   max_items: int) -> torch.Tensor:
+    """Item-id histories -> left-padded decoder input int64 [B, T] (generative contract).
+
+    Each row is BOS (1) + the L tokens of its last `max_items` items, oldest first, left-padded
+    with PAD (0); T = max(2, longest row). sorted_ids int64 [N] ascending, sorted_tokens [N, L].
+    Raises QueryError naming the first unknown item id (and its request).
+    """
+    if isinstance(histories, (str, bytes)) or not hasattr(histories, "__len__") or len(histories) == 0:
+        raise QueryError("history_item_ids must be a non-empty list of item-id lists")
+    rows = []
+    for b, h in enumerate(histories):
+        try:
+            h = np.asarray(h, dtype=np.int64).reshape(-1)[-max_items:] if len(h) else np.zeros(0, np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise QueryError(f"history {b} must be a list of integer item ids") from None
+        pos = np.searchsorted(sorted_ids, h).clip(0, len(sorted_ids) - 1)
+        bad = np.flatnonzero(sorted_ids[pos] != h)
+        if bad.size:
+            raise QueryError(f"unknown history item id {int(h[bad[0]])} in history {b}: not in the snapshot's pool")
+        rows.append(sorted_tokens[pos].reshape(-1))
+    T = max(2, 1 + max(r.size for r in rows))
+    out = torch.zeros(len(rows), T, dtype=torch.int64)
+    for b, r in enumerate(rows):
+        out[b, T - r.size - 1] = 1  # BOS
+        out[b, T - r.size :] = torch.from_numpy(r)
+    return out
 
 
 def load(path: str | os.PathLike, backend: str = "export", verify: bool = True) -> Snapshot:
