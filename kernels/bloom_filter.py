@@ -81,6 +81,11 @@ def bloom_filter_numpy(bits: np.ndarray, ops: np.ndarray, rows: np.ndarray, word
     out = np.zeros((B, P, n_words), dtype=np.int64)
     if B == 0 or P == 0 or W == 0 or L == 0:
         return out
+    live = np.flatnonzero((word_start >= 0).any(axis=1))
+    if live.size < B:  # queries without any window cost nothing
+        if live.size:
+            out[live] = bloom_filter_numpy(bits, ops[live], rows[live], word_start[live], n_words)
+        return out
     dst, src_a, src_b = stack_slots(ops)
     widx, valid = _windows(word_start, n_words, W)
     flat = bits.reshape(-1)

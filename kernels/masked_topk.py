@@ -62,18 +62,22 @@ def masked_topk(
     qcodes, qscale = quantize_queries(queries)
     keys = torch.full((B, k), EMPTY_KEY, dtype=torch.int64, device=codes.device)
     exact_float = d <= 1040
+    groups: dict[bytes, list[int]] = {}  # queries with identical masks share one gather + matmul
     for b in active.nonzero().reshape(-1).tolist():
-        rows = unpack_rows(mask[b], n)
+        groups.setdefault(mask[b].cpu().numpy().tobytes(), []).append(b)
+    for members in groups.values():
+        rows = unpack_rows(mask[members[0]], n)
         if rows.numel() == 0:
             continue
         sel = codes.index_select(0, rows)
+        qg = qcodes[members]  # [G, D]
         if exact_float:
-            s = (sel.float() @ qcodes[b].float()).round().to(torch.int64)
+            s = (sel.float() @ qg.float().t()).round().to(torch.int64)  # [M, G]
         else:
-            s = sel.to(torch.int64) @ qcodes[b].to(torch.int64)
-        kb = make_keys(s, rows)
-        take = min(k, kb.numel())
-        keys[b, :take] = kb.topk(take, sorted=False).values
+            s = sel.to(torch.int64) @ qg.to(torch.int64).t()
+        kb = make_keys(s.t(), rows[None, :])  # [G, M]
+        take = min(k, rows.numel())
+        keys[members, :take] = kb.topk(take, dim=1, sorted=False).values
     keys = keys.sort(dim=1, descending=True).values
     int_scores, rows = split_keys(keys)
     scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)

@@ -7,8 +7,9 @@ host round trip (static shapes: `max_probe` candidate slots, unused ones set to 
 2. Filter only those clusters: `silverrec::bloom_filter` runs each query's program over its
    candidates' word windows -> bitmask `[B, P, Wc]` (scratch proportional to probed items).
 3. Per-cluster match counts: popcount of the bitmask inside each cluster's row range.
-4. Widen: probe the smallest prefix of candidates holding >= `match_factor * k` matching items,
-   but at least `nprobe` clusters.
+4. Widen: probe the smallest prefix of candidates holding >= max(`match_factor * k`, nprobe x
+   mean cluster size) matching items (as many as the unfiltered search would scan), but at least
+   `nprobe` clusters.
 5. Switch: when even all `max_probe` candidates hold fewer matches than that, or scanning the
    needed clusters would touch more rows than the whole pool has matches (estimated from the
    candidates' match density), the query goes "unprobed": the filter runs over the whole pool
@@ -80,6 +81,7 @@ class FilteredIVFIndex(nn.Module):
         self.window_words = max(1, bitmask_words(self.cluster_offsets))
         self.total_words = int(bits.shape[1])
         self.num_items = int(n)
+        self.avg_cluster = max(1, int(n) // int(centroids.shape[0]))
         self.match_factor = int(match_factor)
         self.exact_cost_ratio = float(exact_cost_ratio)
 
@@ -107,7 +109,10 @@ class FilteredIVFIndex(nn.Module):
         inside = range_word_masks(lo, hi, starts, self.window_words)
         matches = popcount64(bitmask & inside).sum(dim=2)  # [B, P]
         cum = torch.cumsum(matches, dim=1)
-        target = k * self.match_factor
+        # enough matches for k, and at least as many rows as the unfiltered search at nprobe scans
+        # (= the rows an unfiltered search scans at nprobe: the filtered top-k of a fraction s of the
+        # pool lies about as far out as the unfiltered top-k/s, so the same match count is needed)
+        target = torch.maximum(cum.new_full([1], nprobe * self.avg_cluster), cum.new_full([1], k * self.match_factor))
         need = (cum < target).sum(dim=1) + 1  # probes to reach the target (P + 1 if never)
         mode_t = mode.to(need.dtype)
         use = torch.where(mode_t == 1,  # MODE_PROBED (literal: TorchScript reads no globals)
