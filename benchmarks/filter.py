@@ -1,0 +1,318 @@
+"""Filtering benchmark, one process: Bloom (silverrec) vs roaring inverted index vs forward index, and
+end-to-end filtered ANN: co-designed selectivity-aware search vs Faiss IVF-SQ8 + IDSelectorBitmap
+(fed by the roaring bitmap) vs a numpy filter-then-exact scan, against the exact filtered answer.
+
+    .venv/bin/python benchmarks/filter.py            # 1M (+10M filter-only at M=512), ~15 min
+    .venv/bin/python benchmarks/filter.py --quick    # 200k items, a couple of minutes
+
+Writes benchmarks/results/filter.json (filter_quick.json with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("SILVERREC_QUIET", "1")
+
+import faiss  # noqa: E402
+import numpy as np  # noqa: E402
+import pyroaring  # noqa: E402
+import torch  # noqa: E402
+
+import silverrec  # noqa: E402
+from silverrec.filter_lang import And, Not, Or, Term, parse  # noqa: E402
+from silverrec.filter_program import FilterPlan, compile_batch  # noqa: E402
+from silverrec.filtered_ivf import MODE_AUTO, MODE_PROBED, FilteredIVFIndex  # noqa: E402
+from silverrec.forward_index import ForwardIndex, unpack_mask  # noqa: E402
+from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config  # noqa: E402
+from silverrec.publish.ivf import cluster_major_layout  # noqa: E402
+
+FEATURES = {  # name -> (cardinality, zipf exponent or 0 = uniform)
+    "country": (10, 0.0),
+    "genre": (20, 1.0),
+    "age": (50, 0.0),
+    "lang": (100, 0.0),
+    "brand": (500, 1.1),
+    "topic": (1000, 0.0),
+}
+MIX = [  # realistic query mix: AND of ORs, some NOT
+    "country IN (c1, c2) AND genre IN (g0, g3, g5)",
+    "lang IN (l1, l2, l3, l4) AND NOT genre = g0",
+    "(brand IN (b0, b1, b2) OR topic IN (t5, t6)) AND age IN (a1, a2, a3, a4, a5)",
+    "country = c3 AND (lang = l7 OR lang = l8) AND NOT brand = b0",
+    "genre IN (g1, g2) AND NOT (country = c0 OR age IN (a0, a1))",
+    "topic IN (t1, t2, t3, t4, t5, t6, t7, t8) OR brand = b3",
+    "age = a9 AND genre = g4",
+    "NOT country IN (c0, c1, c2) AND lang IN (l10, l11)",
+]
+SELECTIVE = {  # filters with a designed selectivity, for the end-to-end ANN part
+    "10%": "country = c1 AND NOT genre = g0",
+    "1%": "lang = l5 AND NOT age = a0",
+    "0.03%": "topic = t7 AND country IN (c1, c2, c3)",
+}
+
+
+def timeit(fn, repeat=5, warmup=1):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return {"median_ms": 1e3 * statistics.median(ts), "p20_ms": 1e3 * ts[len(ts) // 5], "p80_ms": 1e3 * ts[min(len(ts) - 1, 4 * len(ts) // 5)]}
+
+
+def make_features(n: int, rng) -> dict:
+    out = {}
+    for name, (card, zipf) in FEATURES.items():
+        p = np.ones(card) if zipf == 0 else 1.0 / np.arange(1, card + 1) ** zipf
+        codes = rng.choice(card, size=n, p=p / p.sum()).astype(np.int32)
+        out[name] = ([f"{name[0]}{i}" for i in range(card)], codes)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- roaring
+
+
+class RoaringIndex:
+    """Inverted index: one roaring bitmap per (feature, value); NOT = complement in [0, N)."""
+
+    def __init__(self, feats: dict, n: int):
+        self.n = n
+        self.maps = {}
+        for name, (vocab, codes) in feats.items():
+            order = np.argsort(codes, kind="stable")
+            bounds = np.searchsorted(codes[order], np.arange(len(vocab) + 1))
+            for v in range(len(vocab)):
+                self.maps[(name, vocab[v])] = pyroaring.BitMap(order[bounds[v] : bounds[v + 1]].astype(np.uint32))
+        self.universe = pyroaring.BitMap(np.arange(n, dtype=np.uint32))
+
+    def bytes(self) -> int:
+        return sum(len(m.serialize()) for m in self.maps.values())
+
+    def evaluate(self, node):
+        if isinstance(node, str):
+            node = parse(node)
+        if isinstance(node, Term):
+            maps = [self.maps[(node.feature, v)] for v in node.values if (node.feature, v) in self.maps]
+            return pyroaring.BitMap.union(*maps) if maps else pyroaring.BitMap()
+        if isinstance(node, Not):
+            return self.universe - self.evaluate(node.child)
+        parts = [self.evaluate(c) for c in node.children]
+        return pyroaring.BitMap.intersection(*parts) if isinstance(node, And) else pyroaring.BitMap.union(*parts)
+
+
+def roaring_to_faiss_bitmap(bm: pyroaring.BitMap, n: int) -> np.ndarray:
+    bits = np.zeros(n, dtype=bool)
+    bits[np.asarray(bm.to_array(), dtype=np.int64)] = True
+    return np.packbits(bits, bitorder="little")
+
+
+# ------------------------------------------------------------------------------ part A: filtering
+
+
+def filter_part(n: int, ms: list[int], batches: list[int], rng, nlist: int, nprobe: int) -> list[dict]:
+    rows = []
+    feats = make_features(n, rng)
+    t0 = time.perf_counter()
+    fwd = ForwardIndex.from_codes(feats)
+    roar = RoaringIndex(feats, n)
+    print(f"[{n:,} items] forward + roaring built in {time.perf_counter() - t0:.1f}s", flush=True)
+    fwd_bytes = sum(t.numel() * t.element_size() for t in (fwd.token_ids, fwd.offsets, fwd.token_rows))
+    roar_bytes = roar.bytes()
+    # synthetic cluster layout for the co-designed (probed-window) evaluation: equal clusters
+    off = torch.linspace(0, n, nlist + 1).round().to(torch.int64)
+    for m in ms:
+        t0 = time.perf_counter()
+        bank, meta = build_filter_bank(fwd, BloomConfig(bits=m, hashes=7) if m else choose_config(fwd))
+        plan = FilterPlan.from_config(meta)
+        m_eff = meta["bloom"]["bits"]
+        print(f"  M={m_eff}: bank {bank.numel() * 8 / 2**20:.0f} MiB built in {time.perf_counter() - t0:.1f}s", flush=True)
+        # FP rate of the Bloom-only programs on the mix, against the exact answer
+        ops, prow = compile_batch(MIX, plan)
+        words = torch.ops.silverrec.bloom_filter(bank, ops, prow, torch.zeros(len(MIX), 1, dtype=torch.int64), bank.shape[1])
+        got = unpack_mask(words[:, 0], n)
+        want = fwd.evaluate_batch(MIX)
+        fn = int((want & ~got).sum())
+        fp = float((got & ~want).sum()) / float((~want).sum())
+        single = [f"{f} = {v[0]}{i}" for f, (card, _) in FEATURES.items() for i in range(0, card, max(1, card // 10)) for v in [f]]
+        o1, r1 = compile_batch(single, plan)
+        g1 = unpack_mask(torch.ops.silverrec.bloom_filter(bank, o1, r1, torch.zeros(len(single), 1, dtype=torch.int64), bank.shape[1])[:, 0], n)
+        w1 = fwd.evaluate_batch(single)
+        fp_term = float((g1 & ~w1).sum()) / float((~w1).sum())
+        del got, want, g1, w1
+        for b in batches:
+            filters = [MIX[i % len(MIX)] for i in range(b)]
+            ops, prow = compile_batch(filters, plan)
+            whole = torch.zeros(b, 1, dtype=torch.int64)
+            probes = torch.from_numpy(rng.choice(nlist, size=(b, nprobe), replace=True))
+            starts = off[probes] >> 6
+            wc = int((((off[1:] + 63) >> 6) - (off[:-1] >> 6)).max())
+            rows.append({
+                "part": "filter", "n": n, "M": m_eff, "K": 7, "batch": b,
+                "bloom_whole_pool": timeit(lambda: torch.ops.silverrec.bloom_filter(bank, ops, prow, whole, bank.shape[1]), repeat=3),
+                "bloom_probed": timeit(lambda: torch.ops.silverrec.bloom_filter(bank, ops, prow, starts, wc)),
+                "compile_plan": timeit(lambda: compile_batch(filters, plan)),
+                "roaring_whole_pool": timeit(lambda: [roar.evaluate(f) for f in filters], repeat=3),
+                "forward_index": timeit(lambda: fwd.evaluate_batch(filters), repeat=1, warmup=0) if b <= 16 else None,
+                "probed_fraction": nprobe / nlist,
+                "bytes": {"bloom_bank": int(bank.numel() * 8), "bloom_only": int(m_eff * bank.shape[1] * 8), "roaring": roar_bytes, "forward_index": fwd_bytes},
+                "fp_rate_mix": fp, "fp_rate_single_term": fp_term, "estimated_fp_term": meta["stats"]["estimated_fp_rate"],
+                "false_negatives_mix": fn,
+            })
+            r = rows[-1]
+            print(
+                f"    B={b:3d} bloom whole {r['bloom_whole_pool']['median_ms']:8.2f} ms | probed {r['bloom_probed']['median_ms']:7.3f} ms "
+                f"| roaring {r['roaring_whole_pool']['median_ms']:8.2f} ms | forward {r['forward_index']['median_ms'] if r['forward_index'] else float('nan'):8.1f} ms "
+                f"| FP mix {fp:.2e} term {fp_term:.2e} (est {meta['stats']['estimated_fp_rate']:.2e}) FN {fn}",
+                flush=True,
+            )
+        del bank
+        gc.collect()
+    return rows
+
+
+# ------------------------------------------------------------------------- part B: filtered ANN
+
+
+def gaussian_mixture(n, d, rng, centers=1024):
+    c = rng.normal(size=(centers, d)).astype(np.float32)
+    x = np.empty((n, d), dtype=np.float32)
+    for s in range(0, n, 1 << 18):
+        e = min(n, s + (1 << 18))
+        x[s:e] = c[rng.integers(0, centers, e - s)] + 0.4 * rng.normal(size=(e - s, d)).astype(np.float32)
+    return x
+
+
+def recall(ids: np.ndarray, truth: list[np.ndarray]) -> float:
+    return float(np.mean([len(set(ids[b].tolist()) & set(t.tolist())) / max(1, len(t)) for b, t in enumerate(truth)]))
+
+
+def ann_part(n: int, d: int, nlist: int, ks: list[int], rng, bloom_bits: int) -> list[dict]:
+    rows = []
+    x = gaussian_mixture(n, d, rng)
+    feats = make_features(n, rng)
+    t0 = time.perf_counter()
+    km = faiss.Kmeans(d, nlist, niter=10, seed=1, spherical=False, max_points_per_centroid=64)
+    km.train(x)
+    quant = faiss.IndexFlatIP(d)
+    quant.add(km.centroids)
+    _, assign = quant.search(x, 1)
+    ivf = cluster_major_layout(torch.from_numpy(x), torch.arange(n), torch.from_numpy(km.centroids), torch.from_numpy(assign[:, 0]).long())
+    order = ivf.row_to_item  # item id == pool row
+    fwd_pool = ForwardIndex.from_codes(feats)
+    bank, meta = build_filter_bank(fwd_pool.permute(order), BloomConfig(bits=bloom_bits, hashes=7))
+    plan = FilterPlan.from_config(meta)
+    module = FilteredIVFIndex.from_ivf(ivf, bank).eval()
+    faiss_ix = faiss.IndexIVFScalarQuantizer(quant, d, nlist, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+    faiss_ix.train(x[rng.choice(n, min(n, 100_000), replace=False)])
+    faiss_ix.add(x)
+    roar = RoaringIndex(feats, n)
+    print(f"[ANN {n:,} x {d}] built in {time.perf_counter() - t0:.1f}s (nlist {nlist}, M={bloom_bits})", flush=True)
+    B = 16
+    q = x[rng.integers(0, n, B)] + 0.3 * rng.normal(size=(B, d)).astype(np.float32)
+    qt = torch.from_numpy(q)
+
+    def ours(filters, k, nprobe, max_probe, mode):
+        ops, prow = compile_batch(filters, plan)
+        vops, vrow = compile_batch(filters, plan, exact_positive=True)
+        with torch.inference_mode():
+            return module(qt, k, nprobe, ops, prow, vops, vrow, max_probe, torch.full((B,), mode, dtype=torch.int64))
+
+    for k in ks:
+        # unfiltered reference point: plain IVF at the same nprobe
+        for nprobe in (16, 32):
+            base = timeit(lambda: ivf(qt, k, nprobe))
+            filt = timeit(lambda: ours(["country = c1"] * B, k, nprobe, nprobe, MODE_PROBED))
+            rows.append({"part": "nearly_free", "n": n, "k": k, "nprobe": nprobe, "unfiltered_ms": base["median_ms"], "filtered_probed_ms": filt["median_ms"], "ratio": filt["median_ms"] / base["median_ms"]})
+            print(f"  k={k} nprobe={nprobe}: unfiltered {base['median_ms']:.2f} ms, filtered (10%, co-designed) {filt['median_ms']:.2f} ms, ratio {rows[-1]['ratio']:.2f}", flush=True)
+        for sel, f in SELECTIVE.items():
+            bm = roar.evaluate(f)
+            allowed = np.asarray(bm.to_array(), dtype=np.int64)
+            frac = len(allowed) / n
+
+            def numpy_scan():
+                idx = np.asarray(roar.evaluate(f).to_array(), dtype=np.int64)
+                s = x[idx] @ q.T  # [M, B]
+                kk = min(k, len(idx))
+                part = np.argpartition(-s, kk - 1, axis=0)[:kk] if kk < len(idx) else np.arange(len(idx))[:, None].repeat(B, 1)
+                return [idx[part[:, b][np.argsort(-s[part[:, b], b])]] for b in range(B)]
+
+            truth = numpy_scan()
+            t_np = timeit(numpy_scan, repeat=3)
+            rows.append({"part": "ann", "system": "numpy_filter_then_scan", "n": n, "k": k, "selectivity": sel, "fraction": frac, "recall": 1.0, "median_ms": t_np["median_ms"]})
+            # Faiss IVF-SQ8 + IDSelectorBitmap fed by the roaring bitmap (bitmap conversion timed too)
+            faiss_best = None
+            for nprobe in (8, 32, 128, 512, nlist):
+                def faiss_search():
+                    sel_bits = roaring_to_faiss_bitmap(roar.evaluate(f), n)
+                    params = faiss.SearchParametersIVF(sel=faiss.IDSelectorBitmap(n, faiss.swig_ptr(sel_bits)), nprobe=nprobe)
+                    return faiss_ix.search(q, k, params=params)[1]
+                r = recall(faiss_search(), truth)
+                t = timeit(faiss_search, repeat=3)
+                rows.append({"part": "ann", "system": "faiss_ivfsq8_bitmap", "n": n, "k": k, "selectivity": sel, "fraction": frac, "nprobe": nprobe, "recall": r, "median_ms": t["median_ms"]})
+                print(f"  k={k} {sel:>6} ({frac:.4%}) faiss nprobe={nprobe:5d} recall {r:.3f} {t['median_ms']:9.2f} ms", flush=True)
+                if r >= 0.95 and faiss_best is None:
+                    faiss_best = rows[-1]
+            for nprobe in (8, 32):
+                for mode, name in ((MODE_PROBED, "silverrec_fixed_nprobe"), (MODE_AUTO, "silverrec_selectivity_aware")):
+                    max_probe = nprobe if mode == MODE_PROBED else min(nlist, max(64, 8 * nprobe))
+                    ids = ours([f] * B, k, nprobe, max_probe, mode)[1].numpy()
+                    r = recall(ids, truth)
+                    t = timeit(lambda: ours([f] * B, k, nprobe, max_probe, mode), repeat=3)
+                    rows.append({"part": "ann", "system": name, "n": n, "k": k, "selectivity": sel, "fraction": frac, "nprobe": nprobe, "max_probe": max_probe, "recall": r, "median_ms": t["median_ms"]})
+                    print(f"  k={k} {sel:>6} {name:28s} nprobe={nprobe:3d} recall {r:.3f} {t['median_ms']:9.2f} ms", flush=True)
+            print(f"  k={k} {sel:>6} numpy filter-then-scan: {t_np['median_ms']:.2f} ms; faiss at recall>=0.95: "
+                  f"{faiss_best['median_ms'] if faiss_best else float('nan'):.2f} ms (nprobe {faiss_best['nprobe'] if faiss_best else '-'})", flush=True)
+    # co-design pays: 16 filters on the probed clusters vs roaring over the whole pool
+    filters = [MIX[i % len(MIX)] for i in range(16)]
+    ops, prow = compile_batch(filters, plan)
+    probes = module.plan_probes(qt, 100, 32, ops, prow, 32, torch.full((B,), MODE_PROBED))[0]
+    lo = module.cluster_offsets[probes.clamp_min(0)]
+    t_co = timeit(lambda: torch.ops.silverrec.bloom_filter(module.bits, ops, prow, lo >> 6, module.window_words))
+    t_ro = timeit(lambda: [roar.evaluate(f) for f in filters], repeat=3)
+    rows.append({"part": "codesign", "n": n, "nprobe": 32, "nlist": nlist, "bloom_probed_ms": t_co["median_ms"], "roaring_whole_ms": t_ro["median_ms"], "speedup": t_ro["median_ms"] / t_co["median_ms"]})
+    print(f"  co-design: 16 filters on 32 probed clusters {t_co['median_ms']:.3f} ms vs roaring whole pool {t_ro['median_ms']:.2f} ms: {rows[-1]['speedup']:.1f}x", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="200k items, fewer settings")
+    ap.add_argument("--skip-10m", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    faiss.omp_set_num_threads(2)
+    rng = np.random.default_rng(0)
+    results = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": sys.version.split()[0]},
+        "versions": {"torch": torch.__version__, "faiss": faiss.__version__, "pyroaring": pyroaring.__version__, "silverrec": silverrec.__version__},
+        "mix": MIX, "selective": SELECTIVE, "features": FEATURES, "rows": [],
+    }
+    if args.quick:
+        results["rows"] += filter_part(200_000, [512, 0], [1, 16, 64], rng, nlist=1800, nprobe=32)
+        results["rows"] += ann_part(200_000, 64, 512, [100, 4096], rng, 512)
+    else:
+        results["rows"] += filter_part(1_000_000, [512, 1024, 2048, 0], [1, 4, 16, 64], rng, nlist=4000, nprobe=32)
+        if not args.skip_10m:
+            results["rows"] += filter_part(10_000_000, [512], [1, 16, 64], rng, nlist=12600, nprobe=32)
+        results["rows"] += ann_part(1_000_000, 64, 1024, [100, 4096], rng, 512)
+    out = Path(__file__).parent / "results" / ("filter_quick.json" if args.quick else "filter.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
