@@ -1,0 +1,264 @@
+"""ANN benchmark: silverrec Int8IVFIndex vs Faiss IVFFlat / IVF-SQ8 and hnswlib, one process.
+
+Same data, same queries, same thread count for everyone. Faiss gets the SAME coarse quantiser
+(silverrec's k-means centroids) and the SAME item-to-list assignment (`add_preassigned`), so the
+comparison is of the scan (int8 codes + top-k) and not of two clusterings; Faiss probes by inner
+product with those centroids exactly like silverrec. hnswlib (ip space) builds its own graph.
+
+    .venv/bin/python benchmarks/ann.py            # 1M x 128 Gaussian mixture + MovieLens (~10 min)
+    .venv/bin/python benchmarks/ann.py --quick    # 100k items, fewer points (~2 min)
+
+Prints one table per dataset and writes benchmarks/results/ann.json (ann_quick.json for --quick):
+recall@k against float brute force, latency per batch of 16 (warm-up excluded; median, p20, p80),
+latency ratio at equal recall, build time, index memory, and the issue's targets met / not met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("SILVERREC_QUIET", "1")
+# On this shared 2-core machine, OpenMP threads spinning between the many small parallel regions of
+# a scan (torch's and faiss's pools alike) lose 10-20x to other processes; sleep-waiting is fair to
+# both systems. Set before torch / faiss load their OpenMP runtimes.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from silverrec.publish.ivf import cluster_major_layout  # noqa: E402
+from silverrec.publish.kmeans import default_nlist, kmeans  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BATCH = 16
+
+
+def timed(fn, batches, reps):
+    """Run fn(batch) once per batch as warm-up, then `reps` rounds; latency quantiles in ms."""
+    for q in batches:
+        out = fn(q)
+    ts, outs = [], []
+    for _ in range(reps):
+        outs = []
+        for q in batches:
+            t0 = time.perf_counter()
+            out = fn(q)
+            ts.append(time.perf_counter() - t0)
+            outs.append(out)
+    ms = np.array(ts) * 1e3
+    return outs, {"median": float(np.median(ms)), "p20": float(np.percentile(ms, 20)), "p80": float(np.percentile(ms, 80))}
+
+
+def recall(found: np.ndarray, truth: np.ndarray) -> float:
+    k = truth.shape[1]
+    return float(np.mean([np.intersect1d(f[f >= 0], t).size / k for f, t in zip(found, truth)]))
+
+
+def brute_force(x: torch.Tensor, q: torch.Tensor, k: int) -> np.ndarray:
+    """Exact float32 top-k rows by inner product [Q, k]."""
+    return torch.topk(q @ x.t(), k, dim=1).indices.numpy()
+
+
+def gmm(n: int, d: int, centers: int, n_queries: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randn(centers, d, generator=g)
+    x = c[torch.randint(0, centers, (n,), generator=g)] + 0.7 * torch.randn(n, d, generator=g)
+    q = c[torch.randint(0, centers, (n_queries,), generator=g)] + 0.7 * torch.randn(n_queries, d, generator=g)
+    return x.contiguous(), q.contiguous()
+
+
+def movielens(n_queries: int):
+    from silverrec.publish.movielens import factorise
+
+    f = factorise(dim=32)
+    return torch.from_numpy(f.item_factors).contiguous(), torch.from_numpy(f.user_factors[:n_queries]).contiguous()
+
+
+def equal_recall_ratio(ours: list[dict], theirs: list[dict]):
+    """For each of our points: our latency / the fastest of their points with recall >= ours."""
+    out = []
+    for p in ours:
+        ok = [t["latency_ms"]["median"] for t in theirs if t["recall"] >= p["recall"] - 1e-9]
+        out.append(None if not ok else p["latency_ms"]["median"] / min(ok))
+    return out
+
+
+def run_dataset(name, x, q, args, nprobes, ks):
+    import faiss
+    from faiss.contrib.ivf_tools import add_preassigned
+
+    n, d = x.shape
+    nlist = default_nlist(n)
+    batches = [q[i : i + BATCH] for i in range(0, q.shape[0], BATCH)]
+    print(f"\n== {name}: N={n:,} D={d} nlist={nlist} queries={q.shape[0]} (batches of {BATCH}) ==", flush=True)
+    res = {"dataset": name, "n": n, "dim": d, "nlist": nlist, "queries": int(q.shape[0]), "rows": [], "build": {}}
+
+    t0 = time.perf_counter()
+    km = kmeans(x, nlist, niter=args.niter, seed=0, max_points_per_centroid=args.train_per_centroid,
+                seed_points_per_centroid=8)
+    t_km = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    index = cluster_major_layout(x, torch.arange(n), km.centroids, km.assignment).eval()
+    t_layout = time.perf_counter() - t0
+    mem = sum(t.numel() * t.element_size() for t in index.buffers())
+    budget = 1.1 * n * d + index.centroids.numel() * 4
+    res["build"]["silverrec"] = {"kmeans_s": t_km, "layout_s": t_layout, "bytes": mem,
+                                 "budget_bytes": budget, "imbalance": km.stats[-1].imbalance if km.stats else None}
+    print(f"silverrec build: k-means {t_km:.1f}s (niter={args.niter}, {args.train_per_centroid} pts/centroid), "
+          f"layout {t_layout:.1f}s, index {mem / 2**20:.1f} MiB (budget 1.1*N*D+centroids = {budget / 2**20:.1f} MiB)")
+
+    assign = km.assignment.numpy()
+    xn = x.numpy()
+    faiss_idx, keep_alive = {}, []
+    for kind in ("IVFFlat", "IVF-SQ8"):
+        t0 = time.perf_counter()
+        quant = faiss.IndexFlatIP(d)
+        quant.add(km.centroids.numpy())
+        if kind == "IVFFlat":
+            fi = faiss.IndexIVFFlat(quant, d, nlist, faiss.METRIC_INNER_PRODUCT)
+        else:
+            fi = faiss.IndexIVFScalarQuantizer(quant, d, nlist, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+            fi.train(xn[: min(n, 200_000)])  # trains the SQ ranges only: the quantiser is given
+        add_preassigned(fi, xn, assign)
+        keep_alive.append(quant)  # faiss does not own the quantiser
+        t_build = time.perf_counter() - t0
+        size = faiss.serialize_index(fi).size
+        faiss_idx[kind] = fi
+        res["build"][kind] = {"build_s_excluding_shared_kmeans": t_build, "bytes": int(size)}
+        print(f"faiss {kind}: build (SQ training + add, same centroids) {t_build:.1f}s, serialized {size / 2**20:.1f} MiB")
+
+    hnsw = None
+    if not args.no_hnsw:
+        import hnswlib
+
+        t0 = time.perf_counter()
+        hnsw = hnswlib.Index(space="ip", dim=d)
+        hnsw.init_index(max_elements=n, M=args.hnsw_m, ef_construction=args.hnsw_efc, random_seed=0)
+        hnsw.set_num_threads(args.threads)
+        hnsw.add_items(xn, np.arange(n))
+        t_h = time.perf_counter() - t0
+        est = n * (d * 4 + args.hnsw_m * 2 * 4 + 8 + 8)  # vectors + level-0 links + label + header
+        res["build"]["hnswlib"] = {"build_s": t_h, "bytes_estimate": est, "M": args.hnsw_m, "ef_construction": args.hnsw_efc}
+        print(f"hnswlib: build {t_h:.1f}s (M={args.hnsw_m}, efC={args.hnsw_efc}), ~{est / 2**20:.0f} MiB")
+
+    header = f"{'k':>6} {'system':<10} {'param':>9} {'recall':>7} {'median ms':>10} {'p20':>8} {'p80':>8}"
+    for k in ks:
+        if k > n:
+            print(f"k={k} exceeds N={n}: skipped")
+            continue
+        truth = brute_force(x, q, k)
+        print(header, flush=True)
+        rows = {"silverrec": [], "IVFFlat": [], "IVF-SQ8": [], "hnswlib": []}
+        with torch.inference_mode():
+            for nprobe in [p for p in nprobes if p <= nlist]:
+                outs, lat = timed(lambda qb: index(qb, k, nprobe)[1].numpy(), batches, args.reps)
+                rows["silverrec"].append({"nprobe": nprobe, "recall": recall(np.concatenate(outs), truth), "latency_ms": lat})
+                for kind, fi in faiss_idx.items():
+                    fi.nprobe = nprobe
+                    outs, lat = timed(lambda qb: fi.search(qb.numpy(), k)[1], batches, args.reps)
+                    rows[kind].append({"nprobe": nprobe, "recall": recall(np.concatenate(outs), truth), "latency_ms": lat})
+                for system in ("silverrec", "IVF-SQ8", "IVFFlat"):
+                    r = rows[system][-1]
+                    lt = r["latency_ms"]
+                    print(f"{k:>6} {system:<10} {'np=' + str(nprobe):>9} {r['recall']:>7.4f} {lt['median']:>10.2f} "
+                          f"{lt['p20']:>8.2f} {lt['p80']:>8.2f}", flush=True)
+        if hnsw is not None and k <= args.hnsw_max_k:
+            for ef in (k, 2 * k):
+                hnsw.set_ef(ef)
+                outs, lat = timed(lambda qb: hnsw.knn_query(qb.numpy(), k=k)[0].astype(np.int64), batches, 1)
+                rows["hnswlib"].append({"ef": ef, "recall": recall(np.concatenate(outs), truth), "latency_ms": lat})
+                print(f"{k:>6} {'hnswlib':<10} {'ef=' + str(ef):>9} {rows['hnswlib'][-1]['recall']:>7.4f} "
+                      f"{lat['median']:>10.2f} {lat['p20']:>8.2f} {lat['p80']:>8.2f}", flush=True)
+        ratios = equal_recall_ratio(rows["silverrec"], rows["IVF-SQ8"])
+        drift = [abs(a["recall"] - b["recall"]) for a, b in zip(rows["silverrec"], rows["IVF-SQ8"])]
+        same_np = [a["latency_ms"]["median"] / b["latency_ms"]["median"] for a, b in zip(rows["silverrec"], rows["IVF-SQ8"])]
+        valid = [r for r in ratios if r is not None]
+        summary = {
+            "k": k,
+            "max_recall_gap_vs_sq8_same_nprobe": max(drift) if drift else None,
+            "latency_ratio_vs_sq8_equal_recall": ratios,
+            "latency_ratio_vs_sq8_equal_recall_median": float(np.median(valid)) if valid else None,
+            "latency_ratio_vs_sq8_same_nprobe": same_np,
+        }
+        print(f"k={k}: max |recall - SQ8 recall| at equal nprobe = {summary['max_recall_gap_vs_sq8_same_nprobe']:.4f}; "
+              f"latency / SQ8 at equal recall: " + ", ".join("-" if r is None else f"{r:.2f}" for r in ratios)
+              + f"; at equal nprobe: " + ", ".join(f"{r:.2f}" for r in same_np), flush=True)
+        res["rows"].append({"k": k, "systems": rows, "summary": summary})
+    return res
+
+
+def targets(results: list[dict]) -> list[dict]:
+    out = []
+    for ds in results:
+        b = ds["build"]["silverrec"]
+        out.append({"dataset": ds["dataset"], "target": "index memory <= 1.1*N*D + centroids",
+                    "value": b["bytes"], "limit": b["budget_bytes"], "met": b["bytes"] <= b["budget_bytes"]})
+        for row in ds["rows"]:
+            s, k = row["summary"], row["k"]
+            out.append({"dataset": ds["dataset"], "target": f"k={k}: recall within 0.02 of IVF-SQ8 at same nprobe",
+                        "value": s["max_recall_gap_vs_sq8_same_nprobe"], "limit": 0.02,
+                        "met": s["max_recall_gap_vs_sq8_same_nprobe"] <= 0.02})
+            limit = 1.0 if k <= 100 else (0.5 if k >= 4096 else None)
+            if limit is not None and s["latency_ratio_vs_sq8_equal_recall_median"] is not None:
+                v = s["latency_ratio_vs_sq8_equal_recall_median"]
+                out.append({"dataset": ds["dataset"], "target": f"k={k}: latency / IVF-SQ8 at equal recall (median over nprobe)",
+                            "value": v, "limit": limit, "met": v <= limit})
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="100k items, fewer sweep points")
+    p.add_argument("--n", type=int, default=None, help="Gaussian-mixture items (default 1M, quick 100k)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--niter", type=int, default=6)
+    p.add_argument("--train-per-centroid", type=int, default=32)
+    p.add_argument("--datasets", default="gmm,movielens")
+    p.add_argument("--no-hnsw", action="store_true")
+    p.add_argument("--hnsw-m", type=int, default=16)
+    p.add_argument("--hnsw-efc", type=int, default=64)
+    p.add_argument("--hnsw-max-k", type=int, default=4096, help="largest k for hnswlib (ef >= k gets slow)")
+    args = p.parse_args(argv)
+    import faiss
+
+    torch.set_num_threads(args.threads)
+    faiss.omp_set_num_threads(args.threads)
+    n = args.n or (100_000 if args.quick else 1_000_000)
+    nprobes = [8, 32, 128] if args.quick else [8, 16, 32, 64, 128, 256]
+    ks = [100, 4096] if args.quick else [100, 1024, 4096, 20000]
+    results = []
+    for name in args.datasets.split(","):
+        if name == "gmm":
+            x, q = gmm(n, 128, max(10, n // 1000), 2 * BATCH)
+            results.append(run_dataset(f"gmm{n // 1000}k", x, q, args, nprobes, ks))
+        elif name == "movielens":
+            x, q = movielens(2 * BATCH)
+            results.append(run_dataset(f"movielens-svd{x.shape[1]}", x, q, args, nprobes, ks))
+        else:
+            sys.exit(f"unknown dataset {name}")
+    tg = targets(results)
+    print("\n== targets ==")
+    for t in tg:
+        print(f"[{'met' if t['met'] else 'NOT met'}] {t['dataset']}: {t['target']}: {t['value']:.4g} (limit {t['limit']:.4g})")
+    meta = {
+        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": args.threads,
+        "torch": torch.__version__, "faiss": faiss.__version__, "python": platform.python_version(),
+        "load_avg_at_end": os.getloadavg(), "batch": BATCH, "args": vars(args),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "note": "faiss uses silverrec's centroids and assignment; latency per batch of 16 queries",
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / ("ann_quick.json" if args.quick else "ann.json")
+    out.write_text(json.dumps({"meta": meta, "results": results, "targets": tg}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
