@@ -29,9 +29,10 @@ synchronisation in forward (data-dependent work happens only inside the opaque o
 implementations), so it exports with torch.export (dynamic batch and history length) and
 scripts with TorchScript.
 
-The unshared cache is reordered out of place (`reorder_beams`: an index_select into a fresh buffer,
-i.e. ping-pong). An in-place row gather `cache[j] = cache[parent[j]]` would overwrite a row before
-a later beam reads it (tests/test_generative.py::test_reorder_hazard).
+The unshared cache is a ping-pong pair allocated once per call: each reorder gathers the rows of
+one half into the other (`reorder_beams`) and the halves swap. An in-place row gather
+`cache[j] = cache[parent[j]]` would overwrite a row before a later beam reads it
+(tests/test_generative.py::test_reorder_hazard).
 """
 
 
@@ -46,14 +47,21 @@ from silverrec.decoder import RecDecoder, level_offsets
 from silverrec.trie import ValidPathTrie
 
 
-def reorder_beams(cache: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
-    """Gather beams of cache [n_layers, B*W, ...] by parent int64 [B, W] (index within request).
+def reorder_beams(cache: torch.Tensor, parent: torch.Tensor, out: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Ping-pong reorder: out[..., b*W + j, ...] = cache[..., b*W + parent[b, j], ...] along `dim`.
 
-    Out of place (a fresh buffer), so no row is overwritten before it is read.
+    Args:
+        cache: [..., B*W, ...] per-beam rows along `dim`; parent: int64 [B, W], index within request.
+        out: the preallocated other half of the ping-pong pair (same shape). A row-by-row in-place
+            gather would overwrite rows before they are read; the gather here completes first.
+    Returns:
+        out.
     """
     B, W = parent.shape
     rows = (parent + torch.arange(B, device=parent.device)[:, None] * W).reshape(B * W)
-    return cache.index_select(1, rows)
+    # gather, then copy into the other half (not index_select(out=...): autograd-safe when an
+    # exported program is called with grad enabled); rows are all read before any is written
+    return out.copy_(cache.index_select(dim, rows))
 
 
 class GenerativeRetrieval(nn.Module):
@@ -97,7 +105,16 @@ class GenerativeRetrieval(nn.Module):
 
     def forward(self, history: torch.Tensor, item_bitmask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """history int64 [B, T] (left-padded, see contract), item_bitmask int64 [B, ceil(N/64)] or None
-        -> (item_ids int64 [B, W], scores float32 [B, W])."""
+        -> (item_ids int64 [B, W], scores float32 [B, W]).
+
+        Inference only (runs under no_grad). Positions must fit the RoPE table: the number of real
+        history tokens + L - 1 <= decoder.max_seq_len (truncate old items before calling). An
+        exported program accepts T >= 2 (torch.export specialises size 1): left-pad a bare BOS.
+        """
+        with torch.no_grad():
+            return self._search(history, item_bitmask)
+
+    def _search(self, history: torch.Tensor, item_bitmask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         B = history.shape[0]
         W = self.beam_width
         dec = self.decoder
@@ -122,21 +139,21 @@ class GenerativeRetrieval(nn.Module):
         nodes = self._advance(child, parent, code, scores, 1)  # [B, W] depth-1 node ids
         tokens = code + self.level_offsets[0]
 
+        # unshared KV, preallocated once as a ping-pong pair of [K|V, n_layers, B*W, L-1, KV, hd]
         n_slots = max(self.n_levels - 1, 1)
-        unshared_k = shared_k.new_zeros(dec.n_layers, B * W, n_slots, dec.n_kv_heads, dec.head_dim)
-        unshared_v = torch.zeros_like(unshared_k)
+        cache = shared_k.new_zeros(2, dec.n_layers, B * W, n_slots, dec.n_kv_heads, dec.head_dim)
+        spare = torch.zeros_like(cache)
         for level in range(1, self.n_levels):
             logits = dec.decode(
-                tokens, n_real + (level - 1), shared_k, shared_v, key_valid, unshared_k, unshared_v, level - 1
-            )  # [B, W, V]
+                tokens, n_real + (level - 1), shared_k, shared_v, key_valid, cache[0], cache[1], level - 1
+            )  # [B, W, V]; writes this step's K/V into slot level - 1 of `cache`
             child = self.trie.child_table(nodes.reshape(B * W), level).reshape(B, W, self.level_sizes[level])
             logprobs = self._mask(self._level_logprobs(logits, level), child, alive)
             scores, parent, code = torch.ops.silverrec.beam_topk(scores, logprobs, self.top_k, W)
             nodes = self._advance(child, parent, code, scores, level + 1)
             tokens = code + self.level_offsets[level]
             if level < self.n_levels - 1:
-                unshared_k = reorder_beams(unshared_k, parent)
-                unshared_v = reorder_beams(unshared_v, parent)
+                cache, spare = reorder_beams(cache, parent, spare, dim=2), cache
 
         found = scores > float("-inf")
         rows = (nodes - self.trie.leaf_base).clamp(0, self.trie.n_items - 1)

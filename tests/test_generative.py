@@ -93,7 +93,8 @@ def test_batch_independence(pool):
 
 def test_reorder_hazard():
     """Parents forming chains (beam j takes beam j-1's cache): a naive in-place row-by-row gather
-    reads rows it already overwrote; `reorder_beams` matches an independent gather."""
+    reads rows it already overwrote; the ping-pong `reorder_beams` matches an independent gather,
+    and leaves its source intact."""
     B, W = 2, 5
     cache = torch.arange(2 * B * W * 3, dtype=torch.float32).reshape(2, B * W, 3)
     parent = torch.tensor([[0, 0, 1, 2, 3], [4, 1, 1, 0, 2]])
@@ -104,9 +105,16 @@ def test_reorder_hazard():
             naive[:, b * W + j] = naive[:, b * W + int(parent[b, j])]
     assert not torch.equal(naive, expect)  # the hazard is real for this permutation
     before = cache.clone()
-    out = reorder_beams(cache, parent)
-    assert torch.equal(out, expect)
+    spare = torch.full_like(cache, float("nan"))
+    out = reorder_beams(cache, parent, spare)
+    assert out is spare and torch.equal(out, expect)
     assert torch.equal(cache, before)
+    assert torch.equal(reorder_beams(cache.clone(), parent, cache.clone()), expect)
+    # chained reorders through the pair (as in the decode loop) compose like plain gathers
+    parent2 = torch.tensor([[2, 2, 0, 4, 1], [0, 0, 3, 3, 1]])
+    back = reorder_beams(out, parent2, cache.clone().fill_(float("nan")))
+    expect2 = torch.stack([expect[:, b * W + parent2[b]] for b in range(B)], dim=1).reshape(2, B * W, 3)
+    assert torch.equal(back, expect2)
 
 
 def test_constructor_validation(pool):
