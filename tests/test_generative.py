@@ -176,3 +176,32 @@ def test_bf16_weights(pool):
     assert set(ids16[ids16 >= 0].tolist()) <= set(item_ids.tolist())
     for b in range(3):
         assert len(set(ids16[b].tolist()) & set(ids32[b].tolist())) >= 12
+
+
+def test_matches_hf_constrained_beam_search(pool):
+    """With top_k = W the decode is ordinary constrained beam search: same items and scores as
+    transformers' `generate(num_beams=W, prefix_allowed_tokens_fn=trie)` on the equivalent Llama."""
+    from silverrec.decoder import paths_to_tokens, to_llama
+
+    paths, item_ids, _ = pool
+    dec = random_decoder(SIZES, seed=11)
+    hist = random_histories(paths, SIZES, 1, 6, seed=12, min_items=6)  # unpadded row
+    W = 8
+    with torch.no_grad():
+        ids, scores = _module(pool, dec, W, W)(hist)
+    tokens = paths_to_tokens(paths, SIZES).tolist()
+    children = {}
+    for p in tokens:
+        for d in range(len(SIZES)):
+            children.setdefault(tuple(p[:d]), set()).add(p[d])
+    T = hist.shape[1]
+    out = to_llama(dec).generate(
+        hist, num_beams=W, num_return_sequences=W, max_new_tokens=len(SIZES), min_new_tokens=len(SIZES),
+        do_sample=False, length_penalty=0.0, pad_token_id=0, eos_token_id=None,
+        prefix_allowed_tokens_fn=lambda b, x: sorted(children.get(tuple(x[T:].tolist()), [0])),
+        output_scores=True, return_dict_in_generate=True,
+    )
+    item_of = {tuple(p): int(i) for p, i in zip(tokens, item_ids.tolist())}
+    hf_ids = [item_of[tuple(s)] for s in out.sequences[:, T:].tolist()]
+    assert ids[0].tolist() == hf_ids
+    torch.testing.assert_close(scores[0], out.sequences_scores.float(), atol=1e-4, rtol=1e-4)
