@@ -1,0 +1,328 @@
+"""Generative retrieval: silverrec's one-call decode vs the reference beam search vs transformers.
+
+    python benchmarks/generative.py [--model CKPT] [--quick] [--threads N]
+
+One process, the same weights everywhere: the trained MovieLens `RecDecoder` (checkpoint from
+`python -m silverrec.publish.train_generative`, or trained here for `--train-minutes`) and its
+semantic IDs (9,742 real item paths, L = 4).
+
+  silverrec   `GenerativeRetrieval` (prefill once into the shared KV, staged attention against
+              shared + per-beam unshared KV, trie mask, beam_topk), eager and as the exported
+              torch.export program that a snapshot serves;
+  reference   tests/reference_beam_search.py: every step recomputes every beam's full sequence
+              (full KV per beam, no cache), dict trie, full sort;
+  hf          transformers `LlamaForCausalLM.generate(num_beams=W, num_return_sequences=W,
+              max_new_tokens=L, do_sample=False, prefix_allowed_tokens_fn=trie, length_penalty=0)`
+              on the equivalent Llama (weights converted by `silverrec.decoder.to_llama`).
+
+Prompts: the newest items of real MovieLens users (BOS + 4 tokens per item: 257, 513, 2049 tokens),
+batch 1 request, beam width W = top_k in 64..512. Latency = median wall time; peak memory = the
+largest resident-set (RSS, /proc/self/statm sampled every 0.5 ms by a thread, after malloc_trim)
+above the RSS just before the call; growth per beam = (peak at W=512 - peak at W=64) / 448.
+tracemalloc does not see torch's allocations, hence RSS.
+
+Caps (to keep the default run under ~15 minutes on a shared 2-core CPU): transformers runs at
+prompts 257 and 513 for every W and at prompt 2049 only for W=64 (it prefills the prompt once per
+beam: W x 2049 tokens); the reference (W x full recompute per step) runs only where item lists are
+compared. --quick: prompt 513, W in {64, 128}.
+
+Also: recall@10 / NDCG@10 on held-out MovieLens users (leave-last-out test items, history items
+excluded through the request bitmask) for fp32 and bf16 weights vs popularity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import machine_info, print_table, write_results  # noqa: E402
+
+from silverrec.decoder import BOS, RecDecoder, to_llama  # noqa: E402
+from silverrec.publish import movielens  # noqa: E402
+from silverrec.publish.generative import all_items_bitmask, build_generative  # noqa: E402
+from silverrec.publish.semantic_ids import SemanticIds  # noqa: E402
+from silverrec.publish.train_generative import (  # noqa: E402
+    TrainConfig, evaluate, load_checkpoint, popularity_metrics, save_checkpoint, split_sequences, train_movielens,
+)
+from silverrec.snapshot import export_program  # noqa: E402
+from tests.reference_beam_search import reference_beam_search  # noqa: E402
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRSS:
+    """Context manager: peak RSS above the RSS at entry (bytes), sampled by a thread."""
+
+    def __enter__(self):
+        _LIBC.malloc_trim(0)
+        self.base = rss()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss())
+            time.sleep(0.0005)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+        self.delta = self.peak - self.base
+
+
+def timed(fn, max_seconds: float = 20.0, max_runs: int = 5):
+    """(median ms, runs, peak RSS delta MB, last result). One warm-up unless a call takes > 5 s."""
+    t = time.perf_counter()
+    with PeakRSS() as mem:
+        out = fn()
+    first = time.perf_counter() - t
+    times, peaks = [], [mem.delta]
+    if first > 5.0:
+        times.append(first)
+    start = time.perf_counter()
+    while len(times) < max_runs and (len(times) < 3 or time.perf_counter() - start < max_seconds):
+        if first > 5.0 and time.perf_counter() - start + first > max_seconds:
+            break
+        with PeakRSS() as mem:
+            t = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - t)
+        peaks.append(mem.delta)
+    return statistics.median(times) * 1e3, len(times), max(peaks) / 2**20, out
+
+
+# ------------------------------------------------------------------------------------- setup
+
+
+def prompt_for(items: np.ndarray, tokens: np.ndarray, n_items: int) -> torch.Tensor:
+    """BOS + the tokens of the newest `n_items` items: int64 [1, 1 + 4 n]."""
+    seq = tokens[items[-n_items:]].reshape(-1)
+    return torch.from_numpy(np.r_[BOS, seq]).to(torch.int64)[None]
+
+
+class HFTrie:
+    """prefix_allowed_tokens_fn for transformers: allowed next tokens after the prompt."""
+
+    def __init__(self, sids: SemanticIds, prompt_len: int):
+        self.prompt_len = prompt_len
+        self.allowed: dict[tuple, list[int]] = {}
+        self.item_of: dict[tuple, int] = {}
+        for item, toks in zip(sids.item_ids.tolist(), sids.tokens().tolist()):
+            for d in range(len(toks)):
+                self.allowed.setdefault(tuple(toks[:d]), set()).add(toks[d])
+            self.item_of[tuple(toks)] = item
+        self.allowed = {k: sorted(v) for k, v in self.allowed.items()}
+
+    def __call__(self, batch_id: int, input_ids: torch.Tensor) -> list[int]:
+        return self.allowed.get(tuple(input_ids[self.prompt_len :].tolist()), [0])
+
+    def items(self, sequences: torch.Tensor) -> list[int]:
+        return [self.item_of.get(tuple(s), -1) for s in sequences[:, self.prompt_len :].tolist()]
+
+
+def hf_generate(hf, prompt: torch.Tensor, trie: HFTrie, W: int, L: int):
+    with torch.inference_mode():
+        out = hf.generate(
+            prompt, attention_mask=torch.ones_like(prompt), num_beams=W, num_return_sequences=W, max_new_tokens=L,
+            min_new_tokens=L, do_sample=False, prefix_allowed_tokens_fn=trie, length_penalty=0.0,
+            early_stopping=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+            eos_token_id=None, bos_token_id=BOS,
+        )
+    return trie.items(out.sequences), out.sequences_scores
+
+
+def compare(a: list[int], b: list[int]) -> str:
+    if a == b:
+        return "identical"
+    first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    return f"differs from rank {first} ({len(set(a) & set(b))}/{len(a)} shared)"
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint (default: train one for --train-minutes)")
+    p.add_argument("--train-minutes", type=float, default=3.0)
+    p.add_argument("--quick", action="store_true", help="prompt 513, W in {64, 128}; no quality eval")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for every system (default 1)")
+    p.add_argument("--name", default=None, help="results name (default generative or generative_quick)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("SILVERREC_QUIET", "1")
+
+    if args.model:
+        decoder, sids, info = load_checkpoint(args.model)
+        train_info = {"checkpoint": args.model, **info}
+    else:
+        cfg = TrainConfig(minutes=args.train_minutes)
+        decoder, sids, _, metrics = train_movielens(cfg)
+        save_checkpoint("/tmp/silverrec_bench_generative.ckpt", decoder, sids, cfg, metrics)
+        train_info = {"checkpoint": None, "train_config": cfg.__dict__, "metrics": metrics.__dict__}
+    L = sids.depth
+    decoder = decoder.float().eval()
+    sequences = movielens.user_sequences()
+    split = split_sequences(sequences, sids.item_ids)
+    tokens = sids.tokens()
+    longest = max(range(len(split.test_history)), key=lambda u: len(split.test_history[u]))
+    users = [longest] + [u for u in np.argsort([-len(h) for h in split.test_history])[1:3]]
+    hf = to_llama(decoder)
+
+    prompts = [128] if args.quick else [64, 128, 512]  # items -> 257, 513, 2049 tokens
+    widths = [64, 128] if args.quick else [64, 128, 256, 512]
+    rows, checks = [], []
+    for n_items in prompts:
+        prompt = prompt_for(split.test_history[longest], tokens, n_items)
+        P = prompt.shape[1]
+        trie = HFTrie(sids, P)
+        for W in widths:
+            module = build_generative(decoder, sids, W, W)
+            mask = all_items_bitmask(1, len(sids.item_ids))
+            ms, runs, mem, (ids, _) = timed(lambda: _call(module, prompt, mask))
+            rows.append(dict(system="silverrec eager", prompt=P, W=W, median_ms=ms, runs=runs, peak_rss_mb=mem))
+            print_table(rows[-1:], list(rows[-1]))
+            ours = ids[0].tolist()
+            if n_items == 128 and (W == 128 or not args.quick):
+                with torch.no_grad():
+                    program = export_program(module, (prompt.expand(2, -1).contiguous(), mask.expand(2, -1).contiguous()),
+                                             _dynamic(decoder, L)).module()
+                ms_e, runs_e, mem_e, (ids_e, _) = timed(lambda: _call(program, prompt.expand(2, -1), mask.expand(2, -1)))
+                rows.append(dict(system="silverrec exported", prompt=P, W=W, median_ms=ms_e, runs=runs_e, peak_rss_mb=mem_e))
+                checks.append(dict(prompt=P, W=W, pair="exported vs eager", result=compare(ids_e[0].tolist(), ours)))
+            hf_here = n_items <= 128 or W == 64
+            if hf_here:
+                ms_h, runs_h, mem_h, (hf_ids, _) = timed(lambda: hf_generate(hf, prompt, trie, W, L), max_seconds=30)
+                rows.append(dict(system="transformers", prompt=P, W=W, median_ms=ms_h, runs=runs_h, peak_rss_mb=mem_h))
+                checks.append(dict(prompt=P, W=W, pair="transformers vs silverrec", result=compare(hf_ids, ours)))
+            ref_here = (n_items == 64) or (n_items == 128 and W == 128)
+            if ref_here and not args.quick or (args.quick and W == 128):
+                ms_r, runs_r, mem_r, (ref_ids, _) = timed(
+                    lambda: reference_beam_search(decoder, prompt, torch.from_numpy(sids.paths),
+                                                  torch.from_numpy(sids.item_ids), sids.level_sizes, W, W),
+                    max_seconds=1, max_runs=1)
+                rows.append(dict(system="reference", prompt=P, W=W, median_ms=ms_r, runs=runs_r, peak_rss_mb=mem_r))
+                checks.append(dict(prompt=P, W=W, pair="silverrec vs reference", result=compare(ours, ref_ids[0].tolist())))
+            print_table(rows[-3:], ["system", "prompt", "W", "median_ms", "runs", "peak_rss_mb"])
+    # more users for the identity check (several histories, batch of 3, P = 257)
+    if not args.quick:
+        batch = torch.cat([_left(prompt_for(split.test_history[u], tokens, 64), 257) for u in users])
+        for W in (64, 256):
+            module = build_generative(decoder, sids, W, W)
+            with torch.no_grad():
+                ids, _ = module(batch, all_items_bitmask(3, len(sids.item_ids)))
+            ref_ids, _ = reference_beam_search(decoder, batch, torch.from_numpy(sids.paths),
+                                               torch.from_numpy(sids.item_ids), sids.level_sizes, W, W)
+            for b in range(3):
+                checks.append(dict(prompt=257, W=W, pair=f"silverrec vs reference (user {b})",
+                                   result=compare(ids[b].tolist(), ref_ids[b].tolist())))
+
+    print("\nlatency and peak memory (batch 1)")
+    print_table(rows, ["system", "prompt", "W", "median_ms", "runs", "peak_rss_mb"])
+    print("\nitem lists")
+    print_table(checks, ["prompt", "W", "pair", "result"])
+    summary = targets(rows, checks)
+    for line in summary["lines"]:
+        print(line)
+
+    quality = {} if args.quick else quality_eval(decoder, sids, split, int(train_info["train_config"]["max_history"]))
+    if quality:
+        print("\nheld-out MovieLens users (history excluded via the request bitmask)")
+        print_table([{"model": k, **v} for k, v in quality.items()], ["model", "recall@10", "ndcg@10"])
+    config = {
+        "threads": args.threads, "level_sizes": sids.level_sizes, "items": len(sids.item_ids),
+        "decoder": decoder.config.to_dict(), "training": train_info, "quick": args.quick,
+        "memory": "peak RSS above the pre-call RSS, /proc/self/statm sampled every 0.5 ms, malloc_trim before",
+        "hf_cap": "transformers at prompt 2049 only for W=64; reference only where lists are compared",
+    }
+    name = args.name or ("generative_quick" if args.quick else "generative")
+    write_results(name, config, rows + [{"check": c} for c in checks] + [{"targets": summary}, {"quality": quality}])
+    return 0
+
+
+def _call(module, prompt, mask):
+    with torch.inference_mode():
+        return module(prompt, mask)
+
+
+def _left(prompt: torch.Tensor, T: int) -> torch.Tensor:
+    return torch.cat([torch.zeros(1, T - prompt.shape[1], dtype=torch.int64), prompt], dim=1)
+
+
+def _dynamic(decoder: RecDecoder, L: int):
+    from torch.export import Dim
+
+    batch = Dim("batch", min=1, max=4096)
+    length = Dim("length", min=2, max=decoder.max_seq_len - L)
+    return {"history": {0: batch, 1: length}, "item_bitmask": {0: batch}}
+
+
+def targets(rows, checks) -> dict:
+    def get(system, P, W):
+        return next((r for r in rows if r["system"] == system and r["prompt"] == P and r["W"] == W), None)
+
+    out: dict = {"lines": []}
+    ours, hf = get("silverrec exported", 513, 128) or get("silverrec eager", 513, 128), get("transformers", 513, 128)
+    if ours and hf:
+        speed = hf["median_ms"] / ours["median_ms"]
+        out["speedup_vs_transformers_W128_P513"] = speed
+        out["lines"].append(f"target >= 10x faster than transformers at W=128, prompt 513: {speed:.1f}x "
+                            f"({'met' if speed >= 10 else 'NOT met'})")
+    for P in (513, 2049):
+        o64, o512 = get("silverrec eager", P, 64), get("silverrec eager", P, 512)
+        h64, h512 = get("transformers", P, 64), get("transformers", P, 512)
+        if o64 and o512:
+            g = (o512["peak_rss_mb"] - o64["peak_rss_mb"]) / 448
+            out[f"silverrec_mb_per_beam_P{P}"] = g
+            line = f"memory growth per beam (64->512), prompt {P}: silverrec {g * 1024:.1f} KB"
+            if h64 and h512:
+                gh = (h512["peak_rss_mb"] - h64["peak_rss_mb"]) / 448
+                out[f"transformers_mb_per_beam_P{P}"] = gh
+                ratio = gh / g if g > 0 else float("inf")
+                out[f"growth_ratio_P{P}"] = ratio
+                line += f", transformers {gh * 1024:.1f} KB: {ratio:.0f}x less ({'met' if ratio >= 20 else 'NOT met'}, target >= 20x)"
+            out["lines"].append(line)
+    ref = [c for c in checks if "reference" in c["pair"]]
+    same = sum(c["result"] == "identical" for c in ref)
+    out["identical_to_reference"] = f"{same}/{len(ref)}"
+    out["lines"].append(f"identical item lists to the reference beam search: {same}/{len(ref)} "
+                        f"({'met' if ref and same == len(ref) else 'NOT met'})")
+    return out
+
+
+def quality_eval(decoder: RecDecoder, sids: SemanticIds, split, max_history: int) -> dict:
+    from silverrec.publish.train_generative import retrieval_module  # noqa: F401  (same eval path as training)
+
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        module = build_generative(decoder, sids, 20, 20, dtype)
+        out[f"generative {name} (beam 20)"] = evaluate(module, sids, split.test_history, split.test_target,
+                                                      max_history, exclude_seen=True)
+    out["popularity"] = popularity_metrics(split, split.test_history, split.test_target, len(sids.item_ids), True)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
