@@ -35,6 +35,7 @@ from torch import nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
 from silverrec.kernels.bloom_filter import popcount64, range_word_masks
+from silverrec.exact_index import compact_item_ids, rows_to_items
 from silverrec.kernels.ivf_scan import bitmask_words
 
 MODE_AUTO, MODE_PROBED, MODE_UNPROBED = 0, 1, 2
@@ -76,7 +77,7 @@ class FilteredIVFIndex(nn.Module):
         self.register_buffer("offset", offset.to(torch.float32).reshape(()))
         self.register_buffer("cluster_offsets", cluster_offsets.to(torch.int64).contiguous())
         self.register_buffer("centroids", centroids.to(torch.float32).contiguous())
-        self.register_buffer("row_to_item", row_to_item.to(torch.int64).contiguous())
+        self.register_buffer("row_to_item", compact_item_ids(row_to_item))
         self.register_buffer("bits", bits.to(torch.int64).contiguous())
         self.window_words = max(1, bitmask_words(self.cluster_offsets))
         self.total_words = int(bits.shape[1])
@@ -170,5 +171,4 @@ class FilteredIVFIndex(nn.Module):
         )
         scores = torch.where(unprobed[:, None], s_ex, s_ivf)
         rows_out = torch.where(unprobed[:, None], r_ex, r_ivf)
-        ids = self.row_to_item[rows_out.clamp_min(0)]
-        return scores, torch.where(rows_out >= 0, ids, torch.full_like(ids, -1))
+        return scores, rows_to_items(self.row_to_item, rows_out)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
-from silverrec.exact_index import rows_to_items
+from silverrec.exact_index import compact_item_ids, rows_to_items
 
 
 class Int8IVFIndex(nn.Module):
@@ -19,7 +19,7 @@ class Int8IVFIndex(nn.Module):
         scale, offset: float32 [] global quantisation parameters.
         cluster_offsets: int64 [nlist + 1]; cluster c holds rows [off[c], off[c + 1]) (no padding).
         centroids: float32 [nlist, D] coarse quantiser.
-        row_to_item: int64 [N] external item id of each row.
+        row_to_item: int32/int64 [N] external item id of each row (`compact_item_ids`).
 
     `probe` and `scan` are public so that a caller (e.g. the Bloom filter) can evaluate something on
     the probed clusters and hand a bitmask to the scan:
@@ -52,7 +52,7 @@ class Int8IVFIndex(nn.Module):
         self.register_buffer("offset", offset.to(torch.float32).reshape(()))
         self.register_buffer("cluster_offsets", cluster_offsets.to(torch.int64).contiguous())
         self.register_buffer("centroids", centroids.to(torch.float32).contiguous())
-        self.register_buffer("row_to_item", row_to_item.to(torch.int64).contiguous())
+        self.register_buffer("row_to_item", compact_item_ids(row_to_item))
 
     @property
     def nlist(self) -> int:
