@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,7 +178,15 @@ def load(path: str | os.PathLike, backend: str = "export", verify: bool = True) 
     manifest = read_manifest(root, verify=verify)
     try:
         if backend == "export":
-            module = torch.export.load(root / EXPORT_FILE).module()
+            # Unbacked size symbols of data-dependent ops are re-created on load; torch warns once
+            # per symbol that it "did not appear in the graph", which is expected and harmless.
+            serde_log = logging.getLogger("torch._export.serde.serialize")
+            level = serde_log.level
+            serde_log.setLevel(logging.ERROR)
+            try:
+                module = torch.export.load(root / EXPORT_FILE).module()
+            finally:
+                serde_log.setLevel(level)
         elif backend == "torchscript":
             if SCRIPT_FILE not in manifest["files"]:
                 raise SnapshotError(f"snapshot {root} has no TorchScript file ({SCRIPT_FILE})")
