@@ -15,7 +15,9 @@ The IVF co-design passes one window per probed cluster (`word_start = cluster_of
 unprobed mode passes one window `word_start = 0, n_words = W` per query.
 Scratch memory is O(B * P * n_words * stack depth): proportional to the probed items, not N.
 
-CPU: numpy, vectorised over queries, windows and words, with one step per instruction (the
+CPU: the C++ evaluator (`kernels/csrc/bloom.cpp`, `silverrec.kernels._cpu.bloom_filter`: blocks of
+256 words per instruction, no numpy temporaries) when the extension is built; otherwise numpy,
+vectorised over queries, windows and words, with one step per instruction (the
 per-query stack slot of every instruction is precomputed from the opcodes). CUDA: the Triton
 kernel in `bloom_filter_triton.py` (one program per window block, stack in scratch memory).
 `bloom_filter_reference` is an independent per-query stack machine used by the tests.
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from silverrec.kernels.cpu_ext import cpu_ext
 
 OP_NOP, OP_PUSH, OP_AND, OP_OR, OP_NOT, OP_FALSE, OP_TRUE = range(7)
 _DELTA = np.array([0, 1, -1, -1, 0, 1, 1], dtype=np.int64)  # stack depth change per opcode
@@ -134,6 +138,9 @@ def bloom_filter(
 ) -> torch.Tensor:
     """CPU (fast path). See the module docstring for the contract."""
     _check(bits, ops, rows, word_start, n_words)
+    ext = cpu_ext()
+    if ext is not None:  # same validation messages (ValueError) and output as the numpy path
+        return ext.bloom_filter(bits.contiguous(), ops.contiguous(), rows.contiguous(), word_start.contiguous(), n_words)
     out = bloom_filter_numpy(
         bits.contiguous().numpy(), ops.numpy(), rows.numpy(), word_start.contiguous().numpy(), n_words
     )

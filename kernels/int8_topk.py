@@ -8,13 +8,17 @@ a GPU, VNNI / AMX on a CPU). The ranking is exact for the int8 scores: ties brea
     # queries float [B, D], codes int8 [N, D], scale/offset float32 [] ; k <= N
     # -> scores float32 [B, k] (descending), rows int64 [B, k]
 
-CPU: chunked over N (memory O(B * chunk)), with a running per-query threshold so that after the
-first chunk only items that beat the current k-th best are touched. CUDA: the Triton kernel in
+CPU: the fused C++ scan (`kernels/csrc/`, `silverrec.kernels._cpu.topk_keys`: VNNI dot products
+of 16 queries per row, running top-k per query) when the extension is built; otherwise
+`topk_keys_cpu`, the torch reference path: chunked over N (memory O(B * chunk)), with a running
+per-query threshold so that after the first chunk only items that beat the current k-th best are
+touched. CUDA: the Triton kernel in
 `int8_topk_triton.py` scores a chunk into sort keys, `torch.topk` merges on the device.
 """
 
 import torch
 
+from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.common import (
     EMPTY_KEY,
     dequantize_scores,
@@ -120,6 +124,14 @@ def _merge_pending(best: torch.Tensor, queries: list[torch.Tensor], keys: list[t
     return merge_candidates(best, q[order], torch.cat(keys)[order])
 
 
+def topk_keys_fast(qcodes: torch.Tensor, codes: torch.Tensor, k: int) -> torch.Tensor:
+    """CPU fast path: the C++ scan when built, else `topk_keys_cpu`. Same keys int64 [B, k]."""
+    ext = cpu_ext()
+    if ext is None:
+        return topk_keys_cpu(qcodes, codes, k)
+    return ext.topk_keys(qcodes.contiguous(), codes.contiguous(), k)
+
+
 def _int8_topk_impl(queries, codes, scale, offset, k, keys_fn):
     _check(queries, codes, k)
     qcodes, qscale = quantize_queries(queries)
@@ -134,7 +146,7 @@ def int8_topk(
     queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU (reference and fast path). See module docstring for the contract."""
-    return _int8_topk_impl(queries, codes, scale, offset, k, topk_keys_cpu)
+    return _int8_topk_impl(queries, codes, scale, offset, k, topk_keys_fast)
 
 
 @int8_topk.register_fake

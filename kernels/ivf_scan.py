@@ -23,7 +23,13 @@ Returns:
 Queries are quantised to int8 per query (`common.quantize_queries`), so the ranking is exact for the
 int8 scores: with every cluster probed it equals `silverrec::int8_topk` on the same codes.
 
-CPU (`scan_keys_cpu`): the union of the batch's probed clusters is visited in order of the best
+CPU, fast path: the fused C++ scan (`kernels/csrc/`, `silverrec.kernels._cpu.ivf_scan_keys`) when the
+extension is built: each probed cluster is one segment with the queries that probe it, visited in
+order of the best probe rank; rows whose bitmask bit is 0 are skipped before any dot product (a zero
+word skips 64 rows); int8 VNNI dot products feed a per-query running top-k (threshold + candidate
+buffer compacted with nth_element); no Python per cluster.
+
+CPU, torch path (`scan_keys_cpu`, the fallback without the extension): the union of the batch's probed clusters is visited in order of the best
 probe rank any query gave it (so each query's nearest clusters come first and its k-th best score
 rises early), in chunks of about CHUNK_ROWS rows. Within a chunk, clusters are sorted by id and
 merged into contiguous row runs (small gaps included and masked) and each run is one int8 x int8 ->
@@ -42,6 +48,7 @@ import numpy as np
 import torch
 
 from silverrec.kernels.common import EMPTY_KEY, dequantize_scores, make_keys, quantize_queries, split_keys
+from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.int8_topk import merge_candidates
 
 CHUNK_ROWS = 32768  # rows of the union scored per chunk: buffer int32 [CHUNK_ROWS, B]
@@ -288,10 +295,21 @@ def ivf_scan(
     k: int,
     bitmask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU (reference semantics and fast path). See the module docstring for the contract."""
+    """CPU (C++ fast path, torch fallback). See the module docstring for the contract."""
     check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask)
-    _check_values(codes, cluster_offsets, probes, bitmask)
-    return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, scan_keys_cpu)
+    ext = cpu_ext()
+    if ext is None:
+        _check_values(codes, cluster_offsets, probes, bitmask)
+        return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, scan_keys_cpu)
+    qcodes, qscale = quantize_queries(queries)
+    # value checks (cluster_offsets, probe ids, bitmask width) happen in C++ and raise ValueError
+    keys = ext.ivf_scan_keys(
+        qcodes, codes.contiguous(), cluster_offsets.contiguous(), probes.contiguous(),
+        None if bitmask is None else bitmask.contiguous(), k,
+    )
+    int_scores, rows = split_keys(keys)
+    scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)
+    return scores, rows
 
 
 @ivf_scan.register_fake

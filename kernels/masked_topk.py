@@ -11,7 +11,9 @@ the whole pool (`silverrec::bloom_filter` with one window per query), and the sc
 the allowed rows, so its cost is proportional to the filter's selectivity. Scores are the same
 int8 dot products as `silverrec::int8_topk`, ties broken by lower row.
 
-The implementation is device-generic torch (bit unpacking, nonzero, a gather of the allowed rows
+CPU: the fused C++ scan (`silverrec.kernels._cpu.masked_topk_keys`) when the extension is built:
+it walks each active query's mask 64 rows per word and scores only the allowed rows, 16 queries
+per row where they share them. Otherwise (and on CUDA) the implementation is device-generic torch (bit unpacking, nonzero, a gather of the allowed rows
 and one matmul per active query); int8 products are summed exactly in float32 (|sum| < 2**24 for
 D <= 1040), in int64 beyond that.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from silverrec.kernels.common import EMPTY_KEY, dequantize_scores, make_keys, quantize_queries, split_keys
+from silverrec.kernels.cpu_ext import cpu_ext
 
 _SHIFTS = torch.arange(64, dtype=torch.int64)
 
@@ -57,9 +60,21 @@ def masked_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring."""
     _check(queries, codes, mask, active, k)
-    B = queries.shape[0]
-    n, d = codes.shape
     qcodes, qscale = quantize_queries(queries)
+    ext = cpu_ext() if codes.device.type == "cpu" else None
+    if ext is not None:
+        keys = ext.masked_topk_keys(qcodes, codes.contiguous(), mask.contiguous(), active.contiguous(), k)
+    else:
+        keys = masked_keys_torch(qcodes, codes, mask, active, k)
+    int_scores, rows = split_keys(keys)
+    scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)
+    return scores, rows
+
+
+def masked_keys_torch(qcodes: torch.Tensor, codes: torch.Tensor, mask: torch.Tensor, active: torch.Tensor, k: int) -> torch.Tensor:
+    """Device-generic torch path: top-k keys int64 [B, k] (descending, EMPTY_KEY padding)."""
+    B = qcodes.shape[0]
+    n, d = codes.shape
     keys = torch.full((B, k), EMPTY_KEY, dtype=torch.int64, device=codes.device)
     exact_float = d <= 1040
     groups: dict[bytes, list[int]] = {}  # queries with identical masks share one gather + matmul
@@ -78,10 +93,7 @@ def masked_topk(
         kb = make_keys(s.t(), rows[None, :])  # [G, M]
         take = min(k, rows.numel())
         keys[members, :take] = kb.topk(take, dim=1, sorted=False).values
-    keys = keys.sort(dim=1, descending=True).values
-    int_scores, rows = split_keys(keys)
-    scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)
-    return scores, rows
+    return keys.sort(dim=1, descending=True).values
 
 
 @masked_topk.register_fake

@@ -1,0 +1,41 @@
+"""Lazy loader of the optional C++ CPU fast paths (`silverrec.kernels._cpu`, built from kernels/csrc/).
+
+The CPU implementations of `int8_topk`, `ivf_scan`, `masked_topk` and `bloom_filter` call
+`cpu_ext()` and use the extension when it is importable; otherwise (no compiler at install time,
+or `SILVERREC_CPU_EXT=0` in the environment) they run their torch / numpy implementations, which
+stay the reference semantics, after one warning. Results are bit-identical either way
+(tests/test_cpu_scan.py). The ops stay Python custom ops, so export / TorchScript are unaffected.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import ModuleType
+from typing import Optional
+
+_state: dict[str, Optional[ModuleType]] = {}
+
+
+def cpu_ext() -> Optional[ModuleType]:
+    """The compiled module, or None (torch fallback). Import is attempted once per process."""
+    if "ext" not in _state:
+        mod = None
+        if os.environ.get("SILVERREC_CPU_EXT", "1") != "0":
+            try:
+                from silverrec.kernels import _cpu as mod  # type: ignore[attr-defined,no-redef]
+            except ImportError as e:
+                warnings.warn(
+                    f"silverrec: C++ CPU kernels unavailable ({e}); using the slower torch implementations. "
+                    "Rebuild with `pip install --no-build-isolation -e .` (needs a C++ compiler).",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        _state["ext"] = mod
+    return _state["ext"]
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch the extension on/off in this process (benchmarks compare both paths)."""
+    _state.pop("ext", None)
+    os.environ["SILVERREC_CPU_EXT"] = "1" if enabled else "0"

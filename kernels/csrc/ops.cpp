@@ -1,0 +1,192 @@
+// Python bindings of the CPU fast paths (module silverrec.kernels._cpu).
+//
+// Each function turns one op's arguments into scan segments (scan.h) and returns int64 sort keys;
+// the Python custom ops (kernels/*.py) quantise queries and dequantise scores around them. Bad
+// values raise ValueError (std::invalid_argument) with the same messages as the torch paths.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "scan.h"
+
+namespace silverrec {
+namespace {
+
+void check(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous(),
+              name, ": expected a contiguous CPU tensor of ", dim, " dims and dtype ", dtype, ", got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+ScanInput base_input(const at::Tensor& qcodes, const at::Tensor& codes, int64_t k) {
+  check(qcodes, at::kChar, 2, "qcodes");
+  check(codes, at::kChar, 2, "codes");
+  TORCH_CHECK(qcodes.size(1) == codes.size(1), "qcodes and codes disagree on D");
+  ScanInput in;
+  in.qcodes = qcodes.data_ptr<int8_t>();
+  in.codes = codes.data_ptr<int8_t>();
+  in.B = qcodes.size(0);
+  in.D = codes.size(1);
+  in.N = codes.size(0);
+  in.k = k;
+  return in;
+}
+
+// int8_topk: every query scans [0, N).
+at::Tensor topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, int64_t k) {
+  ScanInput in = base_input(qcodes, codes, k);
+  for (int64_t b = 0; b < in.B; ++b) in.member_query.push_back(b);
+  if (in.B) in.segments.push_back({0, in.N, 0, in.B});
+  return scan_topk(in);
+}
+
+// masked_topk: active queries scan the rows set in their packed mask [B, Wm] (rows >= N ignored).
+at::Tensor masked_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& mask,
+                            const at::Tensor& active, int64_t k) {
+  ScanInput in = base_input(qcodes, codes, k);
+  check(mask, at::kLong, 2, "mask");
+  check(active, at::kBool, 1, "active");
+  TORCH_CHECK(mask.size(0) == in.B && active.size(0) == in.B, "mask / active must have B rows");
+  const int64_t wm = mask.size(1);
+  const bool* act = active.data_ptr<bool>();
+  for (int64_t b = 0; b < in.B; ++b)
+    if (act[b]) {
+      in.member_query.push_back(b);
+      in.member_word.push_back(b * wm);
+    }
+  in.bitmask = mask.data_ptr<int64_t>();
+  const int64_t end = std::min(in.N, 64 * wm);
+  if (!in.member_query.empty() && end > 0) in.segments.push_back({0, end, 0, int64_t(in.member_query.size())});
+  return scan_topk(in);
+}
+
+// ivf_scan: probes [B, P] (-1 = empty slot, repeats of a cluster count once: the first slot), optional
+// bitmask [B, P, Wc]. Segments = probed clusters, ordered by the best slot any query gave them.
+at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& cluster_offsets,
+                         const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k) {
+  ScanInput in = base_input(qcodes, codes, k);
+  check(cluster_offsets, at::kLong, 1, "cluster_offsets");
+  check(probes, at::kLong, 2, "probes");
+  const int64_t nlist = cluster_offsets.size(0) - 1, P = probes.size(1);
+  TORCH_CHECK(nlist >= 1 && probes.size(0) == in.B, "bad cluster_offsets / probes shape");
+  const int64_t* off = cluster_offsets.data_ptr<int64_t>();
+  const int64_t* pr = probes.data_ptr<int64_t>();
+  bool rising = off[0] == 0 && off[nlist] == in.N;
+  int64_t wc = 0;  // words per slot the index needs (kernels/ivf_scan.py bitmask_words)
+  for (int64_t c = 0; c < nlist; ++c) {
+    rising &= off[c + 1] >= off[c];
+    wc = std::max(wc, ((off[c + 1] + 63) >> 6) - (off[c] >> 6));
+  }
+  if (!rising) throw std::invalid_argument("cluster_offsets must rise from 0 to N=" + std::to_string(in.N));
+  for (int64_t i = 0; i < in.B * P; ++i)
+    if (pr[i] < -1 || pr[i] >= nlist)
+      throw std::invalid_argument("probes must hold cluster ids in [0, " + std::to_string(nlist) + ") or -1");
+  int64_t wslot = 0;
+  if (bitmask) {
+    check(*bitmask, at::kLong, 3, "bitmask");
+    TORCH_CHECK(bitmask->size(0) == in.B && bitmask->size(1) == P, "bitmask must be [B, P, Wc]");
+    wslot = bitmask->size(2);
+    if (wslot < wc)
+      throw std::invalid_argument("bitmask has " + std::to_string(wslot) + " words per slot, the index needs " +
+                                  std::to_string(wc));
+    in.bitmask = bitmask->data_ptr<int64_t>();
+  }
+  // First slot of each (query, cluster); count members per cluster and each cluster's best slot.
+  std::vector<int64_t> last_query(nlist, -1), count(nlist, 0), best_slot(nlist, P);
+  std::vector<int64_t> first_slot(in.B * P, -1);  // slot j of query b if it is the first for its cluster
+  for (int64_t b = 0; b < in.B; ++b)
+    for (int64_t j = 0; j < P; ++j) {
+      const int64_t c = pr[b * P + j];
+      if (c < 0 || last_query[c] == b) continue;
+      last_query[c] = b;
+      if (off[c + 1] == off[c]) continue;  // empty cluster: nothing to scan
+      first_slot[b * P + j] = j;
+      ++count[c];
+      best_slot[c] = std::min(best_slot[c], j);
+    }
+  std::vector<int64_t> order;
+  for (int64_t c = 0; c < nlist; ++c)
+    if (count[c]) order.push_back(c);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return best_slot[x] < best_slot[y]; });
+  std::vector<int64_t> cursor(nlist, 0);
+  int64_t m = 0;
+  for (int64_t c : order) {
+    in.segments.push_back({off[c], off[c + 1], m, count[c]});
+    cursor[c] = m;
+    m += count[c];
+  }
+  in.member_query.assign(m, 0);
+  in.member_word.assign(m, 0);
+  for (int64_t b = 0; b < in.B; ++b)
+    for (int64_t j = 0; j < P; ++j) {
+      if (first_slot[b * P + j] < 0) continue;
+      const int64_t c = pr[b * P + j], i = cursor[c]++;
+      in.member_query[i] = b;
+      in.member_word[i] = (b * P + j) * wslot - (off[c] >> 6);
+    }
+  return scan_topk(in);
+}
+
+// The core routine on explicit ranges: range i = rows [range_start[i], range_end[i]) for query
+// range_query[i], with word base range_word_base[i] into the flat bitmask (both optional).
+at::Tensor scan_ranges(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& range_query,
+                       const at::Tensor& range_start, const at::Tensor& range_end,
+                       const std::optional<at::Tensor>& range_word_base, const std::optional<at::Tensor>& bitmask,
+                       int64_t k) {
+  ScanInput in = base_input(qcodes, codes, k);
+  check(range_query, at::kLong, 1, "range_query");
+  check(range_start, at::kLong, 1, "range_start");
+  check(range_end, at::kLong, 1, "range_end");
+  const int64_t R = range_query.size(0);
+  TORCH_CHECK(range_start.size(0) == R && range_end.size(0) == R, "range arrays must have equal lengths");
+  TORCH_CHECK(range_word_base.has_value() == bitmask.has_value(), "range_word_base and bitmask go together");
+  const int64_t *rq = range_query.data_ptr<int64_t>(), *rs = range_start.data_ptr<int64_t>(),
+                *re = range_end.data_ptr<int64_t>();
+  const int64_t* rw = nullptr;
+  if (bitmask) {
+    check(*range_word_base, at::kLong, 1, "range_word_base");
+    TORCH_CHECK(range_word_base->size(0) == R, "range_word_base must have one entry per range");
+    TORCH_CHECK(bitmask->device().is_cpu() && bitmask->scalar_type() == at::kLong && bitmask->is_contiguous(),
+                "bitmask must be a contiguous int64 CPU tensor");
+    rw = range_word_base->data_ptr<int64_t>();
+    in.bitmask = bitmask->data_ptr<int64_t>();
+  }
+  for (int64_t i = 0; i < R; ++i) {
+    TORCH_CHECK(rq[i] >= 0 && rq[i] < in.B && rs[i] >= 0 && re[i] <= in.N, "range ", i, " out of bounds");
+    if (re[i] <= rs[i]) continue;
+    in.segments.push_back({rs[i], re[i], int64_t(in.member_query.size()), 1});
+    in.member_query.push_back(rq[i]);
+    in.member_word.push_back(rw ? rw[i] : 0);
+  }
+  return scan_topk(in);
+}
+
+}  // namespace
+}  // namespace silverrec
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using namespace silverrec;
+  m.doc() = "silverrec CPU fast paths: fused int8 scan + bitmask + top-k, bloom filter programs";
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("topk_keys", &topk_keys, "exact top-k keys int64 [B, k]", py::arg("qcodes"), py::arg("codes"), py::arg("k"), nogil);
+  m.def("masked_topk_keys", &masked_topk_keys, "top-k keys over the rows set in mask [B, Wm]", py::arg("qcodes"),
+        py::arg("codes"), py::arg("mask"), py::arg("active"), py::arg("k"), nogil);
+  m.def("ivf_scan_keys", &ivf_scan_keys, "top-k keys over probed clusters", py::arg("qcodes"), py::arg("codes"),
+        py::arg("cluster_offsets"), py::arg("probes"), py::arg("bitmask"), py::arg("k"), nogil);
+  m.def("scan_ranges", &scan_ranges, "top-k keys over explicit row ranges", py::arg("qcodes"), py::arg("codes"),
+        py::arg("range_query"), py::arg("range_start"), py::arg("range_end"), py::arg("range_word_base"),
+        py::arg("bitmask"), py::arg("k"), nogil);
+  m.def("bloom_filter", &silverrec::bloom_filter, "filter programs over word windows -> int64 [B, P, n_words]",
+        py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("word_start"), py::arg("n_words"), nogil);
+  m.attr("vnni") = py::bool_(
+#if defined(__AVX512VNNI__)
+      true
+#else
+      false
+#endif
+  );
+}

@@ -1,0 +1,242 @@
+// Fused CPU scan: int8 dot products + optional packed bitmask + running top-k, in one pass.
+//
+// One core routine serves the CPU paths of silverrec::ivf_scan, silverrec::masked_topk and
+// silverrec::int8_topk. Its input is a list of *segments*: a row range [start, end) of the int8
+// codes and the queries ("members") that scan it, each with an optional word base into a flat
+// int64 bitmask:
+//
+//     row r of a segment is allowed for member m  iff  bitmask[word_base[m] + (r >> 6)] >> (r & 63) & 1
+//
+// (no bitmask: every row of the range is allowed). For ivf_scan a segment is one probed cluster
+// and its members are the queries that probe it, word_base = (b * P + slot) * Wc - (off[c] >> 6);
+// for masked_topk it is [0, N) with the active queries, word_base = b * Wm; for int8_topk [0, N)
+// with every query and no bitmask.
+//
+// Work: segments are cut into pieces of <= kPieceRows rows (64-aligned), and worker threads
+// (at::parallel_for, one per thread) take pieces from an atomic counter in the given order (for
+// ivf_scan: clusters ordered by the best probe rank any query gave them, so every query's nearest
+// clusters come first and its threshold rises early). Each worker keeps its own TopK per query;
+// per-query results are merged at the end. A piece walks 64-row words: the allowed-row word of
+// each member (range bits & bitmask word) is computed first, and rows whose bit is 0 are never
+// scored (a zero word skips 64 rows). Members are scored one query at a time against 16-row
+// tiles (RowTileKernel), or, when >= kLaneMin queries share the segment, 16 queries at a time
+// against each row (LaneKernel). Scores below a query's current k-th best never become keys.
+//
+// Output: keys int64 [B, k], sorted descending, kEmptyKey padding: bit-identical to the torch paths.
+#include "scan.h"
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <string>
+
+#include "dot.h"
+#include "topk_state.h"
+
+namespace silverrec {
+namespace {
+
+constexpr int64_t kPieceRows = 8192;  // rows per work item (a multiple of 64)
+constexpr int kLaneMin = 4;           // members sharing a segment from which LaneKernel is used
+
+struct Piece {
+  int64_t segment, start, end;
+};
+
+inline uint64_t range_bits(int64_t blk, int64_t a, int64_t z) {
+  // bits of rows [a, z) inside the 64-row word starting at row blk
+  const int64_t lo = std::max<int64_t>(a - blk, 0), hi = std::min<int64_t>(z - blk, 64);
+  if (hi <= lo) return 0;
+  const uint64_t upto_hi = hi >= 64 ? ~uint64_t{0} : (uint64_t{1} << hi) - 1;
+  return upto_hi & ~((uint64_t{1} << lo) - 1);
+}
+
+inline uint32_t ge_mask16(const int32_t* scores, const int32_t* thr) {
+#if SILVERREC_VNNI
+  return _mm512_cmpge_epi32_mask(_mm512_loadu_si512(scores), _mm512_loadu_si512(thr));
+#else
+  uint32_t m = 0;
+  for (int i = 0; i < kTile; ++i) m |= uint32_t(scores[i] >= thr[i]) << i;
+  return m;
+#endif
+}
+
+inline uint32_t ge_mask16(const int32_t* scores, int32_t thr) {
+  int32_t t[kTile];
+  for (int i = 0; i < kTile; ++i) t[i] = thr;
+  return ge_mask16(scores, t);
+}
+
+class Scanner {
+ public:
+  Scanner(const ScanInput& in) : in_(in), tile_(in.D) {
+    queries_.reserve(in.B);
+    for (int64_t b = 0; b < in.B; ++b) queries_.emplace_back(in.qcodes + b * in.D, in.D);
+  }
+
+  at::Tensor run() {
+    std::vector<Piece> pieces;
+    for (int64_t s = 0; s < int64_t(in_.segments.size()); ++s) {
+      const Segment& seg = in_.segments[s];
+      for (int64_t a = seg.start; a < seg.end;) {
+        const int64_t z = std::min(seg.end, ((a + kPieceRows) & ~int64_t{63}));
+        pieces.push_back({s, a, z});
+        a = z;
+      }
+    }
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), int64_t(pieces.size())));
+    states_.assign(workers, std::vector<TopK>(in_.B));
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
+      for (int64_t w = w0; w < w1; ++w)
+        for (int64_t i; (i = next.fetch_add(1)) < int64_t(pieces.size());) scan_piece(pieces[i], states_[w]);
+    });
+    return merge();
+  }
+
+ private:
+  const ScanInput& in_;
+  RowTileKernel tile_;
+  std::vector<PaddedQuery> queries_;
+  std::vector<std::vector<TopK>> states_;  // [worker][query]
+
+  inline uint64_t allowed(int64_t member, int64_t blk, uint64_t rb) const {
+    return in_.bitmask ? rb & uint64_t(in_.bitmask[in_.member_word[member] + (blk >> 6)]) : rb;
+  }
+
+  void scan_piece(const Piece& pc, std::vector<TopK>& st) {
+    const Segment& seg = in_.segments[pc.segment];
+    int64_t m = seg.first;
+    const int64_t m_end = seg.first + seg.count;
+    for (; m + kLaneMin <= m_end; m += kTile) lanes(pc, m, std::min<int64_t>(m_end - m, kTile), st);
+    for (; m < m_end; ++m) one_query(pc, m, st[in_.member_query[m]]);
+  }
+
+  // One query, 16-row tiles (1-3 allowed rows of a tile: scored one by one).
+  void one_query(const Piece& pc, int64_t member, TopK& st) {
+    const int64_t b = in_.member_query[member];
+    const PaddedQuery& q = queries_[b];
+    st.ensure(in_.k);
+    alignas(64) int32_t scores[kTile];
+    for (int64_t blk = pc.start & ~int64_t{63}; blk < pc.end; blk += 64) {
+      const uint64_t w = allowed(member, blk, range_bits(blk, pc.start, pc.end));
+      if (!w) continue;
+      for (int sub = 0; sub < 4; ++sub) {
+        uint32_t bits = uint32_t(w >> (16 * sub)) & 0xFFFF;
+        if (!bits) continue;
+        const int64_t r0 = blk + 16 * sub;
+        if (__builtin_popcount(bits) <= 3) {
+          for (; bits; bits &= bits - 1) {
+            const int64_t r = r0 + __builtin_ctz(bits);
+            const int32_t s = tile_.one(in_.codes + r * in_.D, q);
+            if (s >= st.thr_score) st.offer(s, r);
+          }
+          continue;
+        }
+        tile_.tile(in_.codes + r0 * in_.D, int(std::min<int64_t>(kTile, in_.N - r0)), q, scores);
+        for (uint32_t c = bits & ge_mask16(scores, st.thr_score); c; c &= c - 1) {
+          const int i = __builtin_ctz(c);
+          if (scores[i] >= st.thr_score) st.offer(scores[i], r0 + i);  // threshold may have risen
+        }
+      }
+    }
+  }
+
+  // Up to 16 queries at once: each allowed row is scored against all of them (LaneKernel).
+  void lanes(const Piece& pc, int64_t first, int64_t count, std::vector<TopK>& st) {
+    const int8_t* qptr[kTile];
+    TopK* lane_state[kTile];
+    alignas(64) int32_t thr[kTile];
+    for (int l = 0; l < kTile; ++l) {
+      thr[l] = std::numeric_limits<int32_t>::max();  // unused lanes never qualify
+      if (l < count) {
+        const int64_t b = in_.member_query[first + l];
+        qptr[l] = in_.qcodes + b * in_.D;
+        lane_state[l] = &st[b];
+        lane_state[l]->ensure(in_.k);
+      }
+    }
+    const LaneKernel lk(in_.D, qptr, int(count));
+    const uint32_t all_lanes = (uint32_t{1} << count) - 1;
+    alignas(64) int32_t scores[4][kTile];
+    uint64_t words[kTile];
+    for (int64_t blk = pc.start & ~int64_t{63}; blk < pc.end; blk += 64) {
+      const uint64_t rb = range_bits(blk, pc.start, pc.end);
+      uint64_t any = rb;
+      if (in_.bitmask) {
+        any = 0;
+        for (int l = 0; l < count; ++l) any |= (words[l] = allowed(first + l, blk, rb));
+      }
+      while (any) {
+        int64_t rows[4];
+        const int8_t* ptr[4];
+        int n = 0;
+        for (; n < 4 && any; any &= any - 1, ++n) rows[n] = blk + __builtin_ctzll(any);
+        for (int i = 0; i < 4; ++i) ptr[i] = in_.codes + rows[i < n ? i : n - 1] * in_.D;
+        lk.rows4(ptr, n, scores);
+        for (int i = 0; i < n; ++i) {
+          for (int l = 0; l < count; ++l) thr[l] = lane_state[l]->thr_score;
+          uint32_t lane_ok = all_lanes;
+          if (in_.bitmask) {
+            const int bit = int(rows[i] - blk);
+            lane_ok = 0;
+            for (int l = 0; l < count; ++l) lane_ok |= uint32_t((words[l] >> bit) & 1) << l;
+          }
+          for (uint32_t c = lane_ok & ge_mask16(scores[i], thr); c; c &= c - 1) {
+            const int l = __builtin_ctz(c);
+            lane_state[l]->offer(scores[i][l], rows[i]);
+          }
+        }
+      }
+    }
+  }
+
+  // Per query: the best k of all workers' candidates, sorted descending, padded.
+  at::Tensor merge() {
+    const int64_t B = in_.B, k = in_.k;
+    at::Tensor out = at::empty({B, k}, at::kLong);
+    int64_t* o = out.data_ptr<int64_t>();
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<int64_t> all;
+      for (int64_t b = b0; b < b1; ++b) {
+        int64_t* row = o + b * k;
+        int64_t total = 0;
+        const std::vector<int64_t>* only = nullptr;
+        for (auto& per_worker : states_) {
+          total += per_worker[b].n;
+          if (per_worker[b].n) only = &per_worker[b].buf;
+        }
+        int64_t* first;
+        if (total == 0) {
+          std::fill(row, row + k, kEmptyKey);
+          continue;
+        }
+        bool single = false;
+        for (auto& per_worker : states_) single |= per_worker[b].n == total;
+        if (single) {
+          first = const_cast<int64_t*>(only->data());
+        } else {
+          all.clear();
+          for (auto& per_worker : states_) all.insert(all.end(), per_worker[b].buf.begin(), per_worker[b].buf.begin() + per_worker[b].n);
+          first = all.data();
+        }
+        const int64_t take = std::min(total, k);
+        if (total > k) std::nth_element(first, first + (k - 1), first + total, std::greater<int64_t>());
+        std::sort(first, first + take, std::greater<int64_t>());
+        std::copy(first, first + take, row);
+        std::fill(row + take, row + k, kEmptyKey);
+      }
+    });
+    return out;
+  }
+};
+
+}  // namespace
+
+at::Tensor scan_topk(const ScanInput& in) {
+  if (in.k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(in.k));
+  return Scanner(in).run();
+}
+
+}  // namespace silverrec

@@ -1,0 +1,35 @@
+// Fused CPU scan (scan.cpp) and the bloom filter evaluator (bloom.cpp): shared declarations.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace silverrec {
+
+// A row range of the codes and the queries that scan it: members [first, first + count) of
+// ScanInput::member_query / member_word.
+struct Segment {
+  int64_t start, end, first, count;
+};
+
+struct ScanInput {
+  const int8_t* qcodes;  // [B, D] int8 query codes
+  const int8_t* codes;   // [N, D] int8 item codes
+  int64_t B, D, N, k;
+  std::vector<Segment> segments;      // visiting order
+  std::vector<int64_t> member_query;  // [M] query of each member
+  std::vector<int64_t> member_word;   // [M] word base into bitmask (unused without one)
+  const int64_t* bitmask = nullptr;   // flat words; row r of member m allowed iff bit (r & 63) of
+                                      // bitmask[member_word[m] + (r >> 6)]
+};
+
+// Top-k keys int64 [B, k] (score * 2**32 + 2**32 - 1 - row), descending, INT64_MIN padding.
+at::Tensor scan_topk(const ScanInput& in);
+
+// silverrec::bloom_filter: int64 [B, P, n_words] (see kernels/bloom_filter.py).
+at::Tensor bloom_filter(const at::Tensor& bits, const at::Tensor& ops, const at::Tensor& rows,
+                        const at::Tensor& word_start, int64_t n_words);
+
+}  // namespace silverrec

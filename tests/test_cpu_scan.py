@@ -1,0 +1,283 @@
+"""The C++ CPU fast paths (silverrec.kernels._cpu) equal the torch reference paths bit for bit.
+
+Keys are compared, not scores: int64 sort keys `score * 2**32 + 2**32 - 1 - row` carry both the
+int8 dot product and the tie order. Odd dimensions leave the 64-byte SIMD chunks (D = 1, 3, 13,
+127, 130, 784); batches 1, 3 and 19 leave the 16-query lanes; k runs from 1 past the number of
+allowed items (padding); codes in {-1, 0, 1} make massive ties; segments of > 8192 rows are split
+across worker threads and merged. Every case is also checked against brute force (int64 dot
+products, full sort): the torch `_int_mm` paths return wrong scores for D = 1 (torch 2.13), so
+they are compared only for D > 1.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from silverrec.kernels import cpu_ext as cpu_ext_mod
+from silverrec.kernels.bloom_filter import OP_AND, OP_NOT, OP_OR, OP_PUSH, bloom_filter_numpy, bloom_filter_reference
+from silverrec.kernels.common import EMPTY_KEY, quantize_queries
+from silverrec.kernels.int8_topk import topk_keys_cpu
+from silverrec.kernels.ivf_scan import bitmask_words, canonical_probes, scan_keys_cpu
+from silverrec.kernels.masked_topk import masked_keys_torch
+
+ext = pytest.importorskip("silverrec.kernels._cpu", reason="C++ extension not built")
+
+DIMS = [1, 3, 13, 127, 128, 130, 784]
+
+
+def _codes(n, d, g, ties=False):
+    lo, hi = (-1, 2) if ties else (-128, 128)
+    return torch.randint(lo, hi, (n, d), dtype=torch.int8, generator=g)
+
+
+def _qcodes(b, d, g, ties=False):
+    if ties:
+        return torch.randint(-1, 2, (b, d), dtype=torch.int8, generator=g)
+    return quantize_queries(torch.randn(b, d, generator=g))[0]
+
+
+def _brute_keys(qcodes, codes, k, allowed=None):
+    """int64 [B, k] keys by brute force; allowed: bool [B, N] or None."""
+    s = qcodes.to(torch.int64) @ codes.to(torch.int64).t()  # [B, N]
+    rows = torch.arange(codes.shape[0])
+    keys = s * (1 << 32) + ((1 << 32) - 1 - rows)
+    if allowed is not None:
+        keys = torch.where(allowed, keys, torch.full_like(keys, EMPTY_KEY))
+    keys = keys.sort(dim=1, descending=True).values[:, :k]
+    if keys.shape[1] < k:
+        keys = torch.cat([keys, torch.full((keys.shape[0], k - keys.shape[1]), EMPTY_KEY)], dim=1)
+    return keys
+
+
+def _layout(n, nlist, g):
+    """Random cluster offsets with empty clusters (first, one inside, last) and unaligned sizes."""
+    cut = torch.sort(torch.randint(0, n + 1, (nlist - 1,), generator=g)).values
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), cut, torch.tensor([n])])
+    off[1] = 0  # cluster 0 empty
+    off[nlist // 2 + 1] = off[nlist // 2]
+    off[nlist - 1] = n  # last cluster empty
+    return off
+
+
+def _probes(b, p, nlist, g):
+    pr = torch.stack([torch.randperm(nlist, generator=g)[:p] for _ in range(b)])
+    pr[0, -1] = -1
+    if p > 2:
+        pr[-1, 2] = pr[-1, 0]  # repeated cluster: scanned once, with the first slot's bitmask
+        pr[min(1, b - 1), 1] = -1
+    if b > 2:
+        pr[1, :] = -1  # a query that probes nothing: all padding
+    return pr
+
+
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("b", [1, 3, 16, 19])
+def test_exact_topk_equals_torch(d, b):
+    g = torch.Generator().manual_seed(d * 100 + b)
+    n = 3000
+    codes, q = _codes(n, d, g), _qcodes(b, d, g)
+    for k in (1, 17, 1000, n):
+        got = ext.topk_keys(q, codes, k)
+        assert torch.equal(got, _brute_keys(q, codes, k)), k
+        if d > 1:
+            assert torch.equal(got, topk_keys_cpu(q, codes, k, chunk=512)), k
+    # k beyond N: padding (the torch path refuses it, brute force decides)
+    assert torch.equal(ext.topk_keys(q, codes, n + 5), _brute_keys(q, codes, n + 5))
+
+
+@pytest.mark.parametrize("b", [1, 5, 16])
+def test_exact_ties_and_thread_split(b):
+    """Massive ties in a pool of > 8192 rows (several pieces, merged across workers)."""
+    g = torch.Generator().manual_seed(b)
+    n, d = 20000, 7
+    codes, q = _codes(n, d, g, ties=True), _qcodes(b, d, g, ties=True)
+    for k in (1, 3, 100, 9000):
+        assert torch.equal(ext.topk_keys(q, codes, k), _brute_keys(q, codes, k)), k
+
+
+def _ivf_allowed(off, probes, bitmask, n):
+    """bool [B, N]: rows of each query's probed clusters whose bit is set (first slot of a cluster wins)."""
+    b_, p_ = probes.shape
+    allowed = torch.zeros(b_, n, dtype=torch.bool)
+    for b in range(b_):
+        seen = set()
+        for j, c in enumerate(probes[b].tolist()):
+            if c < 0 or c in seen:
+                continue
+            seen.add(c)
+            r = torch.arange(int(off[c]), int(off[c + 1]))
+            ok = torch.ones_like(r, dtype=torch.bool)
+            if bitmask is not None:
+                ok = ((bitmask[b, j, (r >> 6) - (int(off[c]) >> 6)] >> (r & 63)) & 1).bool()
+            allowed[b, r] = ok
+    return allowed
+
+
+def _ivf_case(n, d, nlist, b, p, seed, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    codes, off = _codes(n, d, g, ties), _layout(n, nlist, g)
+    return codes, off, _qcodes(b, d, g, ties), _probes(b, p, nlist, g), g
+
+
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("b", [1, 3, 16, 19])
+@pytest.mark.parametrize("mask", [None, "random", "zeros", "ones", "sparse"])
+def test_ivf_scan_equals_torch(d, b, mask):
+    n, nlist, p = 2500, 23, 6
+    codes, off, q, probes, g = _ivf_case(n, d, nlist, b, p, seed=d + 7 * b)
+    wc = bitmask_words(off)
+    bitmask = None
+    if mask == "random":
+        bitmask = torch.randint(-(2**63), 2**63 - 1, (b, p, wc), generator=g)
+    elif mask == "zeros":
+        bitmask = torch.zeros(b, p, wc, dtype=torch.int64)
+    elif mask == "ones":
+        bitmask = torch.full((b, p, wc), -1, dtype=torch.int64)
+    elif mask == "sparse":  # ~1 bit in 64: mostly zero words, lone rows
+        bitmask = torch.randint(-(2**63), 2**63 - 1, (b, p, wc), generator=g)
+        for _ in range(5):
+            bitmask &= torch.randint(-(2**63), 2**63 - 1, (b, p, wc), generator=g)
+    allowed = _ivf_allowed(off, probes, bitmask, n)
+    for k in (1, 10, 400, 5000):  # 5000 > probed items: padding
+        got = ext.ivf_scan_keys(q, codes, off, probes, bitmask, k)
+        assert torch.equal(got, _brute_keys(q, codes, k, allowed)), k
+        if d > 1:
+            assert torch.equal(got, scan_keys_cpu(q, codes, off, canonical_probes(probes), k, bitmask, 256, 16)), k
+
+
+@pytest.mark.parametrize("b", [4, 16, 19, 40])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_ivf_shared_clusters_and_ties(b, with_mask):
+    """Every query probes the same few clusters (16-query lanes), massive ties, big clusters split."""
+    n, d, nlist, p = 30000, 5, 6, 4
+    codes, off, q, _, g = _ivf_case(n, d, nlist, b, p, seed=b, ties=True)
+    probes = torch.stack([torch.randperm(nlist, generator=g)[:p] for _ in range(b)])
+    probes[0, 1] = -1
+    bitmask = torch.randint(-(2**63), 2**63 - 1, (b, p, bitmask_words(off)), generator=g) if with_mask else None
+    allowed = _ivf_allowed(off, probes, bitmask, n)
+    for k in (1, 50, 3000):
+        got = ext.ivf_scan_keys(q, codes, off, probes, bitmask, k)
+        assert torch.equal(got, _brute_keys(q, codes, k, allowed)), k
+        assert torch.equal(got, scan_keys_cpu(q, codes, off, canonical_probes(probes), k, bitmask)), k
+
+
+def test_ivf_bad_values_raise_value_error():
+    g = torch.Generator().manual_seed(0)
+    codes, off = _codes(300, 8, g), _layout(300, 6, g)
+    q = _qcodes(2, 8, g)
+    with pytest.raises(ValueError, match="probes"):
+        ext.ivf_scan_keys(q, codes, off, torch.tensor([[0, 6], [1, 2]]), None, 3)
+    with pytest.raises(ValueError, match="cluster_offsets"):
+        ext.ivf_scan_keys(q, codes, off - 1, torch.tensor([[0, 1], [1, 2]]), None, 3)
+    with pytest.raises(ValueError, match="bitmask"):
+        ext.ivf_scan_keys(q, codes, off, torch.tensor([[0, 1], [1, 2]]), torch.zeros(2, 2, 0, dtype=torch.int64), 3)
+    with pytest.raises(ValueError, match="k must"):
+        ext.ivf_scan_keys(q, codes, off, torch.tensor([[0, 1], [1, 2]]), None, 0)
+
+
+@pytest.mark.parametrize("d", [3, 128, 130])
+@pytest.mark.parametrize("b", [1, 3, 16, 19])
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.1, 1.0])
+def test_masked_topk_equals_torch(d, b, density):
+    g = torch.Generator().manual_seed(b * 7 + d)
+    n = 20000 + 37  # > one piece; rows past N in the last word are ignored
+    codes, q = _codes(n, d, g), _qcodes(b, d, g)
+    allowed = torch.rand(b, n, generator=g) < density
+    allowed[-1] = allowed[0]  # identical masks
+    wm = (n + 63) // 64 + 1  # one extra word: bits past N must be ignored
+    bits = torch.zeros(b, wm * 64, dtype=torch.bool)
+    bits[:, :n] = allowed
+    bits[:, n:] = True
+    mask = (bits.view(b, wm, 64).long() << torch.arange(64)).sum(dim=2)
+    active = torch.ones(b, dtype=torch.bool)
+    active[min(1, b - 1)] = b == 1
+    for k in (1, 64, 2500):
+        got = ext.masked_topk_keys(q, codes, mask, active, k)
+        assert torch.equal(got, _brute_keys(q, codes, k, allowed & active[:, None])), k
+        assert torch.equal(got, masked_keys_torch(q, codes, mask, active, k)), k
+
+
+def test_scan_ranges_equals_brute_force():
+    g = torch.Generator().manual_seed(3)
+    n, d, b = 5000, 19, 3
+    codes, q = _codes(n, d, g), _qcodes(b, d, g)
+    rq = torch.tensor([0, 0, 2, 2, 1])
+    rs = torch.tensor([10, 4000, 0, 100, 7])
+    re = torch.tensor([700, 5000, 50, 100, 4000])  # one empty range
+    allowed = torch.zeros(b, n, dtype=torch.bool)
+    for qq, a, z in zip(rq.tolist(), rs.tolist(), re.tolist()):
+        allowed[qq, a:z] = True
+    for k in (1, 200, 3000):
+        assert torch.equal(ext.scan_ranges(q, codes, rq, rs, re, None, None, k), _brute_keys(q, codes, k, allowed))
+    # with a bitmask: one flat word array, word base per range
+    w = (n + 63) // 64
+    bm = torch.randint(-(2**63), 2**63 - 1, (b, w), generator=g)
+    bit = ((bm[:, torch.arange(n) >> 6] >> (torch.arange(n) & 63)) & 1).bool()
+    got = ext.scan_ranges(q, codes, rq, rs, re, rq * w, bm.reshape(-1), 100)
+    assert torch.equal(got, _brute_keys(q, codes, 100, allowed & bit))
+
+
+def _programs(b, length, width, r, g):
+    """Random well-formed postfix programs (PUSH / NOT / AND / OR), NOP padded."""
+    ops = torch.zeros(b, length, dtype=torch.int64)
+    for i in range(b):
+        prog, depth = [], 0
+        n = int(torch.randint(1, length + 1, (1,), generator=g))
+        while len(prog) < n - depth + 1 or depth != 1:
+            choices = [OP_PUSH] + ([OP_NOT] if depth else []) + ([OP_AND, OP_OR] if depth >= 2 else [])
+            if len(prog) + depth - 1 >= length - 1 and depth >= 2:
+                choices = [OP_AND, OP_OR]
+            op = choices[int(torch.randint(len(choices), (1,), generator=g))]
+            prog.append(op)
+            depth += {OP_PUSH: 1, OP_NOT: 0, OP_AND: -1, OP_OR: -1}[op]
+            if len(prog) >= length:
+                break
+        if depth != 1:
+            prog = [OP_PUSH]
+        ops[i, : len(prog)] = torch.tensor(prog)
+    return ops, torch.randint(-r, r, (b, length, width), generator=g)
+
+
+@pytest.mark.parametrize("b, p, n_words", [(1, 1, 1), (16, 8, 5), (3, 2, 700), (19, 300, 1)])
+def test_bloom_filter_equals_numpy(b, p, n_words):
+    g = torch.Generator().manual_seed(b + p + n_words)
+    r, w = 29, 1000
+    bits = torch.randint(-(2**63), 2**63 - 1, (r, w), generator=g)
+    ops, rows = _programs(b, 9, 3, r, g)
+    starts = torch.randint(-1, w, (b, p), generator=g)  # empty windows and windows past W
+    got = ext.bloom_filter(bits, ops, rows, starts, n_words)
+    want = torch.from_numpy(bloom_filter_numpy(bits.numpy(), ops.numpy(), rows.numpy(), starts.numpy(), n_words))
+    assert torch.equal(got, want)
+    if b * p * n_words < 2000:
+        assert torch.equal(got, bloom_filter_reference(bits, ops, rows, starts, n_words))
+
+
+def test_ops_fall_back_to_torch_with_the_same_results(monkeypatch):
+    """SILVERREC_CPU_EXT=0: the registered ops run the torch paths and agree with the C++ ones."""
+    g = torch.Generator().manual_seed(5)
+    n, d, nlist, b, p = 4000, 24, 17, 5, 4
+    codes, off, _, probes, g = _ivf_case(n, d, nlist, b, p, seed=11)
+    queries = torch.randn(b, d, generator=g)
+    scale, offset = torch.tensor(0.02), torch.tensor(0.1)
+    bitmask = torch.randint(-(2**63), 2**63 - 1, (b, p, bitmask_words(off)), generator=g)
+    mask = torch.randint(-(2**63), 2**63 - 1, (b, (n + 63) // 64), generator=g)
+    active = torch.tensor([True, False, True, True, True])
+
+    def run():
+        return (
+            torch.ops.silverrec.ivf_scan(queries, codes, scale, offset, off, probes, 30, bitmask),
+            torch.ops.silverrec.int8_topk(queries, codes, scale, offset, 30),
+            torch.ops.silverrec.masked_topk(queries, codes, scale, offset, mask, active, 30),
+        )
+
+    fast = run()
+    assert cpu_ext_mod.cpu_ext() is not None
+    try:
+        cpu_ext_mod.set_enabled(False)
+        assert cpu_ext_mod.cpu_ext() is None
+        slow = run()
+    finally:
+        cpu_ext_mod.set_enabled(True)
+    for (fs, fr), (ss, sr) in zip(fast, slow):
+        assert torch.equal(fr, sr)
+        assert torch.equal(fs, ss)
