@@ -132,7 +132,7 @@ def _query_generative(snap, args: argparse.Namespace) -> int:
         raise QueryError("a generative snapshot needs --history \"id1,id2,...\" or --history-file F")
     width = int(snap.config["beam_width"])
     check_k(args.k, width, "beams (the snapshot's beam_width)")
-    result = snap.recommend(histories)
+    result = snap.recommend(histories, exclude_history=args.exclude_history)
     result = type(result)(item_ids=result.item_ids[:, : args.k], scores=result.scores[:, : args.k])
     _print_result(result, args)
     return 0
@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--queries", default=None, help=".npy float32 [B, D] (retrieval snapshots)")
     q.add_argument("--history", default=None, help="generative: one history, item ids oldest first, e.g. \"1,50,260\"")
     q.add_argument("--history-file", dest="history_file", default=None, help="generative: one history per line")
+    q.add_argument("--exclude-history", dest="exclude_history", action="store_true",
+                   help="generative: never recommend an item of the request's history")
     q.add_argument("--k", type=int, required=True)
     q.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or stdout)")
     q.add_argument("--backend", choices=("export", "torchscript"), default="export")

@@ -21,6 +21,7 @@ import silverrec.kernels  # noqa: F401  (ops must be registered before deseriali
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
 from silverrec.filtered_search import search_filtered_ivf
 from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, read_manifest
+from silverrec.trie import pack_bitmask, unpack_bitmask
 
 
 @dataclass
@@ -53,7 +54,8 @@ class Snapshot:
     def config(self) -> dict[str, Any]:
         return self.manifest["config"]
 
-    def recommend(self, history_item_ids: list[list[int]], filter_bitmask: torch.Tensor | None = None) -> SearchResult:
+    def recommend(self, history_item_ids: list[list[int]], filter_bitmask: torch.Tensor | None = None,
+                  exclude_history: bool = False) -> SearchResult:
         """Next items for each history (a "generative" snapshot), one forward call.
 
         Args:
@@ -61,6 +63,8 @@ class Snapshot:
                 `config["max_history_items"]` are used. Unknown ids raise QueryError.
             filter_bitmask: optional int64 [B, ceil(N/64)]: bit r & 63 of word r >> 6 allows item
                 row r of `generative_item_ids()` (trie leaf order); None = every item.
+            exclude_history: also clear the bits of each request's history items (its whole
+                history, not only the most recent items), so they are pruned during the decode.
         Returns:
             item_ids int64 [B, beam_width] (-1 = fewer valid items) and scores float32 (summed
             log-probs, descending; -inf = none).
@@ -78,7 +82,13 @@ class Snapshot:
             got = tuple(filter_bitmask.shape) if isinstance(filter_bitmask, torch.Tensor) else type(filter_bitmask).__name__
             raise QueryError(f"filter_bitmask must be int64 [{B}, {words}], got "
                              f"{getattr(filter_bitmask, 'dtype', '')} {got}")
-        if B == 1:  # the exported program guards batch != 1 (a 0/1 specialisation in the decode): pad to 2
+        if exclude_history:
+            allowed = unpack_bitmask(filter_bitmask, n)
+            for b, h in enumerate(history_item_ids):  # every id is known: history_tokens checked them
+                hist = np.asarray(h, dtype=np.int64).reshape(-1)
+                allowed[b, torch.from_numpy(order[np.searchsorted(ids[order], hist)])] = False
+            filter_bitmask = pack_bitmask(allowed)
+        if B == 1 and self.backend == "export":  # the exported decode guards batch != 1: pad to 2 rows
             history, filter_bitmask = history.expand(2, -1), filter_bitmask.expand(2, -1)
         with torch.inference_mode():
             item_ids, scores = self.module(history.contiguous(), filter_bitmask.contiguous())

@@ -121,6 +121,20 @@ def test_filter_bitmask_prunes_during_decode(setup):
         snap.recommend(histories, pack_bitmask(allowed_rows)[:2])
 
 
+def test_exclude_history_prunes_history_items(setup):
+    _, sids, dec, snap_dir = setup
+    snap = silverrec.load(snap_dir, backend="torchscript")
+    histories = _histories(sids.item_ids, n=4, seed=8, lengths=(9, 0, 3, 12))
+    got = snap.recommend(histories, exclude_history=True)
+    allowed = torch.tensor([[int(i) not in set(h) for i in sids.item_ids] for h in histories])
+    ref_ids, _ = _reference(dec, sids, histories, allowed=allowed)
+    assert torch.equal(got.item_ids, ref_ids)
+    for row, h in zip(got.item_ids.tolist(), histories):
+        assert not set(row) & set(h)
+    plain = snap.recommend(histories)
+    assert any(set(row) & set(h) for row, h in zip(plain.item_ids.tolist(), histories))  # the option matters
+
+
 _FRESH = textwrap.dedent(
     """
     import json, sys, silverrec
