@@ -19,7 +19,7 @@ if os.environ.get("SILVERREC_NO_EXT") != "1":
         CppExtension(
             "silverrec.kernels._cpu",
             sorted(glob("kernels/csrc/*.cpp")),
-            extra_compile_args=["-O3", "-march=native", "-fopenmp"],
+            extra_compile_args=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
             extra_link_args=["-fopenmp"],
         )
     ]

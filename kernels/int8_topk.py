@@ -124,14 +124,6 @@ def _merge_pending(best: torch.Tensor, queries: list[torch.Tensor], keys: list[t
     return merge_candidates(best, q[order], torch.cat(keys)[order])
 
 
-def topk_keys_fast(qcodes: torch.Tensor, codes: torch.Tensor, k: int) -> torch.Tensor:
-    """CPU fast path: the C++ scan when built, else `topk_keys_cpu`. Same keys int64 [B, k]."""
-    ext = cpu_ext()
-    if ext is None:
-        return topk_keys_cpu(qcodes, codes, k)
-    return ext.topk_keys(qcodes.contiguous(), codes.contiguous(), k)
-
-
 def _int8_topk_impl(queries, codes, scale, offset, k, keys_fn):
     _check(queries, codes, k)
     qcodes, qscale = quantize_queries(queries)
@@ -145,8 +137,14 @@ def _int8_topk_impl(queries, codes, scale, offset, k, keys_fn):
 def int8_topk(
     queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU (reference and fast path). See module docstring for the contract."""
-    return _int8_topk_impl(queries, codes, scale, offset, k, topk_keys_fast)
+    """CPU (C++ fast path, torch fallback). See module docstring for the contract."""
+    ext = cpu_ext()
+    if ext is None:
+        return _int8_topk_impl(queries, codes, scale, offset, k, topk_keys_cpu)
+    _check(queries, codes, k)
+    qcodes, qscale = quantize_queries(queries)
+    keys = ext.topk_keys(qcodes, codes.contiguous(), k)
+    return ext.keys_to_results(keys, qscale, queries.float().sum(dim=1), scale, offset)
 
 
 @int8_topk.register_fake

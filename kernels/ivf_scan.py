@@ -307,9 +307,7 @@ def ivf_scan(
         qcodes, codes.contiguous(), cluster_offsets.contiguous(), probes.contiguous(),
         None if bitmask is None else bitmask.contiguous(), k,
     )
-    int_scores, rows = split_keys(keys)
-    scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)
-    return scores, rows
+    return ext.keys_to_results(keys, qscale, queries.float().sum(dim=1), scale, offset)
 
 
 @ivf_scan.register_fake

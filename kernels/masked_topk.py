@@ -64,8 +64,8 @@ def masked_topk(
     ext = cpu_ext() if codes.device.type == "cpu" else None
     if ext is not None:
         keys = ext.masked_topk_keys(qcodes, codes.contiguous(), mask.contiguous(), active.contiguous(), k)
-    else:
-        keys = masked_keys_torch(qcodes, codes, mask, active, k)
+        return ext.keys_to_results(keys, qscale, queries.float().sum(dim=1), scale, offset)
+    keys = masked_keys_torch(qcodes, codes, mask, active, k)
     int_scores, rows = split_keys(keys)
     scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)
     return scores, rows

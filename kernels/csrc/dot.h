@@ -70,37 +70,47 @@ static inline __m512i reduce16(const __m512i* acc) {
 
 #endif
 
-// One query against 16 consecutive rows.
+// One query against 16 consecutive rows. DC: D as a compile-time constant (0 = runtime D), so that
+// the common widths get fully unrolled loops with constant row offsets.
+template <int DC>
 struct RowTileKernel {
   int64_t D;
   int64_t full;      // whole 64-byte chunks per row
   uint64_t tail;     // byte mask of the last partial chunk (0: none)
 
-  explicit RowTileKernel(int64_t D_) : D(D_), full(D_ / 64), tail(D_ % 64 ? (uint64_t{1} << (D_ % 64)) - 1 : 0) {}
+  explicit RowTileKernel(int64_t D_) : D(DC ? DC : D_), full(D / 64), tail(D % 64 ? (uint64_t{1} << (D % 64)) - 1 : 0) {}
 
-  // scores[i] = <row0 + i * D, q> for i < nrows (rows past nrows repeat the last row).
-  inline void tile(const int8_t* row0, int nrows, const PaddedQuery& pq, int32_t* scores) const {
 #if SILVERREC_VNNI
-    const int8_t* p[kTile];
-    for (int i = 0; i < kTile; ++i) p[i] = row0 + int64_t(i < nrows ? i : nrows - 1) * D;
-    __m512i acc[kTile];
-    for (int i = 0; i < kTile; ++i) acc[i] = _mm512_setzero_si512();
+  // Lanes i of the result: <row0 + i * D, q>, i < 16 (all 16 rows must be readable).
+  inline __m512i tile(const int8_t* row0, const PaddedQuery& pq) const {
+    constexpr int64_t kFull = DC / 64;
+    constexpr bool kTail = DC % 64 != 0;
+    const int64_t d = DC ? DC : D;
+    const int64_t nfull = DC ? kFull : full;
+    const bool has_tail = DC ? kTail : tail != 0;
     const __m512i flip = _mm512_set1_epi8(char(0x80));
     const int8_t* q = pq.q.data();
-    for (int64_t c = 0; c < full; ++c) {
-      const __m512i qv = _mm512_loadu_si512(q + 64 * c);
-      for (int i = 0; i < kTile; ++i)
-        acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_xor_si512(_mm512_loadu_si512(p[i] + 64 * c), flip), qv);
+    __m512i acc[kTile];
+    for (int i = 0; i < kTile; ++i) {  // row-outer: one accumulator live per row, queries from L1
+      const int8_t* p = row0 + i * d;
+      __m512i a = _mm512_setzero_si512();
+      for (int64_t c = 0; c < nfull; ++c)
+        a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(_mm512_loadu_si512(p + 64 * c), flip), _mm512_loadu_si512(q + 64 * c));
+      if (has_tail)  // masked-off bytes load as 0 -> 0x80 after the flip, times a zero query byte
+        a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(_mm512_maskz_loadu_epi8(tail, p + 64 * nfull), flip),
+                                _mm512_loadu_si512(q + 64 * nfull));
+      acc[i] = a;
     }
-    if (tail) {  // masked-off bytes load as 0 -> 0x80 after the flip, times a zero query byte
-      const __m512i qv = _mm512_loadu_si512(q + 64 * full);
-      for (int i = 0; i < kTile; ++i)
-        acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_xor_si512(_mm512_maskz_loadu_epi8(tail, p[i] + 64 * full), flip), qv);
-    }
-    __m512i s = _mm512_sub_epi32(reduce16(acc), _mm512_set1_epi32(pq.correction));
-    _mm512_storeu_si512(scores, s);
+    return _mm512_sub_epi32(reduce16(acc), _mm512_set1_epi32(pq.correction));
+  }
+#endif
+
+  // scores[i] = <row0 + i * D, q>, i < 16 (all 16 rows must be readable).
+  inline void tile(const int8_t* row0, const PaddedQuery& pq, int32_t* scores) const {
+#if SILVERREC_VNNI
+    _mm512_storeu_si512(scores, tile(row0, pq));
 #else
-    for (int i = 0; i < kTile; ++i) scores[i] = one(row0 + int64_t(i < nrows ? i : nrows - 1) * D, pq);
+    for (int i = 0; i < kTile; ++i) scores[i] = one(row0 + i * D, pq);
 #endif
   }
 
@@ -125,14 +135,15 @@ struct RowTileKernel {
   }
 };
 
-// Up to 16 queries (lanes) against one row at a time.
+// Up to 16 queries (lanes) against one row at a time. DC as in RowTileKernel.
+template <int DC>
 struct LaneKernel {
   int64_t D;
   int64_t groups;                 // ceil(D / 4)
   std::vector<int32_t> qt;        // [groups, 16]: lane l = 4 bytes of query l (u8 = q + 128; 0 past D / unused lanes)
   std::vector<int32_t> qplain;    // [16, D] fallback layout
 
-  LaneKernel(int64_t D_, const int8_t* const* queries, int nq) : D(D_), groups((D_ + 3) / 4), qt(groups * kTile, 0) {
+  LaneKernel(int64_t D_, const int8_t* const* queries, int nq) : D(DC ? DC : D_), groups((D + 3) / 4), qt(groups * kTile, 0) {
     for (int l = 0; l < nq; ++l)
       for (int64_t d = 0; d < D; ++d) {
         uint32_t u = uint8_t(int32_t(queries[l][d]) + 128);
@@ -150,11 +161,12 @@ struct LaneKernel {
   inline int32_t row_sum(const int8_t* row) const {
     const __m512i flip = _mm512_set1_epi8(char(0x80));
     __m512i acc = _mm512_setzero_si512();
+    const int64_t d = DC ? DC : D;
     int64_t c = 0, chunks = 0;
-    for (; c + 64 <= D; c += 64, ++chunks)
+    for (; c + 64 <= d; c += 64, ++chunks)
       acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(row + c), flip), _mm512_setzero_si512()));
-    if (c < D) {  // masked-off bytes become 0x80 = 128 after the flip: subtracted below with the rest
-      const __mmask64 m = (uint64_t{1} << (D - c)) - 1;
+    if (c < d) {  // masked-off bytes become 0x80 = 128 after the flip: subtracted below with the rest
+      const __mmask64 m = (uint64_t{1} << (d - c)) - 1;
       acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_xor_si512(_mm512_maskz_loadu_epi8(m, row + c), flip), _mm512_setzero_si512()));
       ++chunks;
     }
@@ -163,17 +175,18 @@ struct LaneKernel {
 
   // Group g of the row as an int32 (the tail group zero-padded; never reads past the row).
   inline int32_t group(const int8_t* row, int64_t g) const {
+    const int64_t d = DC ? DC : D;
     int32_t v = 0;
-    std::memcpy(&v, row + 4 * g, (4 * g + 4 <= D) ? 4 : size_t(D - 4 * g));
+    std::memcpy(&v, row + 4 * g, (4 * g + 4 <= d) ? 4 : size_t(d - 4 * g));
     return v;
   }
 #endif
 
   // scores[r][l] = <row_r, query_l> for 4 rows at once (independent accumulator chains).
-  inline void rows4(const int8_t* const* rows, __attribute__((unused)) int n, int32_t (*scores)[kTile]) const {
+  inline void rows4(const int8_t* const* rows, int32_t (*scores)[kTile]) const {
 #if SILVERREC_VNNI
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-    const int64_t whole = D / 4;
+    const int64_t whole = (DC ? DC : D) / 4;
     const int8_t *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3];
     for (int64_t g = 0; g < whole; ++g) {
       const __m512i q = _mm512_loadu_si512(qt.data() + g * kTile);

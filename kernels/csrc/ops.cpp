@@ -6,11 +6,14 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
+#include <tuple>
 #include <stdexcept>
 #include <string>
 
 #include "scan.h"
+#include "topk_state.h"
 
 namespace silverrec {
 namespace {
@@ -164,6 +167,40 @@ at::Tensor scan_ranges(const at::Tensor& qcodes, const at::Tensor& codes, const 
   return scan_topk(in);
 }
 
+// Sort keys -> (scores float32 [B, k], rows int64 [B, k]), exactly like kernels/common.py
+// split_keys + dequantize_scores: float(score) * (scale * qscale[b]) + offset * qsum[b] with one
+// rounding per operation (built with -ffp-contract=off: no FMA); padding -> (-inf, -1).
+std::tuple<at::Tensor, at::Tensor> keys_to_results(const at::Tensor& keys, const at::Tensor& qscale,
+                                                   const at::Tensor& qsum, const at::Tensor& scale,
+                                                   const at::Tensor& offset) {
+  check(keys, at::kLong, 2, "keys");
+  check(qscale, at::kFloat, 1, "qscale");
+  check(qsum, at::kFloat, 1, "qsum");
+  const int64_t B = keys.size(0), k = keys.size(1);
+  TORCH_CHECK(qscale.size(0) == B && qsum.size(0) == B, "qscale / qsum must have B entries");
+  const float sc = scale.item<float>(), of = offset.item<float>();
+  at::Tensor scores = at::empty({B, k}, at::kFloat), rows = at::empty({B, k}, at::kLong);
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  const float *qs = qscale.data_ptr<float>(), *qm = qsum.data_ptr<float>();
+  float* sp = scores.data_ptr<float>();
+  int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float mul = sc * qs[b], add = of * qm[b];
+    for (int64_t i = b * k; i < (b + 1) * k; ++i) {
+      const int64_t key = kp[i];
+      if (key == kEmptyKey) {
+        sp[i] = -std::numeric_limits<float>::infinity();
+        rp[i] = -1;
+      } else {
+        const float prod = float(key >> 32) * mul;
+        sp[i] = prod + add;
+        rp[i] = int64_t{0xFFFFFFFF} - (key & int64_t{0xFFFFFFFF});
+      }
+    }
+  }
+  return {scores, rows};
+}
+
 }  // namespace
 }  // namespace silverrec
 
@@ -180,6 +217,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scan_ranges", &scan_ranges, "top-k keys over explicit row ranges", py::arg("qcodes"), py::arg("codes"),
         py::arg("range_query"), py::arg("range_start"), py::arg("range_end"), py::arg("range_word_base"),
         py::arg("bitmask"), py::arg("k"), nogil);
+  m.def("keys_to_results", &keys_to_results, "keys -> (scores float32, rows int64), -inf / -1 padding",
+        py::arg("keys"), py::arg("qscale"), py::arg("qsum"), py::arg("scale"), py::arg("offset"), nogil);
   m.def("bloom_filter", &silverrec::bloom_filter, "filter programs over word windows -> int64 [B, P, n_words]",
         py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("word_start"), py::arg("n_words"), nogil);
   m.attr("vnni") = py::bool_(

@@ -28,6 +28,7 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -39,6 +40,7 @@ namespace {
 
 constexpr int64_t kPieceRows = 8192;  // rows per work item (a multiple of 64)
 constexpr int kLaneMin = 4;           // members sharing a segment from which LaneKernel is used
+constexpr int64_t kMinParallelWork = 1 << 16;  // (row, query) pairs below which one thread scans
 
 struct Piece {
   int64_t segment, start, end;
@@ -70,54 +72,80 @@ inline uint32_t ge_mask16(const int32_t* scores, int32_t thr) {
 
 class Scanner {
  public:
-  Scanner(const ScanInput& in) : in_(in), tile_(in.D) {
+  Scanner(const ScanInput& in) : in_(in) {
     queries_.reserve(in.B);
     for (int64_t b = 0; b < in.B; ++b) queries_.emplace_back(in.qcodes + b * in.D, in.D);
+    switch (in.D) {  // compile-time widths for the common dimensions
+      case 32: scan_piece_ = &Scanner::scan_piece<32>; break;
+      case 64: scan_piece_ = &Scanner::scan_piece<64>; break;
+      case 96: scan_piece_ = &Scanner::scan_piece<96>; break;
+      case 128: scan_piece_ = &Scanner::scan_piece<128>; break;
+      case 256: scan_piece_ = &Scanner::scan_piece<256>; break;
+      default: scan_piece_ = &Scanner::scan_piece<0>;
+    }
   }
 
   at::Tensor run() {
     std::vector<Piece> pieces;
+    int64_t work = 0;  // (row, query) pairs, to decide whether threads pay off
     for (int64_t s = 0; s < int64_t(in_.segments.size()); ++s) {
       const Segment& seg = in_.segments[s];
+      work += (seg.end - seg.start) * seg.count;
       for (int64_t a = seg.start; a < seg.end;) {
         const int64_t z = std::min(seg.end, ((a + kPieceRows) & ~int64_t{63}));
         pieces.push_back({s, a, z});
         a = z;
       }
     }
-    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), int64_t(pieces.size())));
+    const int64_t threads = work < kMinParallelWork ? 1 : at::get_num_threads();
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, int64_t(pieces.size())));
     states_.assign(workers, std::vector<TopK>(in_.B));
     std::atomic<int64_t> next{0};
-    at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
+    auto work_fn = [&](int64_t w0, int64_t w1) {
       for (int64_t w = w0; w < w1; ++w)
-        for (int64_t i; (i = next.fetch_add(1)) < int64_t(pieces.size());) scan_piece(pieces[i], states_[w]);
-    });
+        for (int64_t i; (i = next.fetch_add(1)) < int64_t(pieces.size());) (this->*scan_piece_)(pieces[i], states_[w]);
+    };
+    if (workers == 1)
+      work_fn(0, 1);
+    else
+      at::parallel_for(0, workers, 1, work_fn);
     return merge();
   }
 
  private:
   const ScanInput& in_;
-  RowTileKernel tile_;
   std::vector<PaddedQuery> queries_;
   std::vector<std::vector<TopK>> states_;  // [worker][query]
+  void (Scanner::*scan_piece_)(const Piece&, std::vector<TopK>&);
 
   inline uint64_t allowed(int64_t member, int64_t blk, uint64_t rb) const {
     return in_.bitmask ? rb & uint64_t(in_.bitmask[in_.member_word[member] + (blk >> 6)]) : rb;
   }
 
+  // 16 readable rows from r0: the codes themselves, or (at the end of the codes) a zero-padded copy.
+  const int8_t* tile_rows(int64_t r0, std::vector<int8_t>& pad) const {
+    if (r0 + kTile <= in_.N) return in_.codes + r0 * in_.D;
+    pad.assign(kTile * in_.D, 0);
+    std::memcpy(pad.data(), in_.codes + r0 * in_.D, (in_.N - r0) * in_.D);
+    return pad.data();
+  }
+
+  template <int DC>
   void scan_piece(const Piece& pc, std::vector<TopK>& st) {
     const Segment& seg = in_.segments[pc.segment];
     int64_t m = seg.first;
     const int64_t m_end = seg.first + seg.count;
-    for (; m + kLaneMin <= m_end; m += kTile) lanes(pc, m, std::min<int64_t>(m_end - m, kTile), st);
-    for (; m < m_end; ++m) one_query(pc, m, st[in_.member_query[m]]);
+    for (; m + kLaneMin <= m_end; m += kTile) lanes<DC>(pc, m, std::min<int64_t>(m_end - m, kTile), st);
+    for (; m < m_end; ++m) one_query<DC>(pc, m, st[in_.member_query[m]]);
   }
 
   // One query, 16-row tiles (1-3 allowed rows of a tile: scored one by one).
+  template <int DC>
   void one_query(const Piece& pc, int64_t member, TopK& st) {
-    const int64_t b = in_.member_query[member];
-    const PaddedQuery& q = queries_[b];
+    const RowTileKernel<DC> kernel(in_.D);
+    const PaddedQuery& q = queries_[in_.member_query[member]];
     st.ensure(in_.k);
+    std::vector<int8_t> pad;
     alignas(64) int32_t scores[kTile];
     for (int64_t blk = pc.start & ~int64_t{63}; blk < pc.end; blk += 64) {
       const uint64_t w = allowed(member, blk, range_bits(blk, pc.start, pc.end));
@@ -129,13 +157,22 @@ class Scanner {
         if (__builtin_popcount(bits) <= 3) {
           for (; bits; bits &= bits - 1) {
             const int64_t r = r0 + __builtin_ctz(bits);
-            const int32_t s = tile_.one(in_.codes + r * in_.D, q);
+            const int32_t s = kernel.one(in_.codes + r * in_.D, q);
             if (s >= st.thr_score) st.offer(s, r);
           }
           continue;
         }
-        tile_.tile(in_.codes + r0 * in_.D, int(std::min<int64_t>(kTile, in_.N - r0)), q, scores);
-        for (uint32_t c = bits & ge_mask16(scores, st.thr_score); c; c &= c - 1) {
+        const int8_t* rows = tile_rows(r0, pad);
+#if SILVERREC_VNNI
+        const __m512i sv = kernel.tile(rows, q);
+        uint32_t c = bits & _mm512_cmpge_epi32_mask(sv, _mm512_set1_epi32(st.thr_score));
+        if (!c) continue;
+        _mm512_store_si512(scores, sv);
+#else
+        kernel.tile(rows, q, scores);
+        uint32_t c = bits & ge_mask16(scores, st.thr_score);
+#endif
+        for (; c; c &= c - 1) {
           const int i = __builtin_ctz(c);
           if (scores[i] >= st.thr_score) st.offer(scores[i], r0 + i);  // threshold may have risen
         }
@@ -144,6 +181,7 @@ class Scanner {
   }
 
   // Up to 16 queries at once: each allowed row is scored against all of them (LaneKernel).
+  template <int DC>
   void lanes(const Piece& pc, int64_t first, int64_t count, std::vector<TopK>& st) {
     const int8_t* qptr[kTile];
     TopK* lane_state[kTile];
@@ -157,7 +195,7 @@ class Scanner {
         lane_state[l]->ensure(in_.k);
       }
     }
-    const LaneKernel lk(in_.D, qptr, int(count));
+    const LaneKernel<DC> lk(in_.D, qptr, int(count));
     const uint32_t all_lanes = (uint32_t{1} << count) - 1;
     alignas(64) int32_t scores[4][kTile];
     uint64_t words[kTile];
@@ -174,7 +212,7 @@ class Scanner {
         int n = 0;
         for (; n < 4 && any; any &= any - 1, ++n) rows[n] = blk + __builtin_ctzll(any);
         for (int i = 0; i < 4; ++i) ptr[i] = in_.codes + rows[i < n ? i : n - 1] * in_.D;
-        lk.rows4(ptr, n, scores);
+        lk.rows4(ptr, scores);
         for (int i = 0; i < n; ++i) {
           for (int l = 0; l < count; ++l) thr[l] = lane_state[l]->thr_score;
           uint32_t lane_ok = all_lanes;
@@ -197,8 +235,12 @@ class Scanner {
     const int64_t B = in_.B, k = in_.k;
     at::Tensor out = at::empty({B, k}, at::kLong);
     int64_t* o = out.data_ptr<int64_t>();
-    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<int64_t> all;
+    int64_t pending = 0;
+    for (auto& per_worker : states_)
+      for (auto& st : per_worker) pending += st.n;
+    at::parallel_for(0, B, pending < kMinParallelWork ? B : 1, [&](int64_t b0, int64_t b1) {
+      std::vector<int64_t> all, scratch;
+      std::vector<uint64_t> tmp;
       for (int64_t b = b0; b < b1; ++b) {
         int64_t* row = o + b * k;
         int64_t total = 0;
@@ -222,8 +264,8 @@ class Scanner {
           first = all.data();
         }
         const int64_t take = std::min(total, k);
-        if (total > k) std::nth_element(first, first + (k - 1), first + total, std::greater<int64_t>());
-        std::sort(first, first + take, std::greater<int64_t>());
+        select_top(first, total, k, scratch);
+        sort_keys_descending(first, take, tmp);
         std::copy(first, first + take, row);
         std::fill(row + take, row + k, kEmptyKey);
       }

@@ -7,9 +7,14 @@
 #pragma once
 
 #include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <cstring>
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 namespace silverrec {
@@ -20,8 +25,86 @@ inline int64_t make_key(int32_t score, int64_t row) {
   return int64_t(score) * (int64_t{1} << 32) + (int64_t{0xFFFFFFFF} - row);
 }
 
+// Move the k largest of n distinct keys to a[0, k) (unordered). Quickselect whose partition step
+// is branch-free (AVX-512 compress stores: 8 keys per step) into scratch `tmp` (>= n entries);
+// pivot = median of three, partition into >= pivot / < pivot (the median is never the minimum, so
+// every step shrinks the range). Short ranges finish with std::nth_element.
+inline void select_top(int64_t* a, int64_t n, int64_t k, std::vector<int64_t>& tmp) {
+  if (k >= n) return;
+  if (tmp.size() < size_t(n)) tmp.resize(n);
+  int64_t lo = 0, hi = n;  // a[0, lo) are in the top k; the k-th largest lies in a[lo, hi)
+  while (hi - lo > 64) {
+    int64_t* p = a + lo;
+    const int64_t m = hi - lo;
+    const int64_t x = p[0], y = p[m / 2], z = p[m - 1];
+    const int64_t pivot = std::max(std::min(x, y), std::min(std::max(x, y), z));
+    int64_t *ge = tmp.data(), *lt = tmp.data() + m;  // >= pivot from the front, < pivot from the back
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512i pv = _mm512_set1_epi64(pivot);
+    for (; i + 8 <= m; i += 8) {
+      const __m512i v = _mm512_loadu_si512(p + i);
+      const __mmask8 up = _mm512_cmpge_epi64_mask(v, pv);
+      const int nu = __builtin_popcount(up);
+      _mm512_mask_compressstoreu_epi64(ge, up, v);
+      ge += nu;
+      lt -= 8 - nu;
+      _mm512_mask_compressstoreu_epi64(lt, __mmask8(~up), v);
+    }
+#endif
+    for (; i < m; ++i) {
+      if (p[i] >= pivot) *ge++ = p[i];
+      else *--lt = p[i];
+    }
+    const int64_t n_ge = ge - tmp.data();
+    std::memcpy(p, tmp.data(), n_ge * sizeof(int64_t));
+    std::memcpy(p + n_ge, lt, (m - n_ge) * sizeof(int64_t));
+    if (lo + n_ge <= k) lo += n_ge;  // all of them are in the top k
+    else hi = lo + n_ge;             // the top k ends inside them
+    if (lo == k) return;
+  }
+  std::nth_element(a + lo, a + (k - 1), a + hi, std::greater<int64_t>());
+}
+
+// Recycled key buffers: large vectors freed back to the OS cost page faults on every call, so
+// they are kept (up to a bound) for the next scan.
+struct KeyPool {
+  static void take(std::vector<int64_t>& v, int64_t n) {
+    {
+      std::lock_guard<std::mutex> g(mu());
+      auto& p = pool();
+      if (!p.empty()) {
+        v.swap(p.back());
+        p.pop_back();
+      }
+    }
+    if (int64_t(v.capacity()) < n) v.reserve(n);
+    v.resize(n);  // no-op fill when recycled at the same size
+  }
+  static void give(std::vector<int64_t>& v) {
+    if (v.capacity() == 0) return;
+    std::lock_guard<std::mutex> g(mu());
+    auto& p = pool();
+    if (p.size() < 256) {
+      p.emplace_back();
+      p.back().swap(v);
+    }
+  }
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<std::vector<int64_t>>& pool() {
+    static std::vector<std::vector<int64_t>> p;
+    return p;
+  }
+};
+
 struct TopK {
-  std::vector<int64_t> buf;  // [cap] candidate keys; the first n are live
+  std::vector<int64_t> buf;      // [cap] candidate keys; the first n are live (recycled, see KeyPool)
+  std::vector<int64_t> scratch;  // select_top scratch
   int64_t n = 0, k = 0, cap = 0;
   int64_t thr_key = kEmptyKey;  // k-th best key seen so far (kEmptyKey until the first compaction)
   int32_t thr_score = std::numeric_limits<int32_t>::min();  // thr_key >> 32: scores below it never enter
@@ -32,25 +115,70 @@ struct TopK {
     if (cap) return;
     k = k_;
     cap = k + std::max<int64_t>(k, 1024);
-    buf.resize(cap);
+    KeyPool::take(buf, cap);
+  }
+
+  ~TopK() {
+    KeyPool::give(buf);
+    KeyPool::give(scratch);
   }
 
   // Offer (score, row); callers pre-filter on score >= thr_score (cheap int32 compare).
-  inline void offer(int32_t score, int64_t row) {
+  __attribute__((always_inline)) inline void offer(int32_t score, int64_t row) {
     const int64_t key = make_key(score, row);
     if (key > thr_key) {
       buf[n++] = key;
       if (n == cap) compact();
+      else if (n == k && thr_key == kEmptyKey) first_threshold();
     }
   }
 
-  // Keep the k best keys; the k-th becomes the threshold.
-  void compact() {
-    std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.begin() + n, std::greater<int64_t>());
+  // The first k keys: their minimum is already a valid threshold (no compaction needed).
+  __attribute__((noinline)) void first_threshold() {
+    thr_key = *std::min_element(buf.begin(), buf.begin() + n);
+    thr_score = int32_t(thr_key >> 32);
+  }
+
+  // Keep the k best keys; the smallest of them becomes the threshold.
+  __attribute__((noinline)) void compact() {
+    select_top(buf.data(), n, k, scratch);
     n = k;
-    thr_key = buf[k - 1];
+    thr_key = *std::min_element(buf.begin(), buf.begin() + k);
     thr_score = int32_t(thr_key >> 32);
   }
 };
+
+}  // namespace silverrec
+
+namespace silverrec {
+
+// Sort int64 keys descending: LSD radix sort on bytes (passes whose byte is the same for every
+// key are skipped: high score bytes, high row bytes), std::sort for short arrays. tmp: scratch.
+inline void sort_keys_descending(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp) {
+  if (n <= 256) {
+    std::sort(keys, keys + n, std::greater<int64_t>());
+    return;
+  }
+  // descending signed order == ascending order of ~(key ^ sign bit) as unsigned
+  uint64_t* a = reinterpret_cast<uint64_t*>(keys);
+  for (int64_t i = 0; i < n; ++i) a[i] = ~(a[i] ^ (uint64_t{1} << 63));
+  static thread_local uint32_t count[8][256];
+  std::memset(count, 0, sizeof(count));
+  for (int64_t i = 0; i < n; ++i)
+    for (int p = 0; p < 8; ++p) ++count[p][(a[i] >> (8 * p)) & 0xFF];
+  tmp.resize(n);
+  uint64_t *src = a, *dst = tmp.data();
+  for (int p = 0; p < 8; ++p) {
+    if (count[p][(src[0] >> (8 * p)) & 0xFF] == uint64_t(n)) continue;  // one digit value: no-op pass
+    uint32_t pos[256], sum = 0;
+    for (int d = 0; d < 256; ++d) {
+      pos[d] = sum;
+      sum += count[p][d];
+    }
+    for (int64_t i = 0; i < n; ++i) dst[pos[(src[i] >> (8 * p)) & 0xFF]++] = src[i];
+    std::swap(src, dst);
+  }
+  for (int64_t i = 0; i < n; ++i) a[i] = ~src[i] ^ (uint64_t{1} << 63);
+}
 
 }  // namespace silverrec
