@@ -9,15 +9,16 @@ STAMP := $(VENV)/.silverrec-setup
 setup: $(STAMP)
 
 # CPU builds only: torch 2.13.0 from local disk, fbgemm-gpu-cpu instead of the CUDA fbgemm-gpu that
-# torchrec declares (so torchrec goes in with --no-deps), then silverrec itself in editable mode.
-$(STAMP): pyproject.toml Makefile
+# torchrec declares (so torchrec goes in with --no-deps), then silverrec itself in editable mode
+# (setup.py compiles the C++ CPU kernels, kernels/csrc/, into silverrec.kernels._cpu).
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard kernels/csrc/*)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0 fbgemm-gpu-cpu==1.8.0 tensordict \
 		torchmetrics==1.0.3 tqdm pyre-extensions numpy pyarrow triton==3.9.0 pytest \
 		faiss-cpu hnswlib pyroaring transformers
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
-	$(BIN)/python -c "import silverrec, torchrec, fbgemm_gpu; print('silverrec', silverrec.__version__, 'ready')"
+	$(BIN)/python -c "import silverrec, torchrec, fbgemm_gpu; from silverrec.kernels.cpu_ext import cpu_ext; print('silverrec', silverrec.__version__, 'ready; C++ CPU kernels:', cpu_ext() is not None)"
 	touch $(STAMP)
 
 demo: setup
@@ -30,4 +31,4 @@ bench: setup
 	$(BIN)/python benchmarks/exact_topk.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info kernels/_cpu*.so
