@@ -138,20 +138,20 @@ def test_exclude_history_prunes_history_items(setup):
 _FRESH = textwrap.dedent(
     """
     import json, sys, silverrec
-    snap = silverrec.load(sys.argv[1], backend=sys.argv[2])
-    r = snap.recommend(json.loads(sys.argv[3]))
-    print(json.dumps({"ids": r.item_ids.tolist(), "scores": r.scores.tolist()}))
+    out = {}
+    for backend in ("export", "torchscript"):
+        r = silverrec.load(sys.argv[1], backend=backend).recommend(json.loads(sys.argv[2]))
+        out[backend] = {"ids": r.item_ids.tolist(), "scores": r.scores.tolist()}
+    print(json.dumps(out))
     """
 )
 
 
-@pytest.mark.parametrize("backend", ["export", "torchscript"])
-def test_fresh_process_equals_in_process(setup, backend):
+def test_fresh_process_equals_in_process(setup):
     _, sids, dec, snap_dir = setup
     histories = _histories(sids.item_ids, seed=3)
-    proc = subprocess.run([sys.executable, "-c", _FRESH, str(snap_dir), backend, json.dumps(histories)],
+    proc = subprocess.run([sys.executable, "-c", _FRESH, str(snap_dir), json.dumps(histories)],
                           capture_output=True, text=True, timeout=300, check=True)
-    out = json.loads(proc.stdout)
     module = build_generative(dec, sids.subset(silverrec.load(snap_dir).generative_item_ids()), W, 5)
     ids, tokens, order = silverrec.load(snap_dir)._generative_items()
     from silverrec.predictor import history_tokens
@@ -159,8 +159,9 @@ def test_fresh_process_equals_in_process(setup, backend):
     with torch.no_grad():
         hist = history_tokens(histories, ids[order], tokens[order], MAX_HISTORY)
         ref_ids, ref_scores = module(hist, torch.full((len(histories), (len(ids) + 63) // 64), -1))
-    assert out["ids"] == ref_ids.tolist()
-    torch.testing.assert_close(torch.tensor(out["scores"]), ref_scores)
+    for backend, out in json.loads(proc.stdout).items():
+        assert out["ids"] == ref_ids.tolist(), backend
+        torch.testing.assert_close(torch.tensor(out["scores"]), ref_scores)
 
 
 def test_truncation_and_padding(setup):
@@ -179,7 +180,7 @@ def test_truncation_and_padding(setup):
         torch.testing.assert_close(batch.scores[i], single.scores[0], atol=1e-5, rtol=1e-5)
 
 
-def test_unknown_history_item_is_named(setup):
+def test_unknown_history_item_is_named(setup, capsys):
     _, sids, _, snap_dir = setup
     snap = silverrec.load(snap_dir)
     unknown = int(sids.item_ids.max()) + 7
@@ -187,12 +188,16 @@ def test_unknown_history_item_is_named(setup):
         snap.recommend([[int(sids.item_ids[0])], [int(sids.item_ids[1]), unknown]])
     with pytest.raises(QueryError, match="non-empty list"):
         snap.recommend([])
-    proc = run_cli("query", str(snap_dir), "--history", f"{int(sids.item_ids[0])},{unknown}", "--k", "3", check=False)
-    assert proc.returncode == 2 and f"unknown history item id {unknown}" in proc.stderr
-    proc = run_cli("query", str(snap_dir), "--history", "12,abc", "--k", "3", check=False)
-    assert proc.returncode == 2 and "'abc' is not an integer" in proc.stderr
-    proc = run_cli("query", str(snap_dir), "--history", "", "--k", str(W + 1), check=False)
-    assert proc.returncode == 2 and "beam_width" in proc.stderr
+    from silverrec.publish.cli import main  # in-process CLI: exit code 2 and the message on stderr
+
+    for argv, message in [
+        (["--history", f"{int(sids.item_ids[0])},{unknown}", "--k", "3"], f"unknown history item id {unknown}"),
+        (["--history", "12,abc", "--k", "3"], "'abc' is not an integer"),
+        (["--history", "", "--k", str(W + 1)], "beam_width"),
+        (["--k", "3"], "needs --history"),
+    ]:
+        assert main(["query", str(snap_dir), *argv]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_cli_query_matches_api(setup, tmp_path):
