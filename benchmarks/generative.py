@@ -216,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(dict(system="silverrec exported (1 request padded to 2 rows)", prompt=P, W=W, median_ms=ms_e,
                                  runs=runs_e, peak_rss_mb=mem_e))
                 checks.append(dict(prompt=P, W=W, pair="exported vs eager", result=compare(ids_e[0].tolist(), ours)))
+                m16 = build_generative(decoder, sids, W, W, torch.bfloat16)
+                ms_b, runs_b, mem_b, (ids_b, _) = timed(lambda: _call(m16, prompt, mask))
+                rows.append(dict(system="silverrec eager bf16", prompt=P, W=W, median_ms=ms_b, runs=runs_b, peak_rss_mb=mem_b))
+                top = len(set(ids_b[0, :10].tolist()) & set(ours[:10]))
+                checks.append(dict(prompt=P, W=W, pair="bf16 vs fp32 (eager)", result=f"top-10 overlap {top}/10, "
+                                   f"top-{W} overlap {len(set(ids_b[0].tolist()) & set(ours))}/{W}"))
                 scripted = torch.jit.script(module)
                 ms_s, runs_s, mem_s, (ids_s, _) = timed(lambda: _call(scripted, prompt, mask))
                 rows.append(dict(system="silverrec torchscript", prompt=P, W=W, median_ms=ms_s, runs=runs_s, peak_rss_mb=mem_s))
@@ -348,8 +354,6 @@ def targets(rows, checks) -> dict:
 
 
 def quality_eval(decoder: RecDecoder, sids: SemanticIds, split, max_history: int) -> dict:
-    from silverrec.publish.train_generative import retrieval_module  # noqa: F401  (same eval path as training)
-
     out = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         module = build_generative(decoder, sids, 20, 20, dtype)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -215,7 +216,7 @@ def publish_from_pool(
             evaluate_all(decoder, sids, split, cfg, metrics)
         print(f"[silverrec] {metrics.summary()}", flush=True)
         max_history = cfg.max_history
-        extra["training"] = {"minutes": minutes, **{k: v for k, v in metrics.__dict__.items()}}
+        extra["training"] = {"minutes": minutes, **asdict(metrics)}
         probe = [sids.item_ids[h].tolist() for h in split.valid_history[:64]]
     return publish_generative(decoder, sids, out, beam_width=beam_width, top_k=top_k, max_history=max_history,
                               weights=weights, probe=probe, extra_config=extra, torchscript=torchscript,

@@ -43,6 +43,7 @@ from silverrec.errors import PoolError
 from silverrec.generative import GenerativeRetrieval
 from silverrec.predictor import history_tokens
 from silverrec.publish import movielens
+from silverrec.publish.generative import build_generative
 from silverrec.publish.progress import quiet, step
 from silverrec.publish.semantic_ids import SemanticIds, SemanticIdStats, build_semantic_ids
 from silverrec.trie import ValidPathTrie, pack_bitmask
@@ -288,13 +289,6 @@ def target_loss(model: RecDecoder, histories: list[np.ndarray], targets: np.ndar
 # ---------------------------------------------------------------------------------- evaluation
 
 
-def retrieval_module(decoder: RecDecoder, sids: SemanticIds, beam_width: int, top_k: int | None = None) -> GenerativeRetrieval:
-    """`GenerativeRetrieval` over all items of `sids` (row_to_item in trie leaf order)."""
-    trie = ValidPathTrie(torch.from_numpy(sids.paths), sids.level_sizes)
-    row_to_item = torch.from_numpy(sids.item_ids)[trie.row_order]
-    return GenerativeRetrieval(decoder, trie, row_to_item, beam_width, top_k or beam_width).eval()
-
-
 def exclusion_bitmask(histories: list[np.ndarray], trie: ValidPathTrie) -> torch.Tensor:
     """Packed item bitmask int64 [B, ceil(N/64)] allowing every item except each history's items."""
     leaf_of = torch.empty(trie.n_items, dtype=torch.int64)
@@ -345,7 +339,7 @@ def evaluate_all(decoder: RecDecoder, sids: SemanticIds, split: Split, cfg: Trai
     """Fill metrics.model / metrics.popularity on the (first eval_users) test users."""
     n = len(split.test_history) if cfg.eval_users is None else min(cfg.eval_users, len(split.test_history))
     hist, tgt = split.test_history[:n], split.test_target[:n]
-    module = retrieval_module(decoder, sids, cfg.eval_beam)
+    module = build_generative(decoder, sids, cfg.eval_beam)
     metrics.users = n
     for exclude in (True, False):
         tag = "" if exclude else " (seen allowed)"
