@@ -190,7 +190,7 @@ def publish_from_pool(
     from silverrec.publish import movielens
     from silverrec.publish.semantic_ids import build_semantic_ids
     from silverrec.publish.train_generative import (
-        TrainConfig, evaluate_all, load_checkpoint, split_sequences, train_decoder,
+        TrainConfig, evaluate_all, load_checkpoint, split_sequences, torch_threads, train_decoder,
     )
 
     extra: dict[str, Any] = {}
@@ -212,7 +212,7 @@ def publish_from_pool(
                             "train with python -m silverrec.publish.train_generative, or pass --model") from None
         with step(f"training decoder on MovieLens sequences ({minutes:g} min budget)"):
             decoder, metrics = train_decoder(sids, split, cfg)
-        with step("evaluating on held-out users"):
+        with step("evaluating on held-out users"), torch_threads(cfg.threads):
             evaluate_all(decoder, sids, split, cfg, metrics)
         print(f"[silverrec] {metrics.summary()}", flush=True)
         max_history = cfg.max_history

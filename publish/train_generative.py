@@ -228,7 +228,7 @@ def lm_loss(model: RecDecoder, tokens: torch.Tensor) -> torch.Tensor:
 def train_decoder(sids: SemanticIds, split: Split, cfg: TrainConfig) -> tuple[RecDecoder, Metrics]:
     """Train a `RecDecoder` on split.train within the budget; returns it (eval mode) and metrics."""
     torch.manual_seed(cfg.seed)
-    with _threads(cfg.threads):
+    with torch_threads(cfg.threads):
         return _train(sids, split, cfg, np.random.default_rng(cfg.seed))
 
 
@@ -403,13 +403,13 @@ def train_movielens(cfg: TrainConfig, *, genres: bool = True, levels: int = 3, c
     split = split_sequences(sequences, sids.item_ids)
     with step(f"training decoder ({cfg.minutes:g} min budget)"):
         decoder, metrics = train_decoder(sids, split, cfg)
-    with step("evaluating on held-out users"), _threads(cfg.threads):
+    with step("evaluating on held-out users"), torch_threads(cfg.threads):
         evaluate_all(decoder, sids, split, cfg, metrics)
     return decoder, sids, split, metrics
 
 
 @contextmanager
-def _threads(n: int | None):
+def torch_threads(n: int | None):
     """Temporarily set torch's intra-op thread count (None: leave it)."""
     before = torch.get_num_threads()
     if n is not None:
