@@ -31,9 +31,11 @@ Semantics (documented in README "Filtering"):
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from silverrec.bloom_hash import token_positions
@@ -66,6 +68,13 @@ class FilterPlan:
     exact: dict[str, Optional[ExactPlanes]]
     total_rows: int
     _cache: dict = field(default_factory=dict, repr=False)
+    # LRU caches of compiled programs: (filter text, exact_positive) -> (ops int64 [L], rows int64
+    # [L, T]) numpy arrays, and (tuple of filters, exact_positive) -> batch tensors (ops, rows).
+    # Requests repeat a few filter strings, so the predictor's compile is usually a dictionary hit.
+    _programs: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _batches: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    program_cache_size: int = field(default=4096, repr=False)
+    batch_cache_size: int = field(default=256, repr=False)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> "FilterPlan":
@@ -186,23 +195,77 @@ def compile_filter(
     return out
 
 
-def compile_batch(
-    filters: Sequence[Union[str, Node, None]], plan: FilterPlan, exact_positive: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compile one filter per query into padded program tensors (ops int64 [B, L], rows int64 [B, L, T])."""
-    programs = [compile_filter(f, plan, exact_positive) for f in filters]
-    if not programs:
-        raise QueryError("no filters to compile")
-    length = max(len(p) for p in programs)
-    width = max([len(r) for p in programs for _, r in p] + [1])
-    ops = torch.zeros(len(programs), length, dtype=torch.int64)
-    rows = torch.zeros(len(programs), length, width, dtype=torch.int64)
-    for b, prog in enumerate(programs):
-        for i, (op, r) in enumerate(prog):
-            ops[b, i] = op
-            if r:
-                rows[b, i] = torch.tensor(r + [r[0]] * (width - len(r)), dtype=torch.int64)
+def _lru_get(cache: OrderedDict, key):
+    hit = cache.get(key)
+    if hit is not None:
+        cache.move_to_end(key)
+    return hit
+
+
+def _lru_put(cache: OrderedDict, key, value, size: int) -> None:
+    cache[key] = value
+    if len(cache) > size:
+        cache.popitem(last=False)
+
+
+def _program_arrays(
+    f: Union[str, Node, None], plan: FilterPlan, exact_positive: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """One filter -> (ops int64 [L], rows int64 [L, T]) with PUSH operand lists padded by their first
+    row (other instructions: zeros); cached per filter string in the plan (LRU)."""
+    key = (f, exact_positive) if not isinstance(f, Node) else None
+    if key is not None:
+        hit = _lru_get(plan._programs, key)
+        if hit is not None:
+            return hit
+    prog = compile_filter(f, plan, exact_positive)
+    width = max([len(r) for _, r in prog] + [1])
+    ops = np.array([op for op, _ in prog], dtype=np.int64)
+    rows = np.zeros((len(prog), width), dtype=np.int64)
+    for i, (_, r) in enumerate(prog):
+        if r:
+            rows[i, : len(r)] = r
+            rows[i, len(r) :] = r[0]
+    if key is not None:
+        ops.flags.writeable = rows.flags.writeable = False
+        _lru_put(plan._programs, key, (ops, rows), plan.program_cache_size)
     return ops, rows
+
+
+def compile_batch(
+    filters: Sequence[Union[str, Node, None]], plan: FilterPlan, exact_positive: bool = False, cache: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compile one filter per query into padded program tensors (ops int64 [B, L], rows int64 [B, L, T]).
+
+    Compiled programs are cached per filter string and per batch of strings in `plan` (LRU; the
+    returned tensors are fresh copies). cache=False compiles from scratch (benchmarks)."""
+    filters = list(filters)
+    if not filters:
+        raise QueryError("no filters to compile")
+    bkey = None
+    if cache and all(f is None or isinstance(f, str) for f in filters):
+        bkey = (tuple(filters), exact_positive)
+        hit = _lru_get(plan._batches, bkey)
+        if hit is not None:
+            return hit[0].clone(), hit[1].clone()
+    if cache:
+        programs = [_program_arrays(f, plan, exact_positive) for f in filters]
+    else:
+        programs = [_program_arrays(f if isinstance(f, Node) or f is None else parse(f), plan, exact_positive) for f in filters]
+    length = max(len(o) for o, _ in programs)
+    width = max(r.shape[1] for _, r in programs)
+    ops = np.zeros((len(programs), length), dtype=np.int64)
+    rows = np.zeros((len(programs), length, width), dtype=np.int64)
+    for b, (o, r) in enumerate(programs):
+        n, t = r.shape
+        ops[b, :n] = o
+        rows[b, :n, :t] = r
+        rows[b, :n, t:] = r[:, :1]
+    ops_t, rows_t = torch.from_numpy(ops), torch.from_numpy(rows)
+    if bkey is not None:
+        _lru_put(plan._batches, bkey, (ops_t, rows_t), plan.batch_cache_size)
+        return ops_t.clone(), rows_t.clone()
+    return ops_t, rows_t
 
 
 def normalize_filters(filt: Union[str, Sequence[Optional[str]], None], batch: int) -> Optional[list[Optional[str]]]:
