@@ -16,7 +16,7 @@ from silverrec.kernels.ivf_scan import bitmask_words
 from silverrec.publish.kmeans import KMeansResult, default_nlist, kmeans
 from silverrec.publish.pool import Pool
 from silverrec.publish.progress import step
-from silverrec.publish.quantize import quantize_global
+from silverrec.publish.quantize import quantize_per_dim
 from silverrec.snapshot import export_module, write_snapshot
 
 BATCH = Dim("batch", min=1, max=1 << 16)
@@ -47,7 +47,9 @@ class IVFConfig:
 def cluster_major_layout(
     embeddings: torch.Tensor, item_ids: torch.Tensor, centroids: torch.Tensor, assignment: torch.Tensor
 ) -> Int8IVFIndex:
-    """Sort items by cluster (stable: pool order within a cluster), quantise with the global range.
+    """Sort items by cluster (stable: pool order within a cluster), quantise with per-dimension
+    ranges (folded into the query at search time: measured recall@100 on a 200k Gaussian mixture,
+    exact int8 search, 0.9908 vs 0.9889 with one global range).
 
     Args:
         embeddings: float [N, D]; item_ids: int64 [N]; centroids: float [nlist, D];
@@ -58,8 +60,8 @@ def cluster_major_layout(
     counts = torch.bincount(assignment, minlength=nlist)
     offsets = torch.zeros(nlist + 1, dtype=torch.int64, device=embeddings.device)
     offsets[1:] = torch.cumsum(counts, 0)
-    codes, scale, offset = quantize_global(embeddings)
-    return Int8IVFIndex(codes[order], scale, offset, offsets, centroids, item_ids[order])
+    codes, dim_scale, dim_offset = quantize_per_dim(embeddings)
+    return Int8IVFIndex(codes[order], dim_scale, dim_offset, offsets, centroids, item_ids[order])
 
 
 def build_ivf(pool: Pool, config: IVFConfig | None = None) -> tuple[Int8IVFIndex, KMeansResult]:
@@ -93,7 +95,7 @@ def ivf_manifest_config(pool: Pool, index: Int8IVFIndex, config: IVFConfig, km: 
         "nlist": index.nlist,
         "default_nprobe": default_nprobe(index.nlist),
         "bitmask_words": bitmask_words(index.cluster_offsets),
-        "quantization": {"kind": "global_minmax", "scale": float(index.scale), "offset": float(index.offset)},
+        "quantization": {"kind": "per_dim_minmax", "folded_into_query": True},
         "build": asdict(config) | {"nlist": index.nlist},
         "clusters": {
             "min_size": int(sizes.min()),

@@ -36,6 +36,7 @@ from torch import nn
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
 from silverrec.kernels.bloom_filter import popcount64, range_word_masks
 from silverrec.exact_index import compact_item_ids, rows_to_items
+from silverrec.ivf_index import fold_queries
 from silverrec.kernels.ivf_scan import bitmask_words
 
 MODE_AUTO, MODE_PROBED, MODE_UNPROBED = 0, 1, 2
@@ -47,7 +48,8 @@ class FilteredIVFIndex(nn.Module):
     """Filtered int8 IVF search (see module docstring).
 
     Buffers:
-        codes int8 [N, D] (cluster-major rows), scale/offset float32 [], cluster_offsets int64
+        codes int8 [N, D] (cluster-major rows), dim_scale/dim_offset float32 [D] (per-dimension
+        ranges folded into the query, as in Int8IVFIndex.fold), cluster_offsets int64
         [nlist + 1], centroids float32 [nlist, D], row_to_item int64 [N],
         bits int64 [R, ceil(N / 64)] filter row bank (Bloom rows + exact planes) in the same row order.
 
@@ -59,8 +61,8 @@ class FilteredIVFIndex(nn.Module):
     def __init__(
         self,
         codes: torch.Tensor,
-        scale: torch.Tensor,
-        offset: torch.Tensor,
+        dim_scale: torch.Tensor,
+        dim_offset: torch.Tensor,
         cluster_offsets: torch.Tensor,
         centroids: torch.Tensor,
         row_to_item: torch.Tensor,
@@ -73,8 +75,8 @@ class FilteredIVFIndex(nn.Module):
         if bits.dim() != 2 or bits.shape[1] != (n + 63) // 64:
             raise ValueError(f"bits must be int64 [R, {(n + 63) // 64}], got {tuple(bits.shape)}")
         self.register_buffer("codes", codes.to(torch.int8).contiguous())
-        self.register_buffer("scale", scale.to(torch.float32).reshape(()))
-        self.register_buffer("offset", offset.to(torch.float32).reshape(()))
+        self.register_buffer("dim_scale", dim_scale.to(torch.float32).expand(codes.shape[1]).contiguous())
+        self.register_buffer("dim_offset", dim_offset.to(torch.float32).expand(codes.shape[1]).contiguous())
         self.register_buffer("cluster_offsets", cluster_offsets.to(torch.int64).contiguous())
         self.register_buffer("centroids", centroids.to(torch.float32).contiguous())
         self.register_buffer("row_to_item", compact_item_ids(row_to_item))
@@ -93,7 +95,11 @@ class FilteredIVFIndex(nn.Module):
     @classmethod
     def from_ivf(cls, ivf: nn.Module, bits: torch.Tensor, **kwargs) -> "FilteredIVFIndex":
         """Wrap an `Int8IVFIndex`'s buffers (same rows, same order) with a filter row bank."""
-        return cls(ivf.codes, ivf.scale, ivf.offset, ivf.cluster_offsets, ivf.centroids, ivf.row_to_item, bits, **kwargs)
+        return cls(ivf.codes, ivf.dim_scale, ivf.dim_offset, ivf.cluster_offsets, ivf.centroids, ivf.row_to_item, bits, **kwargs)
+
+    def fold(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-dimension ranges folded into the query (see `ivf_index.fold_queries`)."""
+        return fold_queries(queries, self.dim_scale, self.dim_offset)
 
     def plan_probes(
         self, queries: torch.Tensor, k: int, nprobe: int, ops: torch.Tensor, rows: torch.Tensor, max_probe: int, mode: torch.Tensor
@@ -153,10 +159,13 @@ class FilteredIVFIndex(nn.Module):
         (MODE_AUTO / MODE_PROBED / MODE_UNPROBED per query)
         -> (scores float32 [B, k], item_ids int64 [B, k])."""
         probes, bitmask, unprobed = self.plan_probes(queries, k, nprobe, ops, rows, max_probe, mode)
+        # per-dimension ranges folded into the query: score = int8-op score + constant (per query)
+        folded, constant = self.fold(queries)
+        one, zero = folded.new_ones(()), folded.new_zeros(())
         # Bloom false positives may take result slots: scan a margin, verify, keep the best k.
         k2 = k + k // 4 + 16
         s_ivf, r_ivf = torch.ops.silverrec.ivf_scan(
-            queries, self.codes, self.scale, self.offset, self.cluster_offsets, probes, k2, bitmask
+            folded, self.codes, one, zero, self.cluster_offsets, probes, k2, bitmask
         )
         ok = self.verify(vops, vrows, r_ivf)
         s_ivf = torch.where(ok, s_ivf, torch.full_like(s_ivf, float("-inf")))
@@ -167,8 +176,8 @@ class FilteredIVFIndex(nn.Module):
         starts = torch.where(unprobed, torch.zeros_like(unprobed, dtype=torch.int64), torch.full_like(unprobed, -1, dtype=torch.int64))
         pool_mask = torch.ops.silverrec.bloom_filter(self.bits, vops, vrows, starts[:, None], self.total_words)
         s_ex, r_ex = torch.ops.silverrec.masked_topk(
-            queries, self.codes, self.scale, self.offset, pool_mask[:, 0], unprobed, k
+            folded, self.codes, one, zero, pool_mask[:, 0], unprobed, k
         )
-        scores = torch.where(unprobed[:, None], s_ex, s_ivf)
+        scores = torch.where(unprobed[:, None], s_ex, s_ivf) + constant[:, None]
         rows_out = torch.where(unprobed[:, None], r_ex, r_ivf)
         return scores, rows_to_items(self.row_to_item, rows_out)

@@ -11,12 +11,23 @@ import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
 from silverrec.exact_index import compact_item_ids, rows_to_items
 
 
+def fold_queries(queries: torch.Tensor, dim_scale: torch.Tensor, dim_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """<q, dim_scale * code + dim_offset> = <q * dim_scale, code> + <q, dim_offset>.
+
+    float [B, D] -> (float32 [B, D] queries for the int8 ops (called with scale 1, offset 0),
+    float32 [B] per-query constant to add to their scores).
+    """
+    q = queries.float()
+    return q * dim_scale, q @ dim_offset
+
+
 class Int8IVFIndex(nn.Module):
     """IVF index as tensors: probe = top-`nprobe` centroids by dot product, scan = `silverrec::ivf_scan`.
 
     Buffers:
-        codes: int8 [N, D] item codes sorted cluster-major, item ~= scale * code + offset.
-        scale, offset: float32 [] global quantisation parameters.
+        codes: int8 [N, D] item codes sorted cluster-major, item ~= dim_scale * code + dim_offset.
+        dim_scale, dim_offset: float32 [D] per-dimension quantisation ranges (`quantize_per_dim`),
+            folded into the query (`fold`) so that the scan stays int8 x int8 -> int32.
         cluster_offsets: int64 [nlist + 1]; cluster c holds rows [off[c], off[c + 1]) (no padding).
         centroids: float32 [nlist, D] coarse quantiser.
         row_to_item: int32/int64 [N] external item id of each row (`compact_item_ids`).
@@ -34,8 +45,8 @@ class Int8IVFIndex(nn.Module):
     def __init__(
         self,
         codes: torch.Tensor,
-        scale: torch.Tensor,
-        offset: torch.Tensor,
+        dim_scale: torch.Tensor,
+        dim_offset: torch.Tensor,
         cluster_offsets: torch.Tensor,
         centroids: torch.Tensor,
         row_to_item: torch.Tensor,
@@ -48,8 +59,9 @@ class Int8IVFIndex(nn.Module):
         if row_to_item.shape != (codes.shape[0],):
             raise ValueError(f"row_to_item must be [{codes.shape[0]}], got {tuple(row_to_item.shape)}")
         self.register_buffer("codes", codes.to(torch.int8).contiguous())
-        self.register_buffer("scale", scale.to(torch.float32).reshape(()))
-        self.register_buffer("offset", offset.to(torch.float32).reshape(()))
+        dim = codes.shape[1]
+        self.register_buffer("dim_scale", dim_scale.to(torch.float32).expand(dim).contiguous())
+        self.register_buffer("dim_offset", dim_offset.to(torch.float32).expand(dim).contiguous())
         self.register_buffer("cluster_offsets", cluster_offsets.to(torch.int64).contiguous())
         self.register_buffer("centroids", centroids.to(torch.float32).contiguous())
         self.register_buffer("row_to_item", compact_item_ids(row_to_item))
@@ -57,6 +69,11 @@ class Int8IVFIndex(nn.Module):
     @property
     def nlist(self) -> int:
         return int(self.centroids.shape[0])
+
+    def fold(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-dimension ranges folded into the query: float [B, D] -> (queries for the int8 ops
+        float32 [B, D], per-query score constant float32 [B]); score = op score + constant."""
+        return fold_queries(queries, self.dim_scale, self.dim_offset)
 
     def probe(self, queries: torch.Tensor, nprobe: int) -> torch.Tensor:
         """queries float [B, D] -> probes int64 [B, nprobe]: cluster ids by descending dot product."""
@@ -68,10 +85,12 @@ class Int8IVFIndex(nn.Module):
         """Scan the probed clusters (probes int64 [B, P], -1 = empty slot; optional bitmask int64
         [B, P, Wc], see `silverrec::ivf_scan`) -> (scores float32 [B, k], item_ids int64 [B, k]),
         padded with item id -1 and score -inf when fewer than k items are probed and allowed."""
+        folded, constant = self.fold(queries)
+        one, zero = folded.new_ones(()), folded.new_zeros(())
         scores, rows = torch.ops.silverrec.ivf_scan(
-            queries, self.codes, self.scale, self.offset, self.cluster_offsets, probes, k, bitmask
+            folded, self.codes, one, zero, self.cluster_offsets, probes, k, bitmask
         )
-        return scores, rows_to_items(self.row_to_item, rows)
+        return scores + constant[:, None], rows_to_items(self.row_to_item, rows)
 
     def forward(self, queries: torch.Tensor, k: int, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
         """queries float [B, D], k >= 1, 1 <= nprobe <= nlist -> (scores float32 [B, k], item_ids int64 [B, k])."""

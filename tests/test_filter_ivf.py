@@ -56,7 +56,7 @@ def built():
 
 def _exact_filtered(module, fwd, queries, filters, k):
     """Exact int8 top-k rows over the exactly-filtered items (ties: lower row), as lists of item ids."""
-    qc, _ = quantize_queries(queries)
+    qc, _ = quantize_queries(module.fold(queries)[0])  # the index's per-dimension ranges
     scores = qc.long() @ module.codes.long().t()  # [B, N]
     out = []
     for b, f in enumerate(filters):

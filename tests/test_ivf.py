@@ -45,6 +45,14 @@ def _gmm(n, d, centers, seed):
     return x, q
 
 
+def exact_int8(index, q, k):
+    """Exact int8 search on the index's codes (whole pool, `int8_topk`) with its per-dimension
+    ranges folded into the query exactly as the index does: (scores [B, k], rows [B, k])."""
+    folded, constant = index.fold(q)
+    scores, rows = torch.ops.silverrec.int8_topk(folded, index.codes, torch.tensor(1.0), torch.tensor(0.0), k)
+    return scores + constant[:, None], rows
+
+
 def _index(x, nlist, seed=0):
     pool = Pool(np.arange(x.shape[0], dtype=np.int64) * 10 + 3, x.numpy())
     index, _ = build_ivf(pool, IVFConfig(nlist=nlist, seed=seed, niter=6))
@@ -124,8 +132,8 @@ def test_bitmask_semantics_vs_masked_brute_force():
     allowed = torch.rand(6, 3000) < 0.3
     bitmask = _pack_window_bitmask(allowed, probes, index.cluster_offsets)
     scores, ids = index.scan(queries, probes, k, bitmask)
-    # brute force: exact int8 scores over rows that are probed AND allowed
-    qcodes, _ = quantize_queries(queries)
+    # brute force: exact int8 scores (of the folded queries) over rows that are probed AND allowed
+    qcodes, _ = quantize_queries(index.fold(queries)[0])
     s = qcodes.long() @ index.codes.long().t()  # [B, N] (test only)
     off = index.cluster_offsets
     cluster_of_row = torch.repeat_interleave(torch.arange(index.nlist), off[1:] - off[:-1])
@@ -166,7 +174,7 @@ def _check_recall_bounds(index: Int8IVFIndex, base: np.ndarray, queries: np.ndar
     cluster_of_item = np.empty_like(cluster_of_row)
     cluster_of_item[pool_row_of_row] = cluster_of_row
     coverage = np.array([np.isin(cluster_of_item[t], p).mean() for t, p in zip(truth, probed)])
-    _, exact_ids = torch.ops.silverrec.int8_topk(q, index.codes, index.scale, index.offset, k)
+    _, exact_ids = exact_int8(index, q, k)
     exact_recall = _recall_rows((index.row_to_item[exact_ids].numpy() - 3) // 10, truth)
     ivf_recall = _recall_rows(found, truth)
     assert np.all(ivf_recall <= coverage + 1e-12)
@@ -201,7 +209,7 @@ def test_all_probes_equal_exact_int8():
     index = _index(x, 40)
     for k in (1, 37, 5000):
         scores, ids = index(q, k, index.nlist)
-        e_scores, e_rows = torch.ops.silverrec.int8_topk(q, index.codes, index.scale, index.offset, k)
+        e_scores, e_rows = exact_int8(index, q, k)
         assert torch.equal(ids, index.row_to_item[e_rows])
         assert torch.equal(scores, e_scores)
 
@@ -216,9 +224,9 @@ def test_layout_and_memory_budget():
     pool_row = (index.row_to_item - 3) // 10
     d = torch.cdist(x[pool_row], index.centroids)
     torch.testing.assert_close(d.gather(1, cluster_of_row[:, None])[:, 0], d.min(1).values)
-    # codes are the global-range quantisation of the item, within half a step
-    approx = index.scale * index.codes.float() + index.offset
-    assert (approx - x[pool_row]).abs().max() <= index.scale * 0.5 + 1e-5
+    # codes are the per-dimension-range quantisation of the item, within half a step
+    approx = index.dim_scale * index.codes.float() + index.dim_offset
+    assert bool(((approx - x[pool_row]).abs() <= index.dim_scale * 0.5 + 1e-5).all())
     n, dim = index.codes.shape
     total = sum(t.numel() * t.element_size() for t in index.buffers())
     centroids = index.centroids.numel() * 4
@@ -297,5 +305,5 @@ def test_predictor_nprobe_validation(tmp_path):
     # nprobe = nlist through the snapshot equals exact int8 search
     index, _ = build_ivf(Pool(np.arange(500, dtype=np.int64), x.numpy()), IVFConfig(nlist=10))
     r = snap.search(q, 20, nprobe=10)
-    _, e_rows = torch.ops.silverrec.int8_topk(q, index.codes, index.scale, index.offset, 20)
+    _, e_rows = exact_int8(index, q, 20)
     assert torch.equal(r.item_ids, index.row_to_item[e_rows])
