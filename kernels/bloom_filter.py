@@ -21,6 +21,18 @@ vectorised over queries, windows and words, with one step per instruction (the
 per-query stack slot of every instruction is precomputed from the opcodes). CUDA: the Triton
 kernel in `bloom_filter_triton.py` (one program per window block, stack in scratch memory).
 `bloom_filter_reference` is an independent per-query stack machine used by the tests.
+
+    mask, counts = torch.ops.silverrec.bloom_filter_counts(bits, ops, rows, lo, hi, n_words)
+    # lo, hi int64 [B, P]  item row range [lo, hi) of each window (lo < 0 = empty window); the window
+    #                      starts at word lo >> 6
+    # -> mask int64 [B, P, n_words]  bloom_filter's mask with bits outside [lo, hi) cleared
+    #    counts int64 [B, P]         set bits per window (matching items in the range)
+
+The IVF planner's fused step (per-cluster match counts next to the bitmask). CPU (C++): evaluates
+only the words each range touches, so a small cluster costs its own size, not the largest
+cluster's `n_words`; identical (program, ranges) queries run once. Without the extension, and on
+CUDA (after the Triton bloom_filter, a Triton range-mask + popcount kernel), it is the composition
+`bloom_filter_counts_torch`.
 """
 
 from __future__ import annotations
@@ -158,6 +170,51 @@ def _(bits, ops, rows, word_start, n_words):
 
     _check(bits, ops, rows, word_start, n_words)
     return bloom_filter_triton(bits, ops, rows, word_start, n_words)
+
+
+def _check_ranges(lo: torch.Tensor, hi: torch.Tensor) -> None:
+    if lo.dtype != torch.int64 or hi.dtype != torch.int64 or lo.dim() != 2 or hi.shape != lo.shape:
+        raise ValueError(f"lo / hi must be int64 [B, P] of equal shape, got {lo.dtype} {tuple(lo.shape)}, {hi.dtype} {tuple(hi.shape)}")
+
+
+def range_starts(lo: torch.Tensor) -> torch.Tensor:
+    """Word start of each range window: lo >> 6, -1 for empty windows (lo < 0)."""
+    return torch.where(lo >= 0, lo >> 6, torch.full_like(lo, -1))
+
+
+def bloom_filter_counts_torch(bits, ops, rows, lo, hi, n_words: int, bloom=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Composite: bloom_filter (or `bloom`, same signature) on lo >> 6, & the range masks, popcount."""
+    starts = range_starts(lo)
+    words = (bloom or torch.ops.silverrec.bloom_filter)(bits, ops, rows, starts, n_words)
+    masked = words & range_word_masks(lo, hi, starts, n_words)
+    return masked, popcount64(masked).sum(dim=2)
+
+
+@torch.library.custom_op("silverrec::bloom_filter_counts", mutates_args=())
+def bloom_filter_counts(
+    bits: torch.Tensor, ops: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_words: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU (fast path). See the module docstring for the contract."""
+    _check(bits, ops, rows, lo, n_words)
+    _check_ranges(lo, hi)
+    ext = cpu_ext()
+    if ext is not None and hasattr(ext, "bloom_filter_counts"):
+        return ext.bloom_filter_counts(bits.contiguous(), ops.contiguous(), rows.contiguous(), lo.contiguous(), hi.contiguous(), n_words)
+    return bloom_filter_counts_torch(bits, ops, rows, lo, hi, n_words)
+
+
+@bloom_filter_counts.register_fake
+def _(bits, ops, rows, lo, hi, n_words):
+    return bits.new_empty(lo.shape[0], lo.shape[1], n_words), bits.new_empty(lo.shape[0], lo.shape[1])
+
+
+@torch.library.register_kernel("silverrec::bloom_filter_counts", "cuda")
+def _(bits, ops, rows, lo, hi, n_words):
+    from silverrec.kernels.bloom_filter_triton import bloom_filter_counts_triton
+
+    _check(bits, ops, rows, lo, n_words)
+    _check_ranges(lo, hi)
+    return bloom_filter_counts_triton(bits, ops, rows, lo, hi, n_words)
 
 
 def bloom_filter_reference(

@@ -81,3 +81,55 @@ def bloom_filter_triton(
         bits, ops, rows, word_start, out, scratch, bits.shape[1], L, rows.shape[2], P, n_words, BLOCK_W=BLOCK_W
     )
     return out
+
+
+@triton.jit
+def _range_count_kernel(
+    words_ptr,  # int64 [B * P, NW] bloom_filter output, masked in place
+    lo_ptr,  # int64 [B * P]
+    hi_ptr,  # int64 [B * P]
+    counts_ptr,  # int64 [B * P]
+    NW,
+    BLOCK_W: tl.constexpr,
+):
+    """Clear bits outside rows [lo, hi) of window bp (words start at lo >> 6) and count the rest."""
+    bp = tl.program_id(0)
+    lo = tl.load(lo_ptr + bp)
+    hi = tl.load(hi_ptr + bp)
+    base = tl.where(lo >= 0, lo >> 6, 0) * 64
+    total = tl.zeros((BLOCK_W,), tl.int64)
+    for w0 in range(0, NW, BLOCK_W):
+        offs = w0 + tl.arange(0, BLOCK_W)
+        inb = offs < NW
+        x = tl.load(words_ptr + bp.to(tl.int64) * NW + offs, mask=inb, other=0)
+        first = base + offs.to(tl.int64) * 64
+        a = tl.minimum(tl.maximum(lo - first, 0), 64)
+        b = tl.minimum(tl.maximum(hi - first, 0), 64)
+        one = tl.full((BLOCK_W,), 1, tl.int64)
+        upto_b = tl.where(b >= 64, -1, (one << tl.minimum(b, 63)) - 1)
+        upto_a = tl.where(a >= 64, -1, (one << tl.minimum(a, 63)) - 1)
+        x = tl.where(lo >= 0, x & upto_b & ~upto_a, 0)
+        tl.store(words_ptr + bp.to(tl.int64) * NW + offs, x, mask=inb)
+        # SWAR popcount on the unsigned bit pattern (logical shifts)
+        u = x.to(tl.uint64, bitcast=True)
+        u = u - ((u >> 1) & 0x5555555555555555)
+        u = (u & 0x3333333333333333) + ((u >> 2) & 0x3333333333333333)
+        u = (u + (u >> 4)) & 0x0F0F0F0F0F0F0F0F
+        u = (u * 0x0101010101010101) >> 56
+        total += u.to(tl.int64)
+    tl.store(counts_ptr + bp, tl.sum(total, axis=0))
+
+
+def bloom_filter_counts_triton(
+    bits: torch.Tensor, ops: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_words: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher: (mask int64 [B, P, n_words], counts int64 [B, P]) (contract in kernels/bloom_filter.py)."""
+    lo, hi = lo.contiguous(), hi.contiguous()
+    starts = torch.where(lo >= 0, lo >> 6, torch.full_like(lo, -1))
+    words = bloom_filter_triton(bits, ops, rows, starts, n_words)
+    counts = torch.zeros(lo.shape, dtype=torch.int64, device=bits.device)
+    if words.numel() == 0:
+        return words, counts
+    BLOCK_W = max(16, min(256, triton.next_power_of_2(n_words)))
+    _range_count_kernel[(lo.numel(),)](words, lo, hi, counts, n_words, BLOCK_W=BLOCK_W)
+    return words, counts

@@ -60,6 +60,12 @@ def masked_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring."""
     _check(queries, codes, mask, active, k)
+    if not bool(active.any()):  # nothing to answer (the filtered search's usual case): padding only
+        b = queries.shape[0]
+        return (
+            torch.full((b, k), float("-inf"), dtype=torch.float32, device=queries.device),
+            torch.full((b, k), -1, dtype=torch.int64, device=queries.device),
+        )
     qcodes, qscale = quantize_queries(queries)
     ext = cpu_ext() if codes.device.type == "cpu" else None
     if ext is not None:

@@ -17,6 +17,7 @@ from silverrec.kernels.bloom_filter import (
     OP_OR,
     OP_PUSH,
     OP_TRUE,
+    bloom_filter_counts_torch,
     bloom_filter_reference,
     popcount64,
     range_word_masks,
@@ -87,6 +88,70 @@ def test_op_matches_reference_on_random_programs(b, p, n):
     want = bloom_filter_reference(bits, ops, rows, starts, n)
     assert torch.equal(got, want)
     assert (got[starts < 0] == 0).all()
+
+
+def test_identical_queries_match_reference():
+    """Queries repeating an earlier query's program and windows (evaluated once) get the same rows."""
+    gen = torch.Generator().manual_seed(11)
+    r, w = 21, 30
+    bits = _random_bank(r, w, gen)
+    ops, rows = _random_programs(3, 8, 3, r, gen)
+    idx = torch.tensor([0, 1, 0, 2, 1, 0])
+    ops, rows = ops[idx], rows[idx]
+    starts = torch.tensor([[0, 4], [3, -1], [0, 4], [1, 1], [3, -1], [0, 5]])
+    got = torch.ops.silverrec.bloom_filter(bits, ops, rows, starts, 6)
+    assert torch.equal(got, bloom_filter_reference(bits, ops, rows, starts, 6))
+
+
+def _counts_case(seed, b=6, p=4, n=5):
+    gen = torch.Generator().manual_seed(seed)
+    r, w = 19, 12
+    bits = _random_bank(r, w, gen)
+    ops, rows = _random_programs(b, 10, 4, r, gen)
+    ops[-1], rows[-1] = ops[0], rows[0]  # a repeated query
+    n_items = 64 * w - 17
+    lo = torch.randint(0, n_items, (b, p), generator=gen)
+    hi = lo + torch.randint(-3, 64 * n + 40, (b, p), generator=gen)  # empty, partial, longer than the window
+    hi = hi.clamp(max=n_items)
+    lo[0, 1] = -1  # empty window
+    lo[1] = -1  # query without windows
+    lo[-1], hi[-1] = lo[0], hi[0]
+    return bits, ops, rows, lo, hi, n
+
+
+def _counts_reference(bits, ops, rows, lo, hi, n):
+    return bloom_filter_counts_torch(bits, ops, rows, lo, hi, n, bloom=bloom_filter_reference)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_counts_op_matches_reference(seed):
+    bits, ops, rows, lo, hi, n = _counts_case(seed)
+    mask, counts = torch.ops.silverrec.bloom_filter_counts(bits, ops, rows, lo, hi, n)
+    want_mask, want_counts = _counts_reference(bits, ops, rows, lo, hi, n)
+    assert torch.equal(mask, want_mask) and torch.equal(counts, want_counts)
+    # every set bit lies in [lo, hi); counts are the popcounts; the rest equals bloom_filter
+    starts = torch.where(lo >= 0, lo >> 6, torch.full_like(lo, -1))
+    plain = torch.ops.silverrec.bloom_filter(bits, ops, rows, starts, n)
+    assert torch.equal(mask & ~plain, torch.zeros_like(mask))
+    assert torch.equal(counts, popcount64(mask).sum(dim=2))
+    assert (counts[lo < 0] == 0).all() and (counts[hi <= lo] == 0).all()
+    for b in range(lo.shape[0]):
+        for p in range(lo.shape[1]):
+            if lo[b, p] < 0:
+                continue
+            got_rows = unpack_mask(mask[b, p], 64 * n) & True
+            idx = torch.arange(64 * n) + 64 * int(lo[b, p] >> 6)
+            in_range = (idx >= lo[b, p]) & (idx < hi[b, p])
+            assert not (got_rows & ~in_range).any()
+
+
+def test_counts_triton_interpreter_equals_reference():
+    from silverrec.kernels.bloom_filter_triton import bloom_filter_counts_triton
+
+    bits, ops, rows, lo, hi, n = _counts_case(4, b=3, p=3, n=20)  # 20 words > one 16-word block
+    got_mask, got_counts = bloom_filter_counts_triton(bits, ops, rows, lo, hi, n)
+    want_mask, want_counts = _counts_reference(bits, ops, rows, lo, hi, n)
+    assert torch.equal(got_mask, want_mask) and torch.equal(got_counts, want_counts)
 
 
 def test_op_rejects_malformed_programs():

@@ -262,12 +262,19 @@ def test_ops_fall_back_to_torch_with_the_same_results(monkeypatch):
     bitmask = torch.randint(-(2**63), 2**63 - 1, (b, p, bitmask_words(off)), generator=g)
     mask = torch.randint(-(2**63), 2**63 - 1, (b, (n + 63) // 64), generator=g)
     active = torch.tensor([True, False, True, True, True])
+    bank = torch.randint(-(2**63), 2**63 - 1, (9, (n + 63) // 64), generator=g)
+    f_ops = torch.tensor([[1, 1, 2], [1, 4, 0], [1, 1, 2], [6, 0, 0], [1, 1, 3]])
+    f_rows = torch.randint(-9, 9, (b, 3, 2), generator=g)
+    lo, hi = off[probes.clamp_min(0)], off[probes.clamp_min(0) + 1]
+    lo = torch.where(probes >= 0, lo, torch.full_like(lo, -1))
 
     def run():
         return (
             torch.ops.silverrec.ivf_scan(queries, codes, scale, offset, off, probes, 30, bitmask),
             torch.ops.silverrec.int8_topk(queries, codes, scale, offset, 30),
             torch.ops.silverrec.masked_topk(queries, codes, scale, offset, mask, active, 30),
+            torch.ops.silverrec.masked_topk(queries, codes, scale, offset, mask, torch.zeros_like(active), 30),
+            torch.ops.silverrec.bloom_filter_counts(bank, f_ops, f_rows, lo, hi, bitmask_words(off)),
         )
 
     fast = run()

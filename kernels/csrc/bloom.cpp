@@ -8,11 +8,19 @@
 //
 // A query's P * n_words output words are evaluated in blocks of kBlock: every instruction is one
 // AND / OR / NOT over a block of words on a small stack, so the interpretation cost is paid once
-// per block, not per word. Blocks inside one window read the bank contiguously.
+// per block, not per word. Blocks inside one window read the bank contiguously. Queries with the
+// same program and windows (one filter for a whole request) are evaluated once and copied.
+//
+// bloom_filter_counts (silverrec::bloom_filter_counts) takes row ranges [lo, hi) instead of word
+// starts: it evaluates only the words each range touches (windows sized per slot, not n_words),
+// zeroes bits outside the range and returns per-window popcounts, fusing the IVF planner's counts.
 #include <ATen/Parallel.h>
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "scan.h"
@@ -51,6 +59,104 @@ void validate(const int64_t* ops, const int64_t* rows, const std::vector<int64_t
   if (bad_row) throw std::invalid_argument("filter program addresses a row outside the bank of " + std::to_string(R) + " rows");
 }
 
+// Run program b on n <= kBlock words: contiguous (widx == nullptr: words w0 .. w0 + n - 1, all inside
+// the bank) or gathered (widx[i]). The result is left in stack[0 .. n).
+void eval_block(const int64_t* bank, int64_t W, const int64_t* ops, const int64_t* rows, int64_t L, int64_t T,
+                int64_t b, int64_t w0, const int64_t* widx, int64_t n, int64_t* stack) {
+  int64_t depth = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t op = ops[b * L + l];
+    int64_t* top = stack + depth * kBlock;  // slot `depth` (the next free one)
+    switch (op) {
+      case kPush: {
+        std::fill(top, top + n, ~int64_t{0});
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t r = rows[(b * L + l) * T + t];
+          const int64_t flip = r < 0 ? ~int64_t{0} : 0;
+          const int64_t* row = bank + (r < 0 ? ~r : r) * W;
+          if (widx == nullptr) {
+            const int64_t* src = row + w0;
+            for (int64_t i = 0; i < n; ++i) top[i] &= src[i] ^ flip;
+          } else {
+            for (int64_t i = 0; i < n; ++i) top[i] &= row[widx[i]] ^ flip;
+          }
+        }
+        break;
+      }
+      case kAnd:
+      case kOr: {
+        int64_t *x = top - 2 * kBlock, *y = top - kBlock;
+        if (op == kAnd)
+          for (int64_t i = 0; i < n; ++i) x[i] &= y[i];
+        else
+          for (int64_t i = 0; i < n; ++i) x[i] |= y[i];
+        break;
+      }
+      case kNot: {
+        int64_t* x = top - kBlock;
+        for (int64_t i = 0; i < n; ++i) x[i] = ~x[i];
+        break;
+      }
+      case kFalse:
+        std::fill(top, top + n, int64_t{0});
+        break;
+      case kTrue:
+        std::fill(top, top + n, ~int64_t{0});
+        break;
+      default:
+        break;
+    }
+    depth += kDelta[op];
+  }
+}
+
+// Queries whose program (ops, rows) and extra per-query words (`extra`, e.g. their windows) equal an
+// earlier query's: rep[b] = that earlier query (or b). Identical requests are evaluated once.
+std::vector<int64_t> representatives(const int64_t* ops, const int64_t* rows, int64_t L, int64_t T,
+                                     const int64_t* extra, const int64_t* extra2, int64_t E, int64_t B) {
+  std::vector<int64_t> rep(B);
+  std::unordered_map<uint64_t, std::vector<int64_t>> seen;
+  auto same = [&](int64_t a, int64_t b) {
+    return std::memcmp(ops + a * L, ops + b * L, L * sizeof(int64_t)) == 0 &&
+           std::memcmp(rows + a * L * T, rows + b * L * T, L * T * sizeof(int64_t)) == 0 &&
+           std::memcmp(extra + a * E, extra + b * E, E * sizeof(int64_t)) == 0 &&
+           (extra2 == nullptr || std::memcmp(extra2 + a * E, extra2 + b * E, E * sizeof(int64_t)) == 0);
+  };
+  for (int64_t b = 0; b < B; ++b) {
+    uint64_t h = 1469598103934665603ull;
+    auto mix = [&](const int64_t* p, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) h = (h ^ uint64_t(p[i])) * 1099511628211ull;
+    };
+    mix(ops + b * L, L);
+    mix(rows + b * L * T, L * T);
+    mix(extra + b * E, E);
+    if (extra2) mix(extra2 + b * E, E);
+    rep[b] = b;
+    auto& bucket = seen[h];
+    for (int64_t c : bucket)
+      if (same(c, b)) {
+        rep[b] = c;
+        break;
+      }
+    if (rep[b] == b) bucket.push_back(b);
+  }
+  return rep;
+}
+
+// Queries with at least one window (first word / range start >= 0).
+std::vector<int64_t> live_queries(const int64_t* starts, int64_t B, int64_t P) {
+  std::vector<int64_t> live;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t p = 0; p < P; ++p)
+      if (starts[b * P + p] >= 0) {
+        live.push_back(b);
+        break;
+      }
+  return live;
+}
+
+inline int64_t upto(int64_t n) { return n >= 64 ? ~int64_t{0} : (n <= 0 ? 0 : (int64_t{1} << n) - 1); }
+
 }  // namespace
 
 at::Tensor bloom_filter(const at::Tensor& bits, const at::Tensor& ops_t, const at::Tensor& rows_t,
@@ -64,23 +170,22 @@ at::Tensor bloom_filter(const at::Tensor& bits, const at::Tensor& ops_t, const a
   if (B == 0 || P == 0 || W == 0 || L == 0) return out;
   const int64_t *bank = bits.data_ptr<int64_t>(), *ops = ops_t.data_ptr<int64_t>(), *rows = rows_t.data_ptr<int64_t>(),
                 *starts = word_start.data_ptr<int64_t>();
-  std::vector<int64_t> live;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t p = 0; p < P; ++p)
-      if (starts[b * P + p] >= 0) {
-        live.push_back(b);
-        break;
-      }
+  const std::vector<int64_t> live = live_queries(starts, B, P);
   if (live.empty()) return out;
   validate(ops, rows, live, L, T, R);
+  // identical (program, windows) queries are evaluated once and copied
+  const std::vector<int64_t> rep = representatives(ops, rows, L, T, starts, nullptr, P, B);
+  std::vector<int64_t> uniq;
+  for (int64_t b : live)
+    if (rep[b] == b) uniq.push_back(b);
 
   const int64_t per_query = P * n_words, blocks = (per_query + kBlock - 1) / kBlock;
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, int64_t(live.size()) * blocks, 4, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, int64_t(uniq.size()) * blocks, 4, [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> stack((L + 1) * kBlock), widx(kBlock);
     std::vector<uint8_t> valid(kBlock);
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t b = live[task / blocks], i0 = (task % blocks) * kBlock, n = std::min(kBlock, per_query - i0);
+      const int64_t b = uniq[task / blocks], i0 = (task % blocks) * kBlock, n = std::min(kBlock, per_query - i0);
       // word index of every output position; contiguous = one window, all inside the bank
       bool any = false;
       for (int64_t i = 0; i < n; ++i) {
@@ -91,56 +196,76 @@ at::Tensor bloom_filter(const at::Tensor& bits, const at::Tensor& ops_t, const a
       }
       if (!any) continue;
       const bool contiguous = valid[0] && valid[n - 1] && widx[n - 1] - widx[0] == n - 1;
-      int64_t depth = 0;
-      for (int64_t l = 0; l < L; ++l) {
-        const int64_t op = ops[b * L + l];
-        int64_t* top = stack.data() + depth * kBlock;  // slot `depth` (the next free one)
-        switch (op) {
-          case kPush: {
-            std::fill(top, top + n, ~int64_t{0});
-            for (int64_t t = 0; t < T; ++t) {
-              const int64_t r = rows[(b * L + l) * T + t];
-              const int64_t flip = r < 0 ? ~int64_t{0} : 0;
-              const int64_t* row = bank + (r < 0 ? ~r : r) * W;
-              if (contiguous) {
-                const int64_t* src = row + widx[0];
-                for (int64_t i = 0; i < n; ++i) top[i] &= src[i] ^ flip;
-              } else {
-                for (int64_t i = 0; i < n; ++i) top[i] &= row[widx[i]] ^ flip;
-              }
-            }
-            break;
-          }
-          case kAnd:
-          case kOr: {
-            int64_t *x = top - 2 * kBlock, *y = top - kBlock;
-            if (op == kAnd)
-              for (int64_t i = 0; i < n; ++i) x[i] &= y[i];
-            else
-              for (int64_t i = 0; i < n; ++i) x[i] |= y[i];
-            break;
-          }
-          case kNot: {
-            int64_t* x = top - kBlock;
-            for (int64_t i = 0; i < n; ++i) x[i] = ~x[i];
-            break;
-          }
-          case kFalse:
-            std::fill(top, top + n, int64_t{0});
-            break;
-          case kTrue:
-            std::fill(top, top + n, ~int64_t{0});
-            break;
-          default:
-            break;
-        }
-        depth += kDelta[op];
-      }
+      eval_block(bank, W, ops, rows, L, T, b, widx[0], contiguous ? nullptr : widx.data(), n, stack.data());
       int64_t* dst = o + b * per_query + i0;
       for (int64_t i = 0; i < n; ++i) dst[i] = valid[i] ? stack[i] : 0;
     }
   });
+  for (int64_t b : live)
+    if (rep[b] != b) std::memcpy(o + b * per_query, o + rep[b] * per_query, per_query * sizeof(int64_t));
   return out;
+}
+
+// silverrec::bloom_filter_counts: windows given by item row ranges [lo, hi) (lo < 0 = empty): the
+// window of (b, p) starts at word lo >> 6; only the words that range touches are evaluated (windows
+// sized per slot, not n_words), bits outside [lo, hi) are 0, and counts[b, p] = set bits.
+std::tuple<at::Tensor, at::Tensor> bloom_filter_counts(const at::Tensor& bits, const at::Tensor& ops_t,
+                                                       const at::Tensor& rows_t, const at::Tensor& lo_t,
+                                                       const at::Tensor& hi_t, int64_t n_words) {
+  for (const at::Tensor* t : {&bits, &ops_t, &rows_t, &lo_t, &hi_t})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
+                "bloom_filter_counts: contiguous int64 CPU tensors expected");
+  const int64_t R = bits.size(0), W = bits.size(1), B = ops_t.size(0), L = ops_t.size(1), T = rows_t.size(2);
+  const int64_t P = lo_t.size(1);
+  at::Tensor out = at::zeros({B, P, n_words}, at::kLong), counts = at::zeros({B, P}, at::kLong);
+  if (B == 0 || P == 0 || W == 0 || L == 0) return {out, counts};
+  const int64_t *bank = bits.data_ptr<int64_t>(), *ops = ops_t.data_ptr<int64_t>(), *rows = rows_t.data_ptr<int64_t>(),
+                *lo = lo_t.data_ptr<int64_t>(), *hi = hi_t.data_ptr<int64_t>();
+  const std::vector<int64_t> live = live_queries(lo, B, P);
+  if (live.empty()) return {out, counts};
+  validate(ops, rows, live, L, T, R);
+  const std::vector<int64_t> rep = representatives(ops, rows, L, T, lo, hi, P, B);
+  // tasks: (query, slot, first word in the window) blocks of the words each range touches
+  struct Task {
+    int64_t b, p, i0, n;
+  };
+  std::vector<Task> tasks;
+  for (int64_t b : live) {
+    if (rep[b] != b) continue;
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t l = lo[b * P + p], h = hi[b * P + p];
+      if (l < 0 || h <= l) continue;
+      const int64_t w0 = l >> 6, nw = std::min({n_words, ((h + 63) >> 6) - w0, W - w0});
+      for (int64_t i0 = 0; i0 < nw; i0 += kBlock) tasks.push_back({b, p, i0, std::min(kBlock, nw - i0)});
+    }
+  }
+  std::vector<int64_t> part(tasks.size(), 0);
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, int64_t(tasks.size()), 16, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> stack((L + 1) * kBlock);
+    for (int64_t ti = t0; ti < t1; ++ti) {
+      const Task& tk = tasks[ti];
+      const int64_t l = lo[tk.b * P + tk.p], h = hi[tk.b * P + tk.p], w0 = (l >> 6) + tk.i0;
+      eval_block(bank, W, ops, rows, L, T, tk.b, w0, nullptr, tk.n, stack.data());
+      int64_t* dst = o + (tk.b * P + tk.p) * n_words + tk.i0;
+      int64_t c = 0;
+      for (int64_t i = 0; i < tk.n; ++i) {
+        const int64_t first = 64 * (w0 + i);
+        const int64_t v = stack[i] & upto(h - first) & ~upto(l - first);
+        dst[i] = v;
+        c += __builtin_popcountll(uint64_t(v));
+      }
+      part[ti] = c;
+    }
+  });
+  int64_t* cnt = counts.data_ptr<int64_t>();
+  for (size_t ti = 0; ti < tasks.size(); ++ti) cnt[tasks[ti].b * P + tasks[ti].p] += part[ti];
+  for (int64_t b : live)
+    if (rep[b] != b) {
+      std::memcpy(o + b * P * n_words, o + rep[b] * P * n_words, P * n_words * sizeof(int64_t));
+      std::memcpy(cnt + b * P, cnt + rep[b] * P, P * sizeof(int64_t));
+    }
+  return {out, counts};
 }
 
 }  // namespace silverrec

@@ -221,6 +221,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("keys"), py::arg("qscale"), py::arg("qsum"), py::arg("scale"), py::arg("offset"), nogil);
   m.def("bloom_filter", &silverrec::bloom_filter, "filter programs over word windows -> int64 [B, P, n_words]",
         py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("word_start"), py::arg("n_words"), nogil);
+  m.def("bloom_filter_counts", &silverrec::bloom_filter_counts,
+        "filter programs over row ranges [lo, hi) -> (int64 [B, P, n_words] mask, int64 [B, P] counts)",
+        py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("lo"), py::arg("hi"), py::arg("n_words"), nogil);
   m.attr("vnni") = py::bool_(
 #if defined(__AVX512VNNI__)
       true

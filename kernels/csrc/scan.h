@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace silverrec {
@@ -31,5 +32,10 @@ at::Tensor scan_topk(const ScanInput& in);
 // silverrec::bloom_filter: int64 [B, P, n_words] (see kernels/bloom_filter.py).
 at::Tensor bloom_filter(const at::Tensor& bits, const at::Tensor& ops, const at::Tensor& rows,
                         const at::Tensor& word_start, int64_t n_words);
+
+// silverrec::bloom_filter_counts: (int64 [B, P, n_words] mask of rows [lo, hi), int64 [B, P] counts).
+std::tuple<at::Tensor, at::Tensor> bloom_filter_counts(const at::Tensor& bits, const at::Tensor& ops,
+                                                       const at::Tensor& rows, const at::Tensor& lo,
+                                                       const at::Tensor& hi, int64_t n_words);
 
 }  // namespace silverrec
