@@ -4,9 +4,10 @@ One forward call per request; every decision below is made per query, on the dev
 host round trip (static shapes: `max_probe` candidate slots, unused ones set to -1):
 
 1. Probe candidates: the `max_probe` best centroids by dot product (`[B, P]`, best first).
-2. Filter only those clusters: `silverrec::bloom_filter` runs each query's program over its
-   candidates' word windows -> bitmask `[B, P, Wc]` (scratch proportional to probed items).
-3. Per-cluster match counts: popcount of the bitmask inside each cluster's row range.
+2. Filter only those clusters: `silverrec::bloom_filter_counts` runs each query's program over its
+   candidates' row ranges -> bitmask `[B, P, Wc]` (scratch proportional to probed items; on CPU
+   only each cluster's own words are evaluated, not the largest cluster's width)
+3. ... and, in the same op, the per-cluster match counts (popcount inside each cluster's rows).
 4. Widen: probe the smallest prefix of candidates holding >= max(`match_factor * k`, nprobe x
    mean cluster size) matching items (as many as the unfiltered search would scan), but at least
    `nprobe` clusters.
@@ -34,7 +35,6 @@ import torch
 from torch import nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
-from silverrec.kernels.bloom_filter import popcount64, range_word_masks
 from silverrec.exact_index import compact_item_ids, rows_to_items
 from silverrec.ivf_index import fold_queries
 from silverrec.kernels.ivf_scan import bitmask_words
@@ -111,10 +111,9 @@ class FilteredIVFIndex(nn.Module):
         cand = torch.topk(queries @ self.centroids.t(), max_probe, dim=1).indices  # [B, P] best first
         lo = self.cluster_offsets[cand]
         hi = self.cluster_offsets[cand + 1]
-        starts = lo >> 6
-        bitmask = torch.ops.silverrec.bloom_filter(self.bits, ops, rows, starts, self.window_words)
-        inside = range_word_masks(lo, hi, starts, self.window_words)
-        matches = popcount64(bitmask & inside).sum(dim=2)  # [B, P]
+        # one fused op: the filter on each candidate's own words, bits outside its rows cleared, and
+        # the per-cluster match counts [B, P]
+        bitmask, matches = torch.ops.silverrec.bloom_filter_counts(self.bits, ops, rows, lo, hi, self.window_words)
         cum = torch.cumsum(matches, dim=1)
         # enough matches for k, and at least as many rows as the unfiltered search at nprobe scans
         # (= the rows an unfiltered search scans at nprobe: the filtered top-k of a fraction s of the
