@@ -103,6 +103,21 @@ def test_identical_queries_match_reference():
     assert torch.equal(got, bloom_filter_reference(bits, ops, rows, starts, 6))
 
 
+def test_large_output_with_few_live_queries_is_zero_elsewhere():
+    """Outputs >= 1 MiB with few live queries come from fresh zero pages (no memset): same values."""
+    gen = torch.Generator().manual_seed(12)
+    bits = _random_bank(3, 40_000, gen)
+    ops = torch.tensor([[OP_PUSH, OP_PUSH, OP_OR]] * 5)
+    rows = torch.tensor([[[0, 1], [~2, 2], [0, 0]]] * 5)
+    starts = torch.tensor([[-1], [0], [-1], [-1], [-1]])
+    for _ in range(2):  # allocate / free twice
+        got = torch.ops.silverrec.bloom_filter(bits, ops, rows, starts, 40_000)
+        assert torch.equal(got[[0, 2, 3, 4]], torch.zeros(4, 1, 40_000, dtype=torch.int64))
+        assert torch.equal(got[1, 0], (bits[0] & bits[1]) | (~bits[2] & bits[2]))
+    none = torch.ops.silverrec.bloom_filter(bits, ops, rows, torch.full((5, 1), -1), 40_000)
+    assert int(none.abs().sum()) == 0
+
+
 def _counts_case(seed, b=6, p=4, n=5):
     gen = torch.Generator().manual_seed(seed)
     r, w = 19, 12

@@ -15,6 +15,7 @@
 // starts: it evaluates only the words each range touches (windows sized per slot, not n_words),
 // zeroes bits outside the range and returns per-window popcounts, fusing the IVF planner's counts.
 #include <ATen/Parallel.h>
+#include <sys/mman.h>
 
 #include <cstring>
 #include <stdexcept>
@@ -155,6 +156,19 @@ std::vector<int64_t> live_queries(const int64_t* starts, int64_t B, int64_t P) {
   return live;
 }
 
+// Zero-filled int64 tensor. Large outputs with few live queries (the filtered search's whole-pool
+// mask, usually live for no query) come from fresh anonymous pages, which the kernel hands out
+// zeroed: pages nobody writes or reads are never touched, instead of a memset of the whole output.
+at::Tensor zeros_lazy(at::IntArrayRef sizes, int64_t live, int64_t B) {
+  int64_t numel = 1;
+  for (int64_t s : sizes) numel *= s;
+  const size_t bytes = size_t(numel) * sizeof(int64_t);
+  if (bytes < (size_t{1} << 20) || 4 * live > B) return at::zeros(sizes, at::kLong);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return at::zeros(sizes, at::kLong);
+  return at::from_blob(p, sizes, [bytes](void* q) { munmap(q, bytes); }, at::TensorOptions().dtype(at::kLong));
+}
+
 inline int64_t upto(int64_t n) { return n >= 64 ? ~int64_t{0} : (n <= 0 ? 0 : (int64_t{1} << n) - 1); }
 
 }  // namespace
@@ -166,11 +180,11 @@ at::Tensor bloom_filter(const at::Tensor& bits, const at::Tensor& ops_t, const a
                 "bloom_filter: contiguous int64 CPU tensors expected");
   const int64_t R = bits.size(0), W = bits.size(1), B = ops_t.size(0), L = ops_t.size(1), T = rows_t.size(2);
   const int64_t P = word_start.size(1);
-  at::Tensor out = at::zeros({B, P, n_words}, at::kLong);
-  if (B == 0 || P == 0 || W == 0 || L == 0) return out;
+  if (B == 0 || P == 0 || W == 0 || L == 0) return at::zeros({B, P, n_words}, at::kLong);
   const int64_t *bank = bits.data_ptr<int64_t>(), *ops = ops_t.data_ptr<int64_t>(), *rows = rows_t.data_ptr<int64_t>(),
                 *starts = word_start.data_ptr<int64_t>();
   const std::vector<int64_t> live = live_queries(starts, B, P);
+  at::Tensor out = zeros_lazy({B, P, n_words}, int64_t(live.size()), B);
   if (live.empty()) return out;
   validate(ops, rows, live, L, T, R);
   // identical (program, windows) queries are evaluated once and copied
