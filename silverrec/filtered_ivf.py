@@ -32,11 +32,10 @@ than k items pass. Filter semantics (Bloom false positives, exact NOT) are in fi
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
-from silverrec.exact_index import compact_item_ids, rows_to_items
-from silverrec.ivf_index import fold_queries
+from silverrec.exact_index import rows_to_items
+from silverrec.ivf_index import Int8IVFIndex
 from silverrec.kernels.ivf_scan import bitmask_words
 
 MODE_AUTO, MODE_PROBED, MODE_UNPROBED = 0, 1, 2
@@ -44,14 +43,12 @@ MODES = {"auto": MODE_AUTO, "probed": MODE_PROBED, "unprobed": MODE_UNPROBED}
 DEFAULT_MATCH_FACTOR = 8  # probe until the probed clusters hold >= this many matches per result
 
 
-class FilteredIVFIndex(nn.Module):
+class FilteredIVFIndex(Int8IVFIndex):
     """Filtered int8 IVF search (see module docstring).
 
-    Buffers:
-        codes int8 [N, D] (cluster-major rows), dim_scale/dim_offset float32 [D] (per-dimension
-        ranges folded into the query, as in Int8IVFIndex.fold), cluster_offsets int64
-        [nlist + 1], centroids float32 [nlist, D], row_to_item int64 [N],
-        bits int64 [R, ceil(N / 64)] filter row bank (Bloom rows + exact planes) in the same row order.
+    Buffers: those of `Int8IVFIndex` (codes, dim_scale/dim_offset, cluster_offsets, centroids,
+    row_to_item) plus bits int64 [R, ceil(N / 64)], the filter row bank (Bloom rows + exact
+    planes) in the same cluster-major row order.
 
     Example:
         >>> ops, rows = compile_batch(["genre = Drama"] * B, plan)
@@ -70,16 +67,10 @@ class FilteredIVFIndex(nn.Module):
         match_factor: int = DEFAULT_MATCH_FACTOR,
         exact_cost_ratio: float = 1.0,
     ):
-        super().__init__()
+        super().__init__(codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item)
         n = codes.shape[0]
         if bits.dim() != 2 or bits.shape[1] != (n + 63) // 64:
             raise ValueError(f"bits must be int64 [R, {(n + 63) // 64}], got {tuple(bits.shape)}")
-        self.register_buffer("codes", codes.to(torch.int8).contiguous())
-        self.register_buffer("dim_scale", dim_scale.to(torch.float32).expand(codes.shape[1]).contiguous())
-        self.register_buffer("dim_offset", dim_offset.to(torch.float32).expand(codes.shape[1]).contiguous())
-        self.register_buffer("cluster_offsets", cluster_offsets.to(torch.int64).contiguous())
-        self.register_buffer("centroids", centroids.to(torch.float32).contiguous())
-        self.register_buffer("row_to_item", compact_item_ids(row_to_item))
         self.register_buffer("bits", bits.to(torch.int64).contiguous())
         self.window_words = max(1, bitmask_words(self.cluster_offsets))
         self.total_words = int(bits.shape[1])
@@ -88,18 +79,10 @@ class FilteredIVFIndex(nn.Module):
         self.match_factor = int(match_factor)
         self.exact_cost_ratio = float(exact_cost_ratio)
 
-    @property
-    def nlist(self) -> int:
-        return int(self.centroids.shape[0])
-
     @classmethod
-    def from_ivf(cls, ivf: nn.Module, bits: torch.Tensor, **kwargs) -> "FilteredIVFIndex":
+    def from_ivf(cls, ivf: Int8IVFIndex, bits: torch.Tensor, **kwargs) -> "FilteredIVFIndex":
         """Wrap an `Int8IVFIndex`'s buffers (same rows, same order) with a filter row bank."""
         return cls(ivf.codes, ivf.dim_scale, ivf.dim_offset, ivf.cluster_offsets, ivf.centroids, ivf.row_to_item, bits, **kwargs)
-
-    def fold(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-dimension ranges folded into the query (see `ivf_index.fold_queries`)."""
-        return fold_queries(queries, self.dim_scale, self.dim_offset)
 
     def plan_probes(
         self, queries: torch.Tensor, k: int, nprobe: int, ops: torch.Tensor, rows: torch.Tensor, max_probe: int, mode: torch.Tensor
