@@ -46,13 +46,18 @@ OP_NOP, OP_PUSH, OP_AND, OP_OR, OP_NOT, OP_FALSE, OP_TRUE = range(7)
 _DELTA = np.array([0, 1, -1, -1, 0, 1, 1], dtype=np.int64)  # stack depth change per opcode
 
 
-def _check(bits, ops, rows, word_start, n_words) -> None:
+def check_program(bits, ops, rows) -> None:
+    """ValueError unless bits int64 [R, W], ops int64 [B, L] and rows int64 [B, L, T]."""
     if bits.dtype != torch.int64 or bits.dim() != 2:
         raise ValueError(f"bits must be int64 [R, W], got {bits.dtype} {tuple(bits.shape)}")
     if ops.dtype != torch.int64 or ops.dim() != 2:
         raise ValueError(f"ops must be int64 [B, L], got {ops.dtype} {tuple(ops.shape)}")
     if rows.dtype != torch.int64 or rows.dim() != 3 or rows.shape[:2] != ops.shape:
         raise ValueError(f"rows must be int64 [B, L, T] with [B, L] = {tuple(ops.shape)}, got {tuple(rows.shape)}")
+
+
+def _check(bits, ops, rows, word_start, n_words) -> None:
+    check_program(bits, ops, rows)
     if word_start.dtype != torch.int64 or word_start.dim() != 2 or word_start.shape[0] != ops.shape[0]:
         raise ValueError(f"word_start must be int64 [B, P], got {word_start.dtype} {tuple(word_start.shape)}")
     if n_words < 1:

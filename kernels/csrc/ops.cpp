@@ -224,6 +224,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bloom_filter_counts", &silverrec::bloom_filter_counts,
         "filter programs over row ranges [lo, hi) -> (int64 [B, P, n_words] mask, int64 [B, P] counts)",
         py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("lo"), py::arg("hi"), py::arg("n_words"), nogil);
+  m.def("verify_topk", &silverrec::verify_topk, "first k ranked entries whose row passes the program",
+        py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("scores"), py::arg("result_rows"), py::arg("k"), nogil);
+  m.def("filtered_topk_keys", &silverrec::filtered_topk_keys,
+        "top-k keys over rows passing the program, from posting lists or the whole pool", py::arg("qcodes"),
+        py::arg("codes"), py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("post_rows"),
+        py::arg("post_offsets"), py::arg("lists"), py::arg("active"), py::arg("k"), nogil);
   m.attr("vnni") = py::bool_(
 #if defined(__AVX512VNNI__)
       true

@@ -38,4 +38,15 @@ std::tuple<at::Tensor, at::Tensor> bloom_filter_counts(const at::Tensor& bits, c
                                                        const at::Tensor& rows, const at::Tensor& lo,
                                                        const at::Tensor& hi, int64_t n_words);
 
+// silverrec::verify_topk: the first k entries per query whose row passes its program.
+std::tuple<at::Tensor, at::Tensor> verify_topk(const at::Tensor& bits, const at::Tensor& ops, const at::Tensor& rows,
+                                               const at::Tensor& scores_in, const at::Tensor& rows_in, int64_t k);
+
+// silverrec::filtered_topk: top-k keys int64 [B, k] over the rows passing each active query's
+// program, drawn from its posting lists or the whole pool (lists[b, 0] == -2).
+at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
+                              const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& post_rows,
+                              const at::Tensor& post_offsets, const at::Tensor& lists, const at::Tensor& active,
+                              int64_t k);
+
 }  // namespace silverrec

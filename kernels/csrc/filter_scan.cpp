@@ -1,0 +1,268 @@
+// Row-level filter evaluation: silverrec::verify_topk and silverrec::filtered_topk (CPU paths).
+//
+// verify_topk   keeps, per query, the first k entries of an already ranked list whose row passes
+//               the query's program: the program runs on the rows' own words (gathered, kBlock
+//               rows per pass) and stops as soon as k rows passed.
+// filtered_topk the "filter, then exact scan" search over the whole pool or over posting lists:
+//               queries with the same (program, lists) form one group; each group computes its
+//               passing rows once (ascending), then the groups' rows are copied into a compact
+//               code buffer and scanned by scan_topk (scan.cpp) with the group's queries as
+//               members. Keys are remapped from buffer positions to pool rows; the map is
+//               increasing within a group, so the order (score, then lower row) is unchanged.
+//               Whole-pool groups with many passing rows scan the pool through a bitmask instead
+//               of copying their rows.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "program.h"
+#include "scan.h"
+#include "topk_state.h"
+
+namespace silverrec {
+namespace {
+
+using namespace program;
+
+constexpr int64_t kNoLists = -2;  // lists[b, 0] == kNoLists: the query filters the whole pool
+
+void check_long(const at::Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == dim && t.is_contiguous(), name,
+              ": expected a contiguous int64 CPU tensor of ", dim, " dims, got ", t.scalar_type(), " ", t.sizes());
+}
+
+// Program b on rows[0, n) (n <= kBlock, each row >= 0): pass[i] = bit (row & 63) of its word.
+void eval_rows(const int64_t* bank, int64_t W, const int64_t* ops, const int64_t* prog_rows, int64_t L, int64_t T,
+               int64_t b, const int64_t* rows, int64_t n, int64_t* widx, int64_t* stack, uint8_t* pass) {
+  for (int64_t i = 0; i < n; ++i) widx[i] = rows[i] >> 6;
+  eval_block(bank, W, ops, prog_rows, L, T, b, widx[0], widx, n, stack);
+  for (int64_t i = 0; i < n; ++i) pass[i] = (uint64_t(stack[i]) >> (rows[i] & 63)) & 1;
+}
+
+// Rows of group representative b that pass its program, ascending: from its posting lists, or
+// from the whole pool (lists[b, 0] == kNoLists).
+std::vector<int64_t> passing_rows(const int64_t* bank, int64_t W, int64_t N, const int64_t* ops, const int64_t* prog_rows,
+                                  int64_t L, int64_t T, int64_t b, const int64_t* lists, int64_t T2,
+                                  const int32_t* post_rows, const int64_t* post_off) {
+  std::vector<int64_t> out;
+  std::vector<int64_t> stack((L + 1) * kBlock), widx(kBlock);
+  const int64_t* lb = lists + b * T2;
+  if (lb[0] == kNoLists) {
+    for (int64_t w0 = 0; w0 < W; w0 += kBlock) {
+      const int64_t n = std::min(kBlock, W - w0);
+      eval_block(bank, W, ops, prog_rows, L, T, b, w0, nullptr, n, stack.data());
+      for (int64_t i = 0; i < n; ++i) {
+        uint64_t v = uint64_t(stack[i]);
+        while (v) {
+          const int64_t r = 64 * (w0 + i) + __builtin_ctzll(v);
+          v &= v - 1;
+          if (r < N) out.push_back(r);
+        }
+      }
+    }
+    return out;
+  }
+  std::vector<int64_t> cand;
+  int64_t used = 0;
+  for (int64_t t = 0; t < T2; ++t) {
+    const int64_t l = lb[t];
+    if (l < 0) continue;
+    ++used;
+    for (int64_t e = post_off[l]; e < post_off[l + 1]; ++e) cand.push_back(post_rows[e]);
+  }
+  if (used > 1) {  // a row can sit in several of the lists: one candidate each
+    std::sort(cand.begin(), cand.end());
+    cand.erase(std::unique(cand.begin(), cand.end()), cand.end());
+  }
+  std::vector<uint8_t> pass(kBlock);
+  for (size_t i0 = 0; i0 < cand.size(); i0 += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, int64_t(cand.size() - i0));
+    eval_rows(bank, W, ops, prog_rows, L, T, b, cand.data() + i0, n, widx.data(), stack.data(), pass.data());
+    for (int64_t i = 0; i < n; ++i)
+      if (pass[i]) out.push_back(cand[i0 + i]);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> verify_topk(const at::Tensor& bits, const at::Tensor& ops_t, const at::Tensor& rows_t,
+                                               const at::Tensor& scores_in, const at::Tensor& rows_in, int64_t k) {
+  check_long(bits, 2, "bits");
+  check_long(ops_t, 2, "ops");
+  check_long(rows_t, 3, "rows");
+  check_long(rows_in, 2, "result rows");
+  TORCH_CHECK(scores_in.device().is_cpu() && scores_in.scalar_type() == at::kFloat && scores_in.is_contiguous() &&
+                  scores_in.sizes() == rows_in.sizes(),
+              "verify_topk: scores must be contiguous float32 shaped like rows");
+  const int64_t W = bits.size(1), R = bits.size(0), B = ops_t.size(0), L = ops_t.size(1), T = rows_t.size(2);
+  const int64_t K2 = rows_in.size(1);
+  TORCH_CHECK(rows_in.size(0) == B, "verify_topk: one result row per program");
+  at::Tensor scores = at::full({B, k}, -std::numeric_limits<float>::infinity(), at::kFloat);
+  at::Tensor out_rows = at::full({B, k}, -1, at::kLong);
+  if (B == 0 || K2 == 0 || k == 0) return {scores, out_rows};
+  const int64_t *bank = bits.data_ptr<int64_t>(), *ops = ops_t.data_ptr<int64_t>(), *prog = rows_t.data_ptr<int64_t>();
+  const int64_t* rin = rows_in.data_ptr<int64_t>();
+  const float* sin = scores_in.data_ptr<float>();
+  std::vector<int64_t> live;
+  for (int64_t b = 0; b < B; ++b) live.push_back(b);
+  validate(ops, prog, live, L, T, R);
+  for (int64_t i = 0; i < B * K2; ++i)
+    if (rin[i] >= 64 * W) throw std::invalid_argument("verify_topk: result row " + std::to_string(rin[i]) + " is outside the bank");
+  float* so = scores.data_ptr<float>();
+  int64_t* ro = out_rows.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int64_t> stack((L + 1) * kBlock), widx(kBlock), rows(kBlock), pos(kBlock);
+    std::vector<uint8_t> pass(kBlock);
+    for (int64_t b = b0; b < b1; ++b) {
+      int64_t kept = 0;
+      for (int64_t i0 = 0; i0 < K2 && kept < k;) {
+        int64_t n = 0;  // next block of valid entries
+        for (; i0 < K2 && n < kBlock; ++i0)
+          if (rin[b * K2 + i0] >= 0) {
+            rows[n] = rin[b * K2 + i0];
+            pos[n++] = i0;
+          }
+        if (n == 0) break;
+        eval_rows(bank, W, ops, prog, L, T, b, rows.data(), n, widx.data(), stack.data(), pass.data());
+        for (int64_t i = 0; i < n && kept < k; ++i)
+          if (pass[i]) {
+            so[b * k + kept] = sin[b * K2 + pos[i]];
+            ro[b * k + kept++] = rows[i];
+          }
+      }
+    }
+  });
+  return {scores, out_rows};
+}
+
+at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
+                              const at::Tensor& ops_t, const at::Tensor& rows_t, const at::Tensor& post_rows_t,
+                              const at::Tensor& post_off_t, const at::Tensor& lists_t, const at::Tensor& active_t,
+                              int64_t k) {
+  check_long(bits, 2, "bits");
+  check_long(ops_t, 2, "ops");
+  check_long(rows_t, 3, "rows");
+  check_long(post_off_t, 1, "post_offsets");
+  check_long(lists_t, 2, "lists");
+  TORCH_CHECK(post_rows_t.device().is_cpu() && post_rows_t.scalar_type() == at::kInt && post_rows_t.dim() == 1 &&
+                  post_rows_t.is_contiguous(),
+              "post_rows: expected a contiguous int32 CPU tensor [E]");
+  TORCH_CHECK(active_t.device().is_cpu() && active_t.scalar_type() == at::kBool && active_t.dim() == 1, "active: bool [B]");
+  TORCH_CHECK(qcodes.scalar_type() == at::kChar && codes.scalar_type() == at::kChar && qcodes.dim() == 2 &&
+                  codes.dim() == 2 && qcodes.size(1) == codes.size(1) && qcodes.is_contiguous() && codes.is_contiguous(),
+              "qcodes / codes: contiguous int8 [B, D] / [N, D]");
+  const int64_t R = bits.size(0), W = bits.size(1), B = ops_t.size(0), L = ops_t.size(1), T = rows_t.size(2);
+  const int64_t T2 = lists_t.size(1), V = post_off_t.size(0) - 1, N = codes.size(0), D = codes.size(1);
+  TORCH_CHECK(lists_t.size(0) == B && active_t.size(0) == B && qcodes.size(0) == B, "filtered_topk: B rows expected");
+  TORCH_CHECK(W == (N + 63) / 64, "filtered_topk: bits must have ceil(N / 64) words per row");
+  at::Tensor keys = at::full({B, k}, kEmptyKey, at::kLong);
+  const bool* act = active_t.data_ptr<bool>();
+  const int64_t *bank = bits.data_ptr<int64_t>(), *ops = ops_t.data_ptr<int64_t>(), *prog = rows_t.data_ptr<int64_t>();
+  const int64_t *lists = lists_t.data_ptr<int64_t>(), *post_off = post_off_t.data_ptr<int64_t>();
+  const int32_t* post_rows = post_rows_t.data_ptr<int32_t>();
+  std::vector<int64_t> live;
+  for (int64_t b = 0; b < B; ++b)
+    if (act[b]) live.push_back(b);
+  if (live.empty() || k == 0) return keys;
+  validate(ops, prog, live, L, T, R);
+  for (int64_t b : live)
+    for (int64_t t = 0; t < T2; ++t) {
+      const int64_t l = lists[b * T2 + t];
+      if (l >= V || l < -1 && !(t == 0 && l == kNoLists))
+        throw std::invalid_argument("posting list id " + std::to_string(l) + " out of range [0, " + std::to_string(V) + ")");
+    }
+  // one evaluation per distinct (program, lists)
+  const std::vector<int64_t> rep = representatives(ops, prog, L, T, lists, nullptr, T2, B);
+  std::vector<int64_t> groups;  // representatives of live queries
+  for (int64_t b : live)
+    if (rep[b] == b) groups.push_back(b);
+  std::vector<std::vector<int64_t>> passing(groups.size());
+  at::parallel_for(0, int64_t(groups.size()), 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      passing[g] = passing_rows(bank, W, N, ops, prog, L, T, groups[g], lists, T2, post_rows, post_off);
+  });
+  // compact buffer: the passing rows of each small group; big whole-pool groups scan via a mask
+  std::vector<int64_t> group_of(B, -1), buf_start(groups.size(), 0), mask_group(groups.size(), -1);
+  for (size_t g = 0; g < groups.size(); ++g) group_of[groups[g]] = int64_t(g);
+  int64_t total = 0, masked = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (int64_t(passing[g].size()) * 16 > N) {
+      mask_group[g] = masked++;
+      continue;
+    }
+    buf_start[g] = total;
+    total += int64_t(passing[g].size());
+  }
+  std::vector<int8_t> buf(std::max<int64_t>(total, 1) * D);
+  std::vector<int64_t> buf_row(std::max<int64_t>(total, 1));
+  std::vector<int64_t> mask(std::max<int64_t>(masked, 1) * W, 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& p = passing[g];
+    if (mask_group[g] >= 0) {
+      int64_t* m = mask.data() + mask_group[g] * W;
+      for (int64_t r : p) m[r >> 6] |= int64_t(uint64_t{1} << (r & 63));
+      continue;
+    }
+    for (size_t i = 0; i < p.size(); ++i) {
+      std::memcpy(buf.data() + (buf_start[g] + i) * D, codes.data_ptr<int8_t>() + p[i] * D, D);
+      buf_row[buf_start[g] + i] = p[i];
+    }
+  }
+  // members of every group, in group order
+  ScanInput small, big;
+  for (ScanInput* in : {&small, &big}) {
+    in->qcodes = qcodes.data_ptr<int8_t>();
+    in->B = B;
+    in->D = D;
+    in->k = k;
+  }
+  small.codes = buf.data();
+  small.N = total;
+  big.codes = codes.data_ptr<int8_t>();
+  big.N = N;
+  big.bitmask = mask.data();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    ScanInput& in = mask_group[g] >= 0 ? big : small;
+    const int64_t first = int64_t(in.member_query.size());
+    for (int64_t b : live)
+      if (rep[b] == groups[g]) {
+        in.member_query.push_back(b);
+        in.member_word.push_back(mask_group[g] >= 0 ? mask_group[g] * W : 0);
+      }
+    const int64_t count = int64_t(in.member_query.size()) - first;
+    if (mask_group[g] >= 0)
+      in.segments.push_back({0, N, first, count});
+    else if (!passing[g].empty())
+      in.segments.push_back({buf_start[g], buf_start[g] + int64_t(passing[g].size()), first, count});
+  }
+  int64_t* kp = keys.data_ptr<int64_t>();
+  if (!small.segments.empty()) {
+    at::Tensor sk = scan_topk(small);
+    const int64_t* s = sk.data_ptr<int64_t>();
+    for (int64_t b : live) {
+      if (mask_group[group_of[rep[b]]] >= 0) continue;
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t key = s[b * k + i];
+        if (key == kEmptyKey) break;
+        const int64_t pos = int64_t{0xFFFFFFFF} - (key & int64_t{0xFFFFFFFF});
+        kp[b * k + i] = (key & ~int64_t{0xFFFFFFFF}) | (int64_t{0xFFFFFFFF} - buf_row[pos]);
+      }
+    }
+  }
+  if (!big.segments.empty()) {
+    at::Tensor bk = scan_topk(big);
+    const int64_t* s = bk.data_ptr<int64_t>();
+    for (int64_t b : live)
+      if (mask_group[group_of[rep[b]]] >= 0) std::memcpy(kp + b * k, s + b * k, k * sizeof(int64_t));
+  }
+  return keys;
+}
+
+}  // namespace silverrec

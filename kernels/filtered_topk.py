@@ -1,0 +1,196 @@
+"""Row-level filter ops: `silverrec::verify_topk` and `silverrec::filtered_topk`.
+
+    scores, rows = torch.ops.silverrec.verify_topk(bits, ops, prog_rows, scores_in, rows_in, k)
+    # bits int64 [R, W] row bank; (ops int64 [B, L], prog_rows int64 [B, L, T]) one filter program
+    # per query (kernels/bloom_filter.py); scores_in float32 [B, K2] / rows_in int64 [B, K2] a ranked
+    # result list per query (best first, row -1 = padding)
+    # -> float32 [B, k], int64 [B, k]: the first k entries whose row passes the program, in their
+    #    input order (-inf / -1 padding)
+
+The filtered IVF search scans with a Bloom-program mask and a margin of extra results, then keeps
+the best k that pass the exact ("verify") program. The input is already ranked, so nothing is
+re-sorted and the CPU path stops evaluating once k rows passed.
+
+    scores, rows = torch.ops.silverrec.filtered_topk(queries, codes, scale, offset, bits, ops, prog_rows,
+                                                     post_rows, post_offsets, lists, active, k)
+    # queries float [B, D], codes int8 [N, D], scale / offset float32 [] (item ~= scale * code + offset)
+    # post_rows int32 [E], post_offsets int64 [V + 1]: posting list l = the ascending rows
+    #     post_rows[post_offsets[l]:post_offsets[l + 1]] (the rows holding one (feature, value) token)
+    # lists int64 [B, T2]: posting lists whose union holds every row the query's filter passes
+    #     (-1 = unused slot); lists[b, 0] == -2 (NO_LISTS): the query filters the whole pool
+    # active bool [B]: queries to answer (others come back as padding)
+    # -> scores float32 [B, k] (descending, -inf padding), rows int64 [B, k] (-1 padding)
+
+"Filter, then exact scan": the rows passing the program (from the candidate lists, or the whole
+pool) are scored exactly like `silverrec::int8_topk` (int8 dot products, ties to the lower row).
+With posting lists the cost is proportional to the candidates, not to N.
+
+CPU: kernels/csrc/filter_scan.cpp (queries with the same program and lists are evaluated once; the
+passing rows are scored by the fused scan). Elsewhere (and without the extension): the torch
+composition below (`bloom_filter` on the candidates' words, a gather and one matmul per group), which
+is also the reference the tests compare the C++ path with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from silverrec.kernels.bloom_filter import check_program
+from silverrec.kernels.common import EMPTY_KEY, dequantize_scores, make_keys, quantize_queries, split_keys
+from silverrec.kernels.cpu_ext import cpu_ext
+from silverrec.kernels.masked_topk import unpack_rows
+
+NO_LISTS = -2
+
+
+def row_passes(bits: torch.Tensor, ops: torch.Tensor, prog_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """bool [B, K]: program b on item rows int64 [B, K] (-1 -> False); one single-word window per row."""
+    words = torch.ops.silverrec.bloom_filter(bits, ops, prog_rows, torch.where(rows >= 0, rows >> 6, rows), 1)
+    return (((words[:, :, 0] >> (rows.clamp_min(0) & 63)) & 1) != 0) & (rows >= 0)
+
+
+# ---------------------------------------------------------------------------------- verify_topk
+
+
+def verify_topk_torch(bits, ops, prog_rows, scores_in, rows_in, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device-generic path: verify every entry, stable-move the passing ones first, keep k."""
+    ok = row_passes(bits, ops, prog_rows, rows_in)
+    order = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices[:, :k]
+    keep = torch.gather(ok, 1, order)
+    s = torch.where(keep, torch.gather(scores_in, 1, order), torch.full_like(scores_in[:, :1], float("-inf")))
+    r = torch.where(keep, torch.gather(rows_in, 1, order), torch.full_like(rows_in[:, :1], -1))
+    if r.shape[1] < k:  # fewer inputs than k: pad
+        pad = k - r.shape[1]
+        s = torch.cat([s, s.new_full((s.shape[0], pad), float("-inf"))], dim=1)
+        r = torch.cat([r, r.new_full((r.shape[0], pad), -1)], dim=1)
+    return s, r
+
+
+@torch.library.custom_op("silverrec::verify_topk", mutates_args=())
+def verify_topk(
+    bits: torch.Tensor, ops: torch.Tensor, prog_rows: torch.Tensor, scores_in: torch.Tensor, rows_in: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring."""
+    check_program(bits, ops, prog_rows)
+    if rows_in.dtype != torch.int64 or rows_in.dim() != 2 or rows_in.shape[0] != ops.shape[0] or scores_in.shape != rows_in.shape:
+        raise ValueError(f"scores / rows must be [B, K2] (float32 / int64) with B = {ops.shape[0]}, got {tuple(scores_in.shape)}, {tuple(rows_in.shape)}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    ext = cpu_ext() if bits.device.type == "cpu" else None
+    if ext is not None and hasattr(ext, "verify_topk"):
+        return ext.verify_topk(bits.contiguous(), ops.contiguous(), prog_rows.contiguous(), scores_in.float().contiguous(), rows_in.contiguous(), k)
+    return verify_topk_torch(bits, ops, prog_rows, scores_in.float(), rows_in, k)
+
+
+@verify_topk.register_fake
+def _(bits, ops, prog_rows, scores_in, rows_in, k):
+    b = rows_in.shape[0]
+    return scores_in.new_empty(b, k, dtype=torch.float32), rows_in.new_empty(b, k)
+
+
+# -------------------------------------------------------------------------------- filtered_topk
+
+
+def candidate_rows(post_rows: torch.Tensor, post_offsets: torch.Tensor, lists: torch.Tensor) -> torch.Tensor:
+    """int64 [C]: the ascending union of the posting lists `lists` int64 [T2] (-1 = unused)."""
+    ids = lists[lists >= 0].tolist()
+    parts = [post_rows[int(post_offsets[i]) : int(post_offsets[i + 1])].to(torch.int64) for i in ids]
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=post_rows.device)
+    return torch.unique(torch.cat(parts)) if len(parts) > 1 else parts[0]
+
+
+def passing_rows_torch(bits, ops, prog_rows, post_rows, post_offsets, lists, b: int, n: int) -> torch.Tensor:
+    """int64 [M]: ascending rows < n that pass query b's program, from its lists or the whole pool."""
+    if int(lists[b, 0]) == NO_LISTS:
+        start = torch.zeros(1, 1, dtype=torch.int64, device=bits.device)
+        words = torch.ops.silverrec.bloom_filter(bits, ops[b : b + 1], prog_rows[b : b + 1], start, bits.shape[1])
+        return unpack_rows(words[0, 0], n)
+    cand = candidate_rows(post_rows, post_offsets, lists[b])
+    if cand.numel() == 0:
+        return cand
+    ok = row_passes(bits, ops[b : b + 1], prog_rows[b : b + 1], cand[None, :])[0]
+    return cand[ok]
+
+
+def filtered_keys_torch(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int) -> torch.Tensor:
+    """Device-generic path: top-k keys int64 [B, k] (descending, EMPTY_KEY padding)."""
+    B = qcodes.shape[0]
+    n, d = codes.shape
+    keys = torch.full((B, k), EMPTY_KEY, dtype=torch.int64, device=codes.device)
+    groups: dict[tuple, list[int]] = {}  # identical (program, lists): one evaluation and one matmul
+    for b in active.nonzero().reshape(-1).tolist():
+        key = (ops[b].cpu().numpy().tobytes(), prog_rows[b].cpu().numpy().tobytes(), lists[b].cpu().numpy().tobytes())
+        groups.setdefault(key, []).append(b)
+    for members in groups.values():
+        rows = passing_rows_torch(bits, ops, prog_rows, post_rows, post_offsets, lists, members[0], n)
+        if rows.numel() == 0:
+            continue
+        sel = codes.index_select(0, rows)
+        qg = qcodes[members]
+        if d <= 1040:  # int8 products summed exactly in float32
+            s = (sel.float() @ qg.float().t()).round().to(torch.int64)
+        else:
+            s = sel.to(torch.int64) @ qg.to(torch.int64).t()
+        kb = make_keys(s.t(), rows[None, :])
+        take = min(k, rows.numel())
+        keys[members, :take] = kb.topk(take, dim=1, sorted=False).values
+    return keys.sort(dim=1, descending=True).values
+
+
+def _check_lists(post_rows, post_offsets, lists, active, batch: int) -> None:
+    if post_rows.dtype != torch.int32 or post_rows.dim() != 1:
+        raise ValueError(f"post_rows must be int32 [E], got {post_rows.dtype} {tuple(post_rows.shape)}")
+    if post_offsets.dtype != torch.int64 or post_offsets.dim() != 1 or post_offsets.numel() < 1:
+        raise ValueError(f"post_offsets must be int64 [V + 1], got {post_offsets.dtype} {tuple(post_offsets.shape)}")
+    if lists.dtype != torch.int64 or lists.dim() != 2 or lists.shape[0] != batch:
+        raise ValueError(f"lists must be int64 [{batch}, T2], got {lists.dtype} {tuple(lists.shape)}")
+    if active.dtype != torch.bool or active.shape != (batch,):
+        raise ValueError(f"active must be bool [{batch}], got {active.dtype} {tuple(active.shape)}")
+
+
+@torch.library.custom_op("silverrec::filtered_topk", mutates_args=())
+def filtered_topk(
+    queries: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    bits: torch.Tensor,
+    ops: torch.Tensor,
+    prog_rows: torch.Tensor,
+    post_rows: torch.Tensor,
+    post_offsets: torch.Tensor,
+    lists: torch.Tensor,
+    active: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring."""
+    check_program(bits, ops, prog_rows)
+    b = queries.shape[0]
+    _check_lists(post_rows, post_offsets, lists, active, b)
+    if codes.dtype != torch.int8 or codes.dim() != 2 or queries.dim() != 2 or queries.shape[1] != codes.shape[1]:
+        raise ValueError(f"queries [B, D] / codes int8 [N, D] expected, got {tuple(queries.shape)} / {codes.dtype} {tuple(codes.shape)}")
+    if bits.shape[1] != (codes.shape[0] + 63) // 64:
+        raise ValueError(f"bits must have ceil(N / 64) = {(codes.shape[0] + 63) // 64} words per row, got {bits.shape[1]}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if not bool(active.any()):  # the usual case inside the filtered search: nothing to do
+        return (
+            torch.full((b, k), float("-inf"), dtype=torch.float32, device=queries.device),
+            torch.full((b, k), -1, dtype=torch.int64, device=queries.device),
+        )
+    qcodes, qscale = quantize_queries(queries)
+    ext = cpu_ext() if codes.device.type == "cpu" else None
+    args = (bits.contiguous(), ops.contiguous(), prog_rows.contiguous(), post_rows.contiguous(), post_offsets.contiguous(), lists.contiguous(), active.contiguous(), k)
+    if ext is not None and hasattr(ext, "filtered_topk_keys"):
+        keys = ext.filtered_topk_keys(qcodes, codes.contiguous(), *args)
+        return ext.keys_to_results(keys, qscale, queries.float().sum(dim=1), scale, offset)
+    keys = filtered_keys_torch(qcodes, codes, *args)
+    int_scores, rows = split_keys(keys)
+    return dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0), rows
+
+
+@filtered_topk.register_fake
+def _(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k):
+    b = queries.shape[0]
+    return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
