@@ -17,7 +17,8 @@ re-sorted and the CPU path stops evaluating once k rows passed.
     # post_rows int32 [E], post_offsets int64 [V + 1]: posting list l = the ascending rows
     #     post_rows[post_offsets[l]:post_offsets[l + 1]] (the rows holding one (feature, value) token)
     # lists int64 [B, T2]: posting lists whose union holds every row the query's filter passes
-    #     (-1 = unused slot); lists[b, 0] == -2 (NO_LISTS): the query filters the whole pool
+    #     (-1 = unused slot); lists[b, 0] == -2 (NO_LISTS): the query filters the whole pool (the
+#     row's other entries are ignored)
     # active bool [B]: queries to answer (others come back as padding)
     # -> scores float32 [B, k] (descending, -inf padding), rows int64 [B, k] (-1 padding)
 

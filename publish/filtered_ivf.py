@@ -1,8 +1,8 @@
 """Publish a filtered IVF snapshot (kind "filtered_ivf"): the IVF index plus the Bloom row bank.
 
-The pool's categorical columns become the filterable features. The row bank is built in the IVF's
-cluster-major row order, and the manifest's config gets a "filter" section (Bloom M, K, seed,
-feature vocabularies, exact-plane locations, statistics) from which the predictor compiles filter
+The pool's categorical columns become the filterable features. The row bank and the posting lists
+are built in the IVF's cluster-major row order, and the manifest's config gets a "filter" section (Bloom M, K, seed,
+feature vocabularies, exact-plane locations, per-value posting list ids and counts, statistics) from which the predictor compiles filter
 strings without touching the model.
 """
 
@@ -19,9 +19,11 @@ from torch.export import Dim
 from silverrec.errors import PoolError
 from silverrec.filtered_ivf import DEFAULT_MATCH_FACTOR, FilteredIVFIndex
 from silverrec.forward_index import ForwardIndex
-from silverrec.publish.bloom import build_filter_bank, choose_config
+from silverrec.ivf_index import Int8IVFIndex
+from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config
 from silverrec.publish.ivf import IVFConfig, build_ivf, ivf_manifest_config
 from silverrec.publish.pool import Pool
+from silverrec.publish.postings import build_postings, default_limit
 from silverrec.publish.progress import step
 from silverrec.snapshot import export_module, write_snapshot
 
@@ -41,6 +43,21 @@ def pool_rows(pool: Pool, row_to_item: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(order[pos])
 
 
+def filter_index(ivf: Int8IVFIndex, fwd: ForwardIndex, cfg: BloomConfig, posting_limit: Optional[int] = None) -> tuple[FilteredIVFIndex, dict]:
+    """The filtered module over `ivf` and the manifest's "filter" section, from the pool's forward
+    index in the IVF's row order: Bloom row bank + exact planes (bloom.py) and posting lists of the
+    tokens held by <= posting_limit items (postings.py; default max(256, N / 32))."""
+    bank, filter_config = build_filter_bank(fwd, cfg)
+    limit = default_limit(fwd.size) if posting_limit is None else int(posting_limit)
+    post_rows, post_offsets, per_feature = build_postings(fwd, limit)
+    for f, meta in per_feature.items():
+        filter_config["features"][f].update(meta)
+    filter_config["postings"] = {"limit": limit, "lists": int(post_offsets.numel() - 1), "entries": int(post_rows.numel())}
+    filter_config["stats"]["postings_bytes"] = int(post_rows.numel() * 4 + post_offsets.numel() * 8)
+    module = FilteredIVFIndex.from_ivf(ivf, bank, post_rows=post_rows, post_offsets=post_offsets, posting_limit=limit)
+    return module, filter_config
+
+
 def build_filtered_ivf(
     pool: Pool,
     config: Optional[IVFConfig] = None,
@@ -52,11 +69,9 @@ def build_filtered_ivf(
         raise PoolError("the pool has no categorical feature columns: nothing to filter on (publish plain IVF)")
     config = config or IVFConfig()
     ivf, km = build_ivf(pool, config)
-    with step("Bloom signatures and exact value planes"):
+    with step("Bloom signatures, exact value planes and posting lists"):
         fwd = ForwardIndex.from_lists(pool.features).permute(pool_rows(pool, ivf.row_to_item))
-        cfg = choose_config(fwd, bloom_bits, bloom_hashes)
-        bank, filter_config = build_filter_bank(fwd, cfg)
-    module = FilteredIVFIndex.from_ivf(ivf, bank)
+        module, filter_config = filter_index(ivf, fwd, choose_config(fwd, bloom_bits, bloom_hashes))
     manifest = ivf_manifest_config(pool, ivf, config, km)
     nprobe = int(manifest["default_nprobe"])
     manifest["index"] = "filtered_ivf_int8"
@@ -65,6 +80,7 @@ def build_filtered_ivf(
         "default_max_probe": default_max_probe(module.nlist, nprobe),
         "match_factor": module.match_factor,
         "exact_cost_ratio": module.exact_cost_ratio,
+        "posting_limit": module.posting_limit,
         "modes": ["auto", "probed", "unprobed"],
     }
     return module, manifest
@@ -77,7 +93,9 @@ def example_inputs(module: FilteredIVFIndex, dim: int) -> tuple:
     rows = torch.zeros(2, 3, 4, dtype=torch.int64)
     vops = torch.tensor([[1, 1, 3, 4, 0], [6, 0, 0, 0, 0]], dtype=torch.int64)
     vrows = torch.zeros(2, 5, 6, dtype=torch.int64)
-    return (torch.zeros(2, dim), 5, min(8, nlist), ops, rows, vops, vrows, min(9, nlist), torch.zeros(2, dtype=torch.int64))
+    lists = torch.tensor([[-2, -1, -1, -1, -1, -1, -1], [0, -1, -1, -1, -1, -1, -1]], dtype=torch.int64)
+    lists = lists.clamp_max(module.post_offsets.numel() - 2)  # -1 when there are no lists
+    return (torch.zeros(2, dim), 5, min(8, nlist), ops, rows, vops, vrows, lists, min(9, nlist), torch.zeros(2, dtype=torch.int64))
 
 
 DYNAMIC = {
@@ -88,6 +106,7 @@ DYNAMIC = {
     "rows": {0: BATCH, 1: Dim.DYNAMIC, 2: Dim.DYNAMIC},
     "vops": {0: BATCH, 1: Dim.DYNAMIC},
     "vrows": {0: BATCH, 1: Dim.DYNAMIC, 2: Dim.DYNAMIC},
+    "lists": {0: BATCH, 1: Dim.DYNAMIC},
     "max_probe": Dim.DYNAMIC,
     "mode": {0: BATCH},
 }

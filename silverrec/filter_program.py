@@ -42,6 +42,7 @@ from silverrec.bloom_hash import token_positions
 from silverrec.errors import QueryError
 from silverrec.filter_lang import And, Node, Not, Or, Term, parse
 from silverrec.kernels.bloom_filter import OP_AND, OP_FALSE, OP_NOT, OP_OR, OP_PUSH, OP_TRUE
+from silverrec.kernels.filtered_topk import NO_LISTS  # lists[b, 0]: no posting-list superset
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class FilterPlan:
     vocab: dict[str, dict[str, int]]  # feature -> value -> index in the vocabulary
     exact: dict[str, Optional[ExactPlanes]]
     total_rows: int
+    # feature -> per value (vocabulary order): its posting list id (-1 = none stored) and item count
+    postings: dict[str, list[int]] = field(default_factory=dict)
+    counts: dict[str, list[int]] = field(default_factory=dict)
     _cache: dict = field(default_factory=dict, repr=False)
     # LRU caches of compiled programs: (filter text, exact_positive) -> (ops int64 [L], rows int64
     # [L, T]) numpy arrays, and (tuple of filters, exact_positive) -> batch tensors (ops, rows).
@@ -79,12 +83,14 @@ class FilterPlan:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> "FilterPlan":
         bloom = cfg["bloom"]
-        vocab, exact = {}, {}
+        vocab, exact, postings, counts = {}, {}, {}, {}
         for name, meta in cfg["features"].items():
             vocab[name] = {v: i for i, v in enumerate(meta["values"])}
             e = meta.get("exact")
             exact[name] = ExactPlanes(int(e["row"]), int(e["slots"]), int(e["bits"])) if e else None
-        return cls(int(bloom["bits"]), int(bloom["hashes"]), int(bloom["seed"]), vocab, exact, int(cfg["rows"]))
+            postings[name] = [int(i) for i in meta.get("postings", [-1] * len(meta["values"]))]
+            counts[name] = [int(c) for c in meta.get("counts", [0] * len(meta["values"]))]
+        return cls(int(bloom["bits"]), int(bloom["hashes"]), int(bloom["seed"]), vocab, exact, int(cfg["rows"]), postings, counts)
 
     @property
     def approximate_not(self) -> list[str]:
@@ -266,6 +272,62 @@ def compile_batch(
         _lru_put(plan._batches, bkey, (ops_t, rows_t), plan.batch_cache_size)
         return ops_t.clone(), rows_t.clone()
     return ops_t, rows_t
+
+
+def posting_lists(node: Node, plan: FilterPlan) -> Optional[tuple[tuple[int, ...], int]]:
+    """Posting lists whose union holds every item `node` passes, and their total length; None when
+    the filter has no such superset (a term whose value is too frequent to have a list, a NOT).
+
+    AND takes its cheapest child, OR needs every child and unites them; a term unites its values'
+    lists (values outside the vocabulary match nothing and need no list)."""
+    if isinstance(node, Term):
+        f = node.feature
+        values = [plan.vocab[f][v] for v in node.values if v in plan.vocab[f]]
+        lists = {plan.postings[f][i]: plan.counts[f][i] for i in values}
+        if any(i < 0 for i in lists):
+            return None
+        return tuple(sorted(lists)), sum(lists.values())
+    if isinstance(node, Not):
+        return posting_lists(node.child.child, plan) if isinstance(node.child, Not) else None
+    parts = [posting_lists(c, plan) for c in node.children]
+    if isinstance(node, And):
+        known = [p for p in parts if p is not None]
+        return min(known, key=lambda p: p[1]) if known else None
+    if any(p is None for p in parts):
+        return None
+    ids = sorted({i for p in parts for i in p[0]})
+    return tuple(ids), sum(p[1] for p in parts)  # an upper bound when children share lists
+
+
+def compile_lists(filters: Sequence[Union[str, Node, None]], plan: FilterPlan) -> torch.Tensor:
+    """int64 [B, T2]: each filter's posting lists (-1 padded), or NO_LISTS in column 0 when it has
+    none (no filter, or no posting-list superset). Run after compile_batch (which reports errors)."""
+    found = []
+    for f in filters:
+        key = (f, "lists") if isinstance(f, str) else None
+        hit = _lru_get(plan._programs, key) if key else None
+        if hit is None:
+            node = None if f is None else (parse(f) if isinstance(f, str) else f)
+            hit = (None if node is None else posting_lists(node, plan),)
+            if key:
+                _lru_put(plan._programs, key, hit, plan.program_cache_size)
+        found.append(hit[0])
+    width = max([len(p[0]) for p in found if p is not None] + [1])
+    out = np.full((len(found), width), -1, dtype=np.int64)
+    for b, p in enumerate(found):
+        if p is None:
+            out[b, 0] = NO_LISTS
+        else:
+            out[b, : len(p[0])] = p[0]
+    return torch.from_numpy(out)
+
+
+def compile_request(filters: Sequence[Union[str, Node, None]], plan: FilterPlan) -> tuple[torch.Tensor, ...]:
+    """The filter inputs of `FilteredIVFIndex.forward`, in order: (ops, rows) the Bloom programs,
+    (vops, vrows) the verify programs (exact_positive) and lists (compile_lists)."""
+    ops, rows = compile_batch(filters, plan)
+    vops, vrows = compile_batch(filters, plan, exact_positive=True)
+    return ops, rows, vops, vrows, compile_lists(filters, plan)
 
 
 def normalize_filters(filt: Union[str, Sequence[Optional[str]], None], batch: int) -> Optional[list[Optional[str]]]:

@@ -3,6 +3,11 @@
 One forward call per request; every decision below is made per query, on the device, with no
 host round trip (static shapes: `max_probe` candidate slots, unused ones set to -1):
 
+0. Posting lists: when the filter has a posting-list superset (`lists`, chosen at compile time from
+   the manifest's value counts) of at most `posting_limit` rows, the query takes the posting route:
+   the filter runs on those rows only and the survivors are scored exactly
+   (`silverrec::filtered_topk`); steps 1-7 skip it. A very selective filter costs its list, not
+   the centroids' neighbourhood or the pool.
 1. Probe candidates: the `max_probe` best centroids by dot product (`[B, P]`, best first).
 2. Filter only those clusters: `silverrec::bloom_filter_counts` runs each query's program over its
    candidates' row ranges -> bitmask `[B, P, Wc]` (scratch proportional to probed items; on CPU
@@ -18,18 +23,21 @@ host round trip (static shapes: `max_probe` candidate slots, unused ones set to 
 6. `silverrec::ivf_scan` scans the chosen clusters, dropping rows whose bit is 0 before top-k
    (k + k/4 + 16 results, a margin for Bloom false positives).
 7. Verify: the "verify" program (positive terms on exact value-code planes where the features
-   have them) is evaluated on the result rows only; false positives are dropped, the best k kept.
-   The unprobed mask is computed with the verify program directly.
+   have them) is evaluated on the ranked result rows only (`silverrec::verify_topk`, which stops
+   once k rows passed); false positives are dropped, the best k kept. The unprobed and posting
+   routes evaluate the verify program directly (`silverrec::filtered_topk`).
 
 Modes (forward arg `mode`, int64 [B], one per query): AUTO (0, the above), PROBED (1: exactly `nprobe` clusters, the plain
 co-designed search), UNPROBED (2: filter the whole pool, then exact scan; exact up to Bloom false
-positives, for small pools or very selective filters).
+positives, for small pools or very selective filters; posting lists are used when they qualify).
 
 Results are `(scores float32 [B, k], item_ids int64 [B, k])`, padded with -inf / -1 when fewer
 than k items pass. Filter semantics (Bloom false positives, exact NOT) are in filter_program.py.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -48,11 +56,12 @@ class FilteredIVFIndex(Int8IVFIndex):
 
     Buffers: those of `Int8IVFIndex` (codes, dim_scale/dim_offset, cluster_offsets, centroids,
     row_to_item) plus bits int64 [R, ceil(N / 64)], the filter row bank (Bloom rows + exact
-    planes) in the same cluster-major row order.
+    planes), and the posting lists post_rows int32 [E] / post_offsets int64 [V + 1]
+    (publish/postings.py), all in the same cluster-major row order.
 
     Example:
-        >>> ops, rows = compile_batch(["genre = Drama"] * B, plan)
-        >>> scores, ids = index(queries, 100, 32, ops, rows, 256, torch.zeros(B, dtype=torch.int64))
+        >>> filt = compile_request(["genre = Drama"] * B, plan)   # ops, rows, vops, vrows, lists
+        >>> scores, ids = index(queries, 100, 32, *filt, 256, torch.zeros(B, dtype=torch.int64))
     """
 
     def __init__(
@@ -64,6 +73,9 @@ class FilteredIVFIndex(Int8IVFIndex):
         centroids: torch.Tensor,
         row_to_item: torch.Tensor,
         bits: torch.Tensor,
+        post_rows: Optional[torch.Tensor] = None,
+        post_offsets: Optional[torch.Tensor] = None,
+        posting_limit: int = 0,
         match_factor: int = DEFAULT_MATCH_FACTOR,
         exact_cost_ratio: float = 1.0,
     ):
@@ -72,6 +84,15 @@ class FilteredIVFIndex(Int8IVFIndex):
         if bits.dim() != 2 or bits.shape[1] != (n + 63) // 64:
             raise ValueError(f"bits must be int64 [R, {(n + 63) // 64}], got {tuple(bits.shape)}")
         self.register_buffer("bits", bits.to(torch.int64).contiguous())
+        if post_rows is None or post_offsets is None:  # no posting lists: the route is never taken
+            post_rows, post_offsets = torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+        if post_offsets.dim() != 1 or post_offsets.numel() < 1 or int(post_offsets[-1]) != post_rows.numel():
+            raise ValueError(f"post_offsets must be int64 [V + 1] ending at len(post_rows) = {post_rows.numel()}")
+        self.register_buffer("post_rows", post_rows.to(torch.int32).contiguous())
+        self.register_buffer("post_offsets", post_offsets.to(torch.int64).contiguous())
+        # list lengths with a trailing 0 for unused slots (lists = -1)
+        self.register_buffer("post_sizes", torch.cat([post_offsets[1:] - post_offsets[:-1], post_offsets.new_zeros(1)]))
+        self.posting_limit = int(posting_limit)
         self.window_words = max(1, bitmask_words(self.cluster_offsets))
         self.total_words = int(bits.shape[1])
         self.num_items = int(n)
@@ -81,18 +102,33 @@ class FilteredIVFIndex(Int8IVFIndex):
 
     @classmethod
     def from_ivf(cls, ivf: Int8IVFIndex, bits: torch.Tensor, **kwargs) -> "FilteredIVFIndex":
-        """Wrap an `Int8IVFIndex`'s buffers (same rows, same order) with a filter row bank."""
+        """Wrap an `Int8IVFIndex`'s buffers (same rows, same order) with a filter row bank (and
+        optionally post_rows / post_offsets / posting_limit)."""
         return cls(ivf.codes, ivf.dim_scale, ivf.dim_offset, ivf.cluster_offsets, ivf.centroids, ivf.row_to_item, bits, **kwargs)
 
     def plan_probes(
-        self, queries: torch.Tensor, k: int, nprobe: int, ops: torch.Tensor, rows: torch.Tensor, max_probe: int, mode: torch.Tensor
+        self,
+        queries: torch.Tensor,
+        k: int,
+        nprobe: int,
+        ops: torch.Tensor,
+        rows: torch.Tensor,
+        lists: torch.Tensor,
+        max_probe: int,
+        mode: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Steps 1-5: (probes int64 [B, P] with -1 = unused, bitmask int64 [B, P, Wc], unprobed bool [B]).
+        """Steps 0-5: (probes int64 [B, P] with -1 = unused, bitmask int64 [B, P, Wc],
+        route int64 [B]: 0 = probed IVF scan, 1 = whole pool then exact scan, 2 = posting lists).
 
         Requires 1 <= nprobe <= max_probe <= nlist (the predictor checks; no host sync here).
         """
+        mode_t = mode.to(torch.int64)
+        # step 0: posting route (auto / unprobed modes) when the lists hold <= posting_limit rows
+        n_lists = self.post_sizes.shape[0] - 1
+        sizes_l = self.post_sizes[torch.where(lists >= 0, lists, torch.full_like(lists, n_lists))].sum(dim=1)
+        posting = (lists[:, 0] != -2) & (sizes_l <= self.posting_limit) & (mode_t != 1)  # NO_LISTS, MODE_PROBED
         cand = torch.topk(queries @ self.centroids.t(), max_probe, dim=1).indices  # [B, P] best first
-        lo = self.cluster_offsets[cand]
+        lo = torch.where(posting[:, None], torch.full_like(cand, -1), self.cluster_offsets[cand])  # -1: not evaluated
         hi = self.cluster_offsets[cand + 1]
         # one fused op: the filter on each candidate's own words, bits outside its rows cleared, and
         # the per-cluster match counts [B, P]
@@ -103,7 +139,6 @@ class FilteredIVFIndex(Int8IVFIndex):
         # pool lies about as far out as the unfiltered top-k/s, so the same match count is needed)
         target = torch.maximum(cum.new_full([1], nprobe * self.avg_cluster), cum.new_full([1], k * self.match_factor))
         need = (cum < target).sum(dim=1) + 1  # probes to reach the target (P + 1 if never)
-        mode_t = mode.to(need.dtype)
         use = torch.where(mode_t == 1,  # MODE_PROBED (literal: TorchScript reads no globals)
                            torch.full_like(need, nprobe), need.clamp(min=nprobe, max=max_probe))
         slot = torch.arange(cand.shape[1], device=queries.device)[None, :]
@@ -113,15 +148,10 @@ class FilteredIVFIndex(Int8IVFIndex):
         cand_rows = sizes.sum(dim=1).clamp_min(1)
         est_total = cum[:, -1].to(torch.float32) * (self.num_items / cand_rows.to(torch.float32))
         auto = (cum[:, -1] < target) | (scanned.to(torch.float32) > est_total * self.exact_cost_ratio)
-        unprobed = torch.where(mode_t == 0, auto, mode_t == 2)  # MODE_AUTO, MODE_UNPROBED
-        probes = torch.where(chosen & ~unprobed[:, None], cand, torch.full_like(cand, -1))
-        return probes, bitmask, unprobed
-
-    def verify(self, vops: torch.Tensor, vrows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """bool [B, K]: the verify program (exact where the features have planes) on result rows
-        int64 [B, K] (-1 = padding -> False). One single-word window per result row."""
-        words = torch.ops.silverrec.bloom_filter(self.bits, vops, vrows, torch.where(rows >= 0, rows >> 6, rows), 1)
-        return (((words[:, :, 0] >> (rows.clamp_min(0) & 63)) & 1) != 0) & (rows >= 0)
+        unprobed = torch.where(mode_t == 0, auto, mode_t == 2) & ~posting  # MODE_AUTO, MODE_UNPROBED
+        probes = torch.where(chosen & ~unprobed[:, None] & ~posting[:, None], cand, torch.full_like(cand, -1))
+        route = torch.where(posting, torch.full_like(mode_t, 2), unprobed.to(torch.int64))
+        return probes, bitmask, route
 
     def forward(
         self,
@@ -132,15 +162,16 @@ class FilteredIVFIndex(Int8IVFIndex):
         rows: torch.Tensor,
         vops: torch.Tensor,
         vrows: torch.Tensor,
+        lists: torch.Tensor,
         max_probe: int,
         mode: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """queries float32 [B, D]; (ops int64 [B, L], rows int64 [B, L, T]) the Bloom programs and
-        (vops, vrows) the verify programs of the filters (filter_program.compile_batch with
-        exact_positive False / True); 1 <= nprobe <= max_probe <= nlist; mode int64 [B]
+        """queries float32 [B, D]; (ops int64 [B, L], rows int64 [B, L, T]) the Bloom programs,
+        (vops, vrows) the verify programs and lists int64 [B, T2] the posting lists of the filters
+        (filter_program.compile_request); 1 <= nprobe <= max_probe <= nlist; mode int64 [B]
         (MODE_AUTO / MODE_PROBED / MODE_UNPROBED per query)
         -> (scores float32 [B, k], item_ids int64 [B, k])."""
-        probes, bitmask, unprobed = self.plan_probes(queries, k, nprobe, ops, rows, max_probe, mode)
+        probes, bitmask, route = self.plan_probes(queries, k, nprobe, ops, rows, lists, max_probe, mode)
         # per-dimension ranges folded into the query: score = int8-op score + constant (per query)
         folded, constant = self.fold(queries)
         one, zero = folded.new_ones(()), folded.new_zeros(())
@@ -149,17 +180,14 @@ class FilteredIVFIndex(Int8IVFIndex):
         s_ivf, r_ivf = torch.ops.silverrec.ivf_scan(
             folded, self.codes, one, zero, self.cluster_offsets, probes, k2, bitmask
         )
-        ok = self.verify(vops, vrows, r_ivf)
-        s_ivf = torch.where(ok, s_ivf, torch.full_like(s_ivf, float("-inf")))
-        r_ivf = torch.where(ok, r_ivf, torch.full_like(r_ivf, -1))
-        order = torch.sort(s_ivf, dim=1, descending=True, stable=True).indices[:, :k]
-        s_ivf, r_ivf = torch.gather(s_ivf, 1, order), torch.gather(r_ivf, 1, order)
-        # Unprobed queries: the verify program over the whole pool, then an exact scan of its rows.
-        starts = torch.where(unprobed, torch.zeros_like(unprobed, dtype=torch.int64), torch.full_like(unprobed, -1, dtype=torch.int64))
-        pool_mask = torch.ops.silverrec.bloom_filter(self.bits, vops, vrows, starts[:, None], self.total_words)
-        s_ex, r_ex = torch.ops.silverrec.masked_topk(
-            folded, self.codes, one, zero, pool_mask[:, 0], unprobed, k
+        s_ivf, r_ivf = torch.ops.silverrec.verify_topk(self.bits, vops, vrows, s_ivf, r_ivf, k)
+        # Unprobed and posting routes: the verify program on the whole pool or on the posting lists'
+        # rows, then an exact scan of the rows that pass.
+        exact = route > 0
+        src = torch.where((route == 1)[:, None], torch.full_like(lists, -2), lists)  # -2: whole pool
+        s_ex, r_ex = torch.ops.silverrec.filtered_topk(
+            folded, self.codes, one, zero, self.bits, vops, vrows, self.post_rows, self.post_offsets, src, exact, k
         )
-        scores = torch.where(unprobed[:, None], s_ex, s_ivf) + constant[:, None]
-        rows_out = torch.where(unprobed[:, None], r_ex, r_ivf)
+        scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
+        rows_out = torch.where(exact[:, None], r_ex, r_ivf)
         return scores, rows_to_items(self.row_to_item, rows_out)

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from silverrec.errors import QueryError
-from silverrec.filter_program import FilterPlan, compile_batch, normalize_filters
+from silverrec.filter_program import FilterPlan, compile_request, normalize_filters
 from silverrec.filtered_ivf import MODE_PROBED, MODES
 
 
@@ -28,6 +28,9 @@ def filter_plan(snap) -> FilterPlan:
         cfg = snap.config.get("filter")
         if cfg is None:
             raise QueryError(f"snapshot {snap.path} has no filter index (its pool had no categorical features)")
+        if "postings" not in cfg:
+            raise QueryError(f"snapshot {snap.path} is a filtered_ivf snapshot of format 1, which this silverrec "
+                             "cannot query (the model gained posting lists in format 2): re-publish it")
         plan = FilterPlan.from_config(cfg)
         snap._filter_plan = plan
     return plan
@@ -75,6 +78,4 @@ def search_filtered_ivf(
         if max_probe is None:
             max_probe = max(nprobe, min(nlist, int(cfg["search"]["default_max_probe"])))
         max_probe = _check_int("max_probe", max_probe, nprobe, nlist)
-    ops, rows = compile_batch(filters, plan)
-    vops, vrows = compile_batch(filters, plan, exact_positive=True)
-    return snap.module(queries, k, nprobe, ops, rows, vops, vrows, max_probe, modes)
+    return snap.module(queries, k, nprobe, *compile_request(filters, plan), max_probe, modes)

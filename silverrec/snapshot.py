@@ -25,7 +25,7 @@ import torch
 
 from silverrec.errors import SnapshotError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: filtered_ivf models take posting lists
 MANIFEST = "manifest.json"
 EXPORT_FILE = "model.pt2"
 SCRIPT_FILE = "model.ts"

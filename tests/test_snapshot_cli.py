@@ -100,7 +100,7 @@ def test_newer_format_version_is_rejected(exact_snapshot, tmp_path):
     m = json.loads((snap / MANIFEST).read_text())
     m["format_version"] = silverrec.FORMAT_VERSION + 1
     (snap / MANIFEST).write_text(json.dumps(m))
-    with pytest.raises(silverrec.SnapshotError, match="format version 2.*upgrade silverrec"):
+    with pytest.raises(silverrec.SnapshotError, match=f"format version {silverrec.FORMAT_VERSION + 1}.*upgrade silverrec"):
         silverrec.load(snap)
     proc = run_cli("query", str(snap), "--queries", "x.npy", "--k", "1", check=False)
     assert proc.returncode == 2 and "format version" in proc.stderr

@@ -172,10 +172,10 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
     if (act[b]) live.push_back(b);
   if (live.empty() || k == 0) return keys;
   validate(ops, prog, live, L, T, R);
-  for (int64_t b : live)
-    for (int64_t t = 0; t < T2; ++t) {
+  for (int64_t b : live)  // a whole-pool row (kNoLists first) ignores its other entries
+    for (int64_t t = 0; t < T2 && lists[b * T2] != kNoLists; ++t) {
       const int64_t l = lists[b * T2 + t];
-      if (l >= V || l < -1 && !(t == 0 && l == kNoLists))
+      if (l >= V || l < -1)
         throw std::invalid_argument("posting list id " + std::to_string(l) + " out of range [0, " + std::to_string(V) + ")");
     }
   // one evaluation per distinct (program, lists)

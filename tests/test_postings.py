@@ -1,0 +1,114 @@
+"""Posting lists: publish-side lists, compile-side superset choice, and the posting route of the search."""
+
+import numpy as np
+import pytest
+import torch
+
+from silverrec.filter_lang import parse
+from silverrec.filter_program import NO_LISTS, FilterPlan, compile_lists, compile_request, posting_lists
+from silverrec.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED, FilteredIVFIndex
+from silverrec.forward_index import ForwardIndex
+from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows
+from silverrec.publish.ivf import IVFConfig
+from silverrec.publish.postings import build_postings
+from tests.test_filter_ivf import _exact_filtered, _pool
+
+FILTERS = [
+    "rare = r7",
+    "rare IN (r7, r8, r9) AND country = c1",
+    "country = c3 AND (rare = r1 OR tag = t4)",  # tag is frequent: no superset from the OR
+    "(rare = r1 OR rare = r2) AND NOT lang = l3",
+    "rare IN (r5, nowhere) AND tag = t9",
+    "rare = nowhere",  # matches nothing: an empty superset
+    "NOT rare = r7",
+    "country = c0",
+    None,
+]
+
+
+@pytest.fixture(scope="module")
+def built():
+    pool, rng = _pool(seed=1)
+    module, manifest = build_filtered_ivf(pool, IVFConfig(nlist=100, seed=0))
+    plan = FilterPlan.from_config(manifest["filter"])
+    fwd = ForwardIndex.from_lists(pool.features).permute(pool_rows(pool, module.row_to_item))
+    queries = torch.from_numpy(pool.embeddings[rng.integers(0, len(pool.item_ids), len(FILTERS))])
+    return module, manifest, plan, fwd, queries
+
+
+def test_lists_hold_exactly_the_rows_of_their_token(built):
+    module, manifest, _, fwd, _ = built
+    limit = manifest["filter"]["postings"]["limit"]
+    off, rows = module.post_offsets, module.post_rows
+    for f, meta in manifest["filter"]["features"].items():
+        for v, (lid, count) in enumerate(zip(meta["postings"], meta["counts"])):
+            want = fwd.term_mask(f, [meta["values"][v]]).nonzero().reshape(-1)
+            assert count == want.numel()
+            assert (lid >= 0) == (count <= limit), (f, v)
+            if lid >= 0:
+                assert torch.equal(rows[off[lid] : off[lid + 1]].long(), want), (f, v)  # ascending rows
+
+
+def test_compiled_lists_are_a_superset_of_the_exact_answer(built):
+    module, _, plan, fwd, _ = built
+    lists = compile_lists(FILTERS, plan)
+    assert lists[FILTERS.index(None), 0] == NO_LISTS
+    assert lists[FILTERS.index("NOT rare = r7"), 0] == NO_LISTS
+    assert lists[FILTERS.index("country = c0"), 0] == NO_LISTS  # 30% of the pool: no list
+    assert lists[FILTERS.index("rare = nowhere")].tolist() == [-1] * lists.shape[1]  # empty superset
+    for b, f in enumerate(FILTERS):
+        if lists[b, 0] == NO_LISTS:
+            continue
+        union = torch.zeros(module.num_items, dtype=torch.bool)
+        for lid in lists[b][lists[b] >= 0].tolist():
+            union[module.post_rows[module.post_offsets[lid] : module.post_offsets[lid + 1]].long()] = True
+        exact = fwd.evaluate(f)
+        assert not (exact & ~union).any(), f
+        assert int(union.sum()) <= posting_lists(parse(f), plan)[1]
+
+
+def test_and_takes_the_cheapest_child(built):
+    _, _, plan, _, _ = built
+    a = posting_lists(parse("rare = r7 AND rare IN (r1, r2, r3)"), plan)
+    assert a == posting_lists(parse("rare = r7"), plan)
+    assert posting_lists(parse("country = c1 OR rare = r7"), plan) is None
+
+
+def test_posting_route_equals_whole_pool_route(built):
+    """Same answers from the posting lists and from filtering the whole pool (posting_limit 0)."""
+    module, _, plan, fwd, queries = built
+    whole = FilteredIVFIndex.from_ivf(module, module.bits, post_rows=module.post_rows, post_offsets=module.post_offsets, posting_limit=0)
+    inputs = compile_request(FILTERS, plan)
+    modes = torch.full((len(FILTERS),), MODE_UNPROBED)
+    with torch.inference_mode():
+        _, _, route = module.plan_probes(queries, 20, 4, inputs[0], inputs[1], inputs[4], 16, modes)
+        s1, i1 = module(queries, 20, 4, *inputs, 16, modes)
+        s2, i2 = whole(queries, 20, 4, *inputs, 16, modes)
+    has_lists = inputs[4][:, 0] != NO_LISTS
+    assert torch.equal(route == 2, has_lists)
+    assert torch.equal(i1, i2)
+    torch.testing.assert_close(s1, s2)
+    truth = _exact_filtered(module, fwd, queries, FILTERS, 20)
+    for b in range(len(FILTERS)):  # exact: every feature here has value-code planes except tag
+        if "tag" not in (FILTERS[b] or ""):
+            assert [i for i in i1[b].tolist() if i >= 0] == truth[b], FILTERS[b]
+
+
+def test_probed_mode_never_takes_the_posting_route(built):
+    module, _, plan, _, queries = built
+    inputs = compile_request(FILTERS, plan)
+    for mode, want_posting in ((MODE_PROBED, False), (MODE_AUTO, True)):
+        modes = torch.full((len(FILTERS),), mode)
+        with torch.inference_mode():
+            _, _, route = module.plan_probes(queries, 20, 4, inputs[0], inputs[1], inputs[4], 16, modes)
+        assert bool((route == 2).any()) == want_posting
+
+
+def test_build_postings_respects_the_limit():
+    fwd = ForwardIndex.from_lists({"g": [["a"], ["a", "b"], ["c"], ["a"]], "h": [["x"], [], ["x"], ["y"]]})
+    rows, off, meta = build_postings(fwd, limit=2)
+    assert meta["g"] == {"postings": [-1, 0, 1], "counts": [3, 1, 1]}
+    assert meta["h"] == {"postings": [2, 3], "counts": [2, 1]}
+    assert off.tolist() == [0, 1, 2, 4, 5]
+    assert rows.tolist() == [1, 2, 0, 2, 3]
+    assert rows.dtype == torch.int32 and np.all(np.diff(off.numpy()) >= 0)
