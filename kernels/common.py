@@ -8,6 +8,8 @@ by score (descending) and breaks ties by row (ascending), deterministically on e
 
 import torch
 
+from silverrec.kernels.cpu_ext import cpu_ext
+
 ROW_MASK = (1 << 32) - 1
 EMPTY_KEY = torch.iinfo(torch.int64).min  # padding key: sorts after every real item
 
@@ -21,6 +23,10 @@ def quantize_queries(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         codes int8 [B, D] in [-127, 127] and scale float32 [B] with queries ~= scale[:, None] * codes.
     """
     q = queries.float()
+    if q.device.type == "cpu" and q.dim() == 2 and q.shape[0] and q.shape[1]:
+        ext = cpu_ext()
+        if ext is not None and hasattr(ext, "quantize_queries"):  # one call instead of eight ops
+            return ext.quantize_queries(q.contiguous())
     scale = q.abs().amax(dim=1).clamp_min(1e-30) / 127.0
     codes = torch.round(q / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return codes, scale

@@ -301,6 +301,9 @@ def ivf_scan(
     if ext is None:
         _check_values(codes, cluster_offsets, probes, bitmask)
         return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, scan_keys_cpu)
+    if probes.numel() and int(probes.max()) < 0:  # nothing probed (e.g. every query took another route)
+        b = queries.shape[0]
+        return torch.full((b, k), float("-inf")), torch.full((b, k), -1, dtype=torch.int64)
     qcodes, qscale = quantize_queries(queries)
     # value checks (cluster_offsets, probe ids, bitmask width) happen in C++ and raise ValueError
     keys = ext.ivf_scan_keys(

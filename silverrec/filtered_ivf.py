@@ -117,41 +117,17 @@ class FilteredIVFIndex(Int8IVFIndex):
         max_probe: int,
         mode: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Steps 0-5: (probes int64 [B, P] with -1 = unused, bitmask int64 [B, P, Wc],
-        route int64 [B]: 0 = probed IVF scan, 1 = whole pool then exact scan, 2 = posting lists).
+        """Steps 0-5 in one op (`silverrec::filter_plan`): (probes int64 [B, P] with -1 = unused,
+        bitmask int64 [B, P, Wc], route int64 [B]: 0 = probed IVF scan, 1 = whole pool then exact
+        scan, 2 = posting lists).
 
         Requires 1 <= nprobe <= max_probe <= nlist (the predictor checks; no host sync here).
         """
-        mode_t = mode.to(torch.int64)
-        # step 0: posting route (auto / unprobed modes) when the lists hold <= posting_limit rows
-        n_lists = self.post_sizes.shape[0] - 1
-        sizes_l = self.post_sizes[torch.where(lists >= 0, lists, torch.full_like(lists, n_lists))].sum(dim=1)
-        posting = (lists[:, 0] != -2) & (sizes_l <= self.posting_limit) & (mode_t != 1)  # NO_LISTS, MODE_PROBED
-        cand = torch.topk(queries @ self.centroids.t(), max_probe, dim=1).indices  # [B, P] best first
-        lo = torch.where(posting[:, None], torch.full_like(cand, -1), self.cluster_offsets[cand])  # -1: not evaluated
-        hi = self.cluster_offsets[cand + 1]
-        # one fused op: the filter on each candidate's own words, bits outside its rows cleared, and
-        # the per-cluster match counts [B, P]
-        bitmask, matches = torch.ops.silverrec.bloom_filter_counts(self.bits, ops, rows, lo, hi, self.window_words)
-        cum = torch.cumsum(matches, dim=1)
-        # enough matches for k, and at least as many rows as the unfiltered search at nprobe scans
-        # (= the rows an unfiltered search scans at nprobe: the filtered top-k of a fraction s of the
-        # pool lies about as far out as the unfiltered top-k/s, so the same match count is needed)
-        target = torch.maximum(cum.new_full([1], nprobe * self.avg_cluster), cum.new_full([1], k * self.match_factor))
-        need = (cum < target).sum(dim=1) + 1  # probes to reach the target (P + 1 if never)
-        use = torch.where(mode_t == 1,  # MODE_PROBED (literal: TorchScript reads no globals)
-                           torch.full_like(need, nprobe), need.clamp(min=nprobe, max=max_probe))
-        slot = torch.arange(cand.shape[1], device=queries.device)[None, :]
-        chosen = slot < use[:, None]
-        sizes = hi - lo
-        scanned = torch.where(chosen, sizes, torch.zeros_like(sizes)).sum(dim=1)  # rows the IVF scan touches
-        cand_rows = sizes.sum(dim=1).clamp_min(1)
-        est_total = cum[:, -1].to(torch.float32) * (self.num_items / cand_rows.to(torch.float32))
-        auto = (cum[:, -1] < target) | (scanned.to(torch.float32) > est_total * self.exact_cost_ratio)
-        unprobed = torch.where(mode_t == 0, auto, mode_t == 2) & ~posting  # MODE_AUTO, MODE_UNPROBED
-        probes = torch.where(chosen & ~unprobed[:, None] & ~posting[:, None], cand, torch.full_like(cand, -1))
-        route = torch.where(posting, torch.full_like(mode_t, 2), unprobed.to(torch.int64))
-        return probes, bitmask, route
+        return torch.ops.silverrec.filter_plan(
+            queries, self.centroids, self.cluster_offsets, self.bits, ops, rows, lists, self.post_sizes, mode,
+            k, nprobe, max_probe, self.window_words, self.match_factor, self.avg_cluster, self.num_items,
+            self.exact_cost_ratio, self.posting_limit,
+        )
 
     def forward(
         self,

@@ -154,3 +154,13 @@ def test_verify_topk_keeps_first_passing(b, k2, k):
         assert torch.equal(got_r, want_r)
         assert torch.equal(got_s, want_s)
 
+
+
+def test_cpu_quantize_queries_is_bit_identical_to_torch():
+    from silverrec.kernels import common
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.cat([torch.randn(7, 33, generator=g) * 10, torch.zeros(1, 33), torch.full((1, 33), 0.5)])
+    q[0, :5] = torch.tensor([127.0, -127.0, 63.5, -0.5, 1.5]) / 127.0 * q[0].abs().max()  # halfway cases
+    (c1, s1), (c2, s2) = _both_paths(lambda: common.quantize_queries(q))
+    assert torch.equal(c1, c2) and torch.equal(s1, s2)

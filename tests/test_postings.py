@@ -112,3 +112,18 @@ def test_build_postings_respects_the_limit():
     assert off.tolist() == [0, 1, 2, 4, 5]
     assert rows.tolist() == [1, 2, 0, 2, 3]
     assert rows.dtype == torch.int32 and np.all(np.diff(off.numpy()) >= 0)
+
+
+@pytest.mark.parametrize("k, nprobe, max_probe", [(20, 4, 16), (100, 1, 100), (5, 8, 8)])
+def test_filter_plan_cpu_equals_torch(built, k, nprobe, max_probe):
+    """The fused C++ routing makes exactly the torch reference's decisions (all modes, all routes)."""
+    from tests.test_filtered_topk import _both_paths
+
+    module, _, plan, _, queries = built
+    filters = FILTERS * 3
+    q = queries.repeat(3, 1) + 0.1 * torch.randn(len(filters), queries.shape[1], generator=torch.Generator().manual_seed(k))
+    inputs = compile_request(filters, plan)
+    modes = torch.arange(len(filters)) % 3
+    (p1, m1, r1), (p2, m2, r2) = _both_paths(lambda: module.plan_probes(q, k, nprobe, inputs[0], inputs[1], inputs[4], max_probe, modes))
+    assert torch.equal(r1, r2) and torch.equal(p1, p2) and torch.equal(m1, m2)
+    assert set(r1.tolist()) == {0, 1, 2}

@@ -44,14 +44,14 @@ std::vector<int64_t> live_queries(const int64_t* starts, int64_t B, int64_t P) {
   return live;
 }
 
-// Zero-filled int64 tensor. Large outputs with few live queries (the filtered search's whole-pool
-// mask, usually live for no query) come from fresh anonymous pages, which the kernel hands out
+// Zero-filled int64 tensor. Large outputs with few live queries (the filtered search's cluster
+// masks when its queries take the posting route, whole-pool masks) come from fresh anonymous pages, which the kernel hands out
 // zeroed: pages nobody writes or reads are never touched, instead of a memset of the whole output.
 at::Tensor zeros_lazy(at::IntArrayRef sizes, int64_t live, int64_t B) {
   int64_t numel = 1;
   for (int64_t s : sizes) numel *= s;
   const size_t bytes = size_t(numel) * sizeof(int64_t);
-  if (bytes < (size_t{1} << 20) || 4 * live > B) return at::zeros(sizes, at::kLong);
+  if (bytes < (size_t{1} << 18) || 4 * live > B) return at::zeros(sizes, at::kLong);
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return at::zeros(sizes, at::kLong);
   return at::from_blob(p, sizes, [bytes](void* q) { munmap(q, bytes); }, at::TensorOptions().dtype(at::kLong));
@@ -119,11 +119,12 @@ std::tuple<at::Tensor, at::Tensor> bloom_filter_counts(const at::Tensor& bits, c
                 "bloom_filter_counts: contiguous int64 CPU tensors expected");
   const int64_t R = bits.size(0), W = bits.size(1), B = ops_t.size(0), L = ops_t.size(1), T = rows_t.size(2);
   const int64_t P = lo_t.size(1);
-  at::Tensor out = at::zeros({B, P, n_words}, at::kLong), counts = at::zeros({B, P}, at::kLong);
-  if (B == 0 || P == 0 || W == 0 || L == 0) return {out, counts};
+  at::Tensor counts = at::zeros({B, P}, at::kLong);
+  if (B == 0 || P == 0 || W == 0 || L == 0) return {at::zeros({B, P, n_words}, at::kLong), counts};
   const int64_t *bank = bits.data_ptr<int64_t>(), *ops = ops_t.data_ptr<int64_t>(), *rows = rows_t.data_ptr<int64_t>(),
                 *lo = lo_t.data_ptr<int64_t>(), *hi = hi_t.data_ptr<int64_t>();
   const std::vector<int64_t> live = live_queries(lo, B, P);
+  at::Tensor out = zeros_lazy({B, P, n_words}, int64_t(live.size()), B);
   if (live.empty()) return {out, counts};
   validate(ops, rows, live, L, T, R);
   const std::vector<int64_t> rep = representatives(ops, rows, L, T, lo, hi, P, B);

@@ -117,7 +117,9 @@ std::tuple<at::Tensor, at::Tensor> verify_topk(const at::Tensor& bits, const at:
     if (rin[i] >= 64 * W) throw std::invalid_argument("verify_topk: result row " + std::to_string(rin[i]) + " is outside the bank");
   float* so = scores.data_ptr<float>();
   int64_t* ro = out_rows.data_ptr<int64_t>();
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+  int64_t valid = 0;  // threads only for enough rows to evaluate
+  for (int64_t i = 0; i < B * K2; ++i) valid += rin[i] >= 0;
+  at::parallel_for(0, B, valid * L < (int64_t{1} << 15) ? B : 1, [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> stack((L + 1) * kBlock), widx(kBlock), rows(kBlock), pos(kBlock);
     std::vector<uint8_t> pass(kBlock);
     for (int64_t b = b0; b < b1; ++b) {
@@ -184,7 +186,7 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
   for (int64_t b : live)
     if (rep[b] == b) groups.push_back(b);
   std::vector<std::vector<int64_t>> passing(groups.size());
-  at::parallel_for(0, int64_t(groups.size()), 1, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, int64_t(groups.size()), 2, [&](int64_t g0, int64_t g1) {  // one group: no threads
     for (int64_t g = g0; g < g1; ++g)
       passing[g] = passing_rows(bank, W, N, ops, prog, L, T, groups[g], lists, T2, post_rows, post_off);
   });

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -167,6 +168,27 @@ at::Tensor scan_ranges(const at::Tensor& qcodes, const at::Tensor& codes, const 
   return scan_topk(in);
 }
 
+// kernels/common.py quantize_queries, bit for bit: scale = max(amax |q|, 1e-30) / 127 and
+// codes = round-half-even(q / scale) clamped to [-127, 127] (float32 throughout).
+std::tuple<at::Tensor, at::Tensor> quantize_queries(const at::Tensor& queries) {
+  TORCH_CHECK(queries.device().is_cpu() && queries.scalar_type() == at::kFloat && queries.dim() == 2 &&
+                  queries.is_contiguous(), "quantize_queries: contiguous float32 [B, D] expected");
+  const int64_t B = queries.size(0), D = queries.size(1);
+  at::Tensor codes = at::empty({B, D}, at::kChar), scale = at::empty({B}, at::kFloat);
+  const float* q = queries.data_ptr<float>();
+  int8_t* c = codes.data_ptr<int8_t>();
+  float* s = scale.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* x = q + b * D;
+    float m = 0.0f;
+    for (int64_t d = 0; d < D; ++d) m = std::max(m, std::fabs(x[d]));
+    const float sc = std::max(m, 1e-30f) / 127.0f;
+    s[b] = sc;
+    for (int64_t d = 0; d < D; ++d) c[b * D + d] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[d] / sc))));
+  }
+  return {codes, scale};
+}
+
 // Sort keys -> (scores float32 [B, k], rows int64 [B, k]), exactly like kernels/common.py
 // split_keys + dequantize_scores: float(score) * (scale * qscale[b]) + offset * qsum[b] with one
 // rounding per operation (built with -ffp-contract=off: no FMA); padding -> (-inf, -1).
@@ -217,6 +239,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scan_ranges", &scan_ranges, "top-k keys over explicit row ranges", py::arg("qcodes"), py::arg("codes"),
         py::arg("range_query"), py::arg("range_start"), py::arg("range_end"), py::arg("range_word_base"),
         py::arg("bitmask"), py::arg("k"), nogil);
+  m.def("quantize_queries", &quantize_queries, "per-query symmetric int8 codes and scales (common.py, bit for bit)",
+        py::arg("queries"), nogil);
   m.def("keys_to_results", &keys_to_results, "keys -> (scores float32, rows int64), -inf / -1 padding",
         py::arg("keys"), py::arg("qscale"), py::arg("qsum"), py::arg("scale"), py::arg("offset"), nogil);
   m.def("bloom_filter", &silverrec::bloom_filter, "filter programs over word windows -> int64 [B, P, n_words]",
@@ -230,6 +254,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "top-k keys over rows passing the program, from posting lists or the whole pool", py::arg("qcodes"),
         py::arg("codes"), py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("post_rows"),
         py::arg("post_offsets"), py::arg("lists"), py::arg("active"), py::arg("k"), nogil);
+  m.def("filter_plan", &silverrec::filter_plan, "filtered IVF routing: (probes, bitmask, route)", py::arg("queries"),
+        py::arg("centroids"), py::arg("cluster_offsets"), py::arg("bits"), py::arg("ops"), py::arg("rows"),
+        py::arg("lists"), py::arg("post_sizes"), py::arg("mode"), py::arg("k"), py::arg("nprobe"), py::arg("max_probe"),
+        py::arg("window_words"), py::arg("match_factor"), py::arg("avg_cluster"), py::arg("num_items"),
+        py::arg("exact_cost_ratio"), py::arg("posting_limit"), nogil);
   m.attr("vnni") = py::bool_(
 #if defined(__AVX512VNNI__)
       true

@@ -49,4 +49,11 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
                               const at::Tensor& post_offsets, const at::Tensor& lists, const at::Tensor& active,
                               int64_t k);
 
+// silverrec::filter_plan: (probes int64 [B, P], bitmask int64 [B, P, Wc], route int64 [B]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
+    const at::Tensor& queries, const at::Tensor& centroids, const at::Tensor& cluster_offsets, const at::Tensor& bits,
+    const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& lists, const at::Tensor& post_sizes,
+    const at::Tensor& mode, int64_t k, int64_t nprobe, int64_t max_probe, int64_t window_words, int64_t match_factor,
+    int64_t avg_cluster, int64_t num_items, double exact_cost_ratio, int64_t posting_limit);
+
 }  // namespace silverrec

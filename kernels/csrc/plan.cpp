@@ -1,0 +1,102 @@
+// silverrec::filter_plan CPU path: the filtered IVF search's per-query routing in one call.
+//
+// Same decisions, in the same float32 arithmetic, as kernels/filter_plan.py `filter_plan_torch`
+// (the reference and the CUDA path): posting route, centroid candidates (one at::mm, so the
+// scores are bit-identical; best first, ties to the lower cluster), the filter with per-cluster
+// match counts on the candidates (bloom_filter_counts), widening, and the whole-pool switch. One
+// call replaces some thirty small tensor ops, and a batch that takes the posting route computes no
+// centroid scores and evaluates no cluster at all.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+#include "scan.h"
+
+namespace silverrec {
+
+namespace {
+constexpr int64_t kNoLists = -2;
+constexpr int64_t kModeAuto = 0, kModeProbed = 1, kModeUnprobed = 2;
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
+    const at::Tensor& queries, const at::Tensor& centroids, const at::Tensor& cluster_offsets, const at::Tensor& bits,
+    const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& lists, const at::Tensor& post_sizes,
+    const at::Tensor& mode, int64_t k, int64_t nprobe, int64_t max_probe, int64_t window_words, int64_t match_factor,
+    int64_t avg_cluster, int64_t num_items, double exact_cost_ratio, int64_t posting_limit) {
+  for (const at::Tensor* t : {&cluster_offsets, &lists, &post_sizes, &mode})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
+                "filter_plan: contiguous int64 CPU tensors expected");
+  const int64_t B = queries.size(0), C = centroids.size(0), P = max_probe, T2 = lists.size(1);
+  const int64_t V = post_sizes.size(0) - 1;
+  TORCH_CHECK(P >= 1 && P <= C && nprobe >= 1 && nprobe <= P, "filter_plan: need 1 <= nprobe <= max_probe <= nlist");
+  TORCH_CHECK(lists.size(0) == B && mode.size(0) == B, "filter_plan: lists / mode must have B rows");
+  const int64_t *off = cluster_offsets.data_ptr<int64_t>(), *ls = lists.data_ptr<int64_t>(),
+                *psz = post_sizes.data_ptr<int64_t>(), *md = mode.data_ptr<int64_t>();
+
+  at::Tensor route = at::zeros({B}, at::kLong);
+  int64_t* rt = route.data_ptr<int64_t>();
+  std::vector<int64_t> probing;  // queries that need centroid candidates
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t size = 0;
+    for (int64_t t = 0; t < T2; ++t) {
+      const int64_t l = ls[b * T2 + t];
+      size += psz[l >= 0 && l < V ? l : V];
+    }
+    const bool posting = ls[b * T2] != kNoLists && size <= posting_limit && md[b] != kModeProbed;
+    if (posting) rt[b] = 2;
+    else probing.push_back(b);
+  }
+  at::Tensor probes = at::full({B, P}, -1, at::kLong);
+  at::Tensor lo_t = at::full({B, P}, -1, at::kLong), hi_t = at::zeros({B, P}, at::kLong);
+  std::vector<int64_t> cand(B * P, -1);
+  if (!probing.empty()) {
+    const at::Tensor scores = at::mm(queries, centroids.t()).contiguous();  // [B, C], as the reference
+    const float* sc = scores.data_ptr<float>();
+    int64_t *lo = lo_t.data_ptr<int64_t>(), *hi = hi_t.data_ptr<int64_t>();
+    std::vector<int64_t> idx(C);
+    for (int64_t b : probing) {
+      const float* s = sc + b * C;
+      std::iota(idx.begin(), idx.end(), 0);
+      std::partial_sort(idx.begin(), idx.begin() + P, idx.end(),
+                        [s](int64_t x, int64_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); });
+      for (int64_t j = 0; j < P; ++j) {
+        const int64_t c = idx[j];
+        cand[b * P + j] = c;
+        lo[b * P + j] = off[c];
+        hi[b * P + j] = off[c + 1];
+      }
+    }
+  }
+  at::Tensor bitmask, counts;
+  std::tie(bitmask, counts) = bloom_filter_counts(bits, ops, rows, lo_t, hi_t, window_words);
+  const int64_t* cnt = counts.data_ptr<int64_t>();
+  int64_t* pr = probes.data_ptr<int64_t>();
+  const int64_t target = std::max(nprobe * avg_cluster, k * match_factor);
+  const float ratio = float(exact_cost_ratio);
+  for (int64_t b : probing) {
+    int64_t cum = 0, need = 1, scanned = 0, cand_rows = 0;
+    for (int64_t j = 0; j < P; ++j) {
+      cum += cnt[b * P + j];
+      need += cum < target;
+    }
+    const int64_t use = md[b] == kModeProbed ? nprobe : std::min(std::max(need, nprobe), P);
+    for (int64_t j = 0; j < P; ++j) {
+      const int64_t c = cand[b * P + j], size = off[c + 1] - off[c];
+      cand_rows += size;
+      if (j < use) scanned += size;
+    }
+    const float est_total = float(cum) * (float(num_items) / float(std::max<int64_t>(cand_rows, 1)));
+    const bool autosw = cum < target || float(scanned) > est_total * ratio;
+    const bool unprobed = md[b] == kModeAuto ? autosw : md[b] == kModeUnprobed;
+    rt[b] = unprobed ? 1 : 0;
+    if (!unprobed)
+      for (int64_t j = 0; j < use; ++j) pr[b * P + j] = cand[b * P + j];
+  }
+  return {probes, bitmask, route};
+}
+
+}  // namespace silverrec

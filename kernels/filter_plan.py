@@ -1,0 +1,104 @@
+"""`silverrec::filter_plan`: per-query routing of the filtered IVF search (silverrec/filtered_ivf.py).
+
+    probes, bitmask, route = torch.ops.silverrec.filter_plan(
+        queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode,
+        k, nprobe, max_probe, window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit)
+    # queries float32 [B, D], centroids float32 [C, D], cluster_offsets int64 [C + 1]
+    # (bits, ops, rows) the row bank and the Bloom filter programs (kernels/bloom_filter.py)
+    # lists int64 [B, T2] posting lists per query (-1 unused; lists[b, 0] == -2: none)
+    # post_sizes int64 [V + 1] list lengths plus a trailing 0; mode int64 [B] (0 auto, 1 probed, 2 unprobed)
+    # -> probes int64 [B, max_probe] clusters to scan, best first (-1 = none)
+    #    bitmask int64 [B, max_probe, window_words] the filter on each candidate cluster's rows
+    #    route int64 [B]: 0 = scan `probes` with `bitmask`, 1 = whole pool then exact scan, 2 = posting lists
+
+The decisions, per query (the module docstring of silverrec/filtered_ivf.py explains why):
+posting route when the lists hold <= posting_limit rows (not in probed mode); otherwise the
+`max_probe` best centroids by inner product (ties to the lower cluster), the filter and its match
+count on each, the shortest prefix holding max(nprobe x avg_cluster, k x match_factor) matches (at
+least nprobe; exactly nprobe in probed mode), and the whole-pool route when even all candidates
+hold fewer, or when the prefix would scan more rows than the pool's estimated matches x
+exact_cost_ratio.
+
+CPU: one fused C++ call (kernels/csrc/plan.cpp), same float32 arithmetic; a batch routed to posting
+lists computes no centroid scores. CUDA and without the extension: `filter_plan_torch`, the same
+steps as tensor ops with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from silverrec.kernels.cpu_ext import cpu_ext
+
+
+def filter_plan_torch(
+    queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode,
+    k: int, nprobe: int, max_probe: int, window_words: int, match_factor: int, avg_cluster: int, num_items: int,
+    exact_cost_ratio: float, posting_limit: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device-generic path (and the reference of the C++ one)."""
+    mode_t = mode.to(torch.int64)
+    n_lists = post_sizes.shape[0] - 1
+    sizes_l = post_sizes[torch.where(lists >= 0, lists, torch.full_like(lists, n_lists))].sum(dim=1)
+    posting = (lists[:, 0] != -2) & (sizes_l <= posting_limit) & (mode_t != 1)
+    scores = queries @ centroids.t()
+    cand = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :max_probe]  # ties: lower cluster
+    lo = torch.where(posting[:, None], torch.full_like(cand, -1), cluster_offsets[cand])  # -1: not evaluated
+    hi = cluster_offsets[cand + 1]
+    bitmask, matches = torch.ops.silverrec.bloom_filter_counts(bits, ops, rows, lo, hi, window_words)
+    cum = torch.cumsum(matches, dim=1)
+    target = max(nprobe * avg_cluster, k * match_factor)
+    need = (cum < target).sum(dim=1) + 1  # probes to reach the target (P + 1 if never)
+    use = torch.where(mode_t == 1, torch.full_like(need, nprobe), need.clamp(min=nprobe, max=max_probe))
+    slot = torch.arange(cand.shape[1], device=queries.device)[None, :]
+    chosen = slot < use[:, None]
+    sizes = hi - cluster_offsets[cand]
+    scanned = torch.where(chosen, sizes, torch.zeros_like(sizes)).sum(dim=1)
+    cand_rows = sizes.sum(dim=1).clamp_min(1)
+    est_total = cum[:, -1].to(torch.float32) * (num_items / cand_rows.to(torch.float32))
+    auto = (cum[:, -1] < target) | (scanned.to(torch.float32) > est_total * exact_cost_ratio)
+    unprobed = torch.where(mode_t == 0, auto, mode_t == 2) & ~posting
+    probes = torch.where(chosen & ~unprobed[:, None] & ~posting[:, None], cand, torch.full_like(cand, -1))
+    route = torch.where(posting, torch.full_like(mode_t, 2), unprobed.to(torch.int64))
+    return probes, bitmask, route
+
+
+@torch.library.custom_op("silverrec::filter_plan", mutates_args=())
+def filter_plan(
+    queries: torch.Tensor,
+    centroids: torch.Tensor,
+    cluster_offsets: torch.Tensor,
+    bits: torch.Tensor,
+    ops: torch.Tensor,
+    rows: torch.Tensor,
+    lists: torch.Tensor,
+    post_sizes: torch.Tensor,
+    mode: torch.Tensor,
+    k: int,
+    nprobe: int,
+    max_probe: int,
+    window_words: int,
+    match_factor: int,
+    avg_cluster: int,
+    num_items: int,
+    exact_cost_ratio: float,
+    posting_limit: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See the module docstring."""
+    if not 1 <= nprobe <= max_probe <= centroids.shape[0]:
+        raise ValueError(f"need 1 <= nprobe ({nprobe}) <= max_probe ({max_probe}) <= nlist ({centroids.shape[0]})")
+    args = (queries.float().contiguous(), centroids.float().contiguous(), cluster_offsets.contiguous(), bits.contiguous(),
+            ops.contiguous(), rows.contiguous(), lists.contiguous(), post_sizes.contiguous(), mode.to(torch.int64).contiguous(),
+            k, nprobe, max_probe, window_words, match_factor, avg_cluster, num_items, float(exact_cost_ratio), posting_limit)
+    ext = cpu_ext() if queries.device.type == "cpu" else None
+    if ext is not None and hasattr(ext, "filter_plan"):
+        return ext.filter_plan(*args)
+    return filter_plan_torch(*args)
+
+
+@filter_plan.register_fake
+def _(queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k, nprobe, max_probe, window_words,
+      match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit):
+    b = queries.shape[0]
+    return (queries.new_empty(b, max_probe, dtype=torch.int64), queries.new_empty(b, max_probe, window_words, dtype=torch.int64),
+            queries.new_empty(b, dtype=torch.int64))
