@@ -42,7 +42,6 @@ from typing import Optional
 import torch
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
-from silverrec.exact_index import rows_to_items
 from silverrec.ivf_index import Int8IVFIndex
 from silverrec.kernels.ivf_scan import bitmask_words
 
@@ -146,24 +145,13 @@ class FilteredIVFIndex(Int8IVFIndex):
         (vops, vrows) the verify programs and lists int64 [B, T2] the posting lists of the filters
         (filter_program.compile_request); 1 <= nprobe <= max_probe <= nlist; mode int64 [B]
         (MODE_AUTO / MODE_PROBED / MODE_UNPROBED per query)
-        -> (scores float32 [B, k], item_ids int64 [B, k])."""
-        probes, bitmask, route = self.plan_probes(queries, k, nprobe, ops, rows, lists, max_probe, mode)
-        # per-dimension ranges folded into the query: score = int8-op score + constant (per query)
-        folded, constant = self.fold(queries)
-        one, zero = folded.new_ones(()), folded.new_zeros(())
-        # Bloom false positives may take result slots: scan a margin, verify, keep the best k.
-        k2 = k + k // 4 + 16
-        s_ivf, r_ivf = torch.ops.silverrec.ivf_scan(
-            folded, self.codes, one, zero, self.cluster_offsets, probes, k2, bitmask
+        -> (scores float32 [B, k], item_ids int64 [B, k]).
+
+        Steps 0-7 run as one op, `silverrec::filtered_ivf_search` (kernels/filtered_ivf_search.py:
+        one C++ call on CPU, the composition of the per-step ops elsewhere)."""
+        return torch.ops.silverrec.filtered_ivf_search(
+            queries, self.codes, self.dim_scale, self.dim_offset, self.cluster_offsets, self.centroids, self.row_to_item,
+            self.bits, self.post_rows, self.post_offsets, self.post_sizes, ops, rows, vops, vrows, lists, mode,
+            k, nprobe, max_probe, self.window_words, self.match_factor, self.avg_cluster, self.num_items,
+            self.exact_cost_ratio, self.posting_limit,
         )
-        s_ivf, r_ivf = torch.ops.silverrec.verify_topk(self.bits, vops, vrows, s_ivf, r_ivf, k)
-        # Unprobed and posting routes: the verify program on the whole pool or on the posting lists'
-        # rows, then an exact scan of the rows that pass.
-        exact = route > 0
-        src = torch.where((route == 1)[:, None], torch.full_like(lists, -2), lists)  # -2: whole pool
-        s_ex, r_ex = torch.ops.silverrec.filtered_topk(
-            folded, self.codes, one, zero, self.bits, vops, vrows, self.post_rows, self.post_offsets, src, exact, k
-        )
-        scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
-        rows_out = torch.where(exact[:, None], r_ex, r_ivf)
-        return scores, rows_to_items(self.row_to_item, rows_out)

@@ -127,3 +127,28 @@ def test_filter_plan_cpu_equals_torch(built, k, nprobe, max_probe):
     (p1, m1, r1), (p2, m2, r2) = _both_paths(lambda: module.plan_probes(q, k, nprobe, inputs[0], inputs[1], inputs[4], max_probe, modes))
     assert torch.equal(r1, r2) and torch.equal(p1, p2) and torch.equal(m1, m2)
     assert set(r1.tolist()) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("k, nprobe, max_probe", [(20, 4, 16), (7, 2, 2), (150, 8, 40)])
+def test_fused_search_equals_the_composition_of_its_ops(built, k, nprobe, max_probe):
+    """silverrec::filtered_ivf_search on CPU (one C++ call) == the composition of the per-step ops
+    (with their C++ paths, and with the extension off), bit for bit, over all modes and routes."""
+    from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
+    from tests.test_filtered_topk import _both_paths
+
+    module, _, plan, _, queries = built
+    filters = FILTERS * 3
+    q = queries.repeat(3, 1) + 0.1 * torch.randn(len(filters), queries.shape[1], generator=torch.Generator().manual_seed(k))
+    inputs = compile_request(filters, plan)
+    modes = torch.arange(len(filters)) % 3
+    m = module
+    args = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits, m.post_rows,
+            m.post_offsets, m.post_sizes, *inputs, modes, k, nprobe, max_probe, m.window_words, m.match_factor,
+            m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit)
+    with torch.inference_mode():
+        fused = module(q, k, nprobe, *inputs, max_probe, modes)
+        composed, composed_torch = _both_paths(lambda: filtered_ivf_search_torch(*args))
+    for other in (composed, composed_torch):
+        assert torch.equal(fused[1], other[1])
+        assert torch.equal(fused[0], other[0])
+    assert (fused[1] >= 0).any()

@@ -223,6 +223,73 @@ std::tuple<at::Tensor, at::Tensor> keys_to_results(const at::Tensor& keys, const
   return {scores, rows};
 }
 
+// silverrec::filtered_ivf_search (kernels/filtered_ivf_search.py): filter_plan, fold, ivf_scan,
+// verify_topk, filtered_topk, merge and item ids, with the same ATen calls and kernels as the
+// composition `filtered_ivf_search_torch` (bit-identical results), without per-op dispatch.
+std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
+    const at::Tensor& queries, const at::Tensor& codes, const at::Tensor& dim_scale, const at::Tensor& dim_offset,
+    const at::Tensor& cluster_offsets, const at::Tensor& centroids, const at::Tensor& row_to_item, const at::Tensor& bits,
+    const at::Tensor& post_rows, const at::Tensor& post_offsets, const at::Tensor& post_sizes, const at::Tensor& ops,
+    const at::Tensor& rows, const at::Tensor& vops, const at::Tensor& vrows, const at::Tensor& lists, const at::Tensor& mode,
+    int64_t k, int64_t nprobe, int64_t max_probe, int64_t window_words, int64_t match_factor, int64_t avg_cluster,
+    int64_t num_items, double exact_cost_ratio, int64_t posting_limit) {
+  const int64_t B = queries.size(0);
+  at::Tensor probes, bitmask, route;
+  std::tie(probes, bitmask, route) =
+      filter_plan(queries.to(at::kFloat).contiguous(), centroids.to(at::kFloat).contiguous(), cluster_offsets, bits, ops,
+                  rows, lists, post_sizes, mode.to(at::kLong).contiguous(), k, nprobe, max_probe, window_words,
+                  match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit);
+  const at::Tensor q = queries.to(at::kFloat);
+  const at::Tensor folded = at::mul(q, dim_scale).contiguous(), constant = at::matmul(q, dim_offset).contiguous();
+  const at::Tensor one = at::ones({}, at::kFloat), zero = at::zeros({}, at::kFloat);
+  at::Tensor qcodes, qscale;
+  std::tie(qcodes, qscale) = quantize_queries(folded);
+  const at::Tensor qsum = folded.sum(1);
+  const int64_t* rt = route.data_ptr<int64_t>();
+  // probed route: scan with a margin for Bloom false positives, keep the best k that verify
+  const int64_t k2 = k + k / 4 + 16;
+  const int64_t* pr = probes.data_ptr<int64_t>();
+  bool any_probe = false, any_exact = false;
+  for (int64_t i = 0; i < probes.numel(); ++i) any_probe |= pr[i] >= 0;
+  for (int64_t b = 0; b < B; ++b) any_exact |= rt[b] > 0;
+  at::Tensor s_ivf, r_ivf, s_ex, r_ex;
+  if (any_probe) {
+    const at::Tensor keys = ivf_scan_keys(qcodes, codes, cluster_offsets, probes, bitmask, k2);
+    std::tie(s_ivf, r_ivf) = keys_to_results(keys, qscale, qsum, one, zero);
+    std::tie(s_ivf, r_ivf) = verify_topk(bits, vops, vrows, s_ivf, r_ivf, k);
+  }
+  // whole-pool (route 1) and posting-list (route 2) queries: filter, then exact scan
+  if (any_exact) {
+    at::Tensor src = lists.clone(), exact = at::empty({B}, at::kBool);
+    int64_t* sp = src.data_ptr<int64_t>();
+    bool* ep = exact.data_ptr<bool>();
+    for (int64_t b = 0; b < B; ++b) {
+      ep[b] = rt[b] > 0;
+      if (rt[b] == 1) std::fill(sp + b * src.size(1), sp + (b + 1) * src.size(1), int64_t{-2});
+    }
+    const at::Tensor keys = filtered_topk_keys(qcodes, codes, bits, vops, vrows, post_rows, post_offsets, src, exact, k);
+    std::tie(s_ex, r_ex) = keys_to_results(keys, qscale, qsum, one, zero);
+  }
+  at::Tensor scores = at::empty({B, k}, at::kFloat), ids = at::empty({B, k}, at::kLong);
+  float* so = scores.data_ptr<float>();
+  int64_t* io = ids.data_ptr<int64_t>();
+  const float* cst = constant.data_ptr<float>();
+  const bool ids32 = row_to_item.scalar_type() == at::kInt;
+  TORCH_CHECK(ids32 || row_to_item.scalar_type() == at::kLong, "row_to_item must be int32 or int64");
+  for (int64_t b = 0; b < B; ++b) {
+    const at::Tensor* sv = rt[b] > 0 ? &s_ex : &s_ivf;
+    const at::Tensor* rv = rt[b] > 0 ? &r_ex : &r_ivf;
+    const bool have = sv->defined();
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t r = have ? rv->data_ptr<int64_t>()[b * k + i] : -1;
+      const float sc = have ? sv->data_ptr<float>()[b * k + i] : -std::numeric_limits<float>::infinity();
+      so[b * k + i] = sc + cst[b];
+      io[b * k + i] = r < 0 ? -1 : (ids32 ? int64_t(row_to_item.data_ptr<int32_t>()[r]) : row_to_item.data_ptr<int64_t>()[r]);
+    }
+  }
+  return {scores, ids};
+}
+
 }  // namespace
 }  // namespace silverrec
 
@@ -259,6 +326,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lists"), py::arg("post_sizes"), py::arg("mode"), py::arg("k"), py::arg("nprobe"), py::arg("max_probe"),
         py::arg("window_words"), py::arg("match_factor"), py::arg("avg_cluster"), py::arg("num_items"),
         py::arg("exact_cost_ratio"), py::arg("posting_limit"), nogil);
+  m.def("filtered_ivf_search", &filtered_ivf_search, "the filtered IVF search in one call", py::arg("queries"),
+        py::arg("codes"), py::arg("dim_scale"), py::arg("dim_offset"), py::arg("cluster_offsets"), py::arg("centroids"),
+        py::arg("row_to_item"), py::arg("bits"), py::arg("post_rows"), py::arg("post_offsets"), py::arg("post_sizes"),
+        py::arg("ops"), py::arg("rows"), py::arg("vops"), py::arg("vrows"), py::arg("lists"), py::arg("mode"),
+        py::arg("k"), py::arg("nprobe"), py::arg("max_probe"), py::arg("window_words"), py::arg("match_factor"),
+        py::arg("avg_cluster"), py::arg("num_items"), py::arg("exact_cost_ratio"), py::arg("posting_limit"), nogil);
   m.attr("vnni") = py::bool_(
 #if defined(__AVX512VNNI__)
       true
