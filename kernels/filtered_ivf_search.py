@@ -13,6 +13,10 @@ the CUDA path): `filter_plan` routes every query; per-dimension ranges are folde
 `verify_topk` keeps the best k that pass the exact verify program; `filtered_topk` answers the
 whole-pool and posting-list routes; the routes' results are merged and rows mapped to item ids.
 
+Registration: this module defines the op, its fake and its CUDA kernel; loading the C++ extension
+registers the CPU kernel with the dispatcher (a call goes straight to C++, no Python in between).
+Without the extension the CPU kernel is the composition.
+
 Why one op: at small batches the search's arithmetic is tens of microseconds (a posting list of a
 thousand rows), while each eager tensor op costs several microseconds of dispatch. On CPU the C++
 path (kernels/csrc/ops.cpp) runs the same steps with the same ATen calls and C++ kernels, so its
@@ -53,46 +57,22 @@ def filtered_ivf_search_torch(
     return scores, torch.where(rows_out >= 0, ids, torch.full_like(ids, -1))
 
 
-@torch.library.custom_op("silverrec::filtered_ivf_search", mutates_args=())
-def filtered_ivf_search(
-    queries: torch.Tensor,
-    codes: torch.Tensor,
-    dim_scale: torch.Tensor,
-    dim_offset: torch.Tensor,
-    cluster_offsets: torch.Tensor,
-    centroids: torch.Tensor,
-    row_to_item: torch.Tensor,
-    bits: torch.Tensor,
-    post_rows: torch.Tensor,
-    post_offsets: torch.Tensor,
-    post_sizes: torch.Tensor,
-    ops: torch.Tensor,
-    rows: torch.Tensor,
-    vops: torch.Tensor,
-    vrows: torch.Tensor,
-    lists: torch.Tensor,
-    mode: torch.Tensor,
-    k: int,
-    nprobe: int,
-    max_probe: int,
-    window_words: int,
-    match_factor: int,
-    avg_cluster: int,
-    num_items: int,
-    exact_cost_ratio: float,
-    posting_limit: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring."""
-    args = (queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item, bits, post_rows, post_offsets,
-            post_sizes, ops, rows, vops, vrows, lists, mode, k, nprobe, max_probe, window_words, match_factor,
-            avg_cluster, num_items, float(exact_cost_ratio), posting_limit)
-    ext = cpu_ext() if queries.device.type == "cpu" else None
-    if ext is not None and hasattr(ext, "filtered_ivf_search") and k >= 1 and 1 <= nprobe <= max_probe <= centroids.shape[0]:
-        return ext.filtered_ivf_search(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
-    return filtered_ivf_search_torch(*args)  # also raises the sub-ops' errors for bad arguments
+SCHEMA = (
+    "(Tensor queries, Tensor codes, Tensor dim_scale, Tensor dim_offset, Tensor cluster_offsets, Tensor centroids, "
+    "Tensor row_to_item, Tensor bits, Tensor post_rows, Tensor post_offsets, Tensor post_sizes, Tensor ops, Tensor rows, "
+    "Tensor vops, Tensor vrows, Tensor lists, Tensor mode, SymInt k, SymInt nprobe, SymInt max_probe, int window_words, "
+    "int match_factor, int avg_cluster, int num_items, float exact_cost_ratio, int posting_limit) -> (Tensor, Tensor)"
+)
 
 
-@filtered_ivf_search.register_fake
+torch.library.define("silverrec::filtered_ivf_search", SCHEMA)
+_ext = cpu_ext()  # loading the extension registers the op's C++ CPU kernel (kernels/csrc/ops.cpp)
+if _ext is None or not hasattr(_ext, "filtered_ivf_search"):  # no extension: the composition on CPU
+    torch.library.impl("silverrec::filtered_ivf_search", "CPU", filtered_ivf_search_torch)
+torch.library.impl("silverrec::filtered_ivf_search", "CUDA", filtered_ivf_search_torch)
+
+
+@torch.library.register_fake("silverrec::filtered_ivf_search")
 def _(queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item, bits, post_rows, post_offsets,
       post_sizes, ops, rows, vops, vrows, lists, mode, k, nprobe, max_probe, window_words, match_factor, avg_cluster,
       num_items, exact_cost_ratio, posting_limit):

@@ -227,12 +227,34 @@ std::tuple<at::Tensor, at::Tensor> keys_to_results(const at::Tensor& keys, const
 // verify_topk, filtered_topk, merge and item ids, with the same ATen calls and kernels as the
 // composition `filtered_ivf_search_torch` (bit-identical results), without per-op dispatch.
 std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
-    const at::Tensor& queries, const at::Tensor& codes, const at::Tensor& dim_scale, const at::Tensor& dim_offset,
-    const at::Tensor& cluster_offsets, const at::Tensor& centroids, const at::Tensor& row_to_item, const at::Tensor& bits,
-    const at::Tensor& post_rows, const at::Tensor& post_offsets, const at::Tensor& post_sizes, const at::Tensor& ops,
-    const at::Tensor& rows, const at::Tensor& vops, const at::Tensor& vrows, const at::Tensor& lists, const at::Tensor& mode,
+    const at::Tensor& queries_in, const at::Tensor& codes_in, const at::Tensor& dim_scale_in, const at::Tensor& dim_offset_in,
+    const at::Tensor& cluster_offsets_in, const at::Tensor& centroids_in, const at::Tensor& row_to_item_in, const at::Tensor& bits_in,
+    const at::Tensor& post_rows_in, const at::Tensor& post_offsets_in, const at::Tensor& post_sizes_in, const at::Tensor& ops_in,
+    const at::Tensor& rows_in, const at::Tensor& vops_in, const at::Tensor& vrows_in, const at::Tensor& lists_in, const at::Tensor& mode_in,
     int64_t k, int64_t nprobe, int64_t max_probe, int64_t window_words, int64_t match_factor, int64_t avg_cluster,
     int64_t num_items, double exact_cost_ratio, int64_t posting_limit) {
+  // inputs may come from anywhere (eager calls, other graphs): contiguous views for the kernels
+  const at::Tensor queries = queries_in.contiguous();
+  const at::Tensor codes = codes_in.contiguous();
+  const at::Tensor dim_scale = dim_scale_in.contiguous();
+  const at::Tensor dim_offset = dim_offset_in.contiguous();
+  const at::Tensor cluster_offsets = cluster_offsets_in.contiguous();
+  const at::Tensor centroids = centroids_in.contiguous();
+  const at::Tensor row_to_item = row_to_item_in.contiguous();
+  const at::Tensor bits = bits_in.contiguous();
+  const at::Tensor post_rows = post_rows_in.contiguous();
+  const at::Tensor post_offsets = post_offsets_in.contiguous();
+  const at::Tensor post_sizes = post_sizes_in.contiguous();
+  const at::Tensor ops = ops_in.contiguous();
+  const at::Tensor rows = rows_in.contiguous();
+  const at::Tensor vops = vops_in.contiguous();
+  const at::Tensor vrows = vrows_in.contiguous();
+  const at::Tensor lists = lists_in.contiguous();
+  const at::Tensor mode = mode_in.contiguous();
+  if (k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(k));
+  if (!(1 <= nprobe && nprobe <= max_probe && max_probe <= centroids.size(0)))
+    throw std::invalid_argument("need 1 <= nprobe (" + std::to_string(nprobe) + ") <= max_probe (" +
+                                std::to_string(max_probe) + ") <= nlist (" + std::to_string(centroids.size(0)) + ")");
   const int64_t B = queries.size(0);
   at::Tensor probes, bitmask, route;
   std::tie(probes, bitmask, route) =
@@ -292,6 +314,12 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
 
 }  // namespace
 }  // namespace silverrec
+
+// The CPU kernel of silverrec::filtered_ivf_search, registered with the dispatcher so that a call
+// goes straight to C++ (no Python between the predictor and the search). The op itself (schema,
+// fake, CUDA kernel, and a CPU kernel when this extension is not built) is defined in
+// kernels/filtered_ivf_search.py, which is imported before this library is loaded.
+TORCH_LIBRARY_IMPL(silverrec, CPU, m) { m.impl("filtered_ivf_search", &silverrec::filtered_ivf_search); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
