@@ -29,11 +29,13 @@ import torch  # noqa: E402
 
 import silverrec  # noqa: E402
 from silverrec.filter_lang import And, Not, Or, Term, parse  # noqa: E402
-from silverrec.filter_program import FilterPlan, compile_batch  # noqa: E402
-from silverrec.filtered_ivf import MODE_AUTO, MODE_PROBED, FilteredIVFIndex  # noqa: E402
+from silverrec.filter_program import FilterPlan, compile_batch, compile_request  # noqa: E402
+from silverrec.filtered_ivf import MODE_AUTO, MODE_PROBED  # noqa: E402
 from silverrec.forward_index import ForwardIndex, unpack_mask  # noqa: E402
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config  # noqa: E402
+from silverrec.publish.filtered_ivf import filter_index  # noqa: E402
 from silverrec.publish.ivf import cluster_major_layout  # noqa: E402
+from silverrec.publish.postings import build_postings, default_limit  # noqa: E402
 
 FEATURES = {  # name -> (cardinality, zipf exponent or 0 = uniform)
     "country": (10, 0.0),
@@ -53,6 +55,7 @@ MIX = [  # realistic query mix: AND of ORs, some NOT
     "age = a9 AND genre = g4",
     "NOT country IN (c0, c1, c2) AND lang IN (l10, l11)",
 ]
+NEARLY_FREE = ["country = c1", "brand = b1"]  # ~10% and ~8% of the pool
 SELECTIVE = {  # filters with a designed selectivity, for the end-to-end ANN part
     "10%": "country = c1 AND NOT genre = g0",
     "1%": "lang = l5 AND NOT age = a0",
@@ -130,6 +133,9 @@ def filter_part(n: int, ms: list[int], batches: list[int], rng, nlist: int, npro
     print(f"[{n:,} items] forward + roaring built in {time.perf_counter() - t0:.1f}s", flush=True)
     fwd_bytes = sum(t.numel() * t.element_size() for t in (fwd.token_ids, fwd.offsets, fwd.token_rows))
     roar_bytes = roar.bytes()
+    post_rows, post_off, _ = build_postings(fwd, default_limit(n))
+    post_bytes = int(post_rows.numel() * 4 + post_off.numel() * 8)  # silverrec's posting lists (selective tokens)
+    del post_rows, post_off
     # synthetic cluster layout for the co-designed (probed-window) evaluation: equal clusters
     off = torch.linspace(0, n, nlist + 1).round().to(torch.int64)
     for m in ms:
@@ -167,7 +173,7 @@ def filter_part(n: int, ms: list[int], batches: list[int], rng, nlist: int, npro
                 "roaring_whole_pool": timeit(lambda: [roar.evaluate(f) for f in filters], repeat=3),
                 "forward_index": timeit(lambda: fwd.evaluate_batch(filters), repeat=1, warmup=0) if b <= 16 else None,
                 "probed_fraction": nprobe / nlist,
-                "bytes": {"bloom_bank": int(bank.numel() * 8), "bloom_only": int(m_eff * bank.shape[1] * 8), "roaring": roar_bytes, "forward_index": fwd_bytes},
+                "bytes": {"bloom_bank": int(bank.numel() * 8), "bloom_only": int(m_eff * bank.shape[1] * 8), "roaring": roar_bytes, "forward_index": fwd_bytes, "posting_lists": post_bytes},
                 "fp_rate_mix": fp, "fp_rate_single_term": fp_term, "estimated_fp_term": meta["stats"]["estimated_fp_rate"],
                 "false_negatives_mix": fn,
             })
@@ -212,9 +218,9 @@ def ann_part(n: int, d: int, nlist: int, ks: list[int], rng, bloom_bits: int) ->
     ivf = cluster_major_layout(torch.from_numpy(x), torch.arange(n), torch.from_numpy(km.centroids), torch.from_numpy(assign[:, 0]).long())
     order = ivf.row_to_item  # item id == pool row
     fwd_pool = ForwardIndex.from_codes(feats)
-    bank, meta = build_filter_bank(fwd_pool.permute(order), BloomConfig(bits=bloom_bits, hashes=7))
+    module, meta = filter_index(ivf, fwd_pool.permute(order), BloomConfig(bits=bloom_bits, hashes=7))
+    module.eval()
     plan = FilterPlan.from_config(meta)
-    module = FilteredIVFIndex.from_ivf(ivf, bank).eval()
     faiss_ix = faiss.IndexIVFScalarQuantizer(quant, d, nlist, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
     faiss_ix.train(x[rng.choice(n, min(n, 100_000), replace=False)])
     faiss_ix.add(x)
@@ -225,18 +231,26 @@ def ann_part(n: int, d: int, nlist: int, ks: list[int], rng, bloom_bits: int) ->
     qt = torch.from_numpy(q)
 
     def ours(filters, k, nprobe, max_probe, mode):
-        ops, prow = compile_batch(filters, plan)
-        vops, vrow = compile_batch(filters, plan, exact_positive=True)
+        inputs = compile_request(filters, plan)  # the predictor's compile (LRU hits for repeated filters)
         with torch.inference_mode():
-            return module(qt, k, nprobe, ops, prow, vops, vrow, max_probe, torch.full((B,), mode, dtype=torch.int64))
+            return module(qt, k, nprobe, *inputs, max_probe, torch.full((B,), mode, dtype=torch.int64))
+
+    def routes(filters, k, nprobe, max_probe, mode):
+        ops, prow, _, _, lists = compile_request(filters, plan)
+        with torch.inference_mode():
+            route = module.plan_probes(qt, k, nprobe, ops, prow, lists, max_probe, torch.full((B,), mode, dtype=torch.int64))[2]
+        return {name: int((route == r).sum()) for r, name in enumerate(("probed", "whole_pool", "posting_lists"))}
 
     for k in ks:
         # unfiltered reference point: plain IVF at the same nprobe
-        for nprobe in (16, 32):
-            base = timeit(lambda: ivf(qt, k, nprobe), repeat=15)
-            filt = timeit(lambda: ours(["country = c1"] * B, k, nprobe, nprobe, MODE_PROBED), repeat=15)
-            rows.append({"part": "nearly_free", "n": n, "k": k, "nprobe": nprobe, "unfiltered_ms": base["median_ms"], "filtered_probed_ms": filt["median_ms"], "ratio": filt["median_ms"] / base["median_ms"]})
-            print(f"  k={k} nprobe={nprobe}: unfiltered {base['median_ms']:.2f} ms, filtered (10%, co-designed) {filt['median_ms']:.2f} ms, ratio {rows[-1]['ratio']:.2f}", flush=True)
+        # "country = c1" runs on exact value-code planes (4 rows), "brand = b1" on Bloom rows (K = 7)
+        for f in NEARLY_FREE:
+            for nprobe in (16, 32):
+                base = timeit(lambda: ivf(qt, k, nprobe), repeat=15)
+                filt = timeit(lambda: ours([f] * B, k, nprobe, nprobe, MODE_PROBED), repeat=15)
+                rows.append({"part": "nearly_free", "n": n, "k": k, "nprobe": nprobe, "filter": f, "fraction": len(roar.evaluate(f)) / n,
+                             "unfiltered_ms": base["median_ms"], "filtered_probed_ms": filt["median_ms"], "ratio": filt["median_ms"] / base["median_ms"]})
+                print(f"  k={k} nprobe={nprobe}: unfiltered {base['median_ms']:.2f} ms, filtered ({f!r}, co-designed) {filt['median_ms']:.2f} ms, ratio {rows[-1]['ratio']:.2f}", flush=True)
         for sel, f in SELECTIVE.items():
             bm = roar.evaluate(f)
             allowed = np.asarray(bm.to_array(), dtype=np.int64)
@@ -271,14 +285,15 @@ def ann_part(n: int, d: int, nlist: int, ks: list[int], rng, bloom_bits: int) ->
                     ids = ours([f] * B, k, nprobe, max_probe, mode)[1].numpy()
                     r = recall(ids, truth)
                     t = timeit(lambda: ours([f] * B, k, nprobe, max_probe, mode), repeat=3)
-                    rows.append({"part": "ann", "system": name, "n": n, "k": k, "selectivity": sel, "fraction": frac, "nprobe": nprobe, "max_probe": max_probe, "recall": r, "median_ms": t["median_ms"]})
-                    print(f"  k={k} {sel:>6} {name:28s} nprobe={nprobe:3d} recall {r:.3f} {t['median_ms']:9.2f} ms", flush=True)
+                    rt = routes([f] * B, k, nprobe, max_probe, mode)
+                    rows.append({"part": "ann", "system": name, "n": n, "k": k, "selectivity": sel, "fraction": frac, "nprobe": nprobe, "max_probe": max_probe, "recall": r, "median_ms": t["median_ms"], "routes": rt})
+                    print(f"  k={k} {sel:>6} {name:28s} nprobe={nprobe:3d} recall {r:.3f} {t['median_ms']:9.2f} ms routes {rt}", flush=True)
             print(f"  k={k} {sel:>6} numpy filter-then-scan: {t_np['median_ms']:.2f} ms; faiss at recall>=0.95: "
                   f"{faiss_best['median_ms'] if faiss_best else float('nan'):.2f} ms (nprobe {faiss_best['nprobe'] if faiss_best else '-'})", flush=True)
     # co-design pays: 16 filters on the probed clusters vs roaring over the whole pool
     filters = [MIX[i % len(MIX)] for i in range(16)]
-    ops, prow = compile_batch(filters, plan)
-    probes = module.plan_probes(qt, 100, 32, ops, prow, 32, torch.full((B,), MODE_PROBED))[0]
+    ops, prow, _, _, lists = compile_request(filters, plan)
+    probes = module.plan_probes(qt, 100, 32, ops, prow, lists, 32, torch.full((B,), MODE_PROBED))[0]
     lo = module.cluster_offsets[probes.clamp_min(0)]
     hi = module.cluster_offsets[probes.clamp_min(0) + 1]
     # what the forward runs: the filter on each probed cluster's rows, with per-cluster counts
