@@ -264,7 +264,7 @@ def ann_part(n: int, d: int, nlist: int, ks: list[int], rng, bloom_bits: int) ->
                 return [idx[part[:, b][np.argsort(-s[part[:, b], b])]] for b in range(B)]
 
             truth = numpy_scan()
-            t_np = timeit(numpy_scan, repeat=3)
+            t_np = timeit(numpy_scan, repeat=9)
             rows.append({"part": "ann", "system": "numpy_filter_then_scan", "n": n, "k": k, "selectivity": sel, "fraction": frac, "recall": 1.0, "median_ms": t_np["median_ms"]})
             # Faiss IVF-SQ8 + IDSelectorBitmap fed by the roaring bitmap (bitmap conversion timed too)
             faiss_best = None
@@ -284,7 +284,7 @@ def ann_part(n: int, d: int, nlist: int, ks: list[int], rng, bloom_bits: int) ->
                     max_probe = nprobe if mode == MODE_PROBED else min(nlist, max(64, 8 * nprobe))
                     ids = ours([f] * B, k, nprobe, max_probe, mode)[1].numpy()
                     r = recall(ids, truth)
-                    t = timeit(lambda: ours([f] * B, k, nprobe, max_probe, mode), repeat=3)
+                    t = timeit(lambda: ours([f] * B, k, nprobe, max_probe, mode), repeat=9)
                     rt = routes([f] * B, k, nprobe, max_probe, mode)
                     rows.append({"part": "ann", "system": name, "n": n, "k": k, "selectivity": sel, "fraction": frac, "nprobe": nprobe, "max_probe": max_probe, "recall": r, "median_ms": t["median_ms"], "routes": rt})
                     print(f"  k={k} {sel:>6} {name:28s} nprobe={nprobe:3d} recall {r:.3f} {t['median_ms']:9.2f} ms routes {rt}", flush=True)

@@ -1,7 +1,9 @@
 """`FilteredIVFIndex`: int8 IVF search with attribute filters, co-designed and selectivity-aware.
 
-One forward call per request; every decision below is made per query, on the device, with no
-host round trip (static shapes: `max_probe` candidate slots, unused ones set to -1):
+One forward call per request, one op (`silverrec::filtered_ivf_search`: a single C++ call on CPU,
+the composition of the per-step ops below on CUDA); every decision below is made per query, on
+the device, with no host round trip (static shapes: `max_probe` candidate slots, unused ones -1).
+Steps 0-5 are `silverrec::filter_plan`:
 
 0. Posting lists: when the filter has a posting-list superset (`lists`, chosen at compile time from
    the manifest's value counts) of at most `posting_limit` rows, the query takes the posting route:

@@ -298,15 +298,17 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   const float* cst = constant.data_ptr<float>();
   const bool ids32 = row_to_item.scalar_type() == at::kInt;
   TORCH_CHECK(ids32 || row_to_item.scalar_type() == at::kLong, "row_to_item must be int32 or int64");
+  const float* sp[2] = {s_ivf.defined() ? s_ivf.data_ptr<float>() : nullptr, s_ex.defined() ? s_ex.data_ptr<float>() : nullptr};
+  const int64_t* rp[2] = {r_ivf.defined() ? r_ivf.data_ptr<int64_t>() : nullptr, r_ex.defined() ? r_ex.data_ptr<int64_t>() : nullptr};
+  const int32_t* id32 = ids32 ? row_to_item.data_ptr<int32_t>() : nullptr;
+  const int64_t* id64 = ids32 ? nullptr : row_to_item.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    const at::Tensor* sv = rt[b] > 0 ? &s_ex : &s_ivf;
-    const at::Tensor* rv = rt[b] > 0 ? &r_ex : &r_ivf;
-    const bool have = sv->defined();
+    const int src = rt[b] > 0 ? 1 : 0;
     for (int64_t i = 0; i < k; ++i) {
-      const int64_t r = have ? rv->data_ptr<int64_t>()[b * k + i] : -1;
-      const float sc = have ? sv->data_ptr<float>()[b * k + i] : -std::numeric_limits<float>::infinity();
+      const int64_t r = sp[src] ? rp[src][b * k + i] : -1;
+      const float sc = sp[src] ? sp[src][b * k + i] : -std::numeric_limits<float>::infinity();
       so[b * k + i] = sc + cst[b];
-      io[b * k + i] = r < 0 ? -1 : (ids32 ? int64_t(row_to_item.data_ptr<int32_t>()[r]) : row_to_item.data_ptr<int64_t>()[r]);
+      io[b * k + i] = r < 0 ? -1 : (id32 ? int64_t(id32[r]) : id64[r]);
     }
   }
   return {scores, ids};
