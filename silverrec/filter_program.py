@@ -324,10 +324,21 @@ def compile_lists(filters: Sequence[Union[str, Node, None]], plan: FilterPlan) -
 
 def compile_request(filters: Sequence[Union[str, Node, None]], plan: FilterPlan) -> tuple[torch.Tensor, ...]:
     """The filter inputs of `FilteredIVFIndex.forward`, in order: (ops, rows) the Bloom programs,
-    (vops, vrows) the verify programs (exact_positive) and lists (compile_lists)."""
+    (vops, vrows) the verify programs (exact_positive) and lists (compile_lists).
+
+    A batch of filter strings seen before is one LRU hit returning the same tensors: treat them as
+    read-only (the model never writes its inputs)."""
+    filters = list(filters)
+    key = (tuple(filters), "request") if all(f is None or isinstance(f, str) for f in filters) else None
+    hit = _lru_get(plan._batches, key) if key is not None else None
+    if hit is not None:
+        return hit
     ops, rows = compile_batch(filters, plan)
     vops, vrows = compile_batch(filters, plan, exact_positive=True)
-    return ops, rows, vops, vrows, compile_lists(filters, plan)
+    out = (ops, rows, vops, vrows, compile_lists(filters, plan))
+    if key is not None:
+        _lru_put(plan._batches, key, out, plan.batch_cache_size)
+    return out
 
 
 def normalize_filters(filt: Union[str, Sequence[Optional[str]], None], batch: int) -> Optional[list[Optional[str]]]:

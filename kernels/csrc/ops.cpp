@@ -260,7 +260,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   std::tie(probes, bitmask, route) =
       filter_plan(queries.to(at::kFloat).contiguous(), centroids.to(at::kFloat).contiguous(), cluster_offsets, bits, ops,
                   rows, lists, post_sizes, mode.to(at::kLong).contiguous(), k, nprobe, max_probe, window_words,
-                  match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit);
+                  match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit, /*mask_if_unused=*/false);
   const at::Tensor q = queries.to(at::kFloat);
   const at::Tensor folded = at::mul(q, dim_scale).contiguous(), constant = at::matmul(q, dim_offset).contiguous();
   const at::Tensor one = at::ones({}, at::kFloat), zero = at::zeros({}, at::kFloat);
@@ -351,7 +351,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "top-k keys over rows passing the program, from posting lists or the whole pool", py::arg("qcodes"),
         py::arg("codes"), py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("post_rows"),
         py::arg("post_offsets"), py::arg("lists"), py::arg("active"), py::arg("k"), nogil);
-  m.def("filter_plan", &silverrec::filter_plan, "filtered IVF routing: (probes, bitmask, route)", py::arg("queries"),
+  m.def("filter_plan", [](const at::Tensor& queries, const at::Tensor& centroids, const at::Tensor& cluster_offsets,
+                          const at::Tensor& bits, const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& lists,
+                          const at::Tensor& post_sizes, const at::Tensor& mode, int64_t k, int64_t nprobe,
+                          int64_t max_probe, int64_t window_words, int64_t match_factor, int64_t avg_cluster,
+                          int64_t num_items, double exact_cost_ratio, int64_t posting_limit) {
+          return silverrec::filter_plan(queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k,
+                                        nprobe, max_probe, window_words, match_factor, avg_cluster, num_items,
+                                        exact_cost_ratio, posting_limit, true);
+        }, "filtered IVF routing: (probes, bitmask, route)", py::arg("queries"),
         py::arg("centroids"), py::arg("cluster_offsets"), py::arg("bits"), py::arg("ops"), py::arg("rows"),
         py::arg("lists"), py::arg("post_sizes"), py::arg("mode"), py::arg("k"), py::arg("nprobe"), py::arg("max_probe"),
         py::arg("window_words"), py::arg("match_factor"), py::arg("avg_cluster"), py::arg("num_items"),

@@ -54,6 +54,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
     const at::Tensor& queries, const at::Tensor& centroids, const at::Tensor& cluster_offsets, const at::Tensor& bits,
     const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& lists, const at::Tensor& post_sizes,
     const at::Tensor& mode, int64_t k, int64_t nprobe, int64_t max_probe, int64_t window_words, int64_t match_factor,
-    int64_t avg_cluster, int64_t num_items, double exact_cost_ratio, int64_t posting_limit);
+    int64_t avg_cluster, int64_t num_items, double exact_cost_ratio, int64_t posting_limit,
+    bool mask_if_unused = true);  // false: no mask (undefined) when no query probes (internal callers)
 
 }  // namespace silverrec
