@@ -1,10 +1,14 @@
 """Lazy loader of the optional C++ CPU fast paths (`silverrec.kernels._cpu`, built from kernels/csrc/).
 
-The CPU implementations of `int8_topk`, `ivf_scan`, `masked_topk` and `bloom_filter` call
-`cpu_ext()` and use the extension when it is importable; otherwise (no compiler at install time,
-or `SILVERREC_CPU_EXT=0` in the environment) they run their torch / numpy implementations, which
-stay the reference semantics, after one warning. Results are bit-identical either way
-(tests/test_cpu_scan.py). The ops stay Python custom ops, so export / TorchScript are unaffected.
+The CPU implementations of `int8_topk`, `ivf_scan`, `masked_topk`, `bloom_filter(_counts)`,
+`filter_plan`, `verify_topk`, `filtered_topk` and the query quantisation call `cpu_ext()` and use
+the extension when it is importable; otherwise (no compiler at install time, or
+`SILVERREC_CPU_EXT=0` in the environment) they run their torch / numpy implementations, which stay
+the reference semantics, after one warning. Results are bit-identical either way
+(tests/test_cpu_scan.py, tests/test_filtered_topk.py, tests/test_postings.py). These ops stay
+Python custom ops. `filtered_ivf_search` is defined in Python too, and loading the extension
+registers its CPU kernel with the dispatcher (kernels/filtered_ivf_search.py); snapshots name the
+ops, not their kernels, so export / TorchScript are unaffected.
 """
 
 from __future__ import annotations
