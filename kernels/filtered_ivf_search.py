@@ -50,7 +50,9 @@ def filtered_ivf_search_torch(
     # whole-pool (route 1) and posting (route 2) queries: filter then exact scan
     exact = route > 0
     src = torch.where((route == 1)[:, None], torch.full_like(lists, -2), lists)  # -2: the whole pool
-    s_ex, r_ex = torch.ops.silverrec.filtered_topk(folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k)
+    s_ex, r_ex = torch.ops.silverrec.filtered_topk(
+        folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k, posting_limit
+    )
     scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
     rows_out = torch.where(exact[:, None], r_ex, r_ivf)
     ids = row_to_item[rows_out.clamp_min(0)].to(torch.int64)

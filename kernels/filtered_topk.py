@@ -12,7 +12,7 @@ the best k that pass the exact ("verify") program. The input is already ranked, 
 re-sorted and the CPU path stops evaluating once k rows passed.
 
     scores, rows = torch.ops.silverrec.filtered_topk(queries, codes, scale, offset, bits, ops, prog_rows,
-                                                     post_rows, post_offsets, lists, active, k)
+                                                     post_rows, post_offsets, lists, active, k, max_candidates)
     # queries float [B, D], codes int8 [N, D], scale / offset float32 [] (item ~= scale * code + offset)
     # post_rows int32 [E], post_offsets int64 [V + 1]: posting list l = the ascending rows
     #     post_rows[post_offsets[l]:post_offsets[l + 1]] (the rows holding one (feature, value) token)
@@ -20,6 +20,8 @@ re-sorted and the CPU path stops evaluating once k rows passed.
     #     (-1 = unused slot); lists[b, 0] == -2 (NO_LISTS): the query filters the whole pool (the
 #     row's other entries are ignored)
     # active bool [B]: queries to answer (others come back as padding)
+    # max_candidates int: an upper bound on the rows of any active query's lists (the filtered
+    #     search's posting_limit); the CUDA path sizes its candidate buffer with it
     # -> scores float32 [B, k] (descending, -inf padding), rows int64 [B, k] (-1 padding)
 
 "Filter, then exact scan": the rows passing the program (from the candidate lists, or the whole
@@ -27,9 +29,11 @@ pool) are scored exactly like `silverrec::int8_topk` (int8 dot products, ties to
 With posting lists the cost is proportional to the candidates, not to N.
 
 CPU: kernels/csrc/filter_scan.cpp (queries with the same program and lists are evaluated once; the
-passing rows are scored by the fused scan). Elsewhere (and without the extension): the torch
-composition below (`bloom_filter` on the candidates' words, a gather and one matmul per group), which
-is also the reference the tests compare the C++ path with.
+passing rows are scored by the fused scan); without the extension, `filtered_keys_torch` (per group
+on the host: `bloom_filter` on the candidates' words, a gather and one matmul), the reference the
+tests compare the C++ path with. CUDA: `filtered_keys_device`, the same answer with static shapes
+and no host synchronisation: candidates [B, max_candidates] gathered from the lists by a
+searchsorted over their cumulative lengths, whole-pool queries as a masked exact scan [B, N].
 """
 
 from __future__ import annotations
@@ -139,6 +143,48 @@ def filtered_keys_torch(qcodes, codes, bits, ops, prog_rows, post_rows, post_off
     return keys.sort(dim=1, descending=True).values
 
 
+def filtered_keys_device(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int, max_candidates: int) -> torch.Tensor:
+    """Sync-free path (CUDA): top-k keys int64 [B, k], descending, EMPTY_KEY padding."""
+    b, n = qcodes.shape[0], codes.shape[0]
+    dev = codes.device
+    q = qcodes.float()
+    whole = active & (lists[:, 0] == NO_LISTS)
+    posting = active & (lists[:, 0] != NO_LISTS)
+    # whole-pool queries: the program over every word, then a masked exact scan
+    starts = torch.where(whole, torch.zeros_like(lists[:, 0]), torch.full_like(lists[:, 0], -1))[:, None]
+    words = torch.ops.silverrec.bloom_filter(bits, ops, prog_rows, starts, bits.shape[1])[:, 0]  # [B, W]
+    allowed = ((words[:, :, None] >> torch.arange(64, device=dev)) & 1).reshape(b, -1)[:, :n].bool()
+    all_rows = torch.arange(n, device=dev)
+    keys_w = make_keys((q @ codes.float().t()).round().to(torch.int64), all_rows[None, :])
+    keys_w = torch.where(allowed & whole[:, None], keys_w, torch.full_like(keys_w, EMPTY_KEY))
+    # posting-list queries: candidates [B, C] = the lists' rows, concatenated (duplicates dropped)
+    c = max(1, int(max_candidates))
+    sizes = post_offsets[1:] - post_offsets[:-1]
+    use = (lists >= 0) & posting[:, None]
+    lid = torch.where(use, lists, torch.zeros_like(lists))
+    length = torch.where(use, sizes[lid] if sizes.numel() else torch.zeros_like(lid), torch.zeros_like(lid))  # [B, T2]
+    ends = torch.cumsum(length, dim=1)
+    pos = torch.arange(c, device=dev)[None, :].expand(b, c).contiguous()
+    t = torch.searchsorted(ends, pos, right=True)  # list of each position; T2 = past the end
+    inside = t < lists.shape[1]
+    tt = t.clamp(max=lists.shape[1] - 1)
+    src = post_offsets[torch.gather(lid, 1, tt)] + pos - (torch.gather(ends, 1, tt) - torch.gather(length, 1, tt))
+    if post_rows.numel():
+        rows = torch.where(inside, post_rows[src.clamp(0, post_rows.numel() - 1)].to(torch.int64), torch.full_like(src, -1))
+    else:
+        rows = torch.full_like(src, -1)
+    rows = torch.sort(rows, dim=1).values
+    dup = torch.cat([torch.zeros_like(rows[:, :1], dtype=torch.bool), rows[:, 1:] == rows[:, :-1]], dim=1)
+    rows = torch.where(dup, torch.full_like(rows, -1), rows)
+    ok = row_passes(bits, ops, prog_rows, rows)
+    s = torch.bmm(codes[rows.clamp_min(0)].float(), q[:, :, None])[:, :, 0].round().to(torch.int64)  # [B, C]
+    keys_p = torch.where(ok, make_keys(s, rows.clamp_min(0)), torch.full_like(s, EMPTY_KEY))
+    keys = torch.cat([keys_w, keys_p], dim=1)
+    if keys.shape[1] < k:
+        keys = torch.cat([keys, torch.full((b, k - keys.shape[1]), EMPTY_KEY, dtype=torch.int64, device=dev)], dim=1)
+    return torch.topk(keys, k, dim=1).values  # sorted, descending
+
+
 def _check_lists(post_rows, post_offsets, lists, active, batch: int) -> None:
     if post_rows.dtype != torch.int32 or post_rows.dim() != 1:
         raise ValueError(f"post_rows must be int32 [E], got {post_rows.dtype} {tuple(post_rows.shape)}")
@@ -164,6 +210,7 @@ def filtered_topk(
     lists: torch.Tensor,
     active: torch.Tensor,
     k: int,
+    max_candidates: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring."""
     check_program(bits, ops, prog_rows)
@@ -192,6 +239,14 @@ def filtered_topk(
 
 
 @filtered_topk.register_fake
-def _(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k):
+def _(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates):
     b = queries.shape[0]
     return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
+
+
+@torch.library.register_kernel("silverrec::filtered_topk", "cuda")
+def _(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates):
+    qcodes, qscale = quantize_queries(queries)
+    keys = filtered_keys_device(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates)
+    int_scores, rows = split_keys(keys)
+    return dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0), rows

@@ -13,8 +13,8 @@ import torch
 
 from silverrec.kernels import cpu_ext as cpu_ext_mod
 from silverrec.kernels.bloom_filter import bloom_filter_reference
-from silverrec.kernels.common import EMPTY_KEY, quantize_queries
-from silverrec.kernels.filtered_topk import NO_LISTS
+from silverrec.kernels.common import EMPTY_KEY, quantize_queries, split_keys
+from silverrec.kernels.filtered_topk import NO_LISTS, filtered_keys_device
 from tests.test_cpu_scan import _programs
 
 
@@ -94,11 +94,14 @@ def test_filtered_topk_equals_brute_force(n, d, b, k):
     want_s, want_r = _expected(queries, codes, allowed, k, scale, offset)
 
     def run():
-        return torch.ops.silverrec.filtered_topk(queries, codes, scale, offset, bank, ops, prow, post_rows, post_off, sel, active, k)
+        return torch.ops.silverrec.filtered_topk(queries, codes, scale, offset, bank, ops, prow, post_rows, post_off, sel, active, k, n)
 
     for got_s, got_r in _both_paths(run):
         assert torch.equal(got_r, want_r)
         assert torch.allclose(got_s, want_s, rtol=1e-6, atol=1e-6)
+    # the CUDA path's sync-free formulation (static shapes), run here on CPU tensors
+    keys = filtered_keys_device(quantize_queries(queries)[0], codes, bank, ops, prow, post_rows, post_off, sel, active, k, n)
+    assert torch.equal(split_keys(keys)[1], want_r)
 
 
 def test_filtered_topk_groups_identical_filters():
@@ -118,7 +121,7 @@ def test_filtered_topk_groups_identical_filters():
     cand = torch.zeros(n, dtype=torch.bool)
     cand[lists[1].long()] = cand[lists[2].long()] = True
     want = _expected(queries, codes, allowed & cand, 40, one, zero)
-    for got in _both_paths(lambda: torch.ops.silverrec.filtered_topk(queries, codes, one, zero, bank, ops, prow, post_rows, post_off, sel, active, 40)):
+    for got in _both_paths(lambda: torch.ops.silverrec.filtered_topk(queries, codes, one, zero, bank, ops, prow, post_rows, post_off, sel, active, 40, n)):
         assert torch.equal(got[1], want[1])
 
 
@@ -131,7 +134,7 @@ def test_filtered_topk_rejects_bad_list_ids():
     ops, prow = torch.tensor([[1]]), torch.tensor([[[0]]])
     with pytest.raises(ValueError, match="posting list id 7"):
         torch.ops.silverrec.filtered_topk(torch.randn(1, 4), codes, torch.tensor(1.0), torch.tensor(0.0), bank, ops, prow,
-                                          post_rows, post_off, torch.tensor([[7]]), torch.tensor([True]), 5)
+                                          post_rows, post_off, torch.tensor([[7]]), torch.tensor([True]), 5, n)
 
 
 @pytest.mark.parametrize("b, k2, k", [(1, 1, 1), (6, 50, 20), (4, 700, 600), (3, 10, 25)])
