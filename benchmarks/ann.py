@@ -188,7 +188,7 @@ def run_dataset(name, x, q, args, nprobes, ks):
         }
         print(f"k={k}: max |recall - SQ8 recall| at equal nprobe = {summary['max_recall_gap_vs_sq8_same_nprobe']:.4f}; "
               f"latency / SQ8 at equal recall: " + ", ".join("-" if r is None else f"{r:.2f}" for r in ratios)
-              + f"; at equal nprobe: " + ", ".join(f"{r:.2f}" for r in same_np), flush=True)
+              + "; at equal nprobe: " + ", ".join(f"{r:.2f}" for r in same_np), flush=True)
         res["rows"].append({"k": k, "systems": rows, "summary": summary})
     return res
 

@@ -28,7 +28,7 @@ import pyroaring  # noqa: E402
 import torch  # noqa: E402
 
 import silverrec  # noqa: E402
-from silverrec.filter_lang import And, Not, Or, Term, parse  # noqa: E402
+from silverrec.filter_lang import And, Not, Term, parse  # noqa: E402
 from silverrec.filter_program import FilterPlan, compile_batch, compile_request  # noqa: E402
 from silverrec.filtered_ivf import MODE_AUTO, MODE_PROBED  # noqa: E402
 from silverrec.forward_index import ForwardIndex, unpack_mask  # noqa: E402

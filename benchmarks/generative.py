@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import machine_info, print_table, write_results  # noqa: E402
+from common import print_table, write_results  # noqa: E402
 
 from silverrec.decoder import BOS, RecDecoder, to_llama  # noqa: E402
 from silverrec.publish import movielens  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 from torch.export import Dim
 
 from silverrec.errors import PoolError
-from silverrec.filtered_ivf import DEFAULT_MATCH_FACTOR, FilteredIVFIndex
+from silverrec.filtered_ivf import FilteredIVFIndex
 from silverrec.forward_index import ForwardIndex
 from silverrec.ivf_index import Int8IVFIndex
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config

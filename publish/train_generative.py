@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from silverrec.decoder import BOS, PAD, DecoderConfig, RecDecoder
+from silverrec.decoder import PAD, DecoderConfig, RecDecoder
 from silverrec.errors import PoolError
 from silverrec.generative import GenerativeRetrieval
 from silverrec.predictor import history_tokens

@@ -40,7 +40,7 @@ import torch
 
 from silverrec.bloom_hash import token_positions
 from silverrec.errors import QueryError
-from silverrec.filter_lang import And, Node, Not, Or, Term, parse
+from silverrec.filter_lang import And, Node, Not, Term, parse
 from silverrec.kernels.bloom_filter import OP_AND, OP_FALSE, OP_NOT, OP_OR, OP_PUSH, OP_TRUE
 from silverrec.kernels.filtered_topk import NO_LISTS  # lists[b, 0]: no posting-list superset
 

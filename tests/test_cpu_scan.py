@@ -11,7 +11,6 @@ they are compared only for D > 1.
 
 import os
 
-import numpy as np
 import pytest
 import torch
 

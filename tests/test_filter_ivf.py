@@ -14,7 +14,7 @@ from silverrec.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED
 from silverrec.kernels.common import quantize_queries
 from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows, publish_filtered_ivf
 from silverrec.publish.ivf import IVFConfig
-from silverrec.publish.pool import Pool, write_pool
+from silverrec.publish.pool import Pool
 from silverrec.forward_index import ForwardIndex
 
 N, D, NLIST = 30000, 32, 120

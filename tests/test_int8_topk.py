@@ -1,6 +1,5 @@
 """silverrec::int8_topk against an independent integer reference and float brute force."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -8,7 +8,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "conftest sets TRITON_INTERPRET=1 before triton loads"
 triton = pytest.importorskip("triton")
 
-from silverrec.kernels.common import make_keys, quantize_queries  # noqa: E402
+from silverrec.kernels.common import make_keys  # noqa: E402
 from silverrec.kernels.int8_topk import _int8_topk_impl, int8_topk_reference  # noqa: E402
 from silverrec.kernels.int8_topk_triton import score_keys_triton, topk_keys_triton  # noqa: E402
 

@@ -1,7 +1,6 @@
 """Publish -> snapshot -> load in a fresh process -> query, and every bad input's error."""
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
