@@ -54,9 +54,9 @@ def filtered_ivf_search_torch(
         folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k, posting_limit
     )
     scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
-    rows_out = torch.where(exact[:, None], r_ex, r_ivf)
-    ids = row_to_item[rows_out.clamp_min(0)].to(torch.int64)
-    return scores, torch.where(rows_out >= 0, ids, torch.full_like(ids, -1))
+    from silverrec.exact_index import rows_to_items  # (silverrec.exact_index imports this package)
+
+    return scores, rows_to_items(row_to_item, torch.where(exact[:, None], r_ex, r_ivf))
 
 
 SCHEMA = (

@@ -30,13 +30,6 @@ namespace {
 
 using namespace program;
 
-constexpr int64_t kNoLists = -2;  // lists[b, 0] == kNoLists: the query filters the whole pool
-
-void check_long(const at::Tensor& t, int64_t dim, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == dim && t.is_contiguous(), name,
-              ": expected a contiguous int64 CPU tensor of ", dim, " dims, got ", t.scalar_type(), " ", t.sizes());
-}
-
 // Program b on rows[0, n) (n <= kBlock, each row >= 0): pass[i] = bit (row & 63) of its word.
 void eval_rows(const int64_t* bank, int64_t W, const int64_t* ops, const int64_t* prog_rows, int64_t L, int64_t T,
                int64_t b, const int64_t* rows, int64_t n, int64_t* widx, int64_t* stack, uint8_t* pass) {
@@ -94,10 +87,10 @@ std::vector<int64_t> passing_rows(const int64_t* bank, int64_t W, int64_t N, con
 
 std::tuple<at::Tensor, at::Tensor> verify_topk(const at::Tensor& bits, const at::Tensor& ops_t, const at::Tensor& rows_t,
                                                const at::Tensor& scores_in, const at::Tensor& rows_in, int64_t k) {
-  check_long(bits, 2, "bits");
-  check_long(ops_t, 2, "ops");
-  check_long(rows_t, 3, "rows");
-  check_long(rows_in, 2, "result rows");
+  check(bits, at::kLong, 2, "bits");
+  check(ops_t, at::kLong, 2, "ops");
+  check(rows_t, at::kLong, 3, "rows");
+  check(rows_in, at::kLong, 2, "result rows");
   TORCH_CHECK(scores_in.device().is_cpu() && scores_in.scalar_type() == at::kFloat && scores_in.is_contiguous() &&
                   scores_in.sizes() == rows_in.sizes(),
               "verify_topk: scores must be contiguous float32 shaped like rows");
@@ -148,11 +141,11 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
                               const at::Tensor& ops_t, const at::Tensor& rows_t, const at::Tensor& post_rows_t,
                               const at::Tensor& post_off_t, const at::Tensor& lists_t, const at::Tensor& active_t,
                               int64_t k) {
-  check_long(bits, 2, "bits");
-  check_long(ops_t, 2, "ops");
-  check_long(rows_t, 3, "rows");
-  check_long(post_off_t, 1, "post_offsets");
-  check_long(lists_t, 2, "lists");
+  check(bits, at::kLong, 2, "bits");
+  check(ops_t, at::kLong, 2, "ops");
+  check(rows_t, at::kLong, 3, "rows");
+  check(post_off_t, at::kLong, 1, "post_offsets");
+  check(lists_t, at::kLong, 2, "lists");
   TORCH_CHECK(post_rows_t.device().is_cpu() && post_rows_t.scalar_type() == at::kInt && post_rows_t.dim() == 1 &&
                   post_rows_t.is_contiguous(),
               "post_rows: expected a contiguous int32 CPU tensor [E]");

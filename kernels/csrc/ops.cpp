@@ -19,12 +19,6 @@
 namespace silverrec {
 namespace {
 
-void check(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous(),
-              name, ": expected a contiguous CPU tensor of ", dim, " dims and dtype ", dtype, ", got ",
-              t.scalar_type(), " ", t.sizes());
-}
-
 ScanInput base_input(const at::Tensor& qcodes, const at::Tensor& codes, int64_t k) {
   check(qcodes, at::kChar, 2, "qcodes");
   check(codes, at::kChar, 2, "codes");

@@ -18,7 +18,6 @@
 namespace silverrec {
 
 namespace {
-constexpr int64_t kNoLists = -2;
 constexpr int64_t kModeAuto = 0, kModeProbed = 1, kModeUnprobed = 2;
 }  // namespace
 

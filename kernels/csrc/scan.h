@@ -9,6 +9,17 @@
 
 namespace silverrec {
 
+// lists[b, 0] == kNoLists: the query has no posting lists and filters the whole pool
+// (kernels/filtered_topk.py NO_LISTS).
+constexpr int64_t kNoLists = -2;
+
+// Device, dtype, rank and contiguity of a kernel argument (a TORCH_CHECK naming it).
+inline void check(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous(),
+              name, ": expected a contiguous CPU tensor of ", dim, " dims and dtype ", dtype, ", got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
 // A row range of the codes and the queries that scan it: members [first, first + count) of
 // ScanInput::member_query / member_word.
 struct Segment {
