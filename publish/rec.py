@@ -1,0 +1,292 @@
+"""Publish a recommendation snapshot (kind "rec"): compose `RecModel` from a trained checkpoint.
+
+    silverrec publish --config publish.toml --out DIR
+
+1. The item tower runs over the pool in batches (progress bar) -> item embeddings.
+2. Int8 IVF + Bloom bank + exact planes + posting lists over them (publish/filtered_ivf.py), rows
+   cluster-major: this order is the snapshot's canonical row space.
+3. Embedding cache (bf16 embeddings + dense item features) in canonical row order.
+4. The user tower with its item table permuted into canonical order (so request histories are
+   canonical rows); its tables int8 (torchrec `quantize_embeddings`) when the int8 tower's top-100
+   agrees with the float one's on sampled users (`quantization` in the manifest says what held).
+5. OverArch (the config names one the checkpoint holds, or none) and the value model formula.
+6. model.pt2 (forward), rank.pt2 (early-stage ranking), model.ts (both methods), items.npz
+   (row -> item id, item feature codes for the request encoder), users.npz (histories of the
+   training users, for `recommend --user`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.export import Dim
+
+from silverrec.errors import SilverrecError
+from silverrec.publish.filtered_ivf import DYNAMIC as FILTER_DYNAMIC, build_filtered_ivf, example_inputs, pool_rows
+from silverrec.publish.ivf import IVFConfig
+from silverrec.publish.pool import Pool
+from silverrec.publish.progress import bar, step
+from silverrec.publish.train import ConfigError, load_checkpoint, rebuild_item_tower, rebuild_user_tower
+from silverrec.ranking.cache import EmbeddingCache
+from silverrec.ranking.overarch import overarch_from_config
+from silverrec.ranking.value_model import compile_value_model
+from silverrec.rec_model import MERGES, RankEntry, RecModel
+from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, export_program, write_snapshot
+from silverrec.user_tower import UserFeatureSpec, _csr
+
+RANK_FILE = "rank.pt2"
+ITEMS_FILE = "items.npz"
+USERS_FILE = "users.npz"
+
+
+@dataclass
+class PublishConfig:
+    """What a recommendation snapshot holds (TOML keys of the same names)."""
+
+    checkpoint: str
+    overarch: str = "mol"  # a kind the checkpoint trained, or "none"
+    value_model: Any = None  # formula (JSON object or text); None = task 0's score
+    merge: str = "union"
+    k0: int = 200  # candidates per task
+    nlist: Optional[int] = None
+    nprobe: Optional[int] = None
+    seed: int = 0
+    quantize: str = "auto"  # user tower tables: "auto" (int8 where quality holds), "int8", "none"
+    min_overlap: float = 0.95  # auto: mean top-100 overlap of int8 vs float user embeddings
+    torchscript: bool = True
+
+    def __post_init__(self):
+        if self.merge not in MERGES:
+            raise ConfigError(f"merge must be one of {MERGES}, got {self.merge!r}")
+        if self.quantize not in ("auto", "int8", "none"):
+            raise ConfigError(f"quantize must be 'auto', 'int8' or 'none', got {self.quantize!r}")
+        if int(self.k0) <= 0:
+            raise ConfigError(f"k0 must be positive, got {self.k0}")
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> "PublishConfig":
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config {path} is not valid TOML: {e}") from None
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"config {path}: unknown key {unknown[0]!r} (known: {', '.join(sorted(cls.__dataclass_fields__))})")
+        if "checkpoint" in data and not Path(data["checkpoint"]).is_absolute():
+            data["checkpoint"] = str((path.parent / data["checkpoint"]).resolve())
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        if "checkpoint" not in data:
+            raise ConfigError(f"config {path} names no checkpoint")
+        return cls(**data)
+
+
+@dataclass
+class Built:
+    """A composed model and everything the snapshot records beside it."""
+
+    model: RecModel
+    manifest: dict[str, Any]
+    row_to_item: np.ndarray  # int64 [N]
+    item_csr: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    users: Optional[dict[str, np.ndarray]] = None
+
+
+def permute_item_table(user_tower: torch.nn.Module, perm: torch.Tensor) -> None:
+    """Reorder the user tower's item table so that row r holds pool row perm[r] (canonical order)."""
+    table = user_tower.ebc.embedding_bags["item"]
+    with torch.no_grad():
+        table.weight.copy_(table.weight[perm])
+
+
+def _sample_requests(ckpt: dict, perm_inv: np.ndarray, n: int = 256) -> list[np.ndarray]:
+    """Histories (canonical rows) of up to n training users, for the quantisation check."""
+    users = ckpt["users"]
+    row_of = {int(i): int(perm_inv[p]) for p, i in enumerate(ckpt["item_ids"].tolist())}
+    off, ids = users["offsets"], users["item_ids"]
+    out = []
+    for u in range(min(n, len(off) - 1)):
+        out.append(np.asarray([row_of[int(i)] for i in ids[off[u]:off[u + 1]]], dtype=np.int64))
+    return out
+
+
+def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor, mode: str, min_overlap: float):
+    """int8 tables where quality holds: (tower, report). The report gives the measured top-100
+    overlap and cosine between the float and the int8 tower's user embeddings, and table bytes."""
+    from torchrec.inference.modules import quantize_embeddings
+
+    def table_bytes(m):
+        return int(sum(t.numel() * t.element_size() for t in m.state_dict().values()))
+
+    report: dict[str, Any] = {"tables": "fp32", "mlp": "fp32", "fp32_bytes": table_bytes(user_tower)}
+    if mode == "none":
+        return user_tower, report
+    q = quantize_embeddings(user_tower, dtype=torch.qint8, inplace=False)
+    with torch.no_grad():
+        inputs = encoder.encode(histories)
+        a, b = user_tower(*inputs), q(*inputs)
+        ta = (a[:, 0] @ cache_emb.T).topk(100, dim=1).indices
+        tb = (b[:, 0] @ cache_emb.T).topk(100, dim=1).indices
+    overlap = float(np.mean([len(set(x.tolist()) & set(y.tolist())) / 100 for x, y in zip(ta, tb)]))
+    cosine = float(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean())
+    report.update({"int8_top100_overlap": round(overlap, 4), "int8_cosine": round(cosine, 6), "int8_bytes": table_bytes(q)})
+    if mode == "int8" or overlap >= min_overlap:
+        report["tables"] = "int8"
+        return q, report
+    return user_tower, report
+
+
+def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: Optional[str] = None,
+                    value_model: Any = "config") -> Built:
+    """Compose the RecModel a config describes (overarch / value_model override the config's:
+    the demo's quality table builds variants this way)."""
+    ckpt = ckpt if ckpt is not None else load_checkpoint(cfg.checkpoint)
+    spec = UserFeatureSpec.from_json(ckpt["spec"])
+    tasks = [t["name"] for t in ckpt["tasks"]]
+    item_ids = ckpt["item_ids"].numpy()
+    n = item_ids.shape[0]
+    item_tower = rebuild_item_tower(ckpt)
+    with bar(n, "item tower over the pool") as pbar:
+        emb = item_tower.embed_all(n, progress=pbar)
+    pool = Pool(item_ids, emb.numpy(), {f: list(v) for f, v in ckpt["item_features"].items()})
+    index, manifest = build_filtered_ivf(pool, IVFConfig(nlist=cfg.nlist, seed=cfg.seed))
+    if cfg.nprobe is not None:
+        manifest["default_nprobe"] = int(cfg.nprobe)
+    perm = pool_rows(pool, index.row_to_item)  # canonical row -> pool row
+    perm_inv = torch.empty_like(perm)
+    perm_inv[perm] = torch.arange(n)
+    cache = EmbeddingCache(emb[perm], ckpt["item_dense"][perm], ckpt["item_feature_names"])
+    user = rebuild_user_tower(ckpt)
+    permute_item_table(user, perm)
+    item_csr = {f: _csr([ckpt["item_features"][f][p] for p in perm.tolist()], spec.item_vocabs[f]) for f in spec.item_vocabs}
+    from silverrec.user_tower import FeatureEncoder
+
+    encoder = FeatureEncoder.from_arrays(spec, item_csr)
+    user, quant = quantize_user_tower(user, encoder, _sample_requests(ckpt, perm_inv.numpy()), cache.emb.float(),
+                                      cfg.quantize, cfg.min_overlap)
+    kind = cfg.overarch if overarch is None else overarch
+    arch = None
+    if kind != "none":
+        if kind not in ckpt["overarch"]:
+            raise ConfigError(f"overarch {kind!r} is not in checkpoint {cfg.checkpoint} (it has {sorted(ckpt['overarch']) or 'none'})")
+        entry = ckpt["overarch"][kind]
+        arch = overarch_from_config(kind, entry["config"])
+        arch.load_state_dict(entry["state"])
+        arch.eval()
+    formula = cfg.value_model if value_model == "config" else value_model
+    vm = compile_value_model(formula, tasks, cache.feature_names) if formula is not None else None
+    model = RecModel(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge).eval()
+    manifest.update({
+        "index": "rec",
+        "tasks": tasks,
+        "user_features": spec.to_json(),
+        "item_feature_names": cache.feature_names,
+        "overarch": kind,
+        "value_model": None if vm is None else vm.config()["formula"],
+        "merge": cfg.merge,
+        "default_k0": int(cfg.k0),
+        "quantization_user_tower": quant,
+        "bytes_per_item": _bytes_per_item(model, n),
+        "training": ckpt.get("stats", {}),
+        "training_metrics": ckpt.get("metrics", {}),
+    })
+    users = None
+    if "users" in ckpt:
+        users = {k: np.asarray(v) for k, v in ckpt["users"].items()}
+    return Built(model, manifest, index.row_to_item.to(torch.int64).numpy(), item_csr, users)
+
+
+def _bytes_per_item(model: RecModel, n: int) -> dict[str, float]:
+    """Snapshot tensor bytes per item, by part."""
+    def size(m) -> int:
+        return int(sum(t.numel() * t.element_size() for t in m.state_dict().values()))
+
+    idx = model.index
+    parts = {
+        "ivf_codes": idx.codes.numel() * idx.codes.element_size(),
+        "filter_bank": idx.bits.numel() * 8,
+        "posting_lists": idx.post_rows.numel() * 4 + idx.post_offsets.numel() * 8,
+        "cache": size(model.cache),
+        "user_tower": size(model.user_tower),
+    }
+    return {k: round(v / n, 2) for k, v in parts.items()} | {"total": round(sum(parts.values()) / n, 2)}
+
+
+def example_request(model: RecModel, spec: UserFeatureSpec, dim: int) -> tuple:
+    """Export example: batch 2, distinct ints so every dynamic size stays its own symbol."""
+    from silverrec.user_tower import FeatureEncoder
+
+    n = model.index.num_items
+    csr = {f: (np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)) for f in spec.item_vocabs}
+    enc = FeatureEncoder.from_arrays(spec, csr)
+    values, lengths, dense = enc.encode([np.arange(min(3, n)), np.arange(min(2, n))])
+    f_args = example_inputs(model.index, dim)
+    ops, rows, vops, vrows, lists = f_args[3:8]
+    exclude = torch.tensor([[-1, 0, 1], [-1, -1, 2]], dtype=torch.int64).clamp_max(n - 1)
+    mode = torch.zeros(2, dtype=torch.int64)
+    nlist = model.index.nlist
+    return (values, lengths, dense, exclude, ops, rows, vops, vrows, lists, mode, 4, 6, min(5, nlist), min(7, nlist))
+
+
+def dynamic_shapes(num_keys: int) -> dict[str, Any]:
+    batch = FILTER_DYNAMIC["queries"][0]
+    return {
+        "values": {0: Dim.DYNAMIC},
+        "lengths": {0: num_keys * batch},
+        "dense": {0: batch},
+        "exclude": {0: batch, 1: Dim.DYNAMIC},
+        **{k: FILTER_DYNAMIC[k] for k in ("ops", "rows", "vops", "vrows", "lists", "mode")},
+        "k": Dim.DYNAMIC, "k0": Dim.DYNAMIC, "nprobe": Dim.DYNAMIC, "max_probe": Dim.DYNAMIC,
+    }
+
+
+def scriptable(model: RecModel) -> torch.jit.ScriptModule:
+    """TorchScript of the model: the TorchRec user tower is fx-traced first (torchrec's recipe)."""
+    import copy
+
+    import torchrec.fx
+
+    clone = copy.copy(model)
+    clone._modules = dict(model._modules)
+    clone._modules["user_tower"] = torch.jit.script(torchrec.fx.symbolic_trace(model.user_tower))
+    return torch.jit.script(clone)
+
+
+def write_rec_files(built: Built, tmp: Path, torchscript: bool = True) -> None:
+    model = built.model
+    spec = UserFeatureSpec.from_json(built.manifest["user_features"])
+    example = example_request(model, spec, model.cache.dim)
+    with step("exporting the model (torch.export)"):
+        torch.export.save(export_program(model, example, dynamic_shapes(len(spec.keys))), tmp / EXPORT_FILE)
+    rank_example = (*example[:3], torch.tensor([[0, -1, 1], [2, 3, -1]], dtype=torch.int64).clamp_max(model.index.num_items - 1))
+    rank_dynamic = {k: dynamic_shapes(len(spec.keys))[k] for k in ("values", "lengths", "dense")}
+    rank_dynamic["rows"] = {0: rank_dynamic["dense"][0], 1: Dim.DYNAMIC}
+    with step("exporting the ranking entry point (torch.export)"):
+        torch.export.save(export_program(RankEntry(model), rank_example, rank_dynamic), tmp / RANK_FILE)
+    if torchscript:
+        with step("TorchScript"):
+            torch.jit.save(scriptable(model), str(tmp / SCRIPT_FILE))
+    arrays = {"row_to_item": built.row_to_item}
+    for i, (f, (off, codes)) in enumerate(built.item_csr.items()):
+        arrays[f"offsets_{i}"], arrays[f"codes_{i}"] = off, codes
+    np.savez(tmp / ITEMS_FILE, **arrays)
+    if built.users is not None:
+        np.savez(tmp / USERS_FILE, **built.users)
+
+
+def publish_rec(cfg: PublishConfig, out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Build and write a recommendation snapshot (kind "rec") atomically."""
+    built = build_rec_model(cfg)
+    built.manifest["publish_config"] = json.loads(json.dumps(asdict(cfg), default=str))
+    built.manifest["item_feature_order"] = list(built.item_csr)
+    return write_snapshot(out, kind="rec", config=built.manifest, item_count=len(built.row_to_item),
+                          write_files=lambda tmp: write_rec_files(built, tmp, cfg.torchscript), overwrite=overwrite)

@@ -1,0 +1,400 @@
+"""`silverrec train`: the two-tower retrieval model and the OverArch rankers, from generic logs.
+
+    silverrec train --config train.toml [--out model.ckpt] [--minutes M] [--seed S] [--stage test|valid]
+
+The config (TOML, `TrainConfig`) names the logs (`interactions.parquet`, `items.parquet`, optional
+`users.parquet`), the tasks (label columns and thresholds), the dimensions and the time budget.
+Training follows the evaluation protocol (publish/logs.py, publish/evaluate.py): every user's last
+interaction is held out; at stage "test" (default) the model is fitted on train + validation
+items, at stage "valid" on the train items only (for choosing hyper-parameters).
+
+1. Two-tower: user tower (silverrec/user_tower.py, TorchRec EBC over the history) and item tower
+   (publish/two_tower.py), sampled softmax over in-batch + uniform negatives with logQ correction,
+   one loss per task over that task's positives.
+2. OverArch rankers (MLP and/or mixture-of-logits): trained on the frozen two-tower's own top-K0
+   candidates of training examples whose target is among them (hard negatives), softmax
+   cross-entropy over the candidate list, one loss per task.
+The checkpoint holds every state dict, the feature spec, the item embeddings and dense item
+features that publish puts into the embedding cache, and the metrics measured at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from silverrec.errors import SilverrecError
+from silverrec.publish.logs import Logs, Split, leave_one_out, read_logs
+from silverrec.publish.progress import bar, step
+from silverrec.publish.two_tower import ItemTower, sampled_softmax_loss, target_log_q
+from silverrec.user_tower import FeatureEncoder, UserFeatureSpec, UserTower
+
+
+class ConfigError(SilverrecError):
+    """A training or publish config is invalid (unknown key, wrong type, unknown label column)."""
+
+
+@dataclass
+class TaskSpec:
+    """A task: positives are every interaction (no label) or those with `label >= min`."""
+
+    name: str
+    label: Optional[str] = None
+    min: Optional[float] = None
+
+    def positives(self, logs: Logs) -> np.ndarray:
+        """bool [E]: which interactions are positives of this task."""
+        if self.label is None:
+            return np.ones(logs.items.shape[0], dtype=bool)
+        if self.label not in logs.labels:
+            raise ConfigError(f"task {self.name!r}: label column {self.label!r} is not in the interactions "
+                              f"(numeric columns: {sorted(logs.labels) or 'none'})")
+        threshold = -math.inf if self.min is None else float(self.min)
+        return logs.labels[self.label] >= threshold
+
+
+@dataclass
+class TrainConfig:
+    interactions: str
+    items: str
+    users: Optional[str] = None
+    tasks: list[TaskSpec] = field(default_factory=lambda: [TaskSpec("interacted")])
+    dim: int = 64
+    history_len: int = 50
+    recent_len: int = 5
+    minutes: float = 1.5  # two-tower budget
+    overarch_minutes: float = 0.5  # per OverArch kind
+    overarch: list[str] = field(default_factory=lambda: ["mlp", "mol"])
+    batch: int = 256
+    negatives: int = 1024
+    lr: float = 2e-3
+    temperature: float = 0.05
+    k0: int = 200
+    max_dense_values: int = 32  # dense multi-hot columns per item feature (most frequent values)
+    seed: int = 0
+    stage: str = "test"
+
+    def __post_init__(self):
+        self.tasks = [t if isinstance(t, TaskSpec) else TaskSpec(**t) for t in self.tasks]
+        if not self.tasks:
+            raise ConfigError("config has no [[tasks]]")
+        names = [t.name for t in self.tasks]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"duplicate task name in {names}")
+        bad = [k for k in self.overarch if k not in ("mlp", "mol")]
+        if bad:
+            raise ConfigError(f"unknown overarch kind {bad[0]!r}: use 'mlp' or 'mol'")
+        if self.stage not in ("test", "valid"):
+            raise ConfigError(f"stage must be 'test' or 'valid', got {self.stage!r}")
+        for name in ("dim", "history_len", "recent_len", "batch", "negatives", "k0"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config {path} is not valid TOML: {e}") from None
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"config {path}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        for key in ("interactions", "items", "users"):  # paths relative to the config file
+            if data.get(key) is not None and not Path(data[key]).is_absolute():
+                data[key] = str((path.parent / data[key]).resolve())
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ConfigError(f"config {path}: {e}") from None
+
+
+def item_dense_features(logs: Logs, train_rows: np.ndarray, max_values: int) -> tuple[list[str], np.ndarray]:
+    """Dense item features for the cache and the OverArch: float32 [N, F] with named columns.
+
+    One 0/1 column "f=v" per item feature's `max_values` most frequent values, standardised numeric
+    item columns, and "log_count": log1p of the item's training interactions, standardised.
+    """
+    n = logs.item_ids.shape[0]
+    names, cols = [], []
+    for f, lists in logs.item_features.items():
+        counts: dict[str, int] = {}
+        for vals in lists:
+            for v in vals:
+                counts[v] = counts.get(v, 0) + 1
+        top = sorted(counts, key=lambda v: (-counts[v], v))[:max_values]
+        index = {v: j for j, v in enumerate(top)}
+        block = np.zeros((n, len(top)), dtype=np.float32)
+        for i, vals in enumerate(lists):
+            for v in vals:
+                if v in index:
+                    block[i, index[v]] = 1.0
+        names += [f"{f}={v}" for v in top]
+        cols.append(block)
+    for f, x in logs.item_numeric.items():
+        names.append(f)
+        cols.append(((x - x.mean()) / (x.std() + 1e-6)).astype(np.float32)[:, None])
+    pop = np.log1p(np.bincount(train_rows, minlength=n).astype(np.float32))
+    names.append("log_count")
+    cols.append(((pop - pop.mean()) / (pop.std() + 1e-6))[:, None])
+    return names, np.concatenate(cols, axis=1)
+
+
+def feature_spec(logs: Logs, cfg: TrainConfig, user_rows: np.ndarray) -> UserFeatureSpec:
+    """Vocabularies (sorted values) of item and user features; numeric user features' mean/std."""
+    item_vocabs = {f: sorted({v for vals in lists for v in vals}) for f, lists in logs.item_features.items()}
+    user_vocabs = {g: sorted({v for vals in lists for v in vals}) for g, lists in logs.user_features.items()}
+    numeric = {g: (float(x[user_rows].mean()), float(x[user_rows].std() + 1e-6)) for g, x in logs.user_numeric.items()}
+    return UserFeatureSpec(num_items=logs.item_ids.shape[0], history_len=cfg.history_len, recent_len=cfg.recent_len,
+                           item_vocabs=item_vocabs, user_vocabs=user_vocabs, user_numeric=numeric)
+
+
+class Examples:
+    """Training examples (user, position): predict the interaction at `position` from the ones
+    before it, for every position after a user's first within that user's history at the stage."""
+
+    def __init__(self, split: Split, stage: str, tasks: list[TaskSpec]):
+        logs = split.logs
+        end = split.history_end(stage)
+        self.logs, self.end = logs, end
+        starts = logs.offsets[:-1] + 1
+        counts = np.maximum(end - starts, 0)
+        self.user = np.repeat(np.arange(len(counts)), counts)
+        self.pos = np.repeat(starts - np.r_[0, np.cumsum(counts)[:-1]], counts) + np.arange(counts.sum())
+        self.targets = logs.items[self.pos]
+        self.weights = np.stack([t.positives(logs)[self.pos] for t in tasks], axis=1).astype(np.float32)
+        self.history_rows = split.history_csr(stage)[1]
+
+    def __len__(self) -> int:
+        return int(self.pos.shape[0])
+
+    def histories(self, idx: np.ndarray) -> list[np.ndarray]:
+        off, items = self.logs.offsets, self.logs.items
+        return [items[off[u]:p] for u, p in zip(self.user[idx], self.pos[idx])]
+
+    def user_inputs(self, encoder: FeatureEncoder, idx: np.ndarray):
+        return encoder.encode(self.histories(idx), *user_side(self.logs, self.user[idx]))
+
+
+def user_side(logs: Logs, users: np.ndarray) -> tuple[list[dict], list[dict]]:
+    """Per user index: its categorical and numeric features as the encoder takes them."""
+    cats = [{g: lists[u] for g, lists in logs.user_features.items()} for u in users]
+    nums = [{g: float(x[u]) for g, x in logs.user_numeric.items()} for u in users]
+    return cats, nums
+
+
+def _timed_loop(minutes: float, desc: str, step_fn, max_steps: int | None = None) -> int:
+    """Call step_fn() until the budget is spent; a progress bar over the budget's seconds."""
+    budget, t0, steps = minutes * 60.0, time.perf_counter(), 0
+    with bar(int(budget), desc) as pbar:
+        last = 0
+        while time.perf_counter() - t0 < budget and (max_steps is None or steps < max_steps):
+            loss = step_fn()
+            steps += 1
+            now = int(time.perf_counter() - t0)
+            if now > last:
+                pbar.update(now - last)
+                last = now
+                pbar.set_postfix(loss=f"{loss:.3f}", steps=steps)
+    return steps
+
+
+def train_two_tower(cfg: TrainConfig, split: Split, ex: Examples, spec: UserFeatureSpec, encoder: FeatureEncoder,
+                    max_steps: int | None = None) -> tuple[UserTower, ItemTower, dict]:
+    logs = split.logs
+    T = len(cfg.tasks)
+    user = UserTower(spec, cfg.dim, T)
+    item = ItemTower(spec, logs.item_features, cfg.dim)
+    params = list(user.parameters()) + list(item.parameters())
+    opt = torch.optim.Adam(params, lr=cfg.lr)
+    log_q = target_log_q(ex.targets, spec.num_items)
+    rng = np.random.default_rng(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+
+    def one_step() -> float:
+        idx = rng.integers(0, len(ex), cfg.batch)
+        u = user(*ex.user_inputs(encoder, idx))
+        loss = sampled_softmax_loss(u, torch.from_numpy(ex.targets[idx]), item, log_q, cfg.negatives,
+                                    cfg.temperature, torch.from_numpy(ex.weights[idx]), gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return float(loss)
+
+    user.train(), item.train()
+    t0 = time.perf_counter()
+    steps = _timed_loop(cfg.minutes, "two-tower", one_step, max_steps)
+    user.eval(), item.eval()
+    return user, item, {"steps": steps, "seconds": round(time.perf_counter() - t0, 1), "examples": len(ex)}
+
+
+@torch.no_grad()
+def user_embeddings(user: UserTower, encoder: FeatureEncoder, logs: Logs, users: np.ndarray,
+                    histories: list[np.ndarray], batch: int = 512) -> torch.Tensor:
+    """float32 [len(users), T, D]."""
+    out = []
+    for s in range(0, len(users), batch):
+        sl = slice(s, s + batch)
+        out.append(user(*encoder.encode(histories[sl], *user_side(logs, users[sl]))))
+    return torch.cat(out)
+
+
+def build_overarch(kind: str, dim: int, feat_dim: int, tasks: int) -> torch.nn.Module:
+    from silverrec.ranking.overarch import MLPOverArch, MoLOverArch
+
+    return MLPOverArch(dim, feat_dim, tasks) if kind == "mlp" else MoLOverArch(dim, feat_dim, tasks)
+
+
+def train_overarch(kind: str, cfg: TrainConfig, ex: Examples, user: UserTower, encoder: FeatureEncoder,
+                   item_emb: torch.Tensor, item_feats: torch.Tensor, max_steps: int | None = None) -> tuple[torch.nn.Module, dict]:
+    """OverArch on the two-tower's own top-K0 candidates (history items masked, as served)."""
+    T = len(cfg.tasks)
+    model = build_overarch(kind, item_emb.shape[1], item_feats.shape[1], T)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rng = np.random.default_rng(cfg.seed + 1)
+    cache_emb = item_emb.to(torch.bfloat16).float()  # what the served model sees
+    kept = [0, 0]
+
+    def one_step() -> float:
+        idx = rng.integers(0, len(ex), cfg.batch)
+        hist = ex.histories(idx)
+        with torch.no_grad():
+            u = user(*encoder.encode(hist, *user_side(ex.logs, ex.user[idx])))  # [B, T, D]
+            scores = u[:, 0] @ cache_emb.T
+            for b, h in enumerate(hist):
+                scores[b, torch.from_numpy(h)] = float("-inf")
+            cands = scores.topk(cfg.k0, dim=1).indices  # [B, K0]
+            targets = torch.from_numpy(ex.targets[idx])
+            hit = cands == targets[:, None]
+            keep = hit.any(dim=1)
+        kept[0] += int(keep.sum())
+        kept[1] += len(idx)
+        if not bool(keep.any()):
+            return float("nan")
+        cands, hit, u = cands[keep], hit[keep], u[keep]
+        w = torch.from_numpy(ex.weights[idx])[keep]  # [b, T]
+        logits = model(u, cache_emb[cands], item_feats[cands])  # [b, K0, T]
+        label = hit.float().argmax(dim=1)
+        ce = torch.nn.functional.cross_entropy(logits, label[:, None].expand(-1, T), reduction="none")
+        loss = (ce * w).sum() / w.sum().clamp_min(1.0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return float(loss)
+
+    model.train()
+    t0 = time.perf_counter()
+    steps = _timed_loop(cfg.overarch_minutes, f"overarch {kind}", one_step, max_steps)
+    model.eval()
+    return model, {"steps": steps, "seconds": round(time.perf_counter() - t0, 1),
+                   "target_in_candidates": round(kept[0] / max(1, kept[1]), 4)}
+
+
+def train(cfg: TrainConfig, out: str | Path | None = None, max_steps: int | None = None, quiet_eval: bool = False) -> dict:
+    """Train everything the config names; save the checkpoint at `out`; return it."""
+    torch.manual_seed(cfg.seed)
+    with step("reading logs"):
+        logs = read_logs(cfg.interactions, cfg.items, cfg.users, seed=cfg.seed)
+    split = leave_one_out(logs)
+    ex = Examples(split, cfg.stage, cfg.tasks)
+    spec = feature_spec(logs, cfg, np.unique(ex.user))
+    encoder = FeatureEncoder(spec, logs.item_features)
+    print(f"[silverrec] {logs.item_ids.shape[0]:,} items, {logs.user_ids.shape[0]:,} users, {len(ex):,} training "
+          f"examples (stage {cfg.stage}), tasks {[t.name for t in cfg.tasks]}", file=sys.stderr)
+    user, item, tt_stats = train_two_tower(cfg, split, ex, spec, encoder, max_steps)
+    item_emb = item.embed_all(spec.num_items)
+    names, dense = item_dense_features(logs, ex.history_rows, cfg.max_dense_values)
+    feats = torch.from_numpy(dense)
+    ckpt: dict[str, Any] = {
+        "config": asdict(cfg),
+        "spec": spec.to_json(),
+        "tasks": [asdict(t) for t in cfg.tasks],
+        "user_tower": user.state_dict(),
+        "user_tower_args": {"dim": cfg.dim, "tasks": len(cfg.tasks)},
+        "item_ids": torch.from_numpy(logs.item_ids),
+        "item_features": logs.item_features,
+        "item_tower": item.state_dict(),
+        "item_tower_args": {"dim": cfg.dim},
+        "item_embeddings": item_emb,
+        "users": _user_table(split, cfg.stage),
+        "item_feature_names": names,
+        "item_dense": feats,
+        "overarch": {},
+        "stats": {"two_tower": tt_stats},
+    }
+    for kind in cfg.overarch:
+        model, stats = train_overarch(kind, cfg, ex, user, encoder, item_emb, feats, max_steps)
+        ckpt["overarch"][kind] = {"config": model.config(), "state": model.state_dict()}
+        ckpt["stats"][f"overarch_{kind}"] = stats
+    if not quiet_eval:
+        from silverrec.publish.evaluate import evaluate_scores
+
+        stage = cfg.stage
+        hist = split.histories(split.eval_users, stage)
+        u = user_embeddings(user, encoder, logs, split.eval_users, hist)
+        pos = {int(x): i for i, x in enumerate(split.eval_users)}
+
+        def score_fn(users, histories):
+            return u[[pos[int(x)] for x in users], 0] @ item_emb.T
+
+        ckpt["metrics"] = {"two_tower_exact": evaluate_scores(score_fn, split, stage)}
+        print(f"[silverrec] two-tower exact ({stage}): " + _fmt(ckpt["metrics"]["two_tower_exact"]), file=sys.stderr)
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        torch.save(ckpt, tmp)
+        tmp.replace(out)
+    return ckpt
+
+
+def _user_table(split: Split, stage: str) -> dict[str, Any]:
+    """Every user's history at `stage` (item ids, oldest first) as CSR, for `recommend --user`."""
+    offsets, rows = split.history_csr(stage)
+    return {"user_ids": split.logs.user_ids.copy(), "offsets": offsets, "item_ids": split.logs.item_ids[rows]}
+
+
+def _fmt(m: dict) -> str:
+    return "  ".join(f"{k} {v:.4f}" for k, v in m.items() if k.startswith(("HR", "NDCG")))
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError) as e:
+        raise ConfigError(f"cannot read checkpoint {path}: {e}") from None
+
+
+def rebuild_user_tower(ckpt: dict) -> UserTower:
+    spec = UserFeatureSpec.from_json(ckpt["spec"])
+    user = UserTower(spec, **ckpt["user_tower_args"])
+    user.load_state_dict(ckpt["user_tower"])
+    return user.eval()
+
+
+def rebuild_item_tower(ckpt: dict) -> ItemTower:
+    spec = UserFeatureSpec.from_json(ckpt["spec"])
+    item = ItemTower(spec, ckpt["item_features"], **ckpt["item_tower_args"])
+    item.load_state_dict(ckpt["item_tower"])
+    return item.eval()
+
+
+def rebuild_overarch(ckpt: dict, kind: str) -> torch.nn.Module:
+    from silverrec.ranking.overarch import MLPOverArch, MoLOverArch
+
+    entry = ckpt["overarch"][kind]
+    model = (MLPOverArch if kind == "mlp" else MoLOverArch)(**entry["config"])
+    model.load_state_dict(entry["state"])
+    return model.eval()

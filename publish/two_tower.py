@@ -1,0 +1,115 @@
+"""The item tower and the two-tower retrieval loss (sampled softmax with logQ correction).
+
+The item tower runs only at publish time (over the pool, into the embedding cache and the IVF), so
+it lives here and not in the snapshot. Item features come from `UserFeatureSpec.item_vocabs` (the
+same vocabularies the user tower reads), as CSR buffers indexed by pool row.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from silverrec.user_tower import UserFeatureSpec, _csr, _mlp
+
+
+class ItemTower(nn.Module):
+    """Pool rows int64 [n] -> item embeddings float32 [n, D], unit length.
+
+    TorchRec EmbeddingBagCollection over the item id and each categorical feature (mean pooling of
+    multi-valued features) -> MLP -> D.
+    """
+
+    def __init__(self, spec: UserFeatureSpec, item_features: Mapping[str, Sequence[Sequence[str]]], dim: int,
+                 item_dim: int = 64, feature_dim: int = 16, hidden: Sequence[int] = (256,)):
+        super().__init__()
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+        from torchrec.modules.embedding_configs import PoolingType
+
+        self.features = list(spec.item_vocabs)
+        tables = [EmbeddingBagConfig(name="item_id", embedding_dim=item_dim, num_embeddings=spec.num_items,
+                                     feature_names=["item_id"], pooling=PoolingType.SUM)]
+        tables += [EmbeddingBagConfig(name=f"item_{f}", embedding_dim=feature_dim, num_embeddings=len(v) + 1,
+                                      feature_names=[f"item_{f}"], pooling=PoolingType.MEAN) for f, v in spec.item_vocabs.items()]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        for i, f in enumerate(self.features):
+            offsets, codes = _csr(item_features[f], spec.item_vocabs[f])
+            self.register_buffer(f"offsets_{i}", torch.from_numpy(offsets))
+            self.register_buffer(f"codes_{i}", torch.from_numpy(codes))
+        width = item_dim + feature_dim * len(self.features)
+        self.mlp = _mlp([width, *hidden])
+        self.out = nn.Linear(hidden[-1] if hidden else width, dim)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        from torchrec import KeyedJaggedTensor
+
+        n = rows.shape[0]
+        values, lengths = [rows], [torch.ones(n, dtype=torch.int64)]
+        for i in range(len(self.features)):
+            offsets, codes = getattr(self, f"offsets_{i}"), getattr(self, f"codes_{i}")
+            starts = offsets[rows]
+            counts = offsets[rows + 1] - starts
+            base = torch.repeat_interleave(starts - (torch.cumsum(counts, 0) - counts), counts)
+            values.append(codes[base + torch.arange(base.shape[0])])
+            lengths.append(counts)
+        kjt = KeyedJaggedTensor.from_lengths_sync(["item_id"] + [f"item_{f}" for f in self.features],
+                                                  torch.cat(values), torch.cat(lengths).to(torch.int32))
+        h = self.mlp(self.ebc(kjt).values())
+        return torch.nn.functional.normalize(self.out(h), dim=-1)
+
+    @torch.no_grad()
+    def embed_all(self, num_items: int, batch: int = 8192, progress=None) -> torch.Tensor:
+        """float32 [N, D] embeddings of every pool row, in batches."""
+        self.eval()
+        out = []
+        for start in range(0, num_items, batch):
+            out.append(self(torch.arange(start, min(num_items, start + batch))))
+            if progress is not None:
+                progress.update(out[-1].shape[0])
+        return torch.cat(out)
+
+
+def sampled_softmax_loss(
+    user: torch.Tensor,
+    targets: torch.Tensor,
+    item_tower: ItemTower,
+    log_q: torch.Tensor,
+    num_uniform: int,
+    temperature: float,
+    weights: torch.Tensor,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Sampled softmax over in-batch + uniform negatives with logQ correction (Yi et al., RecSys 2019).
+
+    user float32 [B, T, D]; targets int64 [B] pool rows; log_q float32 [N]: log of each item's
+    probability of appearing as an in-batch negative (its share of training targets);
+    weights float32 [B, T]: 1 where the example is a positive of task t. The logits of every
+    candidate j are <u, v_j> / temperature - log Q(j), where Q is the mixture of the in-batch
+    (target frequency) and uniform samplers; candidates equal to the example's own target are
+    masked except at its own position. Returns the mean loss over (example, task) positives.
+    """
+    n = log_q.shape[0]
+    B = targets.shape[0]
+    uniform = torch.randint(0, n, (num_uniform,), generator=generator)
+    cands = torch.cat([targets, uniform])
+    v = item_tower(cands)  # [B + R, D]
+    logits = torch.einsum("btd,cd->btc", user, v) / temperature
+    # mixture sampler: B in-batch draws by frequency, R uniform draws
+    q = B * log_q[cands].exp() + num_uniform / n
+    logits = logits - torch.log(q)[None, None, :]
+    same = cands[None, :] == targets[:, None]  # [B, B + R]
+    same[torch.arange(B), torch.arange(B)] = False
+    logits = logits.masked_fill(same[:, None, :], float("-inf"))
+    labels = torch.arange(B)[:, None].expand(B, user.shape[1])
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    w = weights.reshape(-1)
+    return (ce * w).sum() / w.sum().clamp_min(1.0)
+
+
+def target_log_q(target_rows: np.ndarray, num_items: int) -> torch.Tensor:
+    """float32 [N]: log of each item's share of the training targets (add-one smoothed)."""
+    counts = np.bincount(target_rows, minlength=num_items).astype(np.float64) + 1.0
+    return torch.from_numpy(np.log(counts / counts.sum()).astype(np.float32))

@@ -1,0 +1,167 @@
+"""`RecModel`: the recommendation model as one root module, one forward call per request batch.
+
+    request (KJT of user features, dense, filter program, rows to exclude, k)
+      -> user tower (TorchRec EBC + MLP)                      -> T query rows [B*T, D]
+      -> filtered int8 IVF search (K0 + E rows per task)      -> rows [B*T, K0 + E]
+      -> merge tasks (union or intersection), dedupe, exclude -> rows [B, T*(K0 + E)]
+      -> embedding cache: exact re-score, keep the best K0*T  -> rows [B, C]
+      -> OverArch (MLP | mixture-of-logits)                   -> task scores [B, C, T]
+      -> value model (compiled formula)                       -> value [B, C]
+      -> top-k rows -> item ids
+
+Every stage passes **rows** of one canonical row space (the IVF's cluster-major order); item ids
+appear only at the end (`row_to_item`). The search returns rows because it is handed the identity
+map (`row_ids`) where it would map rows to ids. Without an OverArch the task scores are the exact
+re-scores; without a value model the final score is task 0's.
+
+`rank` is the early-stage ranking entry point: score given rows for a user (cache + OverArch +
+value model), no retrieval and no item tower.
+
+No host synchronisation in either entry point (the request's tensors are built by the
+predictor, `silverrec/recommend.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
+from silverrec.filtered_ivf import FilteredIVFIndex
+from silverrec.ranking.cache import EmbeddingCache
+
+MERGES = ("union", "intersection")
+
+
+def merge_rows(rows: Tensor, tasks: int, intersection: bool, exclude: Tensor) -> Tensor:
+    """Per-task candidate rows -> one deduplicated candidate list per request.
+
+    rows int64 [B*T, K] (-1 = none); exclude int64 [B, E] sorted ascending (padding: any value >= N,
+    or -1 sorted first) -> int64 [B, T*K], sorted, each row once, -1 elsewhere. Intersection keeps
+    the rows that every task retrieved.
+    """
+    B = exclude.shape[0]
+    flat = rows.reshape(B, -1)
+    srt = torch.sort(flat, dim=1).values
+    first = torch.ones_like(srt, dtype=torch.bool)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    keep = first & (srt >= 0)
+    if intersection and tasks > 1:
+        shifted = torch.full_like(srt, -1)
+        shifted[:, : srt.shape[1] - (tasks - 1)] = srt[:, tasks - 1:]
+        keep = keep & (shifted == srt)
+    if exclude.shape[1] > 0:
+        pos = torch.searchsorted(exclude, srt).clamp_max(exclude.shape[1] - 1)
+        keep = keep & (exclude.gather(1, pos) != srt)
+    return torch.where(keep, srt, torch.full_like(srt, -1))
+
+
+class RecModel(nn.Module):
+    """The root module of a recommendation snapshot (see the module docstring).
+
+    Args:
+        user_tower: (values, lengths, dense) -> float32 [B, T, D] (silverrec.user_tower.UserTower).
+        index: FilteredIVFIndex over the item embeddings (rows cluster-major).
+        cache: EmbeddingCache in the same row order.
+        overarch: (user [B,T,D], cand [B,C,D], feats [B,C,F]) -> [B,C,T], or None.
+        value_model: (task scores [B,C,T], feats [B,C,F]) -> [B,C], or None.
+        merge: "union" or "intersection" of the tasks' candidates.
+    """
+
+    def __init__(self, user_tower: nn.Module, index: FilteredIVFIndex, cache: EmbeddingCache,
+                 overarch: Optional[nn.Module] = None, value_model: Optional[nn.Module] = None,
+                 tasks: int = 1, merge: str = "union"):
+        super().__init__()
+        if merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+        if cache.num_items != index.num_items:
+            raise ValueError(f"cache holds {cache.num_items} rows, the index {index.num_items}")
+        self.user_tower = user_tower
+        self.index = index
+        self.cache = cache
+        self.has_overarch = overarch is not None
+        self.overarch = overarch if overarch is not None else nn.Identity()
+        self.has_value_model = value_model is not None
+        self.value_model = value_model if value_model is not None else nn.Identity()
+        self.tasks = int(tasks)
+        self.intersection = merge == "intersection"
+        self.register_buffer("row_ids", torch.arange(index.num_items, dtype=torch.int32))
+
+    def rank_rows(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
+        """user float32 [B, T, D], rows int64 [B, C] (-1 = none) -> (value float32 [B, C] with -inf
+        at padding, task scores float32 [B, C, T])."""
+        emb, feats, scores = self.cache(user, rows)
+        if self.has_overarch:
+            scores = self.overarch(user, emb, feats)
+        if self.has_value_model:
+            value = self.value_model(scores, feats)
+        else:
+            value = scores[:, :, 0]
+        return torch.where(rows >= 0, value, float("-inf")), scores
+
+    def retrieve(self, user: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor, vops: Tensor, vrows: Tensor,
+                 lists: Tensor, mode: Tensor, k0: int, nprobe: int, max_probe: int) -> Tensor:
+        """T query rows per request through the filtered IVF search, merged -> int64 [B, T*K0] rows
+        (the best K0*T candidates by exact re-score of any task), -1 = none."""
+        T = self.tasks
+        q = user.reshape(-1, user.shape[-1])
+        reps = [ops, rows, vops, vrows, lists, mode]
+        ops, rows, vops, vrows, lists, mode = [x.repeat_interleave(T, dim=0) for x in reps]
+        idx = self.index
+        _, found = torch.ops.silverrec.filtered_ivf_search(
+            q, idx.codes, idx.dim_scale, idx.dim_offset, idx.cluster_offsets, idx.centroids, self.row_ids,
+            idx.bits, idx.post_rows, idx.post_offsets, idx.post_sizes, ops, rows, vops, vrows, lists, mode,
+            k0 + exclude.shape[1], nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
+            idx.num_items, idx.exact_cost_ratio, idx.posting_limit,
+        )
+        merged = merge_rows(found, T, self.intersection, exclude)
+        best = self.cache.rescore(user, merged).amax(dim=2)  # [B, T*(K0+E)]
+        top = torch.topk(best, k0 * T, dim=1).indices
+        cand = merged.gather(1, top)
+        return torch.where(best.gather(1, top) > float("-inf"), cand, torch.full_like(cand, -1))
+
+    def forward(self, values: Tensor, lengths: Tensor, dense: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor,
+                vops: Tensor, vrows: Tensor, lists: Tensor, mode: Tensor, k: int, k0: int, nprobe: int,
+                max_probe: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One request batch.
+
+        Args:
+            values int64 [nnz], lengths int32 [F*B], dense float32 [B, Fd]: the user features (a KJT).
+            exclude int64 [B, E]: rows never to return, sorted ascending, padded with -1 (E may be 0).
+            ops, rows, vops, vrows, lists: the B filter programs (filter_program.compile_request).
+            mode int64 [B]: filter search mode per request (filtered_ivf.MODES).
+            k <= T*k0 results; k0 candidates per task; 1 <= nprobe <= max_probe <= nlist.
+        Returns:
+            item_ids int64 [B, k] (-1 = none), scores float32 [B, k] (the value, -inf = none),
+            task scores float32 [B, k, T], rows int64 [B, k] (canonical rows, -1 = none).
+        """
+        user = self.user_tower(values, lengths, dense)
+        cand = self.retrieve(user, exclude, ops, rows, vops, vrows, lists, mode, k0, nprobe, max_probe)
+        value, task_scores = self.rank_rows(user, cand)
+        top_scores, top = torch.topk(value, k, dim=1)
+        top_rows = cand.gather(1, top)
+        ids = self.index.row_to_item[top_rows.clamp_min(0)].to(torch.int64)
+        found = top_scores > float("-inf")
+        top_rows = torch.where(found, top_rows, torch.full_like(top_rows, -1))
+        ids = torch.where(found, ids, torch.full_like(ids, -1))
+        tasks_out = task_scores.gather(1, top[:, :, None].expand(-1, -1, task_scores.shape[2]))
+        return ids, top_scores, tasks_out, top_rows
+
+    @torch.jit.export
+    def rank(self, values: Tensor, lengths: Tensor, dense: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
+        """Early-stage ranking: rows int64 [B, C] (-1 = none) -> (value float32 [B, C], task scores
+        float32 [B, C, T]) from the cached embeddings, the OverArch and the value model."""
+        return self.rank_rows(self.user_tower(values, lengths, dense), rows)
+
+
+class RankEntry(nn.Module):
+    """`RecModel.rank` as a forward, for torch.export (which exports one method per program)."""
+
+    def __init__(self, model: RecModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, values: Tensor, lengths: Tensor, dense: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
+        return self.model.rank(values, lengths, dense, rows)

@@ -1,0 +1,201 @@
+"""The user tower: request features -> T user embeddings in the item space (one per task).
+
+The request is a TorchRec `KeyedJaggedTensor` of sparse user features, passed to the forward as its
+two flat tensors (`values int64 [nnz]`, `lengths int32 [B * F]`, key-major as KJT stores them) plus
+dense features `float32 [B, Fd]`. The keys, in order (`UserFeatureSpec.keys`):
+
+    hist_item            pool rows of the user's last `history_len` items   (table "item")
+    recent_item          pool rows of the last `recent_len` items           (table "item", shared)
+    hist_<f>             value codes of feature f of the last history items (table "item_<f>")
+    user_<g>             value codes of the user's categorical feature g    (table "user_<g>")
+
+Value code 0 of every feature table is "unknown value" (a value not seen at training time).
+Dense features: log1p(history length) and each numeric user feature standardised with the
+training mean and standard deviation.
+
+`FeatureEncoder` builds those tensors on the host from item rows and user features (numpy,
+vectorised over items); `UserTower` is the nn.Module that lives in the snapshot (EBC with mean
+pooling -> MLP -> T task heads, L2-normalised so that scores are cosine similarities).
+"""
+
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from silverrec.errors import QueryError
+
+
+@dataclass
+class UserFeatureSpec:
+    """What the user tower reads; recorded in the manifest, so the predictor can encode requests.
+
+    num_items: pool size (rows of the shared item table).
+    item_vocabs / user_vocabs: feature name -> its values; code = position + 1 (0 = unknown).
+    user_numeric: feature name -> (mean, std) of the training users.
+    """
+
+    num_items: int
+    history_len: int = 50
+    recent_len: int = 5
+    item_vocabs: dict[str, list[str]] = field(default_factory=dict)
+    user_vocabs: dict[str, list[str]] = field(default_factory=dict)
+    user_numeric: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.num_items <= 0:
+            raise ValueError(f"num_items must be positive, got {self.num_items}")
+        if not 1 <= self.recent_len <= self.history_len:
+            raise ValueError(f"need 1 <= recent_len <= history_len, got {self.recent_len}, {self.history_len}")
+        self.user_numeric = {k: (float(v[0]), float(v[1])) for k, v in self.user_numeric.items()}
+
+    @property
+    def keys(self) -> list[str]:
+        return (["hist_item", "recent_item"] + [f"hist_{f}" for f in self.item_vocabs]
+                + [f"user_{g}" for g in self.user_vocabs])
+
+    @property
+    def dense_dim(self) -> int:
+        return 1 + len(self.user_numeric)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "UserFeatureSpec":
+        return cls(**d)
+
+
+def _csr(lists: Sequence[Sequence[str]], vocab: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-item value lists -> (offsets int64 [N + 1], codes int64 [nnz]) with code = vocab position + 1."""
+    index = {v: i + 1 for i, v in enumerate(vocab)}
+    codes = [index.get(v, 0) for vals in lists for v in vals]
+    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum([len(v) for v in lists], out=offsets[1:])
+    return offsets, np.asarray(codes, dtype=np.int64)
+
+
+def gather_csr(offsets: np.ndarray, codes: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The CSR entries of `rows`, concatenated in row order: (codes int64 [sum counts], counts int64 [len(rows)])."""
+    starts = offsets[rows]
+    counts = offsets[rows + 1] - starts
+    total = int(counts.sum())
+    base = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+    return codes[base + np.arange(total)], counts
+
+
+class FeatureEncoder:
+    """Host-side request encoding: histories (pool rows) and user features -> the tower's inputs.
+
+    item_features: feature name -> per pool row its values (the features in `spec.item_vocabs`).
+    """
+
+    def __init__(self, spec: UserFeatureSpec, item_features: Mapping[str, Sequence[Sequence[str]]]):
+        self.spec = spec
+        missing = [f for f in spec.item_vocabs if f not in item_features]
+        if missing:
+            raise ValueError(f"item feature {missing[0]!r} of the user tower is missing from the item table")
+        self.item_csr = {f: _csr(item_features[f], spec.item_vocabs[f]) for f in spec.item_vocabs}
+        self.user_index = {g: {v: i + 1 for i, v in enumerate(vocab)} for g, vocab in spec.user_vocabs.items()}
+
+    @classmethod
+    def from_arrays(cls, spec: UserFeatureSpec, csr: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> "FeatureEncoder":
+        """From stored CSR arrays (the snapshot's side file) instead of value lists."""
+        enc = cls.__new__(cls)
+        enc.spec, enc.item_csr = spec, {f: (np.asarray(o), np.asarray(c)) for f, (o, c) in csr.items()}
+        enc.user_index = {g: {v: i + 1 for i, v in enumerate(vocab)} for g, vocab in spec.user_vocabs.items()}
+        return enc
+
+    def encode(
+        self,
+        histories: Sequence[np.ndarray],
+        user_features: Optional[Sequence[Mapping[str, Any]]] = None,
+        user_numeric: Optional[Sequence[Mapping[str, float]]] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """histories: per user, pool rows int64 oldest first (any length; the last history_len are
+        used) -> (values int64 [nnz], lengths int32 [F * B], dense float32 [B, Fd])."""
+        spec, B = self.spec, len(histories)
+        hist = [np.asarray(h, dtype=np.int64)[-spec.history_len:] for h in histories]
+        for b, h in enumerate(hist):
+            if h.size and (h.min() < 0 or h.max() >= spec.num_items):
+                raise QueryError(f"history {b} holds item row {int(h[(h < 0) | (h >= spec.num_items)][0])}, "
+                                 f"outside the pool's [0, {spec.num_items})")
+        recent = [h[-spec.recent_len:] for h in hist]
+        values: list[np.ndarray] = [*hist, *recent]
+        lengths: list[np.ndarray] = [np.asarray([h.size for h in hist]), np.asarray([r.size for r in recent])]
+        flat = np.concatenate(hist) if B else np.zeros(0, np.int64)
+        owner = np.repeat(np.arange(B), lengths[0])
+        for f in spec.item_vocabs:
+            codes, counts = gather_csr(*self.item_csr[f], flat)
+            values.append(codes)
+            lengths.append(np.bincount(owner, weights=counts, minlength=B).astype(np.int64))
+        feats = list(user_features) if user_features is not None else [{}] * B
+        if len(feats) != B:
+            raise QueryError(f"got user features for {len(feats)} users, {B} histories")
+        for g, index in self.user_index.items():
+            for b in range(B):
+                raw = feats[b].get(g, [])
+                vals = [raw] if isinstance(raw, str) else list(raw)
+                codes = np.asarray([index.get(str(v), 0) for v in vals], dtype=np.int64)
+                values.append(codes)
+                lengths.append(np.asarray([codes.size]))
+        unknown = {k for f in feats for k in f} - set(self.user_index)
+        if unknown:
+            raise QueryError(f"unknown user feature {sorted(unknown)[0]!r}: the user tower reads {sorted(self.user_index) or 'none'}")
+        dense = np.zeros((B, spec.dense_dim), dtype=np.float32)
+        dense[:, 0] = np.log1p([len(h) for h in histories])
+        nums = list(user_numeric) if user_numeric is not None else [{}] * B
+        for j, (g, (mean, std)) in enumerate(spec.user_numeric.items(), start=1):
+            for b in range(B):
+                x = nums[b].get(g)
+                dense[b, j] = 0.0 if x is None else (float(x) - mean) / std
+        vals = np.concatenate(values) if values else np.zeros(0, np.int64)
+        return (torch.from_numpy(vals.astype(np.int64)), torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
+                torch.from_numpy(dense))
+
+
+def _mlp(sizes: Sequence[int]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+class UserTower(nn.Module):
+    """KJT of user features + dense -> user embeddings float32 [B, T, D], unit length.
+
+    EmbeddingBagCollection (mean pooling; one table for items shared by hist_item and recent_item,
+    one per feature) -> concat with dense -> MLP -> T linear task heads.
+    """
+
+    def __init__(self, spec: UserFeatureSpec, dim: int, tasks: int, item_dim: int = 64, feature_dim: int = 16,
+                 hidden: Sequence[int] = (256,)):
+        super().__init__()
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+        from torchrec.modules.embedding_configs import PoolingType
+
+        tables = [EmbeddingBagConfig(name="item", embedding_dim=item_dim, num_embeddings=spec.num_items,
+                                     feature_names=["hist_item", "recent_item"], pooling=PoolingType.MEAN)]
+        tables += [EmbeddingBagConfig(name=f"item_{f}", embedding_dim=feature_dim, num_embeddings=len(v) + 1,
+                                      feature_names=[f"hist_{f}"], pooling=PoolingType.MEAN) for f, v in spec.item_vocabs.items()]
+        tables += [EmbeddingBagConfig(name=f"user_{g}", embedding_dim=feature_dim, num_embeddings=len(v) + 1,
+                                      feature_names=[f"user_{g}"], pooling=PoolingType.MEAN) for g, v in spec.user_vocabs.items()]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        self.keys: list[str] = spec.keys
+        pooled = 2 * item_dim + feature_dim * (len(spec.item_vocabs) + len(spec.user_vocabs))
+        self.mlp = _mlp([pooled + spec.dense_dim, *hidden])
+        self.heads = nn.Linear(hidden[-1] if hidden else pooled + spec.dense_dim, tasks * dim)
+        self.tasks, self.dim = int(tasks), int(dim)
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """values int64 [nnz], lengths int32 [F * B] (key-major), dense float32 [B, Fd] -> float32 [B, T, D]."""
+        from torchrec import KeyedJaggedTensor
+
+        kjt = KeyedJaggedTensor.from_lengths_sync(self.keys, values, lengths)
+        pooled = self.ebc(kjt).values()
+        h = self.mlp(torch.cat([pooled, dense.to(pooled.dtype)], dim=1))
+        u = self.heads(h).reshape(-1, self.tasks, self.dim).float()
+        return torch.nn.functional.normalize(u, dim=-1)
