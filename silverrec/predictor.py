@@ -54,8 +54,33 @@ class Snapshot:
     def config(self) -> dict[str, Any]:
         return self.manifest["config"]
 
-    def recommend(self, history_item_ids: list[list[int]], filter_bitmask: torch.Tensor | None = None,
-                  exclude_history: bool = False) -> SearchResult:
+    def recommend(self, requests, *args: Any, **options: Any):
+        """Recommendations, one forward call.
+
+        A "rec" snapshot (the recommendation model): `recommend(requests, k=10, k0=None,
+        nprobe=None, max_probe=None, mode="auto", exclude_history=True)` with requests as in
+        silverrec/recommend.py -> `Recommendations`. A "generative" snapshot:
+        `recommend(history_item_ids, filter_bitmask=None, exclude_history=False)` -> SearchResult.
+        """
+        if self.kind == "rec":
+            return self.rec_handler().recommend(requests, *args, **options)
+        return self._recommend_generative(requests, *args, **options)
+
+    def rank(self, request, item_ids):
+        """Early-stage ranking (a "rec" snapshot): scores of `item_ids` for one user, in their order."""
+        if self.kind != "rec":
+            raise QueryError(f"snapshot kind {self.kind!r} does not rank items (publish a recommendation model)")
+        return self.rec_handler().rank(request, item_ids)
+
+    def rec_handler(self):
+        if getattr(self, "_rec", None) is None:
+            from silverrec.recommend import RecHandler
+
+            self._rec = RecHandler(self)
+        return self._rec
+
+    def _recommend_generative(self, history_item_ids: list[list[int]], filter_bitmask: torch.Tensor | None = None,
+                              exclude_history: bool = False) -> SearchResult:
         """Next items for each history (a "generative" snapshot), one forward call.
 
         Args:
@@ -186,6 +211,9 @@ def load(path: str | os.PathLike, backend: str = "export", verify: bool = True) 
     """
     root = Path(path)
     manifest = read_manifest(root, verify=verify)
+    if manifest.get("kind") == "rec":  # the user tower's program holds fbgemm / torchrec ops
+        import fbgemm_gpu  # noqa: F401
+        import torchrec  # noqa: F401
     try:
         if backend == "export":
             # Unbacked size symbols of data-dependent ops are re-created on load; torch warns once

@@ -35,26 +35,27 @@ from silverrec.ranking.cache import EmbeddingCache
 MERGES = ("union", "intersection")
 
 
-def merge_rows(rows: Tensor, tasks: int, intersection: bool, exclude: Tensor) -> Tensor:
+def merge_rows(rows: Tensor, tasks: int, intersection: bool, exclude: Tensor, num_rows: int) -> Tensor:
     """Per-task candidate rows -> one deduplicated candidate list per request.
 
-    rows int64 [B*T, K] (-1 = none); exclude int64 [B, E] sorted ascending (padding: any value >= N,
-    or -1 sorted first) -> int64 [B, T*K], sorted, each row once, -1 elsewhere. Intersection keeps
+    rows int64 [B*T, K] (-1 = none); exclude int64 [B, E >= 1] sorted ascending, padded with -1
+    (first) -> int64 [B, T*K], sorted, each row once, -1 elsewhere. Intersection keeps
     the rows that every task retrieved.
     """
-    B = exclude.shape[0]
-    flat = rows.reshape(B, -1)
+    flat = rows.reshape(-1, tasks * rows.shape[1])
     srt = torch.sort(flat, dim=1).values
-    first = torch.ones_like(srt, dtype=torch.bool)
-    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    first = torch.cat([torch.ones_like(srt[:, :1], dtype=torch.bool), srt[:, 1:] != srt[:, :-1]], dim=1)
     keep = first & (srt >= 0)
-    if intersection and tasks > 1:
-        shifted = torch.full_like(srt, -1)
-        shifted[:, : srt.shape[1] - (tasks - 1)] = srt[:, tasks - 1:]
+    if intersection and tasks > 1:  # a row's first copy is kept when the T-1 next entries repeat it
+        shifted = torch.cat([srt[:, tasks - 1:], torch.full_like(srt[:, : tasks - 1], -1)], dim=1)
         keep = keep & (shifted == srt)
-    if exclude.shape[1] > 0:
-        pos = torch.searchsorted(exclude, srt).clamp_max(exclude.shape[1] - 1)
-        keep = keep & (exclude.gather(1, pos) != srt)
+    # one 1-D search over every request's exclusions: shift row b's values by b * (N + 2) so that
+    # the flattened exclusions stay sorted (a batched searchsorted would guard the batch size)
+    base = torch.arange(srt.shape[0], device=rows.device)[:, None] * (num_rows + 2)
+    ex = (exclude + 1 + base).reshape(-1)
+    q = srt + 1 + base
+    pos = torch.searchsorted(ex, q.reshape(-1)).clamp_max(ex.shape[0] - 1)
+    keep = keep & (ex[pos].reshape(q.shape) != q)
     return torch.where(keep, srt, torch.full_like(srt, -1))
 
 
@@ -116,7 +117,7 @@ class RecModel(nn.Module):
             k0 + exclude.shape[1], nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
             idx.num_items, idx.exact_cost_ratio, idx.posting_limit,
         )
-        merged = merge_rows(found, T, self.intersection, exclude)
+        merged = merge_rows(found, T, self.intersection, exclude, idx.num_items)
         best = self.cache.rescore(user, merged).amax(dim=2)  # [B, T*(K0+E)]
         top = torch.topk(best, k0 * T, dim=1).indices
         cand = merged.gather(1, top)
@@ -129,7 +130,7 @@ class RecModel(nn.Module):
 
         Args:
             values int64 [nnz], lengths int32 [F*B], dense float32 [B, Fd]: the user features (a KJT).
-            exclude int64 [B, E]: rows never to return, sorted ascending, padded with -1 (E may be 0).
+            exclude int64 [B, E]: rows never to return, sorted ascending, padded with -1 (E >= 1).
             ops, rows, vops, vrows, lists: the B filter programs (filter_program.compile_request).
             mode int64 [B]: filter search mode per request (filtered_ivf.MODES).
             k <= T*k0 results; k0 candidates per task; 1 <= nprobe <= max_probe <= nlist.

@@ -62,10 +62,19 @@ class UserFeatureSpec:
         return 1 + len(self.user_numeric)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-able; features as [name, ...] pairs because their order is the KJT key order (a
+        manifest written with sorted keys must not reorder them)."""
+        d = asdict(self)
+        for key in ("item_vocabs", "user_vocabs", "user_numeric"):
+            d[key] = [[name, value] for name, value in d[key].items()]
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "UserFeatureSpec":
+        d = dict(d)
+        for key in ("item_vocabs", "user_vocabs", "user_numeric"):
+            if isinstance(d.get(key), list):
+                d[key] = {name: value for name, value in d[key]}
         return cls(**d)
 
 

@@ -1,0 +1,201 @@
+"""Predictor side of a recommendation snapshot (kind "rec"): requests in, one forward call, items out.
+
+    >>> snap = silverrec.load("snapshots/rec")
+    >>> result = snap.recommend([{"user_id": 414}, {"history": [1, 260, 1196], "filter": "genre = Comedy"}], k=10)
+    >>> result.item_ids, result.scores, result.task_scores      # [B, k], [B, k], [B, k, T]
+    >>> snap.rank({"history": [1, 260]}, item_ids=[3, 5, 8])   # early-stage ranking of given items
+
+A request (`RecRequest`, or a dict with the same keys) describes one user:
+    user_id   a user of the snapshot's training logs (its stored history is used), or
+    history   item ids the user interacted with, oldest first (the newest `history_len` feed the tower);
+    features  categorical user features {name: value or [values]} (the tower's `user_<name>` keys);
+    numeric   numeric user features {name: float};
+    filter    a filter string over the item features (the filter language of filter_lang.py);
+    exclude   item ids never to return.
+With `exclude_history=True` (default) the user's history items are never returned either.
+Host work per request: id -> row lookups and the KJT encoding (numpy); everything else is the
+forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from silverrec.errors import QueryError
+from silverrec.filter_program import FilterPlan, compile_request
+from silverrec.filtered_ivf import MODES
+from silverrec.user_tower import FeatureEncoder, UserFeatureSpec
+
+ITEMS_FILE = "items.npz"
+USERS_FILE = "users.npz"
+RANK_FILE = "rank.pt2"
+MAX_RANK_ITEMS = 1 << 20
+
+
+@dataclass
+class RecRequest:
+    """One user's request (see the module docstring)."""
+
+    user_id: Optional[int] = None
+    history: Optional[Sequence[int]] = None
+    features: Mapping[str, Any] = field(default_factory=dict)
+    numeric: Mapping[str, float] = field(default_factory=dict)
+    filter: Optional[str] = None
+    exclude: Sequence[int] = ()
+
+    @classmethod
+    def coerce(cls, r: Union["RecRequest", Mapping[str, Any]], where: str) -> "RecRequest":
+        if isinstance(r, RecRequest):
+            return r
+        if not isinstance(r, Mapping):
+            raise QueryError(f"{where} must be a RecRequest or a dict, got {type(r).__name__}")
+        unknown = sorted(set(r) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise QueryError(f"{where}: unknown request field {unknown[0]!r} (fields: {', '.join(cls.__dataclass_fields__)})")
+        return cls(**r)
+
+
+@dataclass
+class Recommendations:
+    """item_ids int64 [B, k] (-1 = none), scores float32 [B, k] (the value model's, -inf = none),
+    task_scores float32 [B, k, T] (per task, `tasks` names them)."""
+
+    item_ids: torch.Tensor
+    scores: torch.Tensor
+    task_scores: torch.Tensor
+    tasks: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        def clean(x):
+            return [clean(v) for v in x] if isinstance(x, list) else (x if np.isfinite(x) else None)
+
+        return {"item_ids": self.item_ids.tolist(), "scores": clean(self.scores.tolist()),
+                "task_scores": {t: clean(self.task_scores[:, :, i].tolist()) for i, t in enumerate(self.tasks)}}
+
+
+class RecHandler:
+    """Everything the predictor needs beside the program: id maps, the request encoder, the filter
+    plan, the stored user histories. Built once per loaded snapshot from its manifest and side files."""
+
+    def __init__(self, snap):
+        cfg = snap.config
+        self.snap = snap
+        self.spec = UserFeatureSpec.from_json(cfg["user_features"])
+        self.tasks = list(cfg["tasks"])
+        with np.load(snap.path / ITEMS_FILE, allow_pickle=False) as f:
+            self.row_to_item = f["row_to_item"]
+            csr = {name: (f[f"offsets_{i}"], f[f"codes_{i}"]) for i, name in enumerate(cfg["item_feature_order"])}
+        self.encoder = FeatureEncoder.from_arrays(self.spec, csr)
+        self.order = np.argsort(self.row_to_item, kind="stable")
+        self.sorted_ids = self.row_to_item[self.order]
+        self.plan = FilterPlan.from_config(cfg["filter"])
+        self.users = None
+        if (snap.path / USERS_FILE).is_file():
+            with np.load(snap.path / USERS_FILE, allow_pickle=False) as f:
+                self.users = {k: f[k] for k in f.files}
+        self._rank_module = None
+
+    def rows(self, item_ids: Sequence[int], where: str) -> np.ndarray:
+        """Item ids -> canonical rows int64; QueryError naming the first unknown id."""
+        try:
+            ids = np.asarray(item_ids, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError, OverflowError):
+            raise QueryError(f"{where} must be a list of integer item ids") from None
+        pos = np.searchsorted(self.sorted_ids, ids).clip(0, len(self.sorted_ids) - 1)
+        bad = np.flatnonzero(self.sorted_ids[pos] != ids)
+        if bad.size:
+            raise QueryError(f"{where}: unknown item id {int(ids[bad[0]])} (position {int(bad[0])}): not in the snapshot's pool")
+        return self.order[pos].astype(np.int64)
+
+    def history_ids(self, user_id: int, where: str) -> np.ndarray:
+        if self.users is None:
+            raise QueryError(f"{where}: this snapshot stores no user histories; send the history instead of user_id")
+        uids = self.users["user_ids"]
+        i = int(np.searchsorted(uids, user_id))
+        if i >= len(uids) or int(uids[i]) != int(user_id):
+            raise QueryError(f"{where}: unknown user_id {user_id}: not a user of the snapshot's training logs")
+        off = self.users["offsets"]
+        return self.users["item_ids"][off[i]:off[i + 1]]
+
+    def encode(self, requests: Sequence[RecRequest], exclude_history: bool):
+        """-> (values, lengths, dense, exclude int64 [B, E] sorted, -1 padded, filters)."""
+        histories, excludes = [], []
+        for b, r in enumerate(requests):
+            where = f"request {b}"
+            if (r.user_id is None) == (r.history is None):
+                raise QueryError(f"{where}: give exactly one of user_id and history")
+            ids = self.history_ids(r.user_id, where) if r.user_id is not None else r.history
+            rows = self.rows(ids, f"{where} history")
+            histories.append(rows)
+            ex = self.rows(r.exclude, f"{where} exclude") if len(r.exclude) else np.zeros(0, np.int64)
+            excludes.append(np.unique(np.concatenate([rows, ex]) if exclude_history else ex))
+        values, lengths, dense = self.encoder.encode(
+            histories, [dict(r.features) for r in requests], [dict(r.numeric) for r in requests])
+        E = max(1, max(e.size for e in excludes))  # the program takes E >= 1
+        exclude = np.full((len(requests), E), -1, dtype=np.int64)
+        for b, e in enumerate(excludes):
+            exclude[b, E - e.size:] = e
+        return values, lengths, dense, torch.from_numpy(exclude)
+
+    def recommend(self, requests, k: int = 10, k0: Optional[int] = None, nprobe: Optional[int] = None,
+                  max_probe: Optional[int] = None, mode: str = "auto", exclude_history: bool = True) -> Recommendations:
+        if isinstance(requests, (RecRequest, Mapping)):
+            requests = [requests]
+        requests = [RecRequest.coerce(r, f"request {b}") for b, r in enumerate(requests)]
+        if not requests:
+            raise QueryError("recommend needs at least one request")
+        cfg = self.snap.config
+        n, nlist, T = len(self.row_to_item), int(cfg["nlist"]), len(self.tasks)
+        _check_int("k", k, 1, n)
+        k0 = max(k, int(cfg["default_k0"]) if k0 is None else _check_int("k0", k0, 1, n))
+        nprobe = _check_int("nprobe", int(cfg["default_nprobe"]) if nprobe is None else nprobe, 1, nlist)
+        max_probe = _check_int("max_probe", max(nprobe, int(cfg["search"]["default_max_probe"])) if max_probe is None
+                               else max_probe, nprobe, nlist)
+        if mode not in MODES:
+            raise QueryError(f"unknown search mode {mode!r}: use one of {sorted(MODES)}")
+        values, lengths, dense, exclude = self.encode(requests, exclude_history)
+        filters = [r.filter for r in requests]
+        modes = torch.tensor([MODES["probed"] if f is None else MODES[mode] for f in filters], dtype=torch.int64)
+        with torch.inference_mode():
+            ids, scores, task_scores, _ = self.snap.module(
+                values, lengths, dense, exclude, *compile_request(filters, self.plan), modes, k, k0, nprobe, max_probe)
+        return Recommendations(ids, scores, task_scores[:, :, :T], self.tasks)
+
+    def rank(self, request, item_ids: Sequence[int]) -> Recommendations:
+        """Early-stage ranking: score `item_ids` (1 .. 2^20 of them) for one user; returned in the
+        given order (scores [1, C], task scores [1, C, T])."""
+        r = RecRequest.coerce(request, "request")
+        rows = self.rows(item_ids, "items")
+        if not 1 <= rows.size <= MAX_RANK_ITEMS:
+            raise QueryError(f"rank takes 1 to {MAX_RANK_ITEMS} item ids, got {rows.size}")
+        values, lengths, dense, _ = self.encode([r], exclude_history=False)
+        with torch.inference_mode():
+            value, tasks = self.rank_module()(values, lengths, dense, torch.from_numpy(rows)[None])
+        ids = torch.from_numpy(self.row_to_item[rows].astype(np.int64))[None]
+        return Recommendations(ids, value, tasks, self.tasks)
+
+    def rank_module(self):
+        if self._rank_module is None:
+            if self.snap.backend == "torchscript":
+                mod = self.snap.module
+                self._rank_module = mod.rank
+            else:
+                serde_log = logging.getLogger("torch._export.serde.serialize")
+                level = serde_log.level
+                serde_log.setLevel(logging.ERROR)
+                try:
+                    self._rank_module = torch.export.load(self.snap.path / RANK_FILE).module()
+                finally:
+                    serde_log.setLevel(level)
+        return self._rank_module
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) <= hi:
+        raise QueryError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+    return int(value)
