@@ -76,7 +76,7 @@ class Snapshot:
         if getattr(self, "_rec", None) is None:
             from silverrec.recommend import RecHandler
 
-            self._rec = RecHandler(self)
+            self._rec = RecHandler.from_snapshot(self)
         return self._rec
 
     def _recommend_generative(self, history_item_ids: list[list[int]], filter_bitmask: torch.Tensor | None = None,

@@ -82,23 +82,44 @@ class RecHandler:
     """Everything the predictor needs beside the program: id maps, the request encoder, the filter
     plan, the stored user histories. Built once per loaded snapshot from its manifest and side files."""
 
-    def __init__(self, snap):
-        cfg = snap.config
-        self.snap = snap
-        self.spec = UserFeatureSpec.from_json(cfg["user_features"])
-        self.tasks = list(cfg["tasks"])
-        with np.load(snap.path / ITEMS_FILE, allow_pickle=False) as f:
-            self.row_to_item = f["row_to_item"]
-            csr = {name: (f[f"offsets_{i}"], f[f"codes_{i}"]) for i, name in enumerate(cfg["item_feature_order"])}
-        self.encoder = FeatureEncoder.from_arrays(self.spec, csr)
+    def __init__(self, config: Mapping[str, Any], module, row_to_item: np.ndarray,
+                 item_csr: Mapping[str, tuple[np.ndarray, np.ndarray]], users: Optional[Mapping[str, np.ndarray]] = None,
+                 rank_module=None):
+        self.config = config
+        self.module = module
+        self.spec = UserFeatureSpec.from_json(config["user_features"])
+        self.tasks = list(config["tasks"])
+        self.row_to_item = np.asarray(row_to_item, dtype=np.int64)
+        self.encoder = FeatureEncoder.from_arrays(self.spec, item_csr)
         self.order = np.argsort(self.row_to_item, kind="stable")
         self.sorted_ids = self.row_to_item[self.order]
-        self.plan = FilterPlan.from_config(cfg["filter"])
-        self.users = None
+        self.plan = FilterPlan.from_config(config["filter"])
+        self.users = users
+        self._rank_module = rank_module  # a callable, or a function returning one (loaded lazily)
+
+    @classmethod
+    def from_snapshot(cls, snap) -> "RecHandler":
+        cfg = snap.config
+        with np.load(snap.path / ITEMS_FILE, allow_pickle=False) as f:
+            row_to_item = f["row_to_item"]
+            csr = {name: (f[f"offsets_{i}"], f[f"codes_{i}"]) for i, name in enumerate(cfg["item_feature_order"])}
+        users = None
         if (snap.path / USERS_FILE).is_file():
             with np.load(snap.path / USERS_FILE, allow_pickle=False) as f:
-                self.users = {k: f[k] for k in f.files}
-        self._rank_module = None
+                users = {k: f[k] for k in f.files}
+        if snap.backend == "torchscript":
+            rank = snap.module.rank
+        else:
+            def rank():
+                serde_log = logging.getLogger("torch._export.serde.serialize")
+                level = serde_log.level
+                serde_log.setLevel(logging.ERROR)
+                try:
+                    return torch.export.load(snap.path / RANK_FILE).module()
+                finally:
+                    serde_log.setLevel(level)
+            rank.lazy = True
+        return cls(cfg, snap.module, row_to_item, csr, users, rank)
 
     def rows(self, item_ids: Sequence[int], where: str) -> np.ndarray:
         """Item ids -> canonical rows int64; QueryError naming the first unknown id."""
@@ -149,7 +170,7 @@ class RecHandler:
         requests = [RecRequest.coerce(r, f"request {b}") for b, r in enumerate(requests)]
         if not requests:
             raise QueryError("recommend needs at least one request")
-        cfg = self.snap.config
+        cfg = self.config
         n, nlist, T = len(self.row_to_item), int(cfg["nlist"]), len(self.tasks)
         _check_int("k", k, 1, n)
         k0 = max(k, int(cfg["default_k0"]) if k0 is None else _check_int("k0", k0, 1, n))
@@ -162,7 +183,7 @@ class RecHandler:
         filters = [r.filter for r in requests]
         modes = torch.tensor([MODES["probed"] if f is None else MODES[mode] for f in filters], dtype=torch.int64)
         with torch.inference_mode():
-            ids, scores, task_scores, _ = self.snap.module(
+            ids, scores, task_scores, _ = self.module(
                 values, lengths, dense, exclude, *compile_request(filters, self.plan), modes, k, k0, nprobe, max_probe)
         return Recommendations(ids, scores, task_scores[:, :, :T], self.tasks)
 
@@ -180,18 +201,8 @@ class RecHandler:
         return Recommendations(ids, value, tasks, self.tasks)
 
     def rank_module(self):
-        if self._rank_module is None:
-            if self.snap.backend == "torchscript":
-                mod = self.snap.module
-                self._rank_module = mod.rank
-            else:
-                serde_log = logging.getLogger("torch._export.serde.serialize")
-                level = serde_log.level
-                serde_log.setLevel(logging.ERROR)
-                try:
-                    self._rank_module = torch.export.load(self.snap.path / RANK_FILE).module()
-                finally:
-                    serde_log.setLevel(level)
+        if getattr(self._rank_module, "lazy", False):
+            self._rank_module = self._rank_module()
         return self._rank_module
 
 
