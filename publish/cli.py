@@ -1,5 +1,10 @@
-"""The `silverrec` command line: publish, query, inspect.
+"""The `silverrec` command line: train, publish, recommend, rank, evaluate, query, inspect.
 
+    silverrec train --config train.toml --out model.ckpt [--minutes M] [--seed S] [--stage test|valid]
+    silverrec publish --config publish.toml --out DIR                     (recommendation model)
+    silverrec recommend DIR --user U | --history "id1,id2,..." [--filter "..."] [--k K] [--json]
+    silverrec rank DIR --user U | --history IDS --items FILE [--json]      (early-stage ranking)
+    silverrec evaluate DIR --interactions I.parquet --items ITEMS.parquet [--users U.parquet]
     silverrec publish --pool POOL.parquet --out DIR [--exact] [--nlist N] [--seed S]
     silverrec query DIR --queries Q.npy --k K [--nprobe P] [--filter "..."] [--json]
     silverrec publish --generative --pool POOL --out DIR [--model CKPT] [--beam-width W] [--top-k K]
@@ -16,9 +21,31 @@ from pathlib import Path
 
 import numpy as np
 
+from silverrec.errors import SilverrecError
+
+
+def _train(args: argparse.Namespace) -> int:
+    from silverrec.publish.train import TrainConfig, train
+
+    cfg = TrainConfig.from_toml(args.config, minutes=args.minutes, seed=args.seed, stage=args.stage)
+    ckpt = train(cfg, args.out)
+    print(json.dumps({"checkpoint": str(args.out), "metrics": ckpt.get("metrics", {}), "stats": ckpt["stats"]}, indent=2))
+    return 0
+
 
 def _publish(args: argparse.Namespace) -> int:
     from silverrec.publish.pool import read_pool
+
+    if args.config is not None:
+        from silverrec.publish.rec import PublishConfig, publish_rec
+
+        if args.pool is not None:
+            raise SilverrecError("give either --config (a recommendation model) or --pool (an index), not both")
+        out = publish_rec(PublishConfig.from_toml(args.config), args.out, overwrite=args.overwrite)
+        print(f"published {out}")
+        return 0
+    if args.pool is None:
+        raise SilverrecError("publish needs --pool POOL.parquet or --config publish.toml")
 
     pool = read_pool(args.pool)
     print(f"pool: {pool.size} items, dim {pool.dim}, features {sorted(pool.features) or 'none'}", file=sys.stderr)
@@ -138,6 +165,73 @@ def _query_generative(snap, args: argparse.Namespace) -> int:
     return 0
 
 
+def _rec_request(args: argparse.Namespace) -> dict:
+    if (args.user is None) == (args.history is None):
+        raise SilverrecError("give exactly one of --user U and --history \"id1,id2,...\"")
+    req: dict = {"user_id": args.user} if args.user is not None else {"history": _parse_history(args.history, "--history")}
+    if getattr(args, "filter", None):
+        req["filter"] = args.filter
+    return req
+
+
+def _rec_snapshot(args: argparse.Namespace):
+    import silverrec
+
+    snap = silverrec.load(args.snapshot, backend=args.backend)
+    if snap.kind != "rec":
+        raise SilverrecError(f"{args.snapshot} is a {snap.kind!r} snapshot; {args.command} needs a recommendation model "
+                             "(silverrec publish --config)")
+    return snap
+
+
+def _recommend(args: argparse.Namespace) -> int:
+    snap = _rec_snapshot(args)
+    options = {name: getattr(args, name) for name in ("nprobe", "k0") if getattr(args, name) is not None}
+    result = snap.recommend(_rec_request(args), k=args.k, exclude_history=not args.include_history, **options)
+    _print_rec(result, args)
+    return 0
+
+
+def _rank(args: argparse.Namespace) -> int:
+    snap = _rec_snapshot(args)
+    path = Path(args.items)
+    try:
+        items = np.load(path).reshape(-1).tolist() if path.suffix == ".npy" else \
+            [int(t) for t in path.read_text().replace(",", " ").split()]
+    except (OSError, ValueError) as e:
+        raise SilverrecError(f"cannot read item ids from {path}: {e}") from None
+    _print_rec(snap.rank(_rec_request(args), items), args)
+    return 0
+
+
+def _print_rec(result, args: argparse.Namespace) -> None:
+    if args.json:
+        text = json.dumps(result.to_json())
+        print(text) if args.json == "-" else Path(args.json).write_text(text)
+        return
+    for b in range(result.item_ids.shape[0]):
+        cells = []
+        for j in range(result.item_ids.shape[1]):
+            tasks = " ".join(f"{t}={float(result.task_scores[b, j, i]):.3f}" for i, t in enumerate(result.tasks))
+            cells.append(f"  {int(result.item_ids[b, j]):>8}  {float(result.scores[b, j]):8.4f}  {tasks}")
+        print("\n".join(cells))
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    import silverrec
+    from silverrec.publish.logs import leave_one_out, read_logs
+    from silverrec.publish.quality import evaluate_handler
+
+    snap = silverrec.load(args.snapshot, backend=args.backend)
+    if snap.kind != "rec":
+        raise SilverrecError(f"{args.snapshot} is a {snap.kind!r} snapshot: evaluate needs a recommendation model")
+    split = leave_one_out(read_logs(args.interactions, args.items, args.users, seed=args.seed))
+    metrics = evaluate_handler(snap.rec_handler(), split, args.stage)
+    metrics["users"] = int(len(split.eval_users))
+    print(json.dumps(metrics, indent=2) if args.json else "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from silverrec.snapshot import read_manifest
 
@@ -161,8 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="silverrec", description="Recommendation serving as one PyTorch model.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    pub = sub.add_parser("publish", help="build a snapshot from a candidate pool")
-    pub.add_argument("--pool", required=True, help="Parquet: item_id, embedding, categorical features")
+    tr = sub.add_parser("train", help="train the two-tower model and the OverArch rankers from interaction logs")
+    tr.add_argument("--config", required=True, help="train.toml (logs, tasks, dimensions, minutes)")
+    tr.add_argument("--out", required=True, help="checkpoint file to write")
+    tr.add_argument("--minutes", type=float, default=None, help="two-tower training budget (overrides the config)")
+    tr.add_argument("--seed", type=int, default=None)
+    tr.add_argument("--stage", choices=("test", "valid"), default=None,
+                    help="test: fit on train + validation items (default); valid: train items only")
+    tr.set_defaults(func=_train)
+
+    pub = sub.add_parser("publish", help="build a snapshot from a trained model (--config) or a candidate pool (--pool)")
+    pub.add_argument("--config", default=None, help="publish.toml naming a checkpoint (recommendation model)")
+    pub.add_argument("--pool", default=None, help="Parquet: item_id, embedding, categorical features")
     pub.add_argument("--out", required=True, help="snapshot directory to create")
     pub.add_argument("--exact", action="store_true", help="exact int8 index instead of IVF")
     pub.add_argument("--overwrite", action="store_true", help="replace an existing snapshot atomically")
@@ -194,6 +298,36 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--mode", choices=("auto", "probed", "unprobed"), default=None, help="filtered search mode (default auto)")
     q.set_defaults(func=_query)
 
+    for name, fn, text in (("recommend", _recommend, "top-k items for a user from a recommendation snapshot"),
+                           ("rank", _rank, "score given items for a user (early-stage ranking)")):
+        r = sub.add_parser(name, help=text)
+        r.add_argument("snapshot")
+        r.add_argument("--user", type=int, default=None, help="a user id of the training logs (its stored history)")
+        r.add_argument("--history", default=None, help="item ids oldest first, e.g. \"1,50,260\"")
+        r.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or stdout)")
+        r.add_argument("--backend", choices=("export", "torchscript"), default="export")
+        if name == "recommend":
+            r.add_argument("--filter", default=None, help="attribute filter, e.g. \"genre = Comedy AND NOT decade = '1990s'\"")
+            r.add_argument("--k", type=int, default=10)
+            r.add_argument("--k0", type=int, default=None, help="candidates per task (default: the snapshot's)")
+            r.add_argument("--nprobe", type=int, default=None)
+            r.add_argument("--include-history", dest="include_history", action="store_true",
+                           help="may return items of the user's history (excluded by default)")
+        else:
+            r.add_argument("--items", required=True, help="item ids: a text file (one per line) or .npy")
+        r.set_defaults(func=fn)
+
+    ev = sub.add_parser("evaluate", help="leave-one-out HR/NDCG of a recommendation snapshot on interaction logs")
+    ev.add_argument("snapshot")
+    ev.add_argument("--interactions", required=True)
+    ev.add_argument("--items", required=True)
+    ev.add_argument("--users", default=None)
+    ev.add_argument("--stage", choices=("test", "valid"), default="test")
+    ev.add_argument("--seed", type=int, default=0, help="timestamp tie-break seed (as in training)")
+    ev.add_argument("--json", action="store_true")
+    ev.add_argument("--backend", choices=("export", "torchscript"), default="export")
+    ev.set_defaults(func=_evaluate)
+
     i = sub.add_parser("inspect", help="print a snapshot's manifest")
     i.add_argument("snapshot")
     i.set_defaults(func=_inspect)
@@ -202,7 +336,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from silverrec.errors import SilverrecError
 
     try:
         return args.func(args)
