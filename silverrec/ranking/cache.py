@@ -1,0 +1,160 @@
+"""The embedding cache: item embeddings and dense item features by canonical row, in the model.
+
+The ranking stage receives candidate rows (int64 indexes into the pool's row space [0, N), -1 =
+padding) from retrieval and needs, per candidate, its embedding (for the exact re-score and the
+OverArch) and its dense features (for the OverArch and the value model). Both live here as
+buffers, so the lookup is one gather inside the forward and travels with the snapshot.
+
+Storage (measured by `bytes_per_item`):
+    emb    bfloat16 [N, D]   2 * D bytes per item (half of float32; re-scores agree with float32
+                             dot products to bf16 rounding, about 3 significant digits)
+    feats  uint8    [N, F]   when every feature value is 0 or 1 (flags, one-hots): 1 byte each, exact
+           bfloat16 [N, F]   otherwise: 2 bytes each, values rounded to bf16 (8 mantissa bits:
+                             a count of 1000 may read back as 1000 or 1004 - pass
+                             feats_dtype="float32" where features need more precision)
+    feature_names  List[str] (length F) - the names the value model refers to
+
+Example:
+    >>> cache = EmbeddingCache(torch.randn(1000, 64), torch.rand(1000, 3), ["age", "price", "ctr"])
+    >>> rows = torch.tensor([[3, 17, -1]])                       # [B=1, K=3], -1 = padding
+    >>> emb, feats = cache.gather(rows)                          # [1, 3, 64], [1, 3, 3]; zeros at -1
+    >>> scores = cache.rescore(torch.randn(1, 2, 64), rows)      # [1, 3, 2]; -inf at -1
+"""
+
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from silverrec.errors import PoolError
+
+FEATS_DTYPES = ("auto", "bfloat16", "uint8", "float32")
+
+
+class EmbeddingCache(nn.Module):
+    """bf16 item embeddings and dense item features, looked up by canonical row.
+
+    Args:
+        emb: float [N, D] item embeddings by row (N >= 1, finite); stored as bfloat16.
+        feats: float [N, F] dense item features by row (finite), or None for F = 0.
+        feature_names: F distinct names, in column order of `feats`.
+        feats_dtype: "auto" (uint8 when every value is 0 or 1, else bfloat16), "bfloat16",
+            "uint8" (refused unless every value is 0 or 1) or "float32".
+
+    Buffers:
+        emb   bfloat16 [N, D]
+        feats uint8 | bfloat16 | float32 [N, F]
+    """
+
+    feature_names: List[str]
+
+    def __init__(
+        self,
+        emb: Tensor,
+        feats: Optional[Tensor] = None,
+        feature_names: Optional[Sequence[str]] = None,
+        feats_dtype: str = "auto",
+    ) -> None:
+        super().__init__()
+        if not isinstance(emb, Tensor) or emb.dim() != 2 or not emb.is_floating_point():
+            raise PoolError(f"cache embeddings must be a float tensor [N, D], got {_describe(emb)}")
+        n, d = emb.shape
+        if n == 0 or d == 0:
+            raise PoolError(f"cache embeddings must be non-empty, got shape {tuple(emb.shape)}")
+        _check_finite(emb, "embedding")
+        if feats is None:
+            feats = torch.zeros(n, 0, device=emb.device)
+        if not isinstance(feats, Tensor) or feats.dim() != 2 or feats.shape[0] != n:
+            raise PoolError(f"cache features must be a tensor [N={n}, F], got {_describe(feats)}")
+        feats = feats.float()
+        _check_finite(feats, "feature")
+        names = [] if feature_names is None else list(feature_names)
+        if len(names) != feats.shape[1]:
+            raise PoolError(f"{feats.shape[1]} feature columns but {len(names)} feature names")
+        for i, name in enumerate(names):
+            if not isinstance(name, str) or not name:
+                raise PoolError(f"feature name {i} must be a non-empty string, got {name!r}")
+        dupes = sorted({x for x in names if names.count(x) > 1})
+        if dupes:
+            raise PoolError(f"duplicate feature names: {', '.join(dupes)}")
+        if feats_dtype not in FEATS_DTYPES:
+            raise PoolError(f"feats_dtype must be one of {', '.join(FEATS_DTYPES)}, got {feats_dtype!r}")
+        binary = bool(((feats == 0) | (feats == 1)).all())
+        if feats_dtype == "uint8" and not binary:
+            bad = int((~((feats == 0) | (feats == 1))).nonzero()[0, 1])
+            raise PoolError(f"feats_dtype='uint8' needs 0/1 values; feature {names[bad]!r} has others")
+        if feats_dtype == "auto":
+            feats_dtype = "uint8" if binary else "bfloat16"
+        self.register_buffer("emb", emb.detach().to(torch.bfloat16).contiguous())
+        self.register_buffer("feats", feats.detach().to(getattr(torch, feats_dtype)).contiguous())
+        self.feature_names = names
+
+    @property
+    def num_items(self) -> int:
+        return int(self.emb.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.emb.shape[1])
+
+    def bytes_per_item(self) -> int:
+        """Bytes the cache stores per item: D * 2 (bf16) + F * (1 for uint8 | 2 for bf16 | 4)."""
+        return int(self.emb.shape[1] * self.emb.element_size() + self.feats.shape[1] * self.feats.element_size())
+
+    @torch.jit.export
+    def gather(self, rows: Tensor) -> Tuple[Tensor, Tensor]:
+        """Look up candidates.
+
+        Args:
+            rows: int64 [B, K] canonical rows, -1 = padding.
+        Returns:
+            emb   float32 [B, K, D]  (zeros at padding)
+            feats float32 [B, K, F]  (zeros at padding)
+        """
+        valid = (rows >= 0).unsqueeze(-1)  # [B, K, 1]
+        idx = rows.clamp(min=0)
+        emb = torch.where(valid, self.emb[idx].float(), 0.0)
+        feats = torch.where(valid, self.feats[idx].float(), 0.0)
+        return emb, feats
+
+    @torch.jit.export
+    def rescore(self, user: Tensor, rows: Tensor) -> Tensor:
+        """Exact dot products of each task's user embedding with the cached candidate embeddings.
+
+        Args:
+            user: float32 [B, T, D] one embedding per task.
+            rows: int64 [B, K] canonical rows, -1 = padding.
+        Returns:
+            float32 [B, K, T]: <user[b, t], emb[rows[b, k]]> (float32 arithmetic on the bf16 values);
+            -inf at padding.
+        """
+        valid = (rows >= 0).unsqueeze(-1)
+        cand = self.emb[rows.clamp(min=0)].float()  # [B, K, D]
+        scores = torch.bmm(cand, user.float().transpose(1, 2))  # [B, K, T]
+        return torch.where(valid, scores, float("-inf"))
+
+    def forward(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Everything the ranking stage needs from the cache, with one gather.
+
+        Args:
+            user: float32 [B, T, D]; rows: int64 [B, K] (-1 = padding).
+        Returns:
+            emb float32 [B, K, D] (zeros at padding), feats float32 [B, K, F] (zeros at padding),
+            scores float32 [B, K, T] (exact re-score, -inf at padding).
+        """
+        emb, feats = self.gather(rows)
+        scores = torch.bmm(emb, user.float().transpose(1, 2))
+        return emb, feats, torch.where((rows >= 0).unsqueeze(-1), scores, float("-inf"))
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, Tensor):
+        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def _check_finite(x: Tensor, what: str) -> None:
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        row, col = (int(v) for v in (~torch.isfinite(x)).nonzero()[0])
+        raise PoolError(f"cache {what} of row {row}, column {col} is NaN or Inf")

@@ -1,0 +1,198 @@
+"""OverArch: the ranking stage's scorer of (user, candidate) pairs, one score per task.
+
+Both kinds share one signature, so a snapshot spec can pick either:
+
+    forward(user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F]) -> float32 [B, K, T]
+
+`user[b, t]` is the user's embedding for task t; `cand[b, k]` and `feats[b, k]` the k-th
+candidate's cached embedding and dense features (`EmbeddingCache.gather`). Padded candidates get
+some finite score: the caller masks them. Inputs are cast to the parameters' dtype (so a
+`.to(torch.bfloat16)` module takes the float32 tensors the cache produces) and scores come back
+as float32. Scores are logits meant for a softmax cross-entropy over each candidate list.
+
+`config()` returns the constructor arguments (JSON-able); `overarch_from_config(kind, config)`
+rebuilds an untrained module of the same shape, to load a state dict into.
+
+- MLPOverArch: x_t = [u_t, v, u_t * v, feats] -> shared ReLU MLP trunk -> per-task linear head.
+- MoLOverArch: mixture of logits (Zhai et al., KDD 2023, "Revisiting Neural Retrieval on
+  Accelerators"): gated sum of cosine similarities between user and item components.
+"""
+
+
+import math
+from typing import Any, Dict, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class MLPOverArch(nn.Module):
+    """MLP over [u_t, v, u_t * v, feats] with a shared trunk and one linear head per task.
+
+    For task t and candidate v:  x_t = [u_t, v, u_t * v, feats]          (3D + F)
+        h_t = ReLU(W_L ... ReLU(W_1 x_t + b_1) ... + b_L)                  (trunk, shared by tasks)
+        score_t = <w_t, h_t> + c_t                                         (head t: row t of a
+                                                                            [T, hidden[-1]] weight)
+    The trunk is shared so that tasks learn from each other's data; the heads are T separate
+    linear maps stored as one `[T, H]` parameter. The first layer is applied as the sum of its
+    four column blocks (user part once per (b, t), item part once per (b, k)), which is the same
+    map as the concatenation without building a `[B, K, T, 3D + F]` tensor.
+
+    Args:
+        dim: D, the embedding size of users and items.
+        feat_dim: F, the number of dense item features (0 allowed).
+        tasks: T, the number of tasks (scores per candidate).
+        hidden: trunk layer widths (at least one).
+    """
+
+    kind = "mlp"
+
+    def __init__(self, dim: int, feat_dim: int, tasks: int, hidden: Sequence[int] = (256, 128)) -> None:
+        super().__init__()
+        hidden = [int(h) for h in hidden]
+        _check_dims(dim=dim, feat_dim=feat_dim, tasks=tasks)
+        if not hidden or min(hidden) < 1:
+            raise ValueError(f"hidden must list at least one positive width, got {hidden}")
+        self.dim, self.feat_dim, self.tasks, self.hidden = int(dim), int(feat_dim), int(tasks), hidden
+        self.first = nn.Linear(3 * dim + feat_dim, hidden[0])
+        self.rest = nn.ModuleList(nn.Linear(a, b) for a, b in zip(hidden[:-1], hidden[1:]))
+        self.head_weight = nn.Parameter(torch.empty(tasks, hidden[-1]))
+        self.head_bias = nn.Parameter(torch.zeros(tasks))
+        nn.init.uniform_(self.head_weight, -1.0 / math.sqrt(hidden[-1]), 1.0 / math.sqrt(hidden[-1]))
+
+    def config(self) -> Dict[str, Any]:
+        return {"dim": self.dim, "feat_dim": self.feat_dim, "tasks": self.tasks, "hidden": list(self.hidden)}
+
+    def forward(self, user: Tensor, cand: Tensor, feats: Tensor) -> Tensor:
+        """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]."""
+        w = self.first.weight  # [H0, 3D + F]
+        d = self.dim
+        user = user.to(w.dtype)
+        cand = cand.to(w.dtype)
+        feats = feats.to(w.dtype)
+        hu = F.linear(user, w[:, :d])  # [B, T, H0]
+        hv = F.linear(cand, w[:, d : 2 * d]) + F.linear(feats, w[:, 3 * d :], self.first.bias)  # [B, K, H0]
+        huv = F.linear(user.unsqueeze(1) * cand.unsqueeze(2), w[:, 2 * d : 3 * d])  # [B, K, T, H0]
+        h = torch.relu(huv + hu.unsqueeze(1) + hv.unsqueeze(2))
+        for layer in self.rest:
+            h = torch.relu(layer(h))
+        return ((h * self.head_weight).sum(-1) + self.head_bias).float()  # [B, K, T]
+
+
+class MoLOverArch(nn.Module):
+    """Mixture of logits (MoL): a gated sum of P = p_q * p_x component cosine similarities.
+
+    For task t, user embedding u = u_t, candidate v with features f:
+        q_i  = normalize(slice_i(A_t u + a_t))       i < p_q   (per-task user projection A_t)
+        x_j  = normalize(slice_j(B v + b))           j < p_x   (item projection, shared by tasks)
+        l_ij = <q_i, x_j>                             (P logits in [-1, 1], flattened i-major)
+        pi   = softmax_P(G_t SiLU(W [u, v, f, l] + c) + g_t)   (gate MLP: shared hidden layer over
+                                                               user-side, item-side and logit
+                                                               features; per-task output layer G_t)
+        score_t = s_t * sum_ij pi_ij l_ij             s_t = exp(log_scale_t), learned (init `scale`)
+                                                      or fixed (learn_scale=False), capped at 100
+    The temperature s_t makes the bounded mixture usable as a softmax cross-entropy logit.
+    User projections are per task because the components a task attends to differ; the item
+    projection is shared so an item's components are computed once per candidate. The gate's first
+    layer is applied as the sum of its column blocks (same map as the concatenation).
+
+    Args:
+        dim: D; feat_dim: F (0 allowed); tasks: T.
+        p_q, p_x: user / item component counts. comp_dim: component size.
+        gate_hidden: width of the gate MLP's hidden layer.
+        scale: initial (or fixed) temperature multiplier. learn_scale: learn it per task.
+    """
+
+    kind = "mol"
+
+    def __init__(
+        self,
+        dim: int,
+        feat_dim: int,
+        tasks: int,
+        p_q: int = 4,
+        p_x: int = 4,
+        comp_dim: int = 32,
+        gate_hidden: int = 64,
+        scale: float = 20.0,
+        learn_scale: bool = True,
+    ) -> None:
+        super().__init__()
+        _check_dims(dim=dim, feat_dim=feat_dim, tasks=tasks)
+        for name, v in (("p_q", p_q), ("p_x", p_x), ("comp_dim", comp_dim), ("gate_hidden", gate_hidden)):
+            if int(v) < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if not (0.0 < float(scale) <= 100.0):
+            raise ValueError(f"scale must be in (0, 100], got {scale}")
+        self.dim, self.feat_dim, self.tasks = int(dim), int(feat_dim), int(tasks)
+        self.p_q, self.p_x, self.comp_dim, self.gate_hidden = int(p_q), int(p_x), int(comp_dim), int(gate_hidden)
+        self.scale_init, self.learn_scale = float(scale), bool(learn_scale)
+        n_p = self.p_q * self.p_x
+        bound = 1.0 / math.sqrt(dim)
+        self.user_weight = nn.Parameter(torch.empty(tasks, self.p_q * comp_dim, dim).uniform_(-bound, bound))
+        self.user_bias = nn.Parameter(torch.empty(tasks, self.p_q * comp_dim).uniform_(-bound, bound))
+        self.item_proj = nn.Linear(dim, self.p_x * comp_dim)
+        self.gate_in = nn.Linear(2 * dim + feat_dim + n_p, gate_hidden)
+        gb = 1.0 / math.sqrt(gate_hidden)
+        self.gate_weight = nn.Parameter(torch.empty(tasks, n_p, gate_hidden).uniform_(-gb, gb))
+        self.gate_bias = nn.Parameter(torch.zeros(tasks, n_p))
+        log_scale = torch.full((tasks,), math.log(float(scale)))
+        if self.learn_scale:
+            self.log_scale = nn.Parameter(log_scale)
+        else:
+            self.register_buffer("log_scale", log_scale)
+
+    def config(self) -> Dict[str, Any]:
+        return {
+            "dim": self.dim, "feat_dim": self.feat_dim, "tasks": self.tasks, "p_q": self.p_q, "p_x": self.p_x,
+            "comp_dim": self.comp_dim, "gate_hidden": self.gate_hidden, "scale": self.scale_init,
+            "learn_scale": self.learn_scale,
+        }
+
+    def component_logits(self, user: Tensor, cand: Tensor) -> Tensor:
+        """user [B, T, D], cand [B, K, D] (parameter dtype) -> l [B, K, T, P], P = p_q * p_x (i-major)."""
+        # per-task projection as a broadcast matmul (einsum or bmm here made export guard on B != 1)
+        q = torch.matmul(user.unsqueeze(-2), self.user_weight.transpose(1, 2)).squeeze(-2)
+        q = q + self.user_bias  # [B, T, p_q * c]
+        q = F.normalize(q.unflatten(-1, [self.p_q, self.comp_dim]), dim=-1)  # [B, T, p_q, c]
+        x = F.normalize(self.item_proj(cand).unflatten(-1, [self.p_x, self.comp_dim]), dim=-1)  # [B, K, p_x, c]
+        # all (i, j) pairs as one batched matmul; (einsum here made export guard on K != 1)
+        logits = torch.bmm(x.flatten(1, 2), q.flatten(1, 2).transpose(1, 2))  # [B, K * p_x, T * p_q]
+        logits = logits.unflatten(2, [self.tasks, self.p_q]).unflatten(1, [-1, self.p_x])  # [B, K, p_x, T, p_q]
+        return logits.permute(0, 1, 3, 4, 2).flatten(-2)  # [B, K, T, p_q * p_x]
+
+    def forward(self, user: Tensor, cand: Tensor, feats: Tensor) -> Tensor:
+        """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]."""
+        w = self.gate_in.weight  # [H, 2D + F + P]
+        d, f = self.dim, self.feat_dim
+        user = user.to(w.dtype)
+        cand = cand.to(w.dtype)
+        feats = feats.to(w.dtype)
+        logits = self.component_logits(user, cand)  # [B, K, T, P]
+        hu = F.linear(user, w[:, :d])  # [B, T, H]
+        hv = F.linear(cand, w[:, d : 2 * d]) + F.linear(feats, w[:, 2 * d : 2 * d + f], self.gate_in.bias)  # [B, K, H]
+        hl = F.linear(logits, w[:, 2 * d + f :])  # [B, K, T, H]
+        h = F.silu(hl + hu.unsqueeze(1) + hv.unsqueeze(2))
+        g = torch.matmul(h.unsqueeze(-2), self.gate_weight.transpose(1, 2)).squeeze(-2)  # [B, K, T, P]
+        gates = torch.softmax(g + self.gate_bias, dim=-1)
+        mixed = (gates * logits).sum(-1)  # [B, K, T]
+        return (mixed * self.log_scale.exp().clamp(max=100.0)).float()
+
+
+OVERARCHES = {"mlp": MLPOverArch, "mol": MoLOverArch}
+
+
+def overarch_from_config(kind: str, config: Dict[str, Any]) -> nn.Module:
+    """Rebuild an (untrained) OverArch from its kind ("mlp" | "mol") and `config()`."""
+    if kind not in OVERARCHES:
+        raise ValueError(f"unknown OverArch kind {kind!r} (known: {', '.join(OVERARCHES)})")
+    return OVERARCHES[kind](**config)
+
+
+def _check_dims(**dims: int) -> None:
+    for name, v in dims.items():
+        lo = 0 if name == "feat_dim" else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
