@@ -129,3 +129,41 @@ def factorise(dim: int = 32, ratings: Ratings | None = None, movie_ids: np.ndarr
     users = (u * s.sqrt()).float().numpy()
     items = (v * s.sqrt()).float().numpy()
     return Factorisation(user_ids, users, movie_ids, items)
+
+
+def write_logs(out_dir: str | Path) -> tuple[Path, Path]:
+    """Write the bundled ratings as generic logs (see publish/logs.py): (interactions, items) paths.
+
+    ``interactions.parquet``: user_id, item_id (movieId), timestamp int64 and the ``rating`` label
+    float32, in the file's order. ``items.parquet``: item_id, ``genre`` list<string> and ``decade``
+    string for every movie in movies.csv (titles stay out: they are not categorical).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    movies, ratings = load_movies(), load_ratings()
+    items_path, inter_path = out_dir / "items.parquet", out_dir / "interactions.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "item_id": pa.array(movies.movie_ids, type=pa.int64()),
+                "genre": pa.array(movies.genres, type=pa.list_(pa.string())),
+                "decade": pa.array(movies.decade, type=pa.string()),
+            }
+        ),
+        items_path,
+    )
+    pq.write_table(
+        pa.table(
+            {
+                "user_id": pa.array(ratings.user_ids, type=pa.int64()),
+                "item_id": pa.array(ratings.movie_ids, type=pa.int64()),
+                "timestamp": pa.array(ratings.timestamps, type=pa.int64()),
+                "rating": pa.array(ratings.ratings, type=pa.float32()),
+            }
+        ),
+        inter_path,
+    )
+    return inter_path, items_path
