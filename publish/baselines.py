@@ -145,7 +145,7 @@ class EASE:
         return score
 
 
-def ease(split: Split, stage: str, lam: float = 500.0) -> ScoreFn:
+def ease(split: Split, stage: str, lam: float = 200.0) -> ScoreFn:
     """EASE score function with L2 weight ``lam``, fit on the histories at ``stage``."""
     return EASE(split, stage).score_fn(lam)
 
