@@ -1,21 +1,23 @@
-"""`make demo`: publish a snapshot from the bundled MovieLens data and query it from a fresh process.
+"""`make demo`: the recommendation model on the bundled MovieLens, from logs to ranked items.
 
-1. PureSVD factorisation of the 100,836 ratings -> a 32-d embedding per movie (9,742 movies) and
-   per user (610 users).
-2. The candidate pool: movie id, embedding, genres (multi-valued) and decade as categorical features
-   -> out/demo/movielens_pool.parquet.
-3. `silverrec publish` -> out/demo/snapshot-<kind> (atomic, checksummed).
-4. `silverrec query` in a fresh process with three users' embeddings as queries; the answers are
-   printed with titles next to what the user rated highest.
-5. The same users with an attribute filter evaluated inside the model (Bloom signatures on the
-   probed clusters, exact NOT): `--filter "genre = Comedy AND NOT decade = '1990s'"`.
+1. Convert MovieLens ml-latest-small into the generic input files (interactions.parquet with a
+   `rating` label, items.parquet with genre and decade features) -> out/demo/logs/.
+2. `silverrec train --config out/demo/train.toml`: the two-tower model (TorchRec user tower, two
+   tasks: "interacted" and "liked" = rating >= 4) and the OverArch rankers (MLP, mixture-of-logits).
+   A second run reuses the checkpoint when the logs and the config are unchanged.
+3. `silverrec publish --config out/demo/publish.toml`: one snapshot (user tower, int8 IVF, Bloom
+   filter bank, embedding cache, OverArch, value model) -> out/demo/snapshot.
+4. `silverrec recommend` in a fresh process for a few users, with titles, then the same users with a
+   filter evaluated in-model, every answer checked against movies.csv.
+5. The quality table (leave-one-out, full ranking, history masked): popularity, PureSVD, EASE,
+   two-tower exact, IVF, IVF + re-score, + OverArch MLP, + MoL, multi-task + value model.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -23,80 +25,142 @@ from pathlib import Path
 
 import numpy as np
 
-from silverrec.publish.movielens import factorise, load_movies, load_ratings
-from silverrec.publish.pool import write_pool
+from silverrec.publish.movielens import load_movies, write_logs
 
 DEMO_USERS = (1, 42, 414)
 DEMO_FILTER = "genre = Comedy AND NOT decade = '1990s'"
+
+TRAIN_TOML = """\
+# silverrec train --config train.toml: generic logs in, checkpoint out
+interactions = "logs/interactions.parquet"
+items = "logs/items.parquet"
+dim = 64
+history_len = 50
+recent_len = 5
+minutes = {minutes}            # two-tower budget
+overarch_minutes = {overarch_minutes}   # per OverArch kind
+overarch = ["mlp", "mol"]
+k0 = 200
+seed = {seed}
+
+[[tasks]]
+name = "interacted"
+
+[[tasks]]
+name = "liked"
+label = "rating"
+min = 4.0
+"""
+
+PUBLISH_TOML = """\
+# silverrec publish --config publish.toml --out snapshot
+checkpoint = "model.ckpt"
+overarch = "mol"
+merge = "union"
+k0 = 200
+quantize = "auto"      # int8 user-tower tables where their top-100 agrees with fp32's
+
+[value_model]          # the final score: a formula over the task scores (and item features)
+weights = {{ interacted = 1.0, liked = 0.5 }}
+"""
 
 
 def _cli(*args: str) -> str:
     """Run the silverrec CLI in a fresh Python process (as a user would) and return its stdout."""
     proc = subprocess.run([sys.executable, "-m", "silverrec.publish.cli", *args], capture_output=True, text=True)
-    sys.stderr.write(proc.stderr)
     if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
         raise SystemExit(f"silverrec {args[0]} failed with exit code {proc.returncode}")
     return proc.stdout
 
 
+def _fingerprint(*paths: Path) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="out/demo", help="working directory for the pool and snapshots")
+    p.add_argument("--out", default="out/demo", help="working directory")
     p.add_argument("--k", type=int, default=10)
-    p.add_argument("--exact", action="store_true", help="publish the exact int8 index instead of the default")
+    p.add_argument("--minutes", type=float, default=1.5, help="two-tower training budget")
+    p.add_argument("--overarch-minutes", dest="overarch_minutes", type=float, default=0.4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--retrain", action="store_true", help="train even when a matching checkpoint exists")
+    p.add_argument("--no-table", dest="table", action="store_false", help="skip the quality table")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-
     t0 = time.perf_counter()
-    movies, ratings = load_movies(), load_ratings()
-    fact = factorise(dim=32, ratings=ratings, movie_ids=movies.movie_ids)
-    print(f"1. factorised {len(ratings.ratings):,} ratings of {len(fact.user_ids)} users "
-          f"into {fact.item_factors.shape[1]}-d embeddings ({time.perf_counter() - t0:.1f}s)")
 
-    pool_path = out / "movielens_pool.parquet"
-    write_pool(pool_path, movies.movie_ids, fact.item_factors,
-               {"genre": movies.genres, "decade": movies.decade})
-    print(f"2. wrote the candidate pool: {len(movies.movie_ids):,} movies, features genre, decade -> {pool_path}")
+    inter, items = write_logs(out / "logs")
+    print(f"1. wrote the generic input files: {inter} (user_id, item_id, timestamp, rating), {items} (genre, decade)")
 
-    snap = out / ("snapshot-exact" if args.exact else "snapshot")
-    if snap.exists():
-        shutil.rmtree(snap)
-    publish_args = ["publish", "--pool", str(pool_path), "--out", str(snap)] + (["--exact"] if args.exact else [])
-    _cli(*publish_args)
-    print(f"3. published {snap}:")
-    print("   " + _cli("inspect", str(snap)).replace("\n", "\n   ").rstrip())
+    train_toml, publish_toml = out / "train.toml", out / "publish.toml"
+    train_toml.write_text(TRAIN_TOML.format(minutes=args.minutes, overarch_minutes=args.overarch_minutes, seed=args.seed))
+    publish_toml.write_text(PUBLISH_TOML.format())
+    ckpt, stamp = out / "model.ckpt", out / "model.ckpt.fingerprint"
+    fp = _fingerprint(inter, items, train_toml)
+    if not args.retrain and ckpt.is_file() and stamp.is_file() and stamp.read_text() == fp:
+        print(f"2. reusing {ckpt} (same logs and config; --retrain to train again)")
+    else:
+        t = time.perf_counter()
+        _cli("train", "--config", str(train_toml), "--out", str(ckpt))
+        stamp.write_text(fp)
+        print(f"2. trained the two-tower model and the OverArch rankers -> {ckpt} ({time.perf_counter() - t:.0f}s)")
 
-    rows = [int(np.flatnonzero(fact.user_ids == u)[0]) for u in DEMO_USERS]
-    q_path = out / "queries.npy"
-    np.save(q_path, fact.user_factors[rows].astype(np.float32))
-    answer = json.loads(_cli("query", str(snap), "--queries", str(q_path), "--k", str(args.k), "--json"))
-    print(f"4. answered {len(rows)} queries in a fresh process (silverrec query {snap} --queries {q_path} --k {args.k}):")
+    snap = out / "snapshot"
+    t = time.perf_counter()
+    _cli("publish", "--config", str(publish_toml), "--out", str(snap), "--overwrite")
+    manifest = json.loads((snap / "manifest.json").read_text())
+    cfg = manifest["config"]
+    q = cfg["quantization_user_tower"]
+    print(f"3. published {snap} ({time.perf_counter() - t:.0f}s): {manifest['item_count']:,} items, "
+          f"{cfg['bytes_per_item']['total']:.0f} bytes/item, user tower tables {q['tables']} "
+          f"(int8 top-100 overlap {q.get('int8_top100_overlap', float('nan')):.3f}), OverArch {cfg['overarch']}, "
+          f"value model {json.dumps(cfg['value_model'])}")
+
+    movies = load_movies()
     info = {int(m): (t, g, d) for m, t, g, d in zip(movies.movie_ids, movies.titles, movies.genres, movies.decade)}
-    _show(answer, ratings, info)
-    if not args.exact:
-        answer = json.loads(_cli("query", str(snap), "--queries", str(q_path), "--k", str(args.k),
-                                 "--filter", DEMO_FILTER, "--json"))
-        print(f'\n5. the same users, filtered in-model: --filter "{DEMO_FILTER}"')
-        _show(answer, ratings, info)
-        for ids in answer["item_ids"]:
-            for item in ids:
-                _, genres, decade = info[item]
-                assert "Comedy" in genres and decade != "1990s", f"filter violated by movie {item}"
-        print("\n   every filtered answer checked against movies.csv: all are comedies from outside the 1990s")
-    print(f"\ndemo finished in {time.perf_counter() - t0:.1f}s")
+    users = np.load(snap / "users.npz")
+    for filt in (None, DEMO_FILTER):
+        head = "4. recommendations" if filt is None else f'\n5. the same users, filtered in-model: --filter "{filt}"'
+        print(f"{head} (silverrec recommend {snap} --user U --k {args.k}, a fresh process each):")
+        for user in DEMO_USERS:
+            extra = ["--filter", filt] if filt else []
+            answer = json.loads(_cli("recommend", str(snap), "--user", str(user), "--k", str(args.k), "--json", *extra))
+            i = int(np.searchsorted(users["user_ids"], user))
+            hist = users["item_ids"][users["offsets"][i]:users["offsets"][i + 1]]
+            print(f"\n   user {user}, {len(hist)} movies seen, the last three: " + "; ".join(info[int(m)][0] for m in hist[-3:]))
+            for rank, (item, score) in enumerate(zip(answer["item_ids"][0], answer["scores"][0]), 1):
+                title, genres, decade = info[item]
+                print(f"     {rank:>2}. {title[:52]:<52} {decade:<6} {'|'.join(genres)[:38]:<38} {score:7.3f}")
+                assert item not in set(hist.tolist()), f"movie {item} of user {user}'s history was recommended"
+                if filt:
+                    assert "Comedy" in genres and decade != "1990s", f"filter violated by movie {item}"
+        if filt:
+            print("\n   every filtered answer checked against movies.csv: all comedies from outside the 1990s")
+
+    if args.table:
+        from silverrec.publish.logs import leave_one_out, read_logs
+        from silverrec.publish.quality import format_table, quality_table
+        from silverrec.publish.rec import PublishConfig, build_rec_model
+        from silverrec.publish.train import load_checkpoint
+
+        t = time.perf_counter()
+        ck = load_checkpoint(ckpt)
+        split = leave_one_out(read_logs(inter, items, seed=args.seed))
+        built = build_rec_model(PublishConfig.from_toml(publish_toml), ck)
+        rows = quality_table(ck, built, split)
+        print(f"\n6. quality on MovieLens ml-latest-small: leave-one-out, {len(split.eval_users)} test users, "
+              f"full ranking over {split.logs.item_ids.shape[0]:,} items, history masked, seed {args.seed} "
+              f"({time.perf_counter() - t:.0f}s)\n")
+        print("   " + format_table(rows).replace("\n", "\n   "))
+        (out / "quality.json").write_text(json.dumps(rows, indent=2))
+    print(f"\ndemo finished in {time.perf_counter() - t0:.0f}s")
     return 0
-
-
-def _show(answer: dict, ratings, info: dict) -> None:
-    """Print each demo user's highest-rated movies and the answer, with titles and features."""
-    for user, ids, scores in zip(DEMO_USERS, answer["item_ids"], answer["scores"]):
-        mine = ratings.user_ids == user
-        liked = ratings.movie_ids[mine][np.argsort(-ratings.ratings[mine], kind="stable")[:3]]
-        print(f"\n   user {user} rated highest: " + "; ".join(info[int(m)][0] for m in liked))
-        for rank, (item, score) in enumerate(zip(ids, scores), 1):
-            title, genres, decade = info[item]
-            print(f"     {rank:>2}. {title[:55]:<55} {decade:<6} {'|'.join(genres)[:40]:<40} {score:.3f}")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ class TrainConfig:
     lr: float = 2e-3
     temperature: float = 0.05
     k0: int = 200
+    overarch_negatives: int = 63  # hard negatives per example, sampled from its top-k0 candidates
     max_dense_values: int = 32  # dense multi-hot columns per item feature (most frequent values)
     seed: int = 0
     stage: str = "test"
@@ -231,7 +232,7 @@ def train_two_tower(cfg: TrainConfig, split: Split, ex: Examples, spec: UserFeat
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     user.train(), item.train()
     t0 = time.perf_counter()
@@ -264,6 +265,7 @@ def train_overarch(kind: str, cfg: TrainConfig, ex: Examples, user: UserTower, e
     model = build_overarch(kind, item_emb.shape[1], item_feats.shape[1], T)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     rng = np.random.default_rng(cfg.seed + 1)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
     cache_emb = item_emb.to(torch.bfloat16).float()  # what the served model sees
     kept = [0, 0]
 
@@ -284,15 +286,19 @@ def train_overarch(kind: str, cfg: TrainConfig, ex: Examples, user: UserTower, e
         if not bool(keep.any()):
             return float("nan")
         cands, hit, u = cands[keep], hit[keep], u[keep]
+        # the target first, then overarch_negatives of the other candidates, drawn at random
+        draw = torch.rand(cands.shape, generator=gen).masked_fill(hit, -1.0)
+        pick = draw.topk(min(cands.shape[1], cfg.overarch_negatives + 1), dim=1, largest=False).indices
+        cands = cands.gather(1, pick)
         w = torch.from_numpy(ex.weights[idx])[keep]  # [b, T]
-        logits = model(u, cache_emb[cands], item_feats[cands])  # [b, K0, T]
-        label = hit.float().argmax(dim=1)
-        ce = torch.nn.functional.cross_entropy(logits, label[:, None].expand(-1, T), reduction="none")
+        logits = model(u, cache_emb[cands], item_feats[cands])  # [b, 1 + negatives, T]
+        label = torch.zeros(cands.shape[0], T, dtype=torch.int64)
+        ce = torch.nn.functional.cross_entropy(logits, label, reduction="none")
         loss = (ce * w).sum() / w.sum().clamp_min(1.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     model.train()
     t0 = time.perf_counter()

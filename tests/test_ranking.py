@@ -152,7 +152,8 @@ def mlp_reference(module: MLPOverArch, user, cand, feats) -> torch.Tensor:
     h = torch.relu(module.first(torch.cat([u, v, u * v, f], dim=-1)))
     for layer in module.rest:
         h = torch.relu(layer(h))
-    return torch.stack([h[..., t, :] @ module.head_weight[t] + module.head_bias[t] for t in range(u.shape[2])], -1)
+    return torch.stack([h[..., t, :] @ module.head_weight[t] + module.head_bias[t]
+                        + module.dot_scale[t] * (u[..., t, :] * v[..., t, :]).sum(-1) for t in range(u.shape[2])], -1)
 
 
 def mol_reference(module: MoLOverArch, user, cand, feats) -> torch.Tensor:
@@ -258,7 +259,8 @@ def test_overarch_config_rebuilds(kind):
 def test_overarch_every_parameter_trains(kind):
     module = {m.kind: m for m in _kinds()}[kind]
     user, cand, feats = _inputs(3, 7)
-    F.cross_entropy(module(user, cand, feats)[:, :, 0], torch.zeros(3, dtype=torch.long)).backward()
+    # a pointwise loss: a softmax over candidates is blind to the per-task bias (a shift of every logit)
+    F.binary_cross_entropy_with_logits(module(user, cand, feats)[:, :, 0], torch.rand(3, 7)).backward()
     for name, p in module.named_parameters():
         assert p.grad is not None and bool(p.grad.abs().sum() > 0), name
 

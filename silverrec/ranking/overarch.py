@@ -32,8 +32,11 @@ class MLPOverArch(nn.Module):
 
     For task t and candidate v:  x_t = [u_t, v, u_t * v, feats]          (3D + F)
         h_t = ReLU(W_L ... ReLU(W_1 x_t + b_1) ... + b_L)                  (trunk, shared by tasks)
-        score_t = <w_t, h_t> + c_t                                         (head t: row t of a
+        score_t = <w_t, h_t> + c_t + s_t <u_t, v>                          (head t: row t of a
                                                                             [T, hidden[-1]] weight)
+    The residual s_t <u_t, v> (s_t learned, initially `dot_scale`, the retrieval model's inverse
+    temperature) starts the ranker at the retrieval model's order, so that the MLP learns a
+    correction of it rather than the whole score from scratch.
     The trunk is shared so that tasks learn from each other's data; the heads are T separate
     linear maps stored as one `[T, H]` parameter. The first layer is applied as the sum of its
     four column blocks (user part once per (b, t), item part once per (b, k)), which is the same
@@ -48,7 +51,8 @@ class MLPOverArch(nn.Module):
 
     kind = "mlp"
 
-    def __init__(self, dim: int, feat_dim: int, tasks: int, hidden: Sequence[int] = (256, 128)) -> None:
+    def __init__(self, dim: int, feat_dim: int, tasks: int, hidden: Sequence[int] = (256, 128),
+                 dot_scale: float = 20.0) -> None:
         super().__init__()
         hidden = [int(h) for h in hidden]
         _check_dims(dim=dim, feat_dim=feat_dim, tasks=tasks)
@@ -59,10 +63,12 @@ class MLPOverArch(nn.Module):
         self.rest = nn.ModuleList(nn.Linear(a, b) for a, b in zip(hidden[:-1], hidden[1:]))
         self.head_weight = nn.Parameter(torch.empty(tasks, hidden[-1]))
         self.head_bias = nn.Parameter(torch.zeros(tasks))
+        self.dot_scale = nn.Parameter(torch.full((tasks,), float(dot_scale)))
         nn.init.uniform_(self.head_weight, -1.0 / math.sqrt(hidden[-1]), 1.0 / math.sqrt(hidden[-1]))
 
     def config(self) -> Dict[str, Any]:
-        return {"dim": self.dim, "feat_dim": self.feat_dim, "tasks": self.tasks, "hidden": list(self.hidden)}
+        return {"dim": self.dim, "feat_dim": self.feat_dim, "tasks": self.tasks, "hidden": list(self.hidden),
+                "dot_scale": float(self.dot_scale.detach()[0])}
 
     def forward(self, user: Tensor, cand: Tensor, feats: Tensor) -> Tensor:
         """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]."""
@@ -73,11 +79,13 @@ class MLPOverArch(nn.Module):
         feats = feats.to(w.dtype)
         hu = F.linear(user, w[:, :d])  # [B, T, H0]
         hv = F.linear(cand, w[:, d : 2 * d]) + F.linear(feats, w[:, 3 * d :], self.first.bias)  # [B, K, H0]
-        huv = F.linear(user.unsqueeze(1) * cand.unsqueeze(2), w[:, 2 * d : 3 * d])  # [B, K, T, H0]
+        uv = user.unsqueeze(1) * cand.unsqueeze(2)  # [B, K, T, D]
+        huv = F.linear(uv, w[:, 2 * d : 3 * d])  # [B, K, T, H0]
         h = torch.relu(huv + hu.unsqueeze(1) + hv.unsqueeze(2))
         for layer in self.rest:
             h = torch.relu(layer(h))
-        return ((h * self.head_weight).sum(-1) + self.head_bias).float()  # [B, K, T]
+        dot = uv.sum(-1) * self.dot_scale.to(uv.dtype)  # [B, K, T]
+        return ((h * self.head_weight).sum(-1) + self.head_bias + dot).float()  # [B, K, T]
 
 
 class MoLOverArch(nn.Module):
