@@ -134,6 +134,7 @@ def _print_result(result, args: argparse.Namespace) -> None:
 def _parse_history(text: str, where: str) -> list[int]:
     from silverrec.errors import QueryError
 
+    text = str(text)
     items = [t for t in text.replace(",", " ").split() if t]
     try:
         return [int(t) for t in items]
@@ -165,13 +166,18 @@ def _query_generative(snap, args: argparse.Namespace) -> int:
     return 0
 
 
-def _rec_request(args: argparse.Namespace) -> dict:
+def _rec_requests(args: argparse.Namespace) -> list[dict]:
+    """--user U[,U2,...] (one request per user) or --history IDS (one request)."""
     if (args.user is None) == (args.history is None):
         raise SilverrecError("give exactly one of --user U and --history \"id1,id2,...\"")
-    req: dict = {"user_id": args.user} if args.user is not None else {"history": _parse_history(args.history, "--history")}
-    if getattr(args, "filter", None):
-        req["filter"] = args.filter
-    return req
+    if args.user is not None:
+        reqs = [{"user_id": u} for u in _parse_history(args.user, "--user")]
+    else:
+        reqs = [{"history": _parse_history(args.history, "--history")}]
+    for r in reqs:
+        if getattr(args, "filter", None):
+            r["filter"] = args.filter
+    return reqs
 
 
 def _rec_snapshot(args: argparse.Namespace):
@@ -187,7 +193,7 @@ def _rec_snapshot(args: argparse.Namespace):
 def _recommend(args: argparse.Namespace) -> int:
     snap = _rec_snapshot(args)
     options = {name: getattr(args, name) for name in ("nprobe", "k0") if getattr(args, name) is not None}
-    result = snap.recommend(_rec_request(args), k=args.k, exclude_history=not args.include_history, **options)
+    result = snap.recommend(_rec_requests(args), k=args.k, exclude_history=not args.include_history, **options)
     _print_rec(result, args)
     return 0
 
@@ -200,7 +206,10 @@ def _rank(args: argparse.Namespace) -> int:
             [int(t) for t in path.read_text().replace(",", " ").split()]
     except (OSError, ValueError) as e:
         raise SilverrecError(f"cannot read item ids from {path}: {e}") from None
-    _print_rec(snap.rank(_rec_request(args), items), args)
+    reqs = _rec_requests(args)
+    if len(reqs) != 1:
+        raise SilverrecError("rank scores items for one user: give one --user or one --history")
+    _print_rec(snap.rank(reqs[0], items), args)
     return 0
 
 
@@ -210,7 +219,7 @@ def _print_rec(result, args: argparse.Namespace) -> None:
         print(text) if args.json == "-" else Path(args.json).write_text(text)
         return
     for b in range(result.item_ids.shape[0]):
-        cells = []
+        cells = [f"request {b}:"] if result.item_ids.shape[0] > 1 else []
         for j in range(result.item_ids.shape[1]):
             tasks = " ".join(f"{t}={float(result.task_scores[b, j, i]):.3f}" for i, t in enumerate(result.tasks))
             cells.append(f"  {int(result.item_ids[b, j]):>8}  {float(result.scores[b, j]):8.4f}  {tasks}")
@@ -302,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                            ("rank", _rank, "score given items for a user (early-stage ranking)")):
         r = sub.add_parser(name, help=text)
         r.add_argument("snapshot")
-        r.add_argument("--user", type=int, default=None, help="a user id of the training logs (its stored history)")
+        r.add_argument("--user", default=None, help="user id(s) of the training logs (their stored histories), e.g. 1 or \"1,42\"")
         r.add_argument("--history", default=None, help="item ids oldest first, e.g. \"1,50,260\"")
         r.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or stdout)")
         r.add_argument("--backend", choices=("export", "torchscript"), default="export")

@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="out/demo", help="working directory")
     p.add_argument("--k", type=int, default=10)
-    p.add_argument("--minutes", type=float, default=1.5, help="two-tower training budget")
-    p.add_argument("--overarch-minutes", dest="overarch_minutes", type=float, default=0.4)
+    p.add_argument("--minutes", type=float, default=1.25, help="two-tower training budget")
+    p.add_argument("--overarch-minutes", dest="overarch_minutes", type=float, default=0.35)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--retrain", action="store_true", help="train even when a matching checkpoint exists")
     p.add_argument("--no-table", dest="table", action="store_false", help="skip the quality table")
@@ -127,14 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     users = np.load(snap / "users.npz")
     for filt in (None, DEMO_FILTER):
         head = "4. recommendations" if filt is None else f'\n5. the same users, filtered in-model: --filter "{filt}"'
-        print(f"{head} (silverrec recommend {snap} --user U --k {args.k}, a fresh process each):")
-        for user in DEMO_USERS:
-            extra = ["--filter", filt] if filt else []
-            answer = json.loads(_cli("recommend", str(snap), "--user", str(user), "--k", str(args.k), "--json", *extra))
+        users_arg = ",".join(map(str, DEMO_USERS))
+        print(f"{head} (silverrec recommend {snap} --user {users_arg} --k {args.k}, in a fresh process):")
+        extra = ["--filter", filt] if filt else []
+        answer = json.loads(_cli("recommend", str(snap), "--user", users_arg, "--k", str(args.k), "--json", *extra))
+        for b, user in enumerate(DEMO_USERS):
             i = int(np.searchsorted(users["user_ids"], user))
             hist = users["item_ids"][users["offsets"][i]:users["offsets"][i + 1]]
             print(f"\n   user {user}, {len(hist)} movies seen, the last three: " + "; ".join(info[int(m)][0] for m in hist[-3:]))
-            for rank, (item, score) in enumerate(zip(answer["item_ids"][0], answer["scores"][0]), 1):
+            for rank, (item, score) in enumerate(zip(answer["item_ids"][b], answer["scores"][b]), 1):
                 title, genres, decade = info[item]
                 print(f"     {rank:>2}. {title[:52]:<52} {decade:<6} {'|'.join(genres)[:38]:<38} {score:7.3f}")
                 assert item not in set(hist.tolist()), f"movie {item} of user {user}'s history was recommended"

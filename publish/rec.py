@@ -56,7 +56,8 @@ class PublishConfig:
     merge: str = "union"
     k0: int = 200  # candidates per task
     nlist: Optional[int] = None
-    nprobe: Optional[int] = None
+    nprobe: Optional[int] = None  # None: the smallest that reaches min_recall (measured at publish)
+    min_recall: float = 0.97  # IVF recall@k0 against the exact cache scores, on sampled users
     seed: int = 0
     quantize: str = "auto"  # user tower tables: "auto" (int8 where quality holds), "int8", "none"
     min_overlap: float = 0.95  # auto: mean top-100 overlap of int8 vs float user embeddings
@@ -145,6 +146,23 @@ def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor,
     return user_tower, report
 
 
+@torch.no_grad()
+def choose_nprobe(index, users: torch.Tensor, cache_emb: torch.Tensor, k0: int, min_recall: float) -> tuple[int, dict]:
+    """The smallest nprobe of nlist/16, /8, /4, /2, nlist whose IVF top-k0 holds `min_recall` of the
+    exact top-k0 (cache embeddings) for the sampled user embeddings `users` [U, D]: (nprobe, recalls)."""
+    nlist = index.nlist
+    k0 = min(k0, index.num_items)
+    exact = index.row_to_item[(users @ cache_emb.T).topk(k0, dim=1).indices].to(torch.int64)
+    recalls = {}
+    for p in sorted({max(1, nlist // d) for d in (16, 8, 4, 2, 1)}):
+        _, found = index.scan(users, index.probe(users, p), k0)
+        hits = (found[:, :, None] == exact[:, None, :]).any(dim=2).sum(dim=1)
+        recalls[p] = round(float(hits.double().mean()) / k0, 4)
+        if recalls[p] >= min_recall:
+            return p, recalls
+    return nlist, recalls
+
+
 def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: Optional[str] = None,
                     value_model: Any = "config") -> Built:
     """Compose the RecModel a config describes (overarch / value_model override the config's:
@@ -159,8 +177,6 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
         emb = item_tower.embed_all(n, progress=pbar)
     pool = Pool(item_ids, emb.numpy(), {f: list(v) for f, v in ckpt["item_features"].items()})
     index, manifest = build_filtered_ivf(pool, IVFConfig(nlist=cfg.nlist, seed=cfg.seed))
-    if cfg.nprobe is not None:
-        manifest["default_nprobe"] = int(cfg.nprobe)
     perm = pool_rows(pool, index.row_to_item)  # canonical row -> pool row
     perm_inv = torch.empty_like(perm)
     perm_inv[perm] = torch.arange(n)
@@ -171,8 +187,16 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     from silverrec.user_tower import FeatureEncoder
 
     encoder = FeatureEncoder.from_arrays(spec, item_csr)
-    user, quant = quantize_user_tower(user, encoder, _sample_requests(ckpt, perm_inv.numpy()), cache.emb.float(),
-                                      cfg.quantize, cfg.min_overlap)
+    sample = _sample_requests(ckpt, perm_inv.numpy())
+    user, quant = quantize_user_tower(user, encoder, sample, cache.emb.float(), cfg.quantize, cfg.min_overlap)
+    if cfg.nprobe is not None:
+        manifest["default_nprobe"] = int(cfg.nprobe)
+    else:
+        with torch.no_grad():
+            queries = user(*encoder.encode(sample)).reshape(-1, cache.dim)
+        manifest["default_nprobe"], manifest["nprobe_recall_at_k0"] = choose_nprobe(
+            index, queries, cache.emb.float(), cfg.k0, cfg.min_recall)
+    manifest["search"]["default_max_probe"] = max(int(manifest["default_nprobe"]), manifest["search"]["default_max_probe"])
     kind = cfg.overarch if overarch is None else overarch
     arch = None
     if kind != "none":

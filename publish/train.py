@@ -73,6 +73,8 @@ class TrainConfig:
     minutes: float = 1.5  # two-tower budget
     overarch_minutes: float = 0.5  # per OverArch kind
     overarch: list[str] = field(default_factory=lambda: ["mlp", "mol"])
+    steps: Optional[int] = None  # fixed step counts instead of the time budgets (reproducible runs)
+    overarch_steps: Optional[int] = None
     batch: int = 256
     negatives: int = 1024
     lr: float = 2e-3
@@ -196,15 +198,20 @@ def user_side(logs: Logs, users: np.ndarray) -> tuple[list[dict], list[dict]]:
     return cats, nums
 
 
+def _cap(*limits: Optional[int]) -> Optional[int]:
+    given = [int(x) for x in limits if x is not None]
+    return min(given) if given else None
+
+
 def _timed_loop(minutes: float, desc: str, step_fn, max_steps: int | None = None) -> int:
     """Call step_fn() until the budget is spent; a progress bar over the budget's seconds."""
     budget, t0, steps = minutes * 60.0, time.perf_counter(), 0
-    with bar(int(budget), desc) as pbar:
+    with bar(int(budget) if math.isfinite(budget) else max_steps, desc) as pbar:
         last = 0
         while time.perf_counter() - t0 < budget and (max_steps is None or steps < max_steps):
             loss = step_fn()
             steps += 1
-            now = int(time.perf_counter() - t0)
+            now = int(time.perf_counter() - t0) if math.isfinite(budget) else steps
             if now > last:
                 pbar.update(now - last)
                 last = now
@@ -236,7 +243,7 @@ def train_two_tower(cfg: TrainConfig, split: Split, ex: Examples, spec: UserFeat
 
     user.train(), item.train()
     t0 = time.perf_counter()
-    steps = _timed_loop(cfg.minutes, "two-tower", one_step, max_steps)
+    steps = _timed_loop(math.inf if cfg.steps else cfg.minutes, "two-tower", one_step, _cap(cfg.steps, max_steps))
     user.eval(), item.eval()
     return user, item, {"steps": steps, "seconds": round(time.perf_counter() - t0, 1), "examples": len(ex)}
 
@@ -302,7 +309,8 @@ def train_overarch(kind: str, cfg: TrainConfig, ex: Examples, user: UserTower, e
 
     model.train()
     t0 = time.perf_counter()
-    steps = _timed_loop(cfg.overarch_minutes, f"overarch {kind}", one_step, max_steps)
+    steps = _timed_loop(math.inf if cfg.overarch_steps else cfg.overarch_minutes, f"overarch {kind}", one_step,
+                        _cap(cfg.overarch_steps, max_steps))
     model.eval()
     return model, {"steps": steps, "seconds": round(time.perf_counter() - t0, 1),
                    "target_in_candidates": round(kept[0] / max(1, kept[1]), 4)}

@@ -181,7 +181,7 @@ def _mol_loop(module: MoLOverArch, user, cand, feats) -> torch.Tensor:
                 hidden = F.silu(wg @ torch.cat([u, v, f, logits]) + bg)
                 gates = torch.softmax(module.gate_weight[t] @ hidden + module.gate_bias[t], dim=0)
                 scale = min(math.exp(float(module.log_scale[t])), 100.0)
-                out[b, k, t] = scale * float((gates * logits).sum())
+                out[b, k, t] = scale * float((gates * logits).sum()) + float(module.dot_scale[t]) * float(u @ v)
     return out
 
 
@@ -289,7 +289,7 @@ def test_mol_training_separates_planted_positive():
     gen = torch.Generator().manual_seed(1)
     dim, k = 16, 8
     rot = torch.linalg.qr(torch.randn(dim, dim, generator=gen))[0]  # the user-item relation to learn
-    model = MoLOverArch(dim, 2, 1, p_q=2, p_x=2, comp_dim=8, gate_hidden=16)
+    model = MoLOverArch(dim, 2, 1, p_q=2, p_x=2, comp_dim=8, gate_hidden=16, dot_scale=0.0)  # the mixture alone
     test = _planted_lists(512, k, rot, gen)
 
     def accuracy() -> float:

@@ -99,7 +99,10 @@ class MoLOverArch(nn.Module):
                                                                user-side, item-side and logit
                                                                features; per-task output layer G_t)
         score_t = s_t * sum_ij pi_ij l_ij             s_t = exp(log_scale_t), learned (init `scale`)
-                                                      or fixed (learn_scale=False), capped at 100
+                  + r_t <u_t, v>                      or fixed (learn_scale=False), capped at 100
+    The residual r_t <u_t, v> (r_t learned, initially `dot_scale`; 0 switches it off at init) starts
+    the ranker at the retrieval model's order, as in MLPOverArch: with the few hundred steps a
+    ranker gets here, a mixture learned from scratch was seen to fall below the retrieval order.
     The temperature s_t makes the bounded mixture usable as a softmax cross-entropy logit.
     User projections are per task because the components a task attends to differ; the item
     projection is shared so an item's components are computed once per candidate. The gate's first
@@ -125,6 +128,7 @@ class MoLOverArch(nn.Module):
         gate_hidden: int = 64,
         scale: float = 20.0,
         learn_scale: bool = True,
+        dot_scale: float = 20.0,
     ) -> None:
         super().__init__()
         _check_dims(dim=dim, feat_dim=feat_dim, tasks=tasks)
@@ -145,6 +149,7 @@ class MoLOverArch(nn.Module):
         gb = 1.0 / math.sqrt(gate_hidden)
         self.gate_weight = nn.Parameter(torch.empty(tasks, n_p, gate_hidden).uniform_(-gb, gb))
         self.gate_bias = nn.Parameter(torch.zeros(tasks, n_p))
+        self.dot_scale = nn.Parameter(torch.full((tasks,), float(dot_scale)))
         log_scale = torch.full((tasks,), math.log(float(scale)))
         if self.learn_scale:
             self.log_scale = nn.Parameter(log_scale)
@@ -155,7 +160,7 @@ class MoLOverArch(nn.Module):
         return {
             "dim": self.dim, "feat_dim": self.feat_dim, "tasks": self.tasks, "p_q": self.p_q, "p_x": self.p_x,
             "comp_dim": self.comp_dim, "gate_hidden": self.gate_hidden, "scale": self.scale_init,
-            "learn_scale": self.learn_scale,
+            "learn_scale": self.learn_scale, "dot_scale": float(self.dot_scale.detach()[0]),
         }
 
     def component_logits(self, user: Tensor, cand: Tensor) -> Tensor:
@@ -185,7 +190,8 @@ class MoLOverArch(nn.Module):
         g = torch.matmul(h.unsqueeze(-2), self.gate_weight.transpose(1, 2)).squeeze(-2)  # [B, K, T, P]
         gates = torch.softmax(g + self.gate_bias, dim=-1)
         mixed = (gates * logits).sum(-1)  # [B, K, T]
-        return (mixed * self.log_scale.exp().clamp(max=100.0)).float()
+        dot = (user.unsqueeze(1) * cand.unsqueeze(2)).sum(-1) * self.dot_scale.to(user.dtype)  # [B, K, T]
+        return (mixed * self.log_scale.exp().clamp(max=100.0) + dot).float()
 
 
 OVERARCHES = {"mlp": MLPOverArch, "mol": MoLOverArch}
