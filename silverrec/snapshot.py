@@ -4,6 +4,7 @@
                         creation time, and {file: {sha256, bytes}} for every other file
     DIR/model.pt2       torch.export program (dynamic batch dimension)
     DIR/model.ts        TorchScript of the same module (optional)
+    DIR/...             kind-specific files (a "rec" snapshot: rank.pt2, items.npz, users.npz)
 
 `write_snapshot` builds the directory under a temporary sibling and renames it into place, so a
 reader never sees a half-written snapshot. `read_manifest` verifies format version, sizes and
@@ -25,7 +26,7 @@ import torch
 
 from silverrec.errors import SnapshotError
 
-FORMAT_VERSION = 2  # 2: filtered_ivf models take posting lists
+FORMAT_VERSION = 3  # 2: filtered_ivf models take posting lists; 3: "rec" snapshots (RecModel, rank.pt2, items.npz)
 MANIFEST = "manifest.json"
 EXPORT_FILE = "model.pt2"
 SCRIPT_FILE = "model.ts"
