@@ -140,10 +140,38 @@ def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor,
     overlap = float(np.mean([len(set(x.tolist()) & set(y.tolist())) / 100 for x, y in zip(ta, tb)]))
     cosine = float(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean())
     report.update({"int8_top100_overlap": round(overlap, 4), "int8_cosine": round(cosine, 6), "int8_bytes": table_bytes(q)})
+    tower = user_tower
     if mode == "int8" or overlap >= min_overlap:
         report["tables"] = "int8"
-        return q, report
-    return user_tower, report
+        tower = q
+    # bf16 MLP: kept only where its top-100 agrees and it is faster on this machine's CPU
+    import copy
+    import time
+
+    bf = copy.deepcopy(tower)
+    bf.mlp.to(torch.bfloat16)
+    bf.heads.to(torch.bfloat16)
+
+    def timed(m) -> float:
+        best = float("inf")
+        with torch.no_grad():
+            for _ in range(5):
+                t0 = time.perf_counter()
+                m(*inputs)
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+    with torch.no_grad():
+        tc = (bf(*inputs)[:, 0] @ cache_emb.T).topk(100, dim=1).indices
+    base = (tower(*inputs)[:, 0] @ cache_emb.T).topk(100, dim=1).indices if tower is q else ta
+    bf_overlap = float(np.mean([len(set(x.tolist()) & set(y.tolist())) / 100 for x, y in zip(base, tc)]))
+    t_fp32, t_bf16 = timed(tower), timed(bf)
+    report.update({"bf16_mlp_top100_overlap": round(bf_overlap, 4), "fp32_mlp_ms": round(t_fp32 * 1e3, 3),
+                   "bf16_mlp_ms": round(t_bf16 * 1e3, 3), "batch": int(len(histories))})
+    if bf_overlap >= min_overlap and t_bf16 < t_fp32:
+        report["mlp"] = "bf16"
+        tower = bf
+    return tower, report
 
 
 @torch.no_grad()

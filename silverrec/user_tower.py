@@ -205,6 +205,6 @@ class UserTower(nn.Module):
 
         kjt = KeyedJaggedTensor.from_lengths_sync(self.keys, values, lengths)
         pooled = self.ebc(kjt).values()
-        h = self.mlp(torch.cat([pooled, dense.to(pooled.dtype)], dim=1))
-        u = self.heads(h).reshape(-1, self.tasks, self.dim).float()
+        x = torch.cat([pooled.float(), dense.float()], dim=1).to(self.heads.weight.dtype)  # MLP may be bf16
+        u = self.heads(self.mlp(x)).reshape(-1, self.tasks, self.dim).float()
         return torch.nn.functional.normalize(u, dim=-1)
