@@ -132,12 +132,13 @@ def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor,
     if mode == "none":
         return user_tower, report
     q = quantize_embeddings(user_tower, dtype=torch.qint8, inplace=False)
+    top = min(100, cache_emb.shape[0])
     with torch.no_grad():
         inputs = encoder.encode(histories)
         a, b = user_tower(*inputs), q(*inputs)
-        ta = (a[:, 0] @ cache_emb.T).topk(100, dim=1).indices
-        tb = (b[:, 0] @ cache_emb.T).topk(100, dim=1).indices
-    overlap = float(np.mean([len(set(x.tolist()) & set(y.tolist())) / 100 for x, y in zip(ta, tb)]))
+        ta = (a[:, 0] @ cache_emb.T).topk(top, dim=1).indices
+        tb = (b[:, 0] @ cache_emb.T).topk(top, dim=1).indices
+    overlap = float(np.mean([len(set(x.tolist()) & set(y.tolist())) / top for x, y in zip(ta, tb)]))
     cosine = float(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean())
     report.update({"int8_top100_overlap": round(overlap, 4), "int8_cosine": round(cosine, 6), "int8_bytes": table_bytes(q)})
     tower = user_tower
@@ -162,9 +163,9 @@ def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor,
         return best
 
     with torch.no_grad():
-        tc = (bf(*inputs)[:, 0] @ cache_emb.T).topk(100, dim=1).indices
-    base = (tower(*inputs)[:, 0] @ cache_emb.T).topk(100, dim=1).indices if tower is q else ta
-    bf_overlap = float(np.mean([len(set(x.tolist()) & set(y.tolist())) / 100 for x, y in zip(base, tc)]))
+        tc = (bf(*inputs)[:, 0] @ cache_emb.T).topk(top, dim=1).indices
+    base = (tower(*inputs)[:, 0] @ cache_emb.T).topk(top, dim=1).indices if tower is q else ta
+    bf_overlap = float(np.mean([len(set(x.tolist()) & set(y.tolist())) / top for x, y in zip(base, tc)]))
     t_fp32, t_bf16 = timed(tower), timed(bf)
     report.update({"bf16_mlp_top100_overlap": round(bf_overlap, 4), "fp32_mlp_ms": round(t_fp32 * 1e3, 3),
                    "bf16_mlp_ms": round(t_bf16 * 1e3, 3), "batch": int(len(histories))})
