@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard kernels/csrc/*)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0 fbgemm-gpu-cpu==1.8.0 tensordict \
 		torchmetrics==1.0.3 tqdm pyre-extensions numpy pyarrow triton==3.9.0 pytest \
-		faiss-cpu hnswlib pyroaring transformers
+		faiss-cpu hnswlib pyroaring transformers matplotlib
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(BIN)/python -c "import silverrec, torchrec, fbgemm_gpu; from silverrec.kernels.cpu_ext import cpu_ext; print('silverrec', silverrec.__version__, 'ready; C++ CPU kernels:', cpu_ext() is not None)"

@@ -1,0 +1,673 @@
+"""End-to-end recommendation benchmark, one process: silverrec's one forward (`snap.recommend`) vs a
+service-style pipeline of separate libraries doing the same steps; early-stage ranking from the
+embedding cache vs recomputing the item tower; snapshot bytes per item.
+
+    .venv/bin/python benchmarks/recommend.py                      # trains ~1.5 min on MovieLens, ~6 min in all
+    .venv/bin/python benchmarks/recommend.py --checkpoint C.ckpt  # reuse a checkpoint (skips training)
+    .venv/bin/python benchmarks/recommend.py --quick              # small training, fewer repeats, 1k/10k ranking, ~2 min
+
+1. End to end, batch 1 / 16 / 64 requests of real MovieLens users (their whole training history,
+   excluded from the answer), unfiltered and with FILTER. silverrec: `snap.recommend(requests, k=10)`
+   on a published snapshot (torch.export program: int8 user tower -> filtered int8 IVF, K0 per task
+   -> merge -> bf16 cache re-score -> OverArch -> value model -> top-k). Pipeline, with the copies
+   between the libraries: id -> row lookup, `FeatureEncoder` + the float `UserTower` (eager, the
+   same checkpoint) -> numpy -> Faiss `IndexIVFScalarQuantizer` SQ8 (inner product, the snapshot's
+   nlist and nprobe, trained on the same item embeddings), K0 + E per task (E = the batch's
+   longest history, as silverrec asks) -> per request: drop -1 and history rows, union of tasks,
+   exact float re-score, best K0*T -> numpy gather of float embeddings + dense features -> torch
+   OverArch (same weights) -> value formula in numpy -> top-k. The filter: one pyroaring bitmap per
+   (feature, value), built once; each call parses the request's filter and evaluates it by bitmap
+   AND / OR / ANDNOT (once per distinct filter string of the batch), converts it into a Faiss
+   `IDSelectorBitmap`, and probes nprobe / selectivity clusters (at most the snapshot's
+   max_probe: what silverrec's selectivity-aware "auto" mode does), so both sides return K0
+   filtered candidates per task. Agreement: top-10 overlap between the two sides and of each side
+   with an exact reference (the pipeline with float brute-force retrieval).
+2. Early-stage ranking of 1k / 10k / 100k / 200k items for one user, two pools:
+   - MovieLens (9,742 items): `snap.rank(request, item_ids)` with item ids drawn with replacement
+     (so 100k / 200k repeat items and the lookups stay in a 9,742-row table), against the checkpoint's
+     item tower recomputed for the same ids + the same OverArch + the value formula.
+   - synthetic 200k-item pool, distinct rows: an `ItemTower` over `UserFeatureSpec(num_items=200_000)`
+     with the trained feature tables and MLP and a random item-id table (std of the trained one),
+     item features and dense features copied from random MovieLens items; silverrec side =
+     `EmbeddingCache` of its outputs + `RecModel.rank_rows` (eager: cache gather + re-score,
+     OverArch, compiled value model), pipeline side = that tower's forward on the rows + the same
+     OverArch + value. Both sides include the same float user tower.
+   Also the embedding step alone (cache gather vs item tower forward) and the OverArch alone. The
+   issue's target (cache >= 10x faster than recomputing the item tower at 10k items) is checked
+   on the synthetic pool, both for the whole rank and for the embedding step alone.
+3. Bytes per item by part (manifest `bytes_per_item`) and the int8 user tower against fp32
+   (manifest `quantization_user_tower`), beside the pipeline's own stores.
+
+Timing: the two sides alternate call by call (A B B A ...) so that the load of this shared
+machine falls on both alike; each call is timed by benchmarks/common.py's `measure`; warm-up
+calls excluded; median with p20 / p80 per side; `ratio` = pipeline median / silverrec median (> 1:
+silverrec faster), `paired_ratio` = median of the per-round ratios.
+
+Writes benchmarks/results/recommend.json and recommend.png (recommend_quick.* with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+os.environ.setdefault("SILVERREC_QUIET", "1")
+# sleep-waiting OpenMP threads on a shared 2-core machine (see ann.py); before torch / faiss load
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import faiss  # noqa: E402
+import numpy as np  # noqa: E402
+import pyroaring  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, measure, print_table, write_results  # noqa: E402
+
+import silverrec  # noqa: E402
+from silverrec.filter_lang import And, Not, Or, Term, parse  # noqa: E402
+from silverrec.publish.movielens import write_logs  # noqa: E402
+from silverrec.publish.rec import PublishConfig, publish_rec  # noqa: E402
+from silverrec.publish.train import TrainConfig, load_checkpoint, rebuild_item_tower, rebuild_user_tower, train  # noqa: E402
+from silverrec.publish.two_tower import ItemTower  # noqa: E402
+from silverrec.ranking.cache import EmbeddingCache  # noqa: E402
+from silverrec.ranking.overarch import overarch_from_config  # noqa: E402
+from silverrec.ranking.value_model import compile_value_model  # noqa: E402
+from silverrec.rec_model import RecModel  # noqa: E402
+from silverrec.user_tower import FeatureEncoder, UserFeatureSpec  # noqa: E402
+
+FILTER = "genre = Comedy AND NOT decade = '1990s'"
+TASKS = [{"name": "interacted"}, {"name": "liked", "label": "rating", "min": 4.0}]
+VALUE_MODEL = {"weights": {"interacted": 1.0, "liked": 0.5}}
+OVERARCH = "mol"
+K = 10
+K0 = 200
+BATCHES = (1, 16, 64)
+RANK_SIZES = (1_000, 10_000, 100_000, 200_000)
+SYNTH_ITEMS = 200_000
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "out" / "bench_recommend"
+
+
+# ------------------------------------------------------------------------------- the pipeline
+
+
+class RoaringFilter:
+    """One roaring bitmap per (feature, value) over pool rows; a filter AST evaluated by bitmap
+    AND / OR / ANDNOT (NOT alone = complement in [0, N))."""
+
+    def __init__(self, item_features: dict[str, list], n: int):
+        rows: dict[tuple[str, str], list[int]] = {}
+        for f, lists in item_features.items():
+            for r, vals in enumerate(lists):
+                for v in [vals] if isinstance(vals, str) else vals:
+                    rows.setdefault((f, str(v)), []).append(r)
+        self.maps = {key: pyroaring.BitMap(np.asarray(r, dtype=np.uint32)) for key, r in rows.items()}
+        self.universe = pyroaring.BitMap(np.arange(n, dtype=np.uint32))
+        self.n = n
+
+    def bytes(self) -> int:
+        return sum(len(m.serialize()) for m in self.maps.values())
+
+    def evaluate(self, node) -> pyroaring.BitMap:
+        if isinstance(node, Term):
+            maps = [self.maps[(node.feature, v)] for v in node.values if (node.feature, v) in self.maps]
+            return pyroaring.BitMap.union(*maps) if maps else pyroaring.BitMap()
+        if isinstance(node, Not):
+            return self.universe - self.evaluate(node.child)
+        if isinstance(node, Or):
+            return pyroaring.BitMap.union(*[self.evaluate(c) for c in node.children])
+        assert isinstance(node, And)
+        pos = [self.evaluate(c) for c in node.children if not isinstance(c, Not)]
+        out = pyroaring.BitMap.intersection(*pos) if pos else self.universe.copy()
+        for c in node.children:
+            if isinstance(c, Not):
+                out = out - self.evaluate(c.child)  # ANDNOT
+        return out
+
+
+class Pipeline:
+    """The service-style pipeline (see the module docstring). `retrieval="exact"` swaps Faiss for
+    float brute force with the exact filter: the reference both sides are compared with."""
+
+    def __init__(self, ckpt: dict, manifest: dict):
+        self.item_ids = ckpt["item_ids"].numpy().astype(np.int64)
+        self.order = np.argsort(self.item_ids, kind="stable")
+        self.sorted_ids = self.item_ids[self.order]
+        self.spec = UserFeatureSpec.from_json(ckpt["spec"])
+        self.encoder = FeatureEncoder(self.spec, ckpt["item_features"])
+        self.user_tower = rebuild_user_tower(ckpt)
+        entry = ckpt["overarch"][OVERARCH]
+        self.overarch = overarch_from_config(OVERARCH, entry["config"])
+        self.overarch.load_state_dict(entry["state"])
+        self.overarch.eval()
+        self.emb = np.ascontiguousarray(ckpt["item_embeddings"].numpy().astype(np.float32))
+        self.dense = np.ascontiguousarray(ckpt["item_dense"].numpy().astype(np.float32))
+        self.n, self.d = self.emb.shape
+        self.tasks = [t["name"] for t in ckpt["tasks"]]
+        self.w = np.asarray([VALUE_MODEL["weights"].get(t, 0.0) for t in self.tasks], dtype=np.float32)
+        self.nlist = int(manifest["nlist"])
+        self.nprobe = int(manifest["default_nprobe"])
+        self.max_probe = int(manifest["search"]["default_max_probe"])
+        t0 = time.perf_counter()
+        quant = faiss.IndexFlatIP(self.d)
+        self.index = faiss.IndexIVFScalarQuantizer(quant, self.d, self.nlist, faiss.ScalarQuantizer.QT_8bit,
+                                                   faiss.METRIC_INNER_PRODUCT)
+        self.index.cp.min_points_per_centroid = 1  # 9,742 points for 395 lists: no "too few points" warning
+        self.index.train(self.emb)
+        self.index.add(self.emb)
+        self.index.nprobe = self.nprobe
+        self._quant = quant
+        self.roaring = RoaringFilter(ckpt["item_features"], self.n)
+        self.build_seconds = time.perf_counter() - t0
+        self.candidates: list[float] = []  # mean OverArch candidates per request, per call (silverrec: always K0*T slots)
+
+    def rows(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        pos = np.searchsorted(self.sorted_ids, ids).clip(0, self.n - 1)
+        if (self.sorted_ids[pos] != ids).any():
+            raise KeyError(f"unknown item id {int(ids[self.sorted_ids[pos] != ids][0])}")
+        return self.order[pos]
+
+    def user(self, histories: list[np.ndarray]) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.user_tower(*self.encoder.encode(histories))  # [B, T, D]
+
+    def retrieve(self, q: np.ndarray, k: int, filt: str | None, exact: bool) -> np.ndarray:
+        """q float32 [Q, D] -> pool rows int64 [Q, k], -1 = none."""
+        bm = None if filt is None else self.roaring.evaluate(parse(filt))
+        if exact:
+            s = q @ self.emb.T
+            if bm is not None:
+                allowed = np.zeros(self.n, dtype=bool)
+                allowed[np.frombuffer(bm.to_array(), dtype=np.uint32)] = True
+                s[:, ~allowed] = -np.inf
+            kk = min(k, self.n)
+            top = np.argpartition(-s, kk - 1, axis=1)[:, :kk]
+            return np.where(np.isfinite(np.take_along_axis(s, top, 1)), top, -1)
+        if bm is None:
+            return self.index.search(q, k)[1]
+        bits = np.zeros(self.n, dtype=bool)
+        bits[np.frombuffer(bm.to_array(), dtype=np.uint32)] = True
+        packed = np.packbits(bits, bitorder="little")
+        frac = max(len(bm), 1) / self.n
+        nprobe = min(self.max_probe, max(self.nprobe, math.ceil(self.nprobe / frac)))
+        sel = faiss.IDSelectorBitmap(self.n, faiss.swig_ptr(packed))
+        return self.index.search(q, k, params=faiss.SearchParametersIVF(sel=sel, nprobe=nprobe))[1]
+
+    def recommend(self, requests: list[dict], k: int = K, exact: bool = False) -> np.ndarray:
+        """-> item ids int64 [B, k] (-1 = none)."""
+        B, T = len(requests), len(self.tasks)
+        hist = [self.rows(r["history"]) for r in requests]
+        u = self.user(hist)
+        un = np.ascontiguousarray(u.numpy())  # torch -> numpy
+        q = un.reshape(B * T, self.d)
+        excl = [np.unique(h) for h in hist]
+        kk = K0 + max(1, max(e.size for e in excl))
+        found = np.full((B * T, kk), -1, dtype=np.int64)
+        groups: dict[str | None, list[int]] = {}
+        for b, r in enumerate(requests):
+            groups.setdefault(r.get("filter"), []).append(b)
+        for filt, bs in groups.items():
+            qrows = (np.asarray(bs)[:, None] * T + np.arange(T)).reshape(-1)
+            found[qrows] = self.retrieve(q[qrows], kk, filt, exact)
+        found = found.reshape(B, T * kk)
+        cands = []
+        for b in range(B):
+            r = np.unique(found[b][found[b] >= 0])
+            r = r[~np.isin(r, excl[b], assume_unique=True)]
+            if r.size > K0 * T:  # best K0*T by exact re-score of any task
+                best = (self.emb[r] @ un[b].T).max(axis=1)
+                r = r[np.argpartition(-best, K0 * T - 1)[: K0 * T]]
+            cands.append(r)
+        self.candidates.append(float(np.mean([c.size for c in cands])))
+        C = max(k, max(c.size for c in cands))
+        cand = np.full((B, C), -1, dtype=np.int64)
+        for b, c in enumerate(cands):
+            cand[b, : c.size] = c
+        valid = cand >= 0
+        idx = cand.clip(min=0)
+        ce = self.emb[idx] * valid[:, :, None]  # numpy gathers
+        cf = self.dense[idx] * valid[:, :, None]
+        with torch.inference_mode():
+            scores = self.overarch(u, torch.from_numpy(ce), torch.from_numpy(cf)).numpy()  # [B, C, T]
+        value = np.where(valid, scores @ self.w, -np.inf)
+        top = np.argpartition(-value, k - 1, axis=1)[:, :k]
+        top = np.take_along_axis(top, np.argsort(-np.take_along_axis(value, top, 1), axis=1, kind="stable"), 1)
+        rows = np.take_along_axis(cand, top, 1)
+        ok = np.isfinite(np.take_along_axis(value, top, 1)) & (rows >= 0)
+        return np.where(ok, self.item_ids[rows.clip(min=0)], -1)
+
+    def rank_recompute(self, tower: ItemTower, dense: np.ndarray, request: dict, rows: np.ndarray,
+                       ids_to_rows: bool) -> np.ndarray:
+        """Early-stage ranking by recomputing the item tower: values float32 [C]."""
+        hist = self.rows(request["history"])
+        u = self.user([hist])
+        r = self.rows(rows) if ids_to_rows else rows
+        with torch.inference_mode():
+            v = tower(torch.from_numpy(r))[None]  # [1, C, D]
+            scores = self.overarch(u, v, torch.from_numpy(dense[r])[None]).numpy()
+        return scores[0] @ self.w
+
+
+def paired(ours, theirs, repeat: int, warmup: int = 2) -> tuple[dict, dict]:
+    """silverrec and the other side timed in alternation (see `alternate`)."""
+    qa, qb = alternate([ours, theirs], repeat, warmup)
+    return qa, qb
+
+
+def alternate(fns, repeat: int, warmup: int = 2) -> list[dict]:
+    """The functions timed in alternation (A B C, then C B A, ...), so that the load of this shared
+    machine falls on all alike: warm-up calls excluded, each sample one call of common.measure, and
+    the same median / p20 / p80 as common.measure computes; `paired_ratio_median` = median over the
+    rounds of (this one's time / the first one's)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(repeat):
+        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
+        for j in order:
+            times[j].append(measure(fns[j], repeat=1, warmup=0)["median_ms"])
+    load = os.getloadavg()[0]
+    out = []
+    for t in times:
+        q = _quantiles(t) | {"load_1min": load}
+        q["paired_ratio_median"] = statistics.median(b / a for a, b in zip(times[0], t))
+        out.append(q)
+    return out
+
+
+def _quantiles(times: list[float]) -> dict:
+    times = sorted(times)
+
+    def q(p: float) -> float:
+        return times[min(len(times) - 1, int(round(p * (len(times) - 1))))]
+
+    return {"median_ms": statistics.median(times), "p20_ms": q(0.2), "p80_ms": q(0.8), "runs": len(times)}
+
+
+def overlap(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean([len(set(x[x >= 0].tolist()) & set(y[y >= 0].tolist())) / K for x, y in zip(a, b)]))
+
+
+# ------------------------------------------------------------------------------------ the parts
+
+
+def end_to_end(snap, pipe: Pipeline, users: list[list[int]], repeats: dict[int, int]) -> list[dict]:
+    rows = []
+    for filt in (None, FILTER):
+        for B in BATCHES:
+            nb = repeats[B]
+            batches = [[{"history": users[(i * B + j) % len(users)]} | ({"filter": filt} if filt else {})
+                        for j in range(B)] for i in range(nb)]
+            state = {"ours": 0, "theirs": 0}  # each side walks through the same batches in the same order
+
+            def ours():
+                batch = batches[state["ours"] % nb]
+                state["ours"] += 1
+                return snap.recommend(batch, k=K)
+
+            def theirs():
+                batch = batches[state["theirs"] % nb]
+                state["theirs"] += 1
+                return pipe.recommend(batch, k=K)
+
+            t_ours, t_pipe = paired(ours, theirs, repeat=nb, warmup=2)
+            a = np.concatenate([snap.recommend(bt, k=K).item_ids.numpy() for bt in batches])
+            pipe.candidates.clear()
+            p = np.concatenate([pipe.recommend(bt, k=K) for bt in batches])
+            cand = float(np.mean(pipe.candidates))
+            x = np.concatenate([pipe.recommend(bt, k=K, exact=True) for bt in batches])
+            row = {
+                "part": "end_to_end", "filter": filt or "none", "batch": B, "requests_compared": int(a.shape[0]),
+                "silverrec": t_ours, "pipeline": t_pipe,
+                "silverrec_ms": t_ours["median_ms"], "pipeline_ms": t_pipe["median_ms"],
+                "ratio": t_pipe["median_ms"] / t_ours["median_ms"], "paired_ratio": t_pipe["paired_ratio_median"],
+                "silverrec_qps": B / t_ours["median_ms"] * 1e3, "pipeline_qps": B / t_pipe["median_ms"] * 1e3,
+                "pipeline_candidates_per_request": cand, "silverrec_candidate_slots": K0 * len(pipe.tasks),
+                "top10_overlap": overlap(a, p), "silverrec_vs_exact": overlap(a, x), "pipeline_vs_exact": overlap(p, x),
+            }
+            rows.append(row)
+            print(f"  {row['filter'][:14]:>14} B={B:2d}: silverrec {row['silverrec_ms']:8.2f} ms  pipeline {row['pipeline_ms']:8.2f} ms"
+                  f"  ratio {row['ratio']:.2f}  top-10 overlap {row['top10_overlap']:.3f} (vs exact: silverrec "
+                  f"{row['silverrec_vs_exact']:.3f}, pipeline {row['pipeline_vs_exact']:.3f})", flush=True)
+    return rows
+
+
+def synthetic_pool(ckpt: dict, n: int, rng) -> tuple[ItemTower, np.ndarray, torch.Tensor]:
+    """(item tower over n synthetic items, dense float32 [n, F], embeddings float32 [n, D])."""
+    spec = UserFeatureSpec.from_json(ckpt["spec"])
+    src = rng.integers(0, spec.num_items, n)  # every synthetic item copies a random MovieLens item's features
+    feats = {f: [v[i] for i in src] for f, v in ckpt["item_features"].items()}
+    synth = UserFeatureSpec(num_items=n, history_len=spec.history_len, recent_len=spec.recent_len,
+                            item_vocabs=spec.item_vocabs)
+    tower = ItemTower(synth, feats, **ckpt["item_tower_args"])
+    state = dict(ckpt["item_tower"])
+    table = "ebc.embedding_bags.item_id.weight"
+    g = torch.Generator().manual_seed(1)
+    state[table] = torch.randn(n, state[table].shape[1], generator=g) * float(state[table].std())
+    for key in [k for k in state if k.startswith(("offsets_", "codes_"))]:
+        state[key] = getattr(tower, key)  # the synthetic items' feature CSR
+    tower.load_state_dict(state)
+    tower.eval()
+    emb = tower.embed_all(n)
+    return tower, ckpt["item_dense"].numpy()[src].astype(np.float32), emb
+
+
+def early_stage(snap, pipe: Pipeline, ckpt: dict, request: dict, sizes, repeats: int, rng) -> list[dict]:
+    rows = []
+    item_tower = rebuild_item_tower(ckpt)
+    tasks = pipe.tasks
+    names = ckpt["item_feature_names"]
+
+    def rep(n):
+        return repeats if n <= 10_000 else 3
+
+    # (a) the MovieLens snapshot through the public API, ids drawn with replacement
+    for n in sizes:
+        ids = pipe.item_ids[rng.integers(0, pipe.n, n)]
+        t_ours, t_pipe = paired(lambda: snap.rank(request, item_ids=ids),
+                                lambda: pipe.rank_recompute(item_tower, pipe.dense, request, ids, True), rep(n), warmup=1)
+        rows.append({"part": "early_stage", "pool": "movielens_9742_ids_with_replacement", "what": "rank (user tower + embeddings + OverArch + value)",
+                     "items": n, "silverrec": t_ours, "pipeline": t_pipe, "silverrec_ms": t_ours["median_ms"],
+                     "pipeline_ms": t_pipe["median_ms"], "ratio": t_pipe["median_ms"] / t_ours["median_ms"],
+                     "paired_ratio": t_pipe["paired_ratio_median"]})
+        if n <= 10_000:  # agreement of the values (bf16 cache vs float recompute); skipped where a call takes seconds
+            a = snap.rank(request, item_ids=ids).scores[0].numpy()
+            b = pipe.rank_recompute(item_tower, pipe.dense, request, ids, True)
+            rows[-1] |= {"max_abs_value_diff": float(np.abs(a - b).max()), "top100_overlap": _rank_agreement(a, b)}
+        _print_rank(rows[-1])
+    # (b) a synthetic pool of 200k distinct items, in-process modules
+    t0 = time.perf_counter()
+    n_syn = max(sizes)
+    tower, dense, emb = synthetic_pool(ckpt, n_syn, rng)
+    cache = EmbeddingCache(emb, torch.from_numpy(dense), names)
+    vm = compile_value_model(VALUE_MODEL, tasks, names)
+    holder = types.SimpleNamespace(cache=cache, has_overarch=True, overarch=pipe.overarch, has_value_model=True, value_model=vm)
+    print(f"  synthetic pool of {n_syn:,} items built in {time.perf_counter() - t0:.1f}s", flush=True)
+    hist = pipe.rows(request["history"])
+
+    def ours_syn(r):
+        u = pipe.user([hist])
+        with torch.inference_mode():
+            return RecModel.rank_rows(holder, u, torch.from_numpy(r)[None])[0][0]
+
+    for n in sizes:
+        r = rng.choice(n_syn, n, replace=False).astype(np.int64)
+        fns = [lambda: ours_syn(r), lambda: pipe.rank_recompute(tower, dense, request, r, False)]
+        if n <= 10_000:  # where the time goes: the OverArch alone (the same module and inputs on both sides)
+            with torch.inference_mode():
+                u1 = pipe.user([hist])
+                e1, f1 = cache.gather(torch.from_numpy(r)[None])
+
+            def overarch_alone():
+                with torch.inference_mode():
+                    return pipe.overarch(u1, e1, f1)
+
+            fns.append(overarch_alone)
+        t_ours, t_pipe, *t_oa = alternate(fns, rep(n), warmup=1)
+        rows.append({"part": "early_stage", "pool": f"synthetic_{n_syn}_distinct_rows", "what": "rank (user tower + embeddings + OverArch + value)",
+                     "items": n, "silverrec": t_ours, "pipeline": t_pipe, "silverrec_ms": t_ours["median_ms"],
+                     "pipeline_ms": t_pipe["median_ms"], "ratio": t_pipe["median_ms"] / t_ours["median_ms"],
+                     "paired_ratio": t_pipe["paired_ratio_median"]})
+        if n <= 10_000:
+            a = ours_syn(r).numpy()
+            b = pipe.rank_recompute(tower, dense, request, r, False)
+            rows[-1] |= {"max_abs_value_diff": float(np.abs(a - b).max()), "top100_overlap": _rank_agreement(a, b)}
+        _print_rank(rows[-1])
+        if t_oa:
+            t_oa = t_oa[0]
+            rows.append({"part": "early_stage", "pool": f"synthetic_{n_syn}_distinct_rows", "what": "OverArch alone (same on both sides)",
+                         "items": n, "silverrec": t_oa, "silverrec_ms": t_oa["median_ms"], "overarch": OVERARCH,
+                         "share_of_silverrec_rank": t_oa["paired_ratio_median"]})
+            print(f"  {'':>36} OverArch {OVERARCH} alone {n:>7,}: {t_oa['median_ms']:9.2f} ms "
+                  f"({t_oa['paired_ratio_median']:.0%} of silverrec's rank; the same in both sides')", flush=True)
+        # the embedding step alone: cache gather vs the item tower's forward (+ the dense gather)
+        rt = torch.from_numpy(r)
+
+        def index_select():  # the same lookup with index_select instead of advanced indexing (not silverrec's code)
+            return cache.emb.index_select(0, rt).float(), cache.feats.index_select(0, rt).float()
+
+        with torch.inference_mode():
+            t_c, t_t, t_is = alternate([lambda: cache.gather(rt[None]), lambda: (tower(rt), dense[r]), index_select],
+                                       rep(n), warmup=1)
+        rows.append({"part": "early_stage", "pool": f"synthetic_{n_syn}_distinct_rows", "what": "embeddings only (cache gather vs item tower)",
+                     "items": n, "silverrec": t_c, "pipeline": t_t, "silverrec_ms": t_c["median_ms"],
+                     "pipeline_ms": t_t["median_ms"], "ratio": t_t["median_ms"] / t_c["median_ms"],
+                     "paired_ratio": t_t["paired_ratio_median"],
+                     "index_select_gather": t_is, "ratio_tower_vs_index_select": t_t["median_ms"] / t_is["median_ms"]})
+        _print_rank(rows[-1])
+        print(f"  {'':>36} same lookup by index_select {n:>7,}: {t_is['median_ms']:9.2f} ms "
+              f"(item tower / index_select = {rows[-1]['ratio_tower_vs_index_select']:.1f}x)", flush=True)
+    return rows
+
+
+def _rank_agreement(a: np.ndarray, b: np.ndarray, k: int = 100) -> float:
+    """Overlap of the top-k items by value of the two sides (positions in the given list)."""
+    k = min(k, a.size)
+    return len(set(np.argsort(-a)[:k].tolist()) & set(np.argsort(-b)[:k].tolist())) / k
+
+
+def _print_rank(r: dict) -> None:
+    print(f"  {r['pool'][:36]:>36} {r['what'][:12]:>12} {r['items']:>7,}: silverrec {r['silverrec_ms']:9.2f} ms  "
+          f"recompute {r['pipeline_ms']:9.2f} ms  ratio {r['ratio']:6.2f}", flush=True)
+
+
+def sizes_part(manifest: dict, pipe: Pipeline) -> list[dict]:
+    cfg = manifest
+    bpi = dict(cfg["bytes_per_item"])
+    q = dict(cfg["quantization_user_tower"])
+    n = pipe.n
+    faiss_bytes = int(faiss.serialize_index(pipe.index).size)
+    pipe_parts = {
+        "faiss_ivf_sq8": round(faiss_bytes / n, 2),
+        "roaring_bitmaps": round(pipe.roaring.bytes() / n, 2),
+        "float_embeddings_and_dense": round((pipe.emb.nbytes + pipe.dense.nbytes) / n, 2),
+        "user_tower_fp32": round(sum(t.numel() * t.element_size() for t in pipe.user_tower.state_dict().values()) / n, 2),
+    }
+    pipe_parts["total"] = round(sum(pipe_parts.values()), 2)
+    row = {"part": "bytes", "items": n, "silverrec_bytes_per_item": bpi, "pipeline_bytes_per_item": pipe_parts,
+           "user_tower": q, "user_tower_int8_vs_fp32": (q["int8_bytes"] / q["fp32_bytes"]) if "int8_bytes" in q else None}
+    print("  silverrec bytes per item: " + ", ".join(f"{k} {v:.2f}" for k, v in bpi.items()))
+    print("  pipeline  bytes per item: " + ", ".join(f"{k} {v:.2f}" for k, v in pipe_parts.items()))
+    if "int8_bytes" in q:
+        print(f"  user tower: {q['tables']} tables ({q['mlp']} MLP) in the snapshot; int8 {q['int8_bytes']:,} B vs fp32 "
+              f"{q['fp32_bytes']:,} B = {q['int8_bytes'] / q['fp32_bytes']:.3f}x (top-100 overlap {q.get('int8_top100_overlap')}, "
+              f"cosine {q.get('int8_cosine')})")
+    return [row]
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for filt, style in (("none", "-"), (FILTER, "--")):
+        e2e = [r for r in rows if r["part"] == "end_to_end" and r["filter"] == filt]
+        bs = [r["batch"] for r in e2e]
+        label = "unfiltered" if filt == "none" else "filtered"
+        for side, color in (("silverrec", "tab:blue"), ("pipeline", "tab:orange")):
+            med = [r[side]["median_ms"] for r in e2e]
+            err = [[m - r[side]["p20_ms"] for m, r in zip(med, e2e)], [r[side]["p80_ms"] - m for m, r in zip(med, e2e)]]
+            ax.errorbar(bs, med, yerr=err, fmt=style + "o", color=color, capsize=3,
+                        label=f"{'silverrec (one forward)' if side == 'silverrec' else 'pipeline (torch+faiss+roaring+numpy)'}, {label}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(list(BATCHES), [str(b) for b in BATCHES])
+    ax.set_xlabel("batch (requests)")
+    ax.set_ylabel("latency per batch, ms (median, p20-p80)")
+    ax.set_title("end-to-end recommend, MovieLens, CPU 2 threads")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    for pool, style in (("movielens", "-"), ("synthetic", "--")):
+        er = [r for r in rows if r["part"] == "early_stage" and r["pool"].startswith(pool) and r["what"].startswith("rank")]
+        if not er:
+            continue
+        n = [r["items"] for r in er]
+        ax2.plot(n, [r["silverrec_ms"] for r in er], style + "o", color="tab:blue", label=f"cache + OverArch ({pool})")
+        ax2.plot(n, [r["pipeline_ms"] for r in er], style + "o", color="tab:orange", label=f"item tower + OverArch ({pool})")
+    emb_rows = [r for r in rows if r["part"] == "early_stage" and r["what"].startswith("embeddings")]
+    if emb_rows:
+        n = [r["items"] for r in emb_rows]
+        ax2.plot(n, [r["silverrec_ms"] for r in emb_rows], ":^", color="tab:blue", label="embeddings only: cache gather (synthetic)")
+        ax2.plot(n, [r["pipeline_ms"] for r in emb_rows], ":^", color="tab:orange", label="embeddings only: item tower (synthetic)")
+    ax2.set_xscale("log")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("items ranked for one user")
+    ax2.set_ylabel("latency, ms (median)")
+    ax2.set_title("early-stage ranking")
+    ax2.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def _git_state() -> dict:
+    """The commit measured and the files of the code under test that differed from it (this checkout
+    is shared with other engineers' uncommitted work)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=30).stdout.rstrip("\n")
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "silverrec", "publish", "kernels").splitlines()]
+    return {"commit": git("rev-parse", "HEAD"), "uncommitted_changes_in": dirty}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small training (0.3 + 0.15 min), fewer repeats, ranking 1k / 10k items")
+    ap.add_argument("--checkpoint", help="reuse a checkpoint from silverrec train (with a 'mol' OverArch) instead of training")
+    ap.add_argument("--minutes", type=float, default=None, help="two-tower training budget (default 1.0, quick 0.3)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    faiss.omp_set_num_threads(2)
+    rng = np.random.default_rng(args.seed)
+    t_start = time.perf_counter()
+    load_start = os.getloadavg()
+    name = "recommend_quick" if args.quick else "recommend"
+    minutes = args.minutes if args.minutes is not None else (0.3 if args.quick else 1.0)
+    overarch_minutes = 0.15 if args.quick else 0.5
+    repeats = {1: 10, 16: 5, 64: 3} if args.quick else {1: 30, 16: 10, 64: 5}
+    rank_repeats = 3 if args.quick else 7
+
+    with tempfile.TemporaryDirectory(prefix="silverrec-bench-") as tmp:
+        tmp = Path(tmp)
+        if args.checkpoint:
+            ckpt_path = Path(args.checkpoint)
+            train_cfg = {"checkpoint": str(ckpt_path)}
+            print(f"reusing checkpoint {ckpt_path}")
+        else:
+            inter, items = write_logs(tmp / "logs")
+            cfg = TrainConfig(interactions=str(inter), items=str(items), tasks=TASKS, minutes=minutes,
+                              overarch_minutes=overarch_minutes, overarch=[OVERARCH], seed=args.seed)
+            CHECKPOINTS.mkdir(parents=True, exist_ok=True)
+            ckpt_path = CHECKPOINTS / f"{name}.ckpt"
+            t = time.perf_counter()
+            train(cfg, ckpt_path, quiet_eval=True)
+            train_cfg = {"minutes": minutes, "overarch_minutes": overarch_minutes, "seed": args.seed,
+                         "seconds": round(time.perf_counter() - t, 1), "checkpoint": str(ckpt_path)}
+            print(f"trained in {train_cfg['seconds']}s -> {ckpt_path} (pass --checkpoint {ckpt_path} to reuse)", flush=True)
+        ckpt = load_checkpoint(ckpt_path)
+        if OVERARCH not in ckpt["overarch"]:
+            raise SystemExit(f"checkpoint {ckpt_path} has no {OVERARCH!r} OverArch (it has {sorted(ckpt['overarch'])})")
+        t = time.perf_counter()
+        pcfg = PublishConfig(checkpoint=str(ckpt_path), overarch=OVERARCH, value_model=VALUE_MODEL, k0=K0, seed=args.seed,
+                             torchscript=False)
+        snap_dir = publish_rec(pcfg, tmp / "snapshot")
+        publish_seconds = time.perf_counter() - t
+        snap = silverrec.load(snap_dir)
+        manifest = snap.config
+        pipe = Pipeline(ckpt, manifest)
+        print(f"published in {publish_seconds:.1f}s; pipeline (faiss IVF-SQ8 nlist {pipe.nlist}, roaring) built in "
+              f"{pipe.build_seconds:.1f}s; nprobe {pipe.nprobe}, max_probe {pipe.max_probe}, K0 {K0}, k {K}", flush=True)
+        off, hist_ids = ckpt["users"]["offsets"], ckpt["users"]["item_ids"]
+        order = rng.permutation(len(off) - 1)
+        users = [hist_ids[off[u]:off[u + 1]].tolist() for u in order if off[u + 1] > off[u]]
+        lens = np.asarray([len(h) for h in users])
+        bm = pipe.roaring.evaluate(parse(FILTER))
+        print(f"{len(users)} MovieLens users, history length median {np.median(lens):.0f}, p90 {np.percentile(lens, 90):.0f}, "
+              f"max {lens.max()}; filter {FILTER!r} keeps {len(bm) / pipe.n:.1%} of {pipe.n:,} items", flush=True)
+
+        print("\n1. end to end (snap.recommend vs the pipeline), latency per batch:", flush=True)
+        rows = end_to_end(snap, pipe, users, repeats)
+        print("\n2. early-stage ranking for one user (silverrec = cache + OverArch; recompute = item tower + OverArch):", flush=True)
+        request = {"history": users[0]}
+        rank_sizes = RANK_SIZES[:2] if args.quick else RANK_SIZES
+        rows += early_stage(snap, pipe, ckpt, request, rank_sizes, rank_repeats, rng)
+        print("\n3. bytes per item:", flush=True)
+        rows += sizes_part(manifest, pipe)
+
+    print("\nend to end (pipeline / silverrec latency ratio; > 1 = silverrec faster):")
+    e2e = [r for r in rows if r["part"] == "end_to_end"]
+    print_table([{**r, "filter": "none" if r["filter"] == "none" else "filtered"} for r in e2e],
+                ["filter", "batch", "silverrec_ms", "pipeline_ms", "ratio", "paired_ratio", "silverrec_qps", "pipeline_qps",
+                 "top10_overlap", "silverrec_vs_exact", "pipeline_vs_exact"])
+    print("\nearly-stage ranking (recompute / cache latency ratio):")
+    es = [r for r in rows if r["part"] == "early_stage"]
+    print_table([{**r, "pool": r["pool"].split("_")[0], "what": r["what"].split(" ")[0]} for r in es],
+                ["pool", "what", "items", "silverrec_ms", "pipeline_ms", "ratio", "paired_ratio"])
+    print("(what: rank = user tower + embeddings + OverArch + value; embeddings = cache gather vs item tower forward; "
+          "OverArch = the OverArch alone, the same on both sides)")
+    for r in es:
+        if "index_select_gather" in r:
+            print(f"  {r['items']:>7,} items: EmbeddingCache.gather {r['silverrec_ms']:.2f} ms, the same lookup by index_select "
+                  f"{r['index_select_gather']['median_ms']:.2f} ms, item tower {r['pipeline_ms']:.2f} ms")
+    ten = [r for r in es if r["items"] == 10_000 and r["pool"].startswith("synthetic") and "ratio" in r]
+    for r in ten:
+        print(f"target cache >= 10x faster than recomputing the item tower at 10k items, {r['what']}: "
+              f"{r['ratio']:.1f}x -> {'met' if r['ratio'] >= 10 else 'NOT met'}")
+
+    config = {
+        "versions": {"silverrec": silverrec.__version__, "faiss": faiss.__version__, "pyroaring": pyroaring.__version__,
+                     "numpy": np.__version__, "torch": torch.__version__},
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "threads": 2, "quick": args.quick,
+        "training": train_cfg, "publish_seconds": round(publish_seconds, 1),
+        "snapshot": {k: manifest.get(k) for k in ("nlist", "default_nprobe", "default_k0", "overarch", "value_model", "merge", "tasks")}
+        | {"max_probe": pipe.max_probe, "quantization_user_tower": manifest.get("quantization_user_tower"),
+           "training_stats": manifest.get("training")},
+        "k": K, "k0": K0, "filter": FILTER, "filter_fraction": len(bm) / pipe.n, "batches": list(BATCHES),
+        "repeats": repeats, "rank_repeats": rank_repeats, "rank_sizes": list(rank_sizes), "users": len(users),
+        "history_length": {"median": float(np.median(lens)), "p90": float(np.percentile(lens, 90)), "max": int(lens.max())},
+        "pipeline": "float torch UserTower (eager) -> faiss IndexIVFScalarQuantizer QT_8bit IP (same nlist/nprobe; filtered: "
+                    "pyroaring bitmap -> IDSelectorBitmap, nprobe / selectivity up to max_probe) -> numpy union/exclude/re-score "
+                    "-> numpy gather float emb + dense -> torch OverArch -> numpy value -> top-k",
+        "early_stage_pools": {
+            "movielens_9742_ids_with_replacement": "snap.rank on the MovieLens snapshot; item ids drawn with replacement; "
+                                                   "pipeline = checkpoint item tower on the same ids + OverArch + value",
+            f"synthetic_{SYNTH_ITEMS}_distinct_rows": "ItemTower over UserFeatureSpec(num_items=200000): trained feature tables "
+                                                      "and MLP, random item-id table (std of the trained one), features copied "
+                                                      "from random MovieLens items; silverrec = EmbeddingCache of its outputs + "
+                                                      "RecModel.rank_rows (eager); pipeline = tower forward + OverArch + value",
+        },
+        "seconds": round(time.perf_counter() - t_start, 1),
+        "load_average_1_5_15min": {"start": load_start, "end": os.getloadavg()},
+        "git": _git_state(),
+    }
+    write_results(name, config, rows)
+    plot(rows, RESULTS / f"{name}.png")
+    print(f"total {time.perf_counter() - t_start:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
