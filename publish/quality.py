@@ -35,20 +35,20 @@ def handler_for(built) -> RecHandler:
     return RecHandler(built.manifest, built.model, built.row_to_item, built.item_csr, built.users, built.model.rank)
 
 
-def evaluate_handler(handler: RecHandler, split: Split, stage: str = "test", batch: int = 64, **options: Any) -> dict[str, float]:
-    """HR/NDCG of the handler's top-100 for every eval user (history excluded, as served)."""
-    return metrics_from_ranks(handler_ranks(handler, split, stage, batch, **options))
+def evaluate_handler(handler: RecHandler, split: Split, stage: str = "test", **options: Any) -> dict[str, float]:
+    """HR/NDCG of the handler's top-100 for every eval user (its whole history excluded, as the
+    protocol masks every known item)."""
+    return metrics_from_ranks(handler_ranks(handler, split, stage, **options))
 
 
-def handler_ranks(handler: RecHandler, split: Split, stage: str = "test", batch: int = 64, **options: Any) -> torch.Tensor:
+def handler_ranks(handler: RecHandler, split: Split, stage: str = "test", **options: Any) -> torch.Tensor:
+    """One request per eval user (its own exclusion limit = its history, so no batch padding)."""
     ids = split.logs.item_ids
     targets = ids[split.targets(stage)]
     out = []
-    for s in range(0, len(split.eval_users), batch):
-        users = split.eval_users[s:s + batch]
-        reqs = [{"history": ids[h]} for h in split.histories(users, stage)]
-        res = handler.recommend(reqs, k=K_EVAL, **options)
-        out.append(ranks_from_topk(res.item_ids, torch.from_numpy(targets[s:s + batch])))
+    for u, h, t in zip(split.eval_users, split.histories(split.eval_users, stage), targets):
+        res = handler.recommend([{"history": ids[h]}], k=K_EVAL, exclude_limit=max(1, len(np.unique(h))), **options)
+        out.append(ranks_from_topk(res.item_ids, torch.tensor([t])))
     return torch.cat(out)
 
 

@@ -55,6 +55,8 @@ class PublishConfig:
     value_model: Any = None  # formula (JSON object or text); None = task 0's score
     merge: str = "union"
     k0: int = 200  # candidates per task
+    exclude_limit: int = 256  # exclusion slots per request (history newest first): the search fetches k0 + this
+    mlp_dtype: str = "fp32"  # user-tower MLP: "fp32", "bf16" (where its top-100 agrees), "auto" (bf16 where also faster)
     nlist: Optional[int] = None
     nprobe: Optional[int] = None  # None: the smallest that reaches min_recall (measured at publish)
     min_recall: float = 0.97  # IVF recall@k0 against the exact cache scores, on sampled users
@@ -70,6 +72,10 @@ class PublishConfig:
             raise ConfigError(f"quantize must be 'auto', 'int8' or 'none', got {self.quantize!r}")
         if int(self.k0) <= 0:
             raise ConfigError(f"k0 must be positive, got {self.k0}")
+        if int(self.exclude_limit) <= 0:
+            raise ConfigError(f"exclude_limit must be positive, got {self.exclude_limit}")
+        if self.mlp_dtype not in ("fp32", "bf16", "auto"):
+            raise ConfigError(f"mlp_dtype must be 'fp32', 'bf16' or 'auto', got {self.mlp_dtype!r}")
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> "PublishConfig":
@@ -120,7 +126,8 @@ def _sample_requests(ckpt: dict, perm_inv: np.ndarray, n: int = 256) -> list[np.
     return out
 
 
-def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor, mode: str, min_overlap: float):
+def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor, mode: str, min_overlap: float,
+                        mlp_dtype: str = "fp32"):
     """int8 tables where quality holds: (tower, report). The report gives the measured top-100
     overlap and cosine between the float and the int8 tower's user embeddings, and table bytes."""
     from torchrec.inference.modules import quantize_embeddings
@@ -145,7 +152,7 @@ def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor,
     if mode == "int8" or overlap >= min_overlap:
         report["tables"] = "int8"
         tower = q
-    # bf16 MLP: kept only where its top-100 agrees and it is faster on this machine's CPU
+    # bf16 MLP, measured and recorded; used per `mlp_dtype` (never where its top-100 disagrees)
     import copy
     import time
 
@@ -169,7 +176,7 @@ def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor,
     t_fp32, t_bf16 = timed(tower), timed(bf)
     report.update({"bf16_mlp_top100_overlap": round(bf_overlap, 4), "fp32_mlp_ms": round(t_fp32 * 1e3, 3),
                    "bf16_mlp_ms": round(t_bf16 * 1e3, 3), "batch": int(len(histories))})
-    if bf_overlap >= min_overlap and t_bf16 < t_fp32:
+    if mlp_dtype == "bf16" and bf_overlap >= min_overlap or mlp_dtype == "auto" and bf_overlap >= min_overlap and t_bf16 < t_fp32:
         report["mlp"] = "bf16"
         tower = bf
     return tower, report
@@ -217,7 +224,8 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
 
     encoder = FeatureEncoder.from_arrays(spec, item_csr)
     sample = _sample_requests(ckpt, perm_inv.numpy())
-    user, quant = quantize_user_tower(user, encoder, sample, cache.emb.float(), cfg.quantize, cfg.min_overlap)
+    user, quant = quantize_user_tower(user, encoder, sample, cache.emb.float(), cfg.quantize, cfg.min_overlap,
+                                      cfg.mlp_dtype)
     if cfg.nprobe is not None:
         manifest["default_nprobe"] = int(cfg.nprobe)
     else:
@@ -247,6 +255,7 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
         "value_model": None if vm is None else vm.config()["formula"],
         "merge": cfg.merge,
         "default_k0": int(cfg.k0),
+        "exclude_limit": int(cfg.exclude_limit),
         "quantization_user_tower": quant,
         "bytes_per_item": _bytes_per_item(model, n),
         "training": ckpt.get("stats", {}),

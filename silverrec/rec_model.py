@@ -3,8 +3,8 @@
     request (KJT of user features, dense, filter program, rows to exclude, k)
       -> user tower (TorchRec EBC + MLP)                      -> T query rows [B*T, D]
       -> filtered int8 IVF search (K0 + E rows per task)      -> rows [B*T, K0 + E]
-      -> merge tasks (union or intersection), dedupe, exclude -> rows [B, T*(K0 + E)]
-      -> embedding cache: exact re-score, keep the best K0*T  -> rows [B, C]
+      -> drop excluded rows; embedding cache: exact re-score, each task's best K0
+      -> merge tasks (union or intersection), dedupe          -> rows [B, C = T*K0]
       -> OverArch (MLP | mixture-of-logits)                   -> task scores [B, C, T]
       -> value model (compiled formula)                       -> value [B, C]
       -> top-k rows -> item ids
@@ -35,28 +35,38 @@ from silverrec.ranking.cache import EmbeddingCache
 MERGES = ("union", "intersection")
 
 
-def merge_rows(rows: Tensor, tasks: int, intersection: bool, exclude: Tensor, num_rows: int) -> Tensor:
-    """Per-task candidate rows -> one deduplicated candidate list per request.
-
-    rows int64 [B*T, K] (-1 = none); exclude int64 [B, E >= 1] sorted ascending, padded with -1
-    (first) -> int64 [B, T*K], sorted, each row once, -1 elsewhere. Intersection keeps
-    the rows that every task retrieved.
-    """
-    flat = rows.reshape(-1, tasks * rows.shape[1])
+def dedupe_rows(flat: Tensor, tasks: int, intersection: bool) -> Tensor:
+    """The T tasks' candidate rows of each request int64 [B, T*K] (-1 = none; no task lists a row
+    twice) -> int64 [B, T*K] sorted, each row once (union) or only the rows every task holds
+    (intersection), -1 elsewhere."""
     srt = torch.sort(flat, dim=1).values
     first = torch.cat([torch.ones_like(srt[:, :1], dtype=torch.bool), srt[:, 1:] != srt[:, :-1]], dim=1)
     keep = first & (srt >= 0)
     if intersection and tasks > 1:  # a row's first copy is kept when the T-1 next entries repeat it
         shifted = torch.cat([srt[:, tasks - 1:], torch.full_like(srt[:, : tasks - 1], -1)], dim=1)
         keep = keep & (shifted == srt)
-    # one 1-D search over every request's exclusions: shift row b's values by b * (N + 2) so that
-    # the flattened exclusions stay sorted (a batched searchsorted would guard the batch size)
-    base = torch.arange(srt.shape[0], device=rows.device)[:, None] * (num_rows + 2)
-    ex = (exclude + 1 + base).reshape(-1)
-    q = srt + 1 + base
-    pos = torch.searchsorted(ex, q.reshape(-1)).clamp_max(ex.shape[0] - 1)
-    keep = keep & (ex[pos].reshape(q.shape) != q)
     return torch.where(keep, srt, torch.full_like(srt, -1))
+
+
+def exclude_rows(rows: Tensor, exclude: Tensor, num_rows: int) -> Tensor:
+    """rows int64 [B, M] (-1 = none), exclude int64 [B, E >= 1] sorted ascending, -1 padded (first)
+    -> rows with every excluded row set to -1.
+
+    One 1-D search over every request's exclusions: row b's values are shifted by b * (N + 2) so
+    that the flattened exclusions stay sorted (a batched searchsorted would guard the batch size).
+    """
+    base = torch.arange(rows.shape[0], device=rows.device)[:, None] * (num_rows + 2)
+    ex = (exclude + 1 + base).reshape(-1)
+    q = rows + 1 + base
+    pos = torch.searchsorted(ex, q.reshape(-1)).clamp_max(ex.shape[0] - 1)
+    hit = ex[pos].reshape(q.shape) == q
+    return torch.where(hit | (rows < 0), torch.full_like(rows, -1), rows)
+
+
+def merge_rows(rows: Tensor, tasks: int, intersection: bool, exclude: Tensor, num_rows: int) -> Tensor:
+    """Per-task candidate rows int64 [B*T, K] -> one deduplicated list per request int64 [B, T*K]
+    (`dedupe_rows`) without the excluded rows (`exclude_rows`)."""
+    return exclude_rows(dedupe_rows(rows.reshape(-1, tasks * rows.shape[1]), tasks, intersection), exclude, num_rows)
 
 
 class RecModel(nn.Module):
@@ -104,8 +114,9 @@ class RecModel(nn.Module):
 
     def retrieve(self, user: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor, vops: Tensor, vrows: Tensor,
                  lists: Tensor, mode: Tensor, k0: int, nprobe: int, max_probe: int) -> Tensor:
-        """T query rows per request through the filtered IVF search, merged -> int64 [B, T*K0] rows
-        (the best K0*T candidates by exact re-score of any task), -1 = none."""
+        """T query rows per request through the filtered IVF search (k0 + E rows each), the excluded
+        rows dropped, each task's best k0 by its exact re-score kept, the tasks merged -> int64
+        [B, T*k0] rows, -1 = none."""
         T = self.tasks
         q = user.reshape(-1, user.shape[-1])
         reps = [ops, rows, vops, vrows, lists, mode]
@@ -117,11 +128,15 @@ class RecModel(nn.Module):
             k0 + exclude.shape[1], nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
             idx.num_items, idx.exact_cost_ratio, idx.posting_limit,
         )
-        merged = merge_rows(found, T, self.intersection, exclude, idx.num_items)
-        best = self.cache.rescore(user, merged).amax(dim=2)  # [B, T*(K0+E)]
-        top = torch.topk(best, k0 * T, dim=1).indices
-        cand = merged.gather(1, top)
-        return torch.where(best.gather(1, top) > float("-inf"), cand, torch.full_like(cand, -1))
+        # per task: drop the excluded rows, keep the best k0 by exact re-score, then merge the tasks
+        K = found.shape[1]
+        flat = exclude_rows(found.reshape(-1, T * K), exclude, idx.num_items)  # [B, T*K], task-major
+        rescored = self.cache.rescore(user, flat)  # [B, T*K, T]: every task's user against every row
+        own = torch.diagonal(rescored.reshape(-1, T, K, T), dim1=1, dim2=3)  # [B, K, T]: task t's rows by task t
+        top = torch.topk(own.transpose(1, 2), k0, dim=2)  # [B, T, k0]
+        rows_t = flat.reshape(-1, T, K).gather(2, top.indices)
+        rows_t = torch.where(top.values > float("-inf"), rows_t, torch.full_like(rows_t, -1))
+        return dedupe_rows(rows_t.reshape(-1, T * k0), T, self.intersection)
 
     def forward(self, values: Tensor, lengths: Tensor, dense: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor,
                 vops: Tensor, vrows: Tensor, lists: Tensor, mode: Tensor, k: int, k0: int, nprobe: int,

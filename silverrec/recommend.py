@@ -35,6 +35,7 @@ ITEMS_FILE = "items.npz"
 USERS_FILE = "users.npz"
 RANK_FILE = "rank.pt2"
 MAX_RANK_ITEMS = 1 << 20
+DEFAULT_EXCLUDE_LIMIT = 256  # exclusion slots per request (snapshots record their own)
 
 
 @dataclass
@@ -143,8 +144,14 @@ class RecHandler:
         off = self.users["offsets"]
         return self.users["item_ids"][off[i]:off[i + 1]]
 
-    def encode(self, requests: Sequence[RecRequest], exclude_history: bool):
-        """-> (values, lengths, dense, exclude int64 [B, E] sorted, -1 padded, filters)."""
+    def encode(self, requests: Sequence[RecRequest], exclude_history: bool, exclude_limit: int):
+        """-> (values, lengths, dense, exclude int64 [B, exclude_limit] sorted, -1 padded).
+
+        Every request gets exactly `exclude_limit` exclusion slots, whatever its neighbours hold, so
+        an answer never depends on the batch it was sent in (the search fetches k0 + exclude_limit
+        rows per task). The slots go to the request's `exclude` ids first, then to its history,
+        newest first: with a longer history, older items may be returned.
+        """
         histories, excludes = [], []
         for b, r in enumerate(requests):
             where = f"request {b}"
@@ -153,18 +160,30 @@ class RecHandler:
             ids = self.history_ids(r.user_id, where) if r.user_id is not None else r.history
             rows = self.rows(ids, f"{where} history")
             histories.append(rows)
-            ex = self.rows(r.exclude, f"{where} exclude") if len(r.exclude) else np.zeros(0, np.int64)
-            excludes.append(np.unique(np.concatenate([rows, ex]) if exclude_history else ex))
-        values, lengths, dense = self.encoder.encode(
-            histories, [dict(r.features) for r in requests], [dict(r.numeric) for r in requests])
-        E = max(1, max(e.size for e in excludes))  # the program takes E >= 1
-        exclude = np.full((len(requests), E), -1, dtype=np.int64)
+            ex = np.unique(self.rows(r.exclude, f"{where} exclude")) if len(r.exclude) else np.zeros(0, np.int64)
+            if ex.size > exclude_limit:
+                raise QueryError(f"{where}: {ex.size} exclude ids exceed the exclusion limit {exclude_limit}")
+            if exclude_history:
+                newest_first = rows[::-1][np.sort(np.unique(rows[::-1], return_index=True)[1])]
+                newest_first = newest_first[~np.isin(newest_first, ex)]
+                ex = np.concatenate([ex, newest_first[: exclude_limit - ex.size]])
+            excludes.append(np.sort(ex))
+        numeric = [dict(r.numeric) for r in requests]
+        unknown = sorted({g for n in numeric for g in n} - set(self.spec.user_numeric))
+        if unknown:
+            raise QueryError(f"unknown numeric user feature {unknown[0]!r}: the user tower reads "
+                             f"{sorted(self.spec.user_numeric) or 'none'}")
+        values, lengths, dense = self.encoder.encode(histories, [dict(r.features) for r in requests], numeric)
+        exclude = np.full((len(requests), exclude_limit), -1, dtype=np.int64)
         for b, e in enumerate(excludes):
-            exclude[b, E - e.size:] = e
+            exclude[b, exclude_limit - e.size:] = e
         return values, lengths, dense, torch.from_numpy(exclude)
 
     def recommend(self, requests, k: int = 10, k0: Optional[int] = None, nprobe: Optional[int] = None,
-                  max_probe: Optional[int] = None, mode: str = "auto", exclude_history: bool = True) -> Recommendations:
+                  max_probe: Optional[int] = None, mode: str = "auto", exclude_history: bool = True,
+                  exclude_limit: Optional[int] = None) -> Recommendations:
+        """Top-k items per request, one forward call (module docstring). `exclude_limit` (default:
+        the snapshot's) is the number of exclusion slots every request gets (`encode`)."""
         if isinstance(requests, (RecRequest, Mapping)):
             requests = [requests]
         requests = [RecRequest.coerce(r, f"request {b}") for b, r in enumerate(requests)]
@@ -179,7 +198,9 @@ class RecHandler:
                                else max_probe, nprobe, nlist)
         if mode not in MODES:
             raise QueryError(f"unknown search mode {mode!r}: use one of {sorted(MODES)}")
-        values, lengths, dense, exclude = self.encode(requests, exclude_history)
+        limit = int(cfg.get("exclude_limit", DEFAULT_EXCLUDE_LIMIT)) if exclude_limit is None else \
+            _check_int("exclude_limit", exclude_limit, 1, n)
+        values, lengths, dense, exclude = self.encode(requests, exclude_history, limit)
         filters = [r.filter for r in requests]
         modes = torch.tensor([MODES["probed"] if f is None else MODES[mode] for f in filters], dtype=torch.int64)
         with torch.inference_mode():
@@ -194,7 +215,7 @@ class RecHandler:
         rows = self.rows(item_ids, "items")
         if not 1 <= rows.size <= MAX_RANK_ITEMS:
             raise QueryError(f"rank takes 1 to {MAX_RANK_ITEMS} item ids, got {rows.size}")
-        values, lengths, dense, _ = self.encode([r], exclude_history=False)
+        values, lengths, dense, _ = self.encode([r], exclude_history=False, exclude_limit=max(1, len(r.exclude)))
         with torch.inference_mode():
             value, tasks = self.rank_module()(values, lengths, dense, torch.from_numpy(rows)[None])
         ids = torch.from_numpy(self.row_to_item[rows].astype(np.int64))[None]

@@ -33,7 +33,8 @@ def rec(tmp_path_factory):
 def model_inputs(handler, requests, *, k, k0=K0, nprobe=None, max_probe=None, mode="auto", exclude_history=True):
     """The forward's arguments for `requests`, built the way the predictor builds them."""
     reqs = [RecRequest.coerce(r, f"request {b}") for b, r in enumerate(requests)]
-    values, lengths, dense, exclude = handler.encode(reqs, exclude_history)
+    limit = int(handler.config["exclude_limit"])
+    values, lengths, dense, exclude = handler.encode(reqs, exclude_history, limit)
     filters = [r.filter for r in reqs]
     modes = torch.tensor([MODES["probed"] if f is None else MODES[mode] for f in filters], dtype=torch.int64)
     nprobe = int(handler.config["default_nprobe"]) if nprobe is None else nprobe
@@ -290,25 +291,39 @@ def test_history_is_excluded_by_default_and_can_be_included(rec):
     assert h.item_ids.tolist() == excluded.item_ids.tolist()
 
 
-BATCH_BUG = ("silverrec/rec_model.py RecModel.retrieve searches k0 + exclude.shape[1] rows per task; exclude is "
-             "padded with -1 to the batch's longest exclusion list, so a request's candidates (and its answer) "
-             "depend on the other requests in its batch")
-
-
-@pytest.mark.xfail(strict=True, reason=BATCH_BUG)
-def test_exclude_padding_does_not_change_the_answer(rec):
-    """exclude is documented as '-1 padded'; more padding columns must not change a request."""
+def test_every_request_gets_the_same_exclusion_slots(rec):
+    """The search fetches k0 + E rows per task (E = exclude columns): E must not depend on the batch,
+    or a request's answer would depend on its neighbours. The predictor sends exactly exclude_limit."""
     handler = rec.snap().rec_handler()
+    limit = int(handler.config["exclude_limit"])
     lengths = {int(u): len(rec.logs.history(int(u))) for u in rec.logs.user_ids}
-    u = min(lengths, key=lengths.get)
-    args = list(model_inputs(handler, [{"user_id": u}], k=T * K0, nprobe=NLIST, max_probe=NLIST))
-    plain = run(rec.built.model, args)
-    args[3] = torch.cat([torch.full((1, 100), -1, dtype=torch.int64), args[3]], dim=1)
-    padded = run(rec.built.model, args)
-    assert padded[0].tolist() == plain[0].tolist()
+    short, long_ = min(lengths, key=lengths.get), max(lengths, key=lengths.get)
+    for reqs in ([{"user_id": short}], [{"user_id": short}, {"history": rec.logs.item_ids[:250].tolist()}]):
+        exclude = model_inputs(handler, reqs, k=5)[3]
+        assert exclude.shape == (len(reqs), limit)
+    one = model_inputs(handler, [{"user_id": long_}], k=5)[3][0]
+    kept = one[one >= 0]
+    assert kept.numel() == min(limit, len(set(rec.logs.history(long_)))) and bool((kept[1:] > kept[:-1]).all())
 
 
-@pytest.mark.xfail(strict=True, reason=BATCH_BUG)
+def test_history_beyond_the_limit_keeps_the_newest_items(rec):
+    handler = rec.snap().rec_handler()
+    u = max(rec.logs.user_ids, key=lambda x: len(rec.logs.history(int(x))))
+    hist = list(rec.logs.history(int(u)))
+    exclude = model_inputs_limit(handler, [{"user_id": int(u)}], 5)[0]
+    newest = []
+    for i in reversed(hist):
+        if i not in newest:
+            newest.append(i)
+    want = sorted(handler.rows(newest[:5], "test").tolist())
+    assert exclude[exclude >= 0].tolist() == want
+
+
+def model_inputs_limit(handler, requests, limit):
+    reqs = [RecRequest.coerce(r, f"request {b}") for b, r in enumerate(requests)]
+    return handler.encode(reqs, True, limit)[3]
+
+
 def test_a_request_does_not_depend_on_its_batch_neighbours(rec):
     snap = rec.snap()
     lengths = {int(u): len(rec.logs.history(int(u))) for u in rec.logs.user_ids}

@@ -174,10 +174,6 @@ def test_bad_request_gets_its_named_error(rec, case):
         rec.snap().recommend(requests, **options)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "silverrec/user_tower.py FeatureEncoder.encode checks unknown categorical user features but "
-    "silently ignores unknown numeric ones (the loop over spec.user_numeric never looks at the "
-    "request's other keys), so a misspelt numeric feature is dropped without an error"))
 def test_unknown_numeric_user_feature_is_an_error(rec):
     with pytest.raises(QueryError, match="age"):
         rec.snap().recommend({"user_id": int(rec.logs.user_ids[0]), "numeric": {"age": 31.0}}, k=3)

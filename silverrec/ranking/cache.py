@@ -113,9 +113,8 @@ class EmbeddingCache(nn.Module):
             feats float32 [B, K, F]  (zeros at padding)
         """
         valid = (rows >= 0).unsqueeze(-1)  # [B, K, 1]
-        idx = rows.clamp(min=0)
-        emb = torch.where(valid, self.emb[idx].float(), 0.0)
-        feats = torch.where(valid, self.feats[idx].float(), 0.0)
+        emb = torch.where(valid, _take(self.emb, rows).float(), 0.0)
+        feats = torch.where(valid, _take(self.feats, rows).float(), 0.0)
         return emb, feats
 
     @torch.jit.export
@@ -130,7 +129,7 @@ class EmbeddingCache(nn.Module):
             -inf at padding.
         """
         valid = (rows >= 0).unsqueeze(-1)
-        cand = self.emb[rows.clamp(min=0)].float()  # [B, K, D]
+        cand = _take(self.emb, rows).float()  # [B, K, D]
         scores = torch.bmm(cand, user.float().transpose(1, 2))  # [B, K, T]
         return torch.where(valid, scores, float("-inf"))
 
@@ -146,6 +145,13 @@ class EmbeddingCache(nn.Module):
         emb, feats = self.gather(rows)
         scores = torch.bmm(emb, user.float().transpose(1, 2))
         return emb, feats, torch.where((rows >= 0).unsqueeze(-1), scores, float("-inf"))
+
+
+def _take(table: Tensor, rows: Tensor) -> Tensor:
+    """table[rows.clamp(min=0)] as one index_select over the flattened rows: [B, K] -> [B, K, C]
+    (advanced indexing measured 3-5x slower here for 10k-200k rows)."""
+    flat = table.index_select(0, rows.clamp(min=0).reshape(-1))
+    return flat.reshape(rows.shape[0], rows.shape[1], table.shape[1])
 
 
 def _describe(x: object) -> str:

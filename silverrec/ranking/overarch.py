@@ -166,7 +166,7 @@ class MoLOverArch(nn.Module):
     def component_logits(self, user: Tensor, cand: Tensor) -> Tensor:
         """user [B, T, D], cand [B, K, D] (parameter dtype) -> l [B, K, T, P], P = p_q * p_x (i-major)."""
         # per-task projection as a broadcast matmul (einsum or bmm here made export guard on B != 1)
-        q = torch.matmul(user.unsqueeze(-2), self.user_weight.transpose(1, 2)).squeeze(-2)
+        q = torch.stack([F.linear(user[:, t], self.user_weight[t]) for t in range(self.tasks)], dim=1)
         q = q + self.user_bias  # [B, T, p_q * c]
         q = F.normalize(q.unflatten(-1, [self.p_q, self.comp_dim]), dim=-1)  # [B, T, p_q, c]
         x = F.normalize(self.item_proj(cand).unflatten(-1, [self.p_x, self.comp_dim]), dim=-1)  # [B, K, p_x, c]
@@ -187,7 +187,11 @@ class MoLOverArch(nn.Module):
         hv = F.linear(cand, w[:, d : 2 * d]) + F.linear(feats, w[:, 2 * d : 2 * d + f], self.gate_in.bias)  # [B, K, H]
         hl = F.linear(logits, w[:, 2 * d + f :])  # [B, K, T, H]
         h = F.silu(hl + hu.unsqueeze(1) + hv.unsqueeze(2))
-        g = torch.matmul(h.unsqueeze(-2), self.gate_weight.transpose(1, 2)).squeeze(-2)  # [B, K, T, P]
+        # the T per-task output layers as one block-diagonal linear map [T*P, T*H]: a broadcast matmul
+        # here materialised [B, K, T, H, P], and a permute + bmm guarded export on K != 1
+        eye = torch.eye(self.tasks, dtype=h.dtype, device=h.device)
+        blocks = (self.gate_weight.to(h.dtype)[:, :, None, :] * eye[:, None, :, None]).flatten(2).flatten(0, 1)
+        g = F.linear(h.flatten(2), blocks).unflatten(2, [self.tasks, -1])  # [B, K, T, P]
         gates = torch.softmax(g + self.gate_bias, dim=-1)
         mixed = (gates * logits).sum(-1)  # [B, K, T]
         dot = (user.unsqueeze(1) * cand.unsqueeze(2)).sum(-1) * self.dot_scale.to(user.dtype)  # [B, K, T]
