@@ -28,10 +28,10 @@ import pyroaring  # noqa: E402
 import torch  # noqa: E402
 
 import silverrec  # noqa: E402
-from silverrec.filter_lang import And, Not, Term, parse  # noqa: E402
-from silverrec.filter_program import FilterPlan, compile_batch, compile_request  # noqa: E402
-from silverrec.filtered_ivf import MODE_AUTO, MODE_PROBED  # noqa: E402
-from silverrec.forward_index import ForwardIndex, unpack_mask  # noqa: E402
+from silverrec.filtering.filter_lang import And, Not, Term, parse  # noqa: E402
+from silverrec.filtering.filter_program import FilterPlan, compile_batch, compile_request  # noqa: E402
+from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED  # noqa: E402
+from silverrec.filtering.forward_index import ForwardIndex, unpack_mask  # noqa: E402
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config  # noqa: E402
 from silverrec.publish.filtered_ivf import filter_index  # noqa: E402
 from silverrec.publish.ivf import cluster_major_layout  # noqa: E402

@@ -13,7 +13,7 @@ semantic IDs (9,742 real item paths, L = 4).
               (full KV per beam, no cache), dict trie, full sort;
   hf          transformers `LlamaForCausalLM.generate(num_beams=W, num_return_sequences=W,
               max_new_tokens=L, do_sample=False, prefix_allowed_tokens_fn=trie, length_penalty=0)`
-              on the equivalent Llama (weights converted by `silverrec.decoder.to_llama`).
+              on the equivalent Llama (weights converted by `silverrec.generative.decoder.to_llama`).
 
 Prompts: the newest items of real MovieLens users (BOS + 4 tokens per item: 257, 513, 2049 tokens),
 batch 1 request, beam width W = top_k in 64..512. Latency = median wall time; peak memory = the
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import print_table, write_results  # noqa: E402
 
-from silverrec.decoder import BOS, RecDecoder, to_llama  # noqa: E402
+from silverrec.generative.decoder import BOS, RecDecoder, to_llama  # noqa: E402
 from silverrec.publish import movielens  # noqa: E402
 from silverrec.publish.generative import all_items_bitmask, build_generative  # noqa: E402
 from silverrec.publish.semantic_ids import SemanticIds  # noqa: E402

@@ -71,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, measure, print_table, write_results  # noqa: E402
 
 import silverrec  # noqa: E402
-from silverrec.filter_lang import And, Not, Or, Term, parse  # noqa: E402
+from silverrec.filtering.filter_lang import And, Not, Or, Term, parse  # noqa: E402
 from silverrec.publish.movielens import write_logs  # noqa: E402
 from silverrec.publish.rec import PublishConfig, publish_rec  # noqa: E402
 from silverrec.publish.train import TrainConfig, load_checkpoint, rebuild_item_tower, rebuild_user_tower, train  # noqa: E402
@@ -80,7 +80,7 @@ from silverrec.ranking.cache import EmbeddingCache  # noqa: E402
 from silverrec.ranking.overarch import overarch_from_config  # noqa: E402
 from silverrec.ranking.value_model import compile_value_model  # noqa: E402
 from silverrec.rec_model import RecModel  # noqa: E402
-from silverrec.user_tower import FeatureEncoder, UserFeatureSpec  # noqa: E402
+from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec  # noqa: E402
 
 FILTER = "genre = Comedy AND NOT decade = '1990s'"
 TASKS = [{"name": "interacted"}, {"name": "liked", "label": "rating", "min": 4.0}]

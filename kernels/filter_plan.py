@@ -1,4 +1,4 @@
-"""`silverrec::filter_plan`: per-query routing of the filtered IVF search (silverrec/filtered_ivf.py).
+"""`silverrec::filter_plan`: per-query routing of the filtered IVF search (silverrec/retrieval/filtered_ivf.py).
 
     probes, bitmask, route = torch.ops.silverrec.filter_plan(
         queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode,
@@ -11,7 +11,7 @@
     #    bitmask int64 [B, max_probe, window_words] the filter on each candidate cluster's rows
     #    route int64 [B]: 0 = scan `probes` with `bitmask`, 1 = whole pool then exact scan, 2 = posting lists
 
-The decisions, per query (the module docstring of silverrec/filtered_ivf.py explains why):
+The decisions, per query (the module docstring of silverrec/retrieval/filtered_ivf.py explains why):
 posting route when the lists hold <= posting_limit rows (not in probed mode); otherwise the
 `max_probe` best centroids by inner product (ties to the lower cluster), the filter and its match
 count on each, the shortest prefix holding max(nprobe x avg_cluster, k x match_factor) matches (at

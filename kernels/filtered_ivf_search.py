@@ -1,4 +1,4 @@
-"""`silverrec::filtered_ivf_search`: the whole filtered IVF search (silverrec/filtered_ivf.py) as one op.
+"""`silverrec::filtered_ivf_search`: the whole filtered IVF search (silverrec/retrieval/filtered_ivf.py) as one op.
 
     scores, item_ids = torch.ops.silverrec.filtered_ivf_search(
         queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item,   # the IVF
@@ -54,7 +54,7 @@ def filtered_ivf_search_torch(
         folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k, posting_limit
     )
     scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
-    from silverrec.exact_index import rows_to_items  # (silverrec.exact_index imports this package)
+    from silverrec.retrieval.exact_index import rows_to_items  # (silverrec.retrieval.exact_index imports this package)
 
     return scores, rows_to_items(row_to_item, torch.where(exact[:, None], r_ex, r_ivf))
 

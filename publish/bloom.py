@@ -1,6 +1,6 @@
 """Bloom signatures and exact value-code planes for attribute filtering, bit-sliced (publish side).
 
-Every (feature, value) token sets K hashed bits (`silverrec.bloom_hash`) of an M-bit signature; an
+Every (feature, value) token sets K hashed bits (`silverrec.filtering.bloom_hash`) of an M-bit signature; an
 item's signature is the OR over its tokens. Signatures are stored bit-sliced in a row bank
 
     bits int64 [R, W],  W = ceil(N / 64),  R = M + exact plane rows
@@ -9,7 +9,7 @@ row m < M holds bit m of the signatures of items 64w..64w+63 in word w (bit r & 
 int64 sign bit), in the caller's row order (the IVF's cluster-major order), so a cluster is a
 contiguous word range and `f = v` over 64 items is K word ANDs.
 
-Rows M.. hold exact value-code planes for negated terms (see silverrec/filter_program.py): for a
+Rows M.. hold exact value-code planes for negated terms (see silverrec/filtering/filter_program.py): for a
 feature with at most `slots` values per item and V values, ceil(log2(V + 1)) bit rows per slot,
 kept when slots x bits <= EXACT_MAX_BITS.
 
@@ -28,9 +28,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from silverrec.bloom_hash import token_positions
+from silverrec.filtering.bloom_hash import token_positions
 from silverrec.errors import PoolError
-from silverrec.forward_index import ForwardIndex
+from silverrec.filtering.forward_index import ForwardIndex
 
 DEFAULT_HASHES = 7
 BUFFER = 1.5

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.export import Dim
 
-from silverrec.exact_index import ExactInt8Index
+from silverrec.retrieval.exact_index import ExactInt8Index
 from silverrec.publish.pool import Pool
 from silverrec.publish.progress import step
 from silverrec.publish.quantize import quantize_global

@@ -17,9 +17,9 @@ import torch
 from torch.export import Dim
 
 from silverrec.errors import PoolError
-from silverrec.filtered_ivf import FilteredIVFIndex
-from silverrec.forward_index import ForwardIndex
-from silverrec.ivf_index import Int8IVFIndex
+from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
+from silverrec.filtering.forward_index import ForwardIndex
+from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config
 from silverrec.publish.ivf import IVFConfig, build_ivf, ivf_manifest_config
 from silverrec.publish.pool import Pool

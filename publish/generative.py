@@ -28,14 +28,14 @@ import numpy as np
 import torch
 from torch.export import Dim
 
-from silverrec.decoder import RecDecoder
+from silverrec.generative.decoder import RecDecoder
 from silverrec.errors import PoolError
-from silverrec.generative import GenerativeRetrieval
-from silverrec.predictor import ITEMS_FILE, history_tokens
+from silverrec.generative.generative import GenerativeRetrieval
+from silverrec.serving.predictor import ITEMS_FILE, history_tokens
 from silverrec.publish.progress import step
 from silverrec.publish.semantic_ids import SemanticIds, check_paths
 from silverrec.snapshot import export_module, write_snapshot
-from silverrec.trie import ValidPathTrie
+from silverrec.generative.trie import ValidPathTrie
 
 BF16_MIN_OVERLAP = 0.9
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

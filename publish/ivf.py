@@ -11,7 +11,7 @@ import torch
 from torch.export import Dim
 
 from silverrec.errors import PoolError
-from silverrec.ivf_index import Int8IVFIndex
+from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.kernels.ivf_scan import bitmask_words
 from silverrec.publish.kmeans import KMeansResult, default_nlist, kmeans
 from silverrec.publish.pool import Pool

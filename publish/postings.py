@@ -11,7 +11,7 @@ list (their filters are served by the probed or whole-pool paths), which bounds 
 4 bytes x (item, selective token) pairs.
 
 The manifest records, per feature and value, the list id (-1 = none) and the item count, which
-`silverrec.filter_program.compile_lists` uses to choose each filter's lists.
+`silverrec.filtering.filter_program.compile_lists` uses to choose each filter's lists.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from silverrec.forward_index import ForwardIndex
+from silverrec.filtering.forward_index import ForwardIndex
 
 DEFAULT_LIMIT_DIVISOR = 32  # lists for tokens held by <= N / 32 items (and at least 256)
 

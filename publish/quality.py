@@ -25,7 +25,7 @@ import torch
 from silverrec.publish.evaluate import evaluate_scores, metrics_from_ranks, ranks_from_topk
 from silverrec.publish.logs import Split
 from silverrec.rec_model import RecModel
-from silverrec.recommend import RecHandler
+from silverrec.serving.recommend import RecHandler
 
 K_EVAL = 100
 
@@ -79,7 +79,7 @@ def ivf_only_ranks(handler: RecHandler, split: Split, stage: str = "test", batch
 def two_tower_exact(ckpt: dict, split: Split, stage: str = "test") -> dict[str, float]:
     """Float user tower . float item embeddings over the whole pool (the retrieval model's ceiling)."""
     from silverrec.publish.train import rebuild_user_tower, user_embeddings
-    from silverrec.user_tower import FeatureEncoder, UserFeatureSpec
+    from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 
     user = rebuild_user_tower(ckpt)
     spec = UserFeatureSpec.from_json(ckpt["spec"])

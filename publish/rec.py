@@ -39,7 +39,7 @@ from silverrec.ranking.overarch import overarch_from_config
 from silverrec.ranking.value_model import compile_value_model
 from silverrec.rec_model import MERGES, RankEntry, RecModel
 from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, export_program, write_snapshot
-from silverrec.user_tower import UserFeatureSpec, _csr
+from silverrec.retrieval.user_tower import UserFeatureSpec, _csr
 
 RANK_FILE = "rank.pt2"
 ITEMS_FILE = "items.npz"
@@ -220,7 +220,7 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     user = rebuild_user_tower(ckpt)
     permute_item_table(user, perm)
     item_csr = {f: _csr([ckpt["item_features"][f][p] for p in perm.tolist()], spec.item_vocabs[f]) for f in spec.item_vocabs}
-    from silverrec.user_tower import FeatureEncoder
+    from silverrec.retrieval.user_tower import FeatureEncoder
 
     encoder = FeatureEncoder.from_arrays(spec, item_csr)
     sample = _sample_requests(ckpt, perm_inv.numpy())
@@ -285,7 +285,7 @@ def _bytes_per_item(model: RecModel, n: int) -> dict[str, float]:
 
 def example_request(model: RecModel, spec: UserFeatureSpec, dim: int) -> tuple:
     """Export example: batch 2, distinct ints so every dynamic size stays its own symbol."""
-    from silverrec.user_tower import FeatureEncoder
+    from silverrec.retrieval.user_tower import FeatureEncoder
 
     n = model.index.num_items
     csr = {f: (np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)) for f in spec.item_vocabs}

@@ -8,7 +8,7 @@ Every item gets a path of L = levels + 1 codes (DESIGN.md, "Generative beam deco
                        item's rank (0, 1, ...) among the items sharing it, nearest-to-the-path first.
 
     level_sizes = [C_0, ..., C_{levels-1}, Cd] with Cd = max items sharing one code path, so paths
-    int64 [N, L] are unique per item and `silverrec.decoder.paths_to_tokens(paths, level_sizes)`
+    int64 [N, L] are unique per item and `silverrec.generative.decoder.paths_to_tokens(paths, level_sizes)`
     turns them into the decoder's tokens.
 
     >>> sids = build_semantic_ids(embeddings, item_ids, levels=3, codes=256, seed=0)
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from silverrec.decoder import level_offsets, paths_to_tokens, vocab_size
+from silverrec.generative.decoder import level_offsets, paths_to_tokens, vocab_size
 from silverrec.errors import PoolError
 from silverrec.publish.kmeans import assign, kmeans
 

@@ -8,7 +8,7 @@ Training follows the evaluation protocol (publish/logs.py, publish/evaluate.py):
 interaction is held out; at stage "test" (default) the model is fitted on train + validation
 items, at stage "valid" on the train items only (for choosing hyper-parameters).
 
-1. Two-tower: user tower (silverrec/user_tower.py, TorchRec EBC over the history) and item tower
+1. Two-tower: user tower (silverrec/retrieval/user_tower.py, TorchRec EBC over the history) and item tower
    (publish/two_tower.py), sampled softmax over in-batch + uniform negatives with logQ correction,
    one loss per task over that task's positives.
 2. OverArch rankers (MLP and/or mixture-of-logits): trained on the frozen two-tower's own top-K0
@@ -35,7 +35,7 @@ from silverrec.errors import SilverrecError
 from silverrec.publish.logs import Logs, Split, leave_one_out, read_logs
 from silverrec.publish.progress import bar, step
 from silverrec.publish.two_tower import ItemTower, sampled_softmax_loss, target_log_q
-from silverrec.user_tower import FeatureEncoder, UserFeatureSpec, UserTower
+from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec, UserTower
 
 
 class ConfigError(SilverrecError):

@@ -38,15 +38,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from silverrec.decoder import PAD, DecoderConfig, RecDecoder
+from silverrec.generative.decoder import PAD, DecoderConfig, RecDecoder
 from silverrec.errors import PoolError
-from silverrec.generative import GenerativeRetrieval
-from silverrec.predictor import history_tokens
+from silverrec.generative.generative import GenerativeRetrieval
+from silverrec.serving.predictor import history_tokens
 from silverrec.publish import movielens
 from silverrec.publish.generative import build_generative
 from silverrec.publish.progress import quiet, step
 from silverrec.publish.semantic_ids import SemanticIds, SemanticIdStats, build_semantic_ids
-from silverrec.trie import ValidPathTrie, pack_bitmask
+from silverrec.generative.trie import ValidPathTrie, pack_bitmask
 
 
 @dataclass

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from silverrec.user_tower import UserFeatureSpec, _csr, _mlp
+from silverrec.retrieval.user_tower import UserFeatureSpec, _csr, _mlp
 
 
 class ItemTower(nn.Module):

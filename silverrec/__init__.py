@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 from silverrec import kernels as _kernels  # noqa: F401  (registers torch.ops.silverrec.*)
 from silverrec.errors import PoolError, QueryError, SilverrecError, SnapshotError
-from silverrec.predictor import SearchResult, Snapshot, load
+from silverrec.serving.predictor import SearchResult, Snapshot, load
 from silverrec.snapshot import FORMAT_VERSION
 
 __all__ = [

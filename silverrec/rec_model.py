@@ -18,7 +18,7 @@ re-scores; without a value model the final score is task 0's.
 value model), no retrieval and no item tower.
 
 No host synchronisation in either entry point (the request's tensors are built by the
-predictor, `silverrec/recommend.py`).
+predictor, `silverrec/serving/recommend.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
-from silverrec.filtered_ivf import FilteredIVFIndex
+from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 from silverrec.ranking.cache import EmbeddingCache
 
 MERGES = ("union", "intersection")
@@ -73,7 +73,7 @@ class RecModel(nn.Module):
     """The root module of a recommendation snapshot (see the module docstring).
 
     Args:
-        user_tower: (values, lengths, dense) -> float32 [B, T, D] (silverrec.user_tower.UserTower).
+        user_tower: (values, lengths, dense) -> float32 [B, T, D] (silverrec.retrieval.user_tower.UserTower).
         index: FilteredIVFIndex over the item embeddings (rows cluster-major).
         cache: EmbeddingCache in the same row order.
         overarch: (user [B,T,D], cand [B,C,D], feats [B,C,F]) -> [B,C,T], or None.

@@ -4,7 +4,7 @@
 whole sequence of every beam with `RecDecoder.forward` (full KV per beam, no cache), builds the
 allowed codes from a Python dict of the pool's paths (not from the tensor trie), and selects with
 one full stable sort over all Wi x C candidates after the per-beam top_k cut. Same semantics as
-`GenerativeRetrieval` (see silverrec/generative.py): scores are summed full-vocabulary
+`GenerativeRetrieval` (see silverrec/generative/generative.py): scores are summed full-vocabulary
 log-probs, ties go to the lower (beam, code), fewer than W items pad with id -1 / score -inf.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from silverrec.decoder import BOS, PAD, DecoderConfig, RecDecoder, level_offsets, paths_to_tokens, vocab_size
+from silverrec.generative.decoder import BOS, PAD, DecoderConfig, RecDecoder, level_offsets, paths_to_tokens, vocab_size
 
 
 def _allowed_children(paths: list[tuple[int, ...]]) -> dict[tuple[int, ...], set[int]]:

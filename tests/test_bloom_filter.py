@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from silverrec.bloom_hash import token_positions
-from silverrec.filter_program import FilterPlan, compile_batch
-from silverrec.forward_index import ForwardIndex, pack_mask, unpack_mask
+from silverrec.filtering.bloom_hash import token_positions
+from silverrec.filtering.filter_program import FilterPlan, compile_batch
+from silverrec.filtering.forward_index import ForwardIndex, pack_mask, unpack_mask
 from silverrec.kernels.bloom_filter import (
     OP_AND,
     OP_FALSE,

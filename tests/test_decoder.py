@@ -4,7 +4,7 @@ and prefill/decode (staged shared + unshared KV) vs the plain causal forward."""
 import pytest
 import torch
 
-from silverrec.decoder import (
+from silverrec.generative.decoder import (
     BOS,
     PAD,
     DecoderConfig,

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import silverrec
-from silverrec.filter_program import FilterPlan, compile_request
-from silverrec.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED
+from silverrec.filtering.filter_program import FilterPlan, compile_request
+from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED
 from silverrec.kernels.common import quantize_queries
 from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows, publish_filtered_ivf
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
-from silverrec.forward_index import ForwardIndex
+from silverrec.filtering.forward_index import ForwardIndex
 
 N, D, NLIST = 30000, 32, 120
 # expected selectivity of each filter class

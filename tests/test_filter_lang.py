@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from silverrec.errors import QueryError
-from silverrec.filter_lang import And, FilterSyntaxError, Not, Or, Term, parse, to_string
-from silverrec.filter_program import FilterPlan, compile_batch, compile_filter, normalize_filters
-from silverrec.forward_index import ForwardIndex, unpack_mask
+from silverrec.filtering.filter_lang import And, FilterSyntaxError, Not, Or, Term, parse, to_string
+from silverrec.filtering.filter_program import FilterPlan, compile_batch, compile_filter, normalize_filters
+from silverrec.filtering.forward_index import ForwardIndex, unpack_mask
 from silverrec.kernels.bloom_filter import OP_FALSE, OP_NOT, OP_PUSH, bloom_filter_reference
 from silverrec.publish.bloom import BloomConfig, build_filter_bank
 

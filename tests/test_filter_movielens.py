@@ -3,9 +3,9 @@
 import numpy as np
 import torch
 
-from silverrec.filter_program import FilterPlan
-from silverrec.filtered_ivf import MODE_AUTO
-from silverrec.forward_index import ForwardIndex
+from silverrec.filtering.filter_program import FilterPlan
+from silverrec.retrieval.filtered_ivf import MODE_AUTO
+from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool

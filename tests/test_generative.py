@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from silverrec.generative import GenerativeRetrieval, reorder_beams
-from silverrec.trie import ValidPathTrie, pack_bitmask
+from silverrec.generative.generative import GenerativeRetrieval, reorder_beams
+from silverrec.generative.trie import ValidPathTrie, pack_bitmask
 
 from .reference_beam_search import random_decoder, random_histories, random_paths, reference_beam_search
 
@@ -181,7 +181,7 @@ def test_bf16_weights(pool):
 def test_matches_hf_constrained_beam_search(pool):
     """With top_k = W the decode is ordinary constrained beam search: same items and scores as
     transformers' `generate(num_beams=W, prefix_allowed_tokens_fn=trie)` on the equivalent Llama."""
-    from silverrec.decoder import paths_to_tokens, to_llama
+    from silverrec.generative.decoder import paths_to_tokens, to_llama
 
     paths, item_ids, _ = pool
     dec = random_decoder(SIZES, seed=11)

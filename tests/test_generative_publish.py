@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import silverrec
-from silverrec.decoder import BOS, PAD
+from silverrec.generative.decoder import BOS, PAD
 from silverrec.errors import PoolError, QueryError
 from silverrec.publish.generative import build_generative, publish_generative
 from silverrec.publish.pool import write_pool
@@ -105,7 +105,7 @@ def test_filter_bitmask_prunes_during_decode(setup):
     snap = silverrec.load(snap_dir)
     rows = snap.generative_item_ids()
     allowed_rows = torch.rand(3, len(rows)) < torch.tensor([[0.03], [0.3], [1.0]])
-    from silverrec.trie import pack_bitmask
+    from silverrec.generative.trie import pack_bitmask
 
     histories = _histories(sids.item_ids, n=3, seed=2)
     got = snap.recommend(histories, pack_bitmask(allowed_rows))
@@ -154,7 +154,7 @@ def test_fresh_process_equals_in_process(setup):
                           capture_output=True, text=True, timeout=300, check=True)
     module = build_generative(dec, sids.subset(silverrec.load(snap_dir).generative_item_ids()), W, 5)
     ids, tokens, order = silverrec.load(snap_dir)._generative_items()
-    from silverrec.predictor import history_tokens
+    from silverrec.serving.predictor import history_tokens
 
     with torch.no_grad():
         hist = history_tokens(histories, ids[order], tokens[order], MAX_HISTORY)

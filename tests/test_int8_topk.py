@@ -82,7 +82,7 @@ def test_bad_arguments():
 def test_export_keeps_one_opaque_node():
     from torch.export import Dim
 
-    from silverrec.exact_index import ExactInt8Index
+    from silverrec.retrieval.exact_index import ExactInt8Index
     from silverrec.snapshot import export_program
 
     index = ExactInt8Index(torch.randint(-128, 128, (100, 8), dtype=torch.int8), torch.tensor(0.1),

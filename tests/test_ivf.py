@@ -7,7 +7,7 @@ import torch
 
 import silverrec
 from silverrec.errors import QueryError
-from silverrec.ivf_index import Int8IVFIndex
+from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.kernels.common import quantize_queries, split_keys
 from silverrec.kernels.ivf_scan import bitmask_words, canonical_probes, ivf_scan_reference, scan_keys_cpu
 from silverrec.publish.ivf import IVFConfig, build_ivf, publish_ivf

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from silverrec.filter_lang import parse
-from silverrec.filter_program import NO_LISTS, FilterPlan, compile_lists, compile_request, posting_lists
-from silverrec.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED, FilteredIVFIndex
-from silverrec.forward_index import ForwardIndex
+from silverrec.filtering.filter_lang import parse
+from silverrec.filtering.filter_program import NO_LISTS, FilterPlan, compile_lists, compile_request, posting_lists
+from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED, FilteredIVFIndex
+from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.postings import build_postings
@@ -159,7 +159,7 @@ def test_format_1_filtered_snapshots_are_refused_with_a_clear_error(built):
     from types import SimpleNamespace
 
     from silverrec.errors import QueryError
-    from silverrec.filtered_search import filter_plan
+    from silverrec.retrieval.filtered_search import filter_plan
 
     _, manifest, _, _, _ = built
     old = {k: v for k, v in manifest["filter"].items() if k != "postings"}

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from silverrec.filter_program import compile_request
-from silverrec.filtered_ivf import MODES
-from silverrec.forward_index import ForwardIndex
+from silverrec.filtering.filter_program import compile_request
+from silverrec.retrieval.filtered_ivf import MODES
+from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.ranking.value_model import evaluate_formula
 from silverrec.rec_model import RecModel, merge_rows
-from silverrec.recommend import RecRequest
+from silverrec.serving.recommend import RecRequest
 
 from tests.rec_fixtures import FORMULA, K0, N_ITEMS, NLIST, TASKS, rec_setup
 

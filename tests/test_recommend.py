@@ -19,7 +19,7 @@ import torch
 
 import silverrec
 from silverrec.errors import PoolError, QueryError, SnapshotError
-from silverrec.filter_lang import FilterSyntaxError
+from silverrec.filtering.filter_lang import FilterSyntaxError
 from silverrec.publish.cli import main
 from silverrec.publish.train import (
     ConfigError,
@@ -31,7 +31,7 @@ from silverrec.publish.train import (
     rebuild_user_tower,
     train,
 )
-from silverrec.user_tower import FeatureEncoder, UserFeatureSpec
+from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 
 from tests.rec_fixtures import N_ITEMS, NLIST, OVERARCH_STEPS, TASKS, TRAIN_STEPS, TRAIN_TOML, make_logs, rec_setup, write_logs
 
@@ -79,7 +79,7 @@ def test_training_lowers_the_sampled_softmax_loss(rec):
     """The trained towers' loss on training examples is finite and below the untrained towers'."""
     from silverrec.publish.logs import leave_one_out, read_logs
     from silverrec.publish.two_tower import ItemTower, sampled_softmax_loss, target_log_q
-    from silverrec.user_tower import UserTower
+    from silverrec.retrieval.user_tower import UserTower
 
     cfg, ckpt = rec.train_cfg, rec.ckpt
     logs = read_logs(rec.inter_path, rec.items_path)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from silverrec.decoder import BOS, PAD, level_offsets, paths_to_tokens, vocab_size
+from silverrec.generative.decoder import BOS, PAD, level_offsets, paths_to_tokens, vocab_size
 from silverrec.errors import PoolError
 from silverrec.publish.semantic_ids import build_semantic_ids, check_paths, collision_stats, disambiguate
-from silverrec.trie import ValidPathTrie
+from silverrec.generative.trie import ValidPathTrie
 
 
 def clustered(n: int = 2000, d: int = 12, centers: int = 40, dup_groups: int = 5, dup_size: int = 7, seed: int = 0):

@@ -6,7 +6,7 @@ The C++ sources are parsed (not the compiled extension), so the check runs witho
 import re
 from pathlib import Path
 
-from silverrec.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED
+from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED
 from silverrec.kernels import bloom_filter
 from silverrec.kernels.filtered_topk import NO_LISTS
 

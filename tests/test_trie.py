@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from silverrec.trie import ValidPathTrie, pack_bitmask, unpack_bitmask
+from silverrec.generative.trie import ValidPathTrie, pack_bitmask, unpack_bitmask
 
 from .reference_beam_search import random_paths
 

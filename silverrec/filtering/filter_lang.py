@@ -20,7 +20,7 @@ Example:
 
 `FilterSyntaxError` names the 0-based character position of the problem and quotes the string
 with a caret under it. Feature names are checked later, against a snapshot's vocabulary
-(`silverrec.filter_program`).
+(`silverrec.filtering.filter_program`).
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ import torch
 
 import silverrec.kernels  # noqa: F401  (ops must be registered before deserialising)
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
-from silverrec.filtered_search import search_filtered_ivf
+from silverrec.retrieval.filtered_search import search_filtered_ivf
 from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, read_manifest
-from silverrec.trie import pack_bitmask, unpack_bitmask
+from silverrec.generative.trie import pack_bitmask, unpack_bitmask
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Snapshot:
 
         A "rec" snapshot (the recommendation model): `recommend(requests, k=10, k0=None,
         nprobe=None, max_probe=None, mode="auto", exclude_history=True)` with requests as in
-        silverrec/recommend.py -> `Recommendations`. A "generative" snapshot:
+        silverrec/serving/recommend.py -> `Recommendations`. A "generative" snapshot:
         `recommend(history_item_ids, filter_bitmask=None, exclude_history=False)` -> SearchResult.
         """
         if self.kind == "rec":
@@ -74,7 +74,7 @@ class Snapshot:
 
     def rec_handler(self):
         if getattr(self, "_rec", None) is None:
-            from silverrec.recommend import RecHandler
+            from silverrec.serving.recommend import RecHandler
 
             self._rec = RecHandler.from_snapshot(self)
         return self._rec

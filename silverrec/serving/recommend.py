@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from silverrec.errors import QueryError
-from silverrec.filter_program import FilterPlan, compile_request
-from silverrec.filtered_ivf import MODES
-from silverrec.user_tower import FeatureEncoder, UserFeatureSpec
+from silverrec.filtering.filter_program import FilterPlan, compile_request
+from silverrec.retrieval.filtered_ivf import MODES
+from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 
 ITEMS_FILE = "items.npz"
 USERS_FILE = "users.npz"

@@ -17,8 +17,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from silverrec.errors import QueryError
-from silverrec.filter_program import FilterPlan, compile_request, normalize_filters
-from silverrec.filtered_ivf import MODE_PROBED, MODES
+from silverrec.filtering.filter_program import FilterPlan, compile_request, normalize_filters
+from silverrec.retrieval.filtered_ivf import MODE_PROBED, MODES
 
 
 def filter_plan(snap) -> FilterPlan:

@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
-from silverrec.ivf_index import Int8IVFIndex
+from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.kernels.ivf_scan import bitmask_words
 
 MODE_AUTO, MODE_PROBED, MODE_UNPROBED = 0, 1, 2

@@ -3,7 +3,7 @@
 Contract (shared with publish/semantic_ids.py, the training script and the predictor):
   * every item has a unique semantic-ID path of L codes (level l in [0, level_sizes[l]); the last
     level is the disambiguation token, always present);
-  * tokens: PAD = 0, BOS = 1, token = level_offsets[l] + code (see silverrec/decoder.py);
+  * tokens: PAD = 0, BOS = 1, token = level_offsets[l] + code (see silverrec/generative/decoder.py);
   * history int64 [B, T] = BOS + the L tokens of each past item (oldest first), LEFT-padded with PAD;
   * item rows are in trie leaf order (sorted paths): `row_to_item[r]` is the external id of row r
     and the optional per-request `item_bitmask` int64 [B, ceil(N / 64)] has bit r & 63 of word
@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.beam_topk / staged_attention)
-from silverrec.decoder import RecDecoder, level_offsets
-from silverrec.trie import ValidPathTrie
+from silverrec.generative.decoder import RecDecoder, level_offsets
+from silverrec.generative.trie import ValidPathTrie
 
 
 def reorder_beams(cache: torch.Tensor, parent: torch.Tensor, out: torch.Tensor, dim: int = 1) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from silverrec.errors import QueryError
-from silverrec.filter_lang import And, Node, Not, Term, parse
+from silverrec.filtering.filter_lang import And, Node, Not, Term, parse
 
 
 class ForwardIndex(nn.Module):

@@ -1,0 +1,1 @@
+"""Filtering: the filter language, its compilation to Bloom / exact-plane programs, the exact forward index."""

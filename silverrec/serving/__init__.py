@@ -1,0 +1,1 @@
+"""Serving: the predictor (load a snapshot, answer requests with one forward call)."""
