@@ -12,9 +12,9 @@ embedding cache vs recomputing the item tower; snapshot bytes per item.
    -> merge -> bf16 cache re-score -> OverArch -> value model -> top-k). Pipeline, with the copies
    between the libraries: id -> row lookup, `FeatureEncoder` + the float `UserTower` (eager, the
    same checkpoint) -> numpy -> Faiss `IndexIVFScalarQuantizer` SQ8 (inner product, the snapshot's
-   nlist and nprobe, trained on the same item embeddings), K0 + E per task (E = the batch's
-   longest history, as silverrec asks) -> per request: drop -1 and history rows, union of tasks,
-   exact float re-score, best K0*T -> numpy gather of float embeddings + dense features -> torch
+   nlist and nprobe, trained on the same item embeddings), K0 + E per task (E = the snapshot's
+   exclude_limit, as silverrec asks) -> per request and task: drop -1 and the newest E history
+   rows, best K0 by the task's exact float re-score; union of the tasks -> numpy gather of float embeddings + dense features -> torch
    OverArch (same weights) -> value formula in numpy -> top-k. The filter: one pyroaring bitmap per
    (feature, value), built once; each call parses the request's filter and evaluates it by bitmap
    AND / OR / ANDNOT (once per distinct filter string of the batch), converts it into a Faiss
@@ -154,6 +154,7 @@ class Pipeline:
         self.nlist = int(manifest["nlist"])
         self.nprobe = int(manifest["default_nprobe"])
         self.max_probe = int(manifest["search"]["default_max_probe"])
+        self.exclude_limit = int(manifest["exclude_limit"])
         t0 = time.perf_counter()
         quant = faiss.IndexFlatIP(self.d)
         self.index = faiss.IndexIVFScalarQuantizer(quant, self.d, self.nlist, faiss.ScalarQuantizer.QT_8bit,
@@ -207,8 +208,8 @@ class Pipeline:
         u = self.user(hist)
         un = np.ascontiguousarray(u.numpy())  # torch -> numpy
         q = un.reshape(B * T, self.d)
-        excl = [np.unique(h) for h in hist]
-        kk = K0 + max(1, max(e.size for e in excl))
+        excl = [newest_unique(h, self.exclude_limit) for h in hist]  # what silverrec excludes
+        kk = K0 + self.exclude_limit
         found = np.full((B * T, kk), -1, dtype=np.int64)
         groups: dict[str | None, list[int]] = {}
         for b, r in enumerate(requests):
@@ -216,15 +217,16 @@ class Pipeline:
         for filt, bs in groups.items():
             qrows = (np.asarray(bs)[:, None] * T + np.arange(T)).reshape(-1)
             found[qrows] = self.retrieve(q[qrows], kk, filt, exact)
-        found = found.reshape(B, T * kk)
         cands = []
         for b in range(B):
-            r = np.unique(found[b][found[b] >= 0])
-            r = r[~np.isin(r, excl[b], assume_unique=True)]
-            if r.size > K0 * T:  # best K0*T by exact re-score of any task
-                best = (self.emb[r] @ un[b].T).max(axis=1)
-                r = r[np.argpartition(-best, K0 * T - 1)[: K0 * T]]
-            cands.append(r)
+            per_task = []
+            for t in range(T):  # each task's best K0 by its own exact re-score, then the union
+                r = found[b * T + t]
+                r = r[(r >= 0) & ~np.isin(r, excl[b])]
+                if r.size > K0:
+                    r = r[np.argpartition(-(self.emb[r] @ un[b, t]), K0 - 1)[:K0]]
+                per_task.append(r)
+            cands.append(np.unique(np.concatenate(per_task)))
         self.candidates.append(float(np.mean([c.size for c in cands])))
         C = max(k, max(c.size for c in cands))
         cand = np.full((B, C), -1, dtype=np.int64)
@@ -253,6 +255,13 @@ class Pipeline:
             v = tower(torch.from_numpy(r))[None]  # [1, C, D]
             scores = self.overarch(u, v, torch.from_numpy(dense[r])[None]).numpy()
         return scores[0] @ self.w
+
+
+def newest_unique(rows: np.ndarray, limit: int) -> np.ndarray:
+    """The newest `limit` distinct rows of a history (oldest first): silverrec's exclusion slots."""
+    rev = rows[::-1]
+    first = np.sort(np.unique(rev, return_index=True)[1])
+    return rev[first][:limit]
 
 
 def paired(ours, theirs, repeat: int, warmup: int = 2) -> tuple[dict, dict]:
