@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generative: never recommend an item of the request's history")
     q.add_argument("--k", type=int, required=True)
     q.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or stdout)")
-    q.add_argument("--backend", choices=("export", "torchscript"), default="export")
+    q.add_argument("--backend", choices=("auto", "export", "torchscript"), default="auto",
+                   help="program to run (auto: the one the publisher measured faster)")
     q.add_argument("--nprobe", type=int, default=None, help="IVF clusters to probe (default: the snapshot's)")
     q.add_argument("--filter", default=None, help="attribute filter, e.g. \"genre = Drama AND NOT decade = 1990s\"")
     q.add_argument("--max-probe", dest="max_probe", type=int, default=None, help="filtered search: widest probe (default: the snapshot's)")
@@ -314,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--user", default=None, help="user id(s) of the training logs (their stored histories), e.g. 1 or \"1,42\"")
         r.add_argument("--history", default=None, help="item ids oldest first, e.g. \"1,50,260\"")
         r.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or stdout)")
-        r.add_argument("--backend", choices=("export", "torchscript"), default="export")
+        r.add_argument("--backend", choices=("auto", "export", "torchscript"), default="auto",
+                   help="program to run (auto: the one the publisher measured faster)")
         if name == "recommend":
             r.add_argument("--filter", default=None, help="attribute filter, e.g. \"genre = Comedy AND NOT decade = '1990s'\"")
             r.add_argument("--k", type=int, default=10)
@@ -334,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--stage", choices=("test", "valid"), default="test")
     ev.add_argument("--seed", type=int, default=0, help="timestamp tie-break seed (as in training)")
     ev.add_argument("--json", action="store_true")
-    ev.add_argument("--backend", choices=("export", "torchscript"), default="export")
+    ev.add_argument("--backend", choices=("auto", "export", "torchscript"), default="auto",
+                   help="program to run (auto: the one the publisher measured faster)")
     ev.set_defaults(func=_evaluate)
 
     i = sub.add_parser("inspect", help="print a snapshot's manifest")

@@ -199,18 +199,22 @@ def history_tokens(histories: list[list[int]], sorted_ids: np.ndarray, sorted_to
     return out
 
 
-def load(path: str | os.PathLike, backend: str = "export", verify: bool = True) -> Snapshot:
+def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True) -> Snapshot:
     """Verify and load a snapshot.
 
     Args:
         path: snapshot directory.
-        backend: "export" (model.pt2, default) or "torchscript" (model.ts).
+        backend: "export" (model.pt2), "torchscript" (model.ts), or "auto" (default): the one the
+            publisher measured faster on this snapshot (manifest `config.backend.preferred`; a
+            snapshot that records none loads model.pt2).
         verify: check sizes and sha256 of every file against the manifest (default on).
     Raises:
         SnapshotError: missing/truncated/altered file, newer format version, unknown backend.
     """
     root = Path(path)
     manifest = read_manifest(root, verify=verify)
+    if backend == "auto":
+        backend = manifest.get("config", {}).get("backend", {}).get("preferred", "export")
     if manifest.get("kind") == "rec":  # the user tower's program holds fbgemm / torchrec ops
         import fbgemm_gpu  # noqa: F401
         import torchrec  # noqa: F401
