@@ -600,15 +600,15 @@ def main(argv=None) -> int:
         if OVERARCH not in ckpt["overarch"]:
             raise SystemExit(f"checkpoint {ckpt_path} has no {OVERARCH!r} OverArch (it has {sorted(ckpt['overarch'])})")
         t = time.perf_counter()
-        pcfg = PublishConfig(checkpoint=str(ckpt_path), overarch=OVERARCH, value_model=VALUE_MODEL, k0=K0, seed=args.seed,
-                             torchscript=False)
+        pcfg = PublishConfig(checkpoint=str(ckpt_path), overarch=OVERARCH, value_model=VALUE_MODEL, k0=K0, seed=args.seed)
         snap_dir = publish_rec(pcfg, tmp / "snapshot")
         publish_seconds = time.perf_counter() - t
         snap = silverrec.load(snap_dir)
         manifest = snap.config
         pipe = Pipeline(ckpt, manifest)
         print(f"published in {publish_seconds:.1f}s; pipeline (faiss IVF-SQ8 nlist {pipe.nlist}, roaring) built in "
-              f"{pipe.build_seconds:.1f}s; nprobe {pipe.nprobe}, max_probe {pipe.max_probe}, K0 {K0}, k {K}", flush=True)
+              f"{pipe.build_seconds:.1f}s; nprobe {pipe.nprobe}, max_probe {pipe.max_probe}, K0 {K0}, k {K}; "
+              f"silverrec runs its {snap.backend} program (load backend auto: {manifest.get('backend')})", flush=True)
         off, hist_ids = ckpt["users"]["offsets"], ckpt["users"]["item_ids"]
         order = rng.permutation(len(off) - 1)
         users = [hist_ids[off[u]:off[u + 1]].tolist() for u in order if off[u + 1] > off[u]]
