@@ -12,9 +12,8 @@ embedding cache vs recomputing the item tower; snapshot bytes per item.
    -> merge -> bf16 cache re-score -> OverArch -> value model -> top-k). Pipeline, with the copies
    between the libraries: id -> row lookup, `FeatureEncoder` + the float `UserTower` (eager, the
    same checkpoint) -> numpy -> Faiss `IndexIVFScalarQuantizer` SQ8 (inner product, the snapshot's
-   nlist and nprobe, trained on the same item embeddings), K0 + E per task (E = the snapshot's
-   exclude_limit, as silverrec asks) -> per request and task: drop -1 and the newest E history
-   rows, best K0 by the task's exact float re-score; union of the tasks -> numpy gather of float embeddings + dense features -> torch
+   nlist and nprobe, trained on the same item embeddings), K0 + the snapshot's overfetch per task,
+   as silverrec asks -> per request and task: drop -1 and the newest exclude_limit history rows, best K0 by the task's exact float re-score; union of the tasks -> numpy gather of float embeddings + dense features -> torch
    OverArch (same weights) -> value formula in numpy -> top-k. The filter: one pyroaring bitmap per
    (feature, value), built once; each call parses the request's filter and evaluates it by bitmap
    AND / OR / ANDNOT (once per distinct filter string of the batch), converts it into a Faiss
@@ -155,6 +154,7 @@ class Pipeline:
         self.nprobe = int(manifest["default_nprobe"])
         self.max_probe = int(manifest["search"]["default_max_probe"])
         self.exclude_limit = int(manifest["exclude_limit"])
+        self.overfetch = int(manifest["overfetch"])
         t0 = time.perf_counter()
         quant = faiss.IndexFlatIP(self.d)
         self.index = faiss.IndexIVFScalarQuantizer(quant, self.d, self.nlist, faiss.ScalarQuantizer.QT_8bit,
@@ -209,7 +209,7 @@ class Pipeline:
         un = np.ascontiguousarray(u.numpy())  # torch -> numpy
         q = un.reshape(B * T, self.d)
         excl = [newest_unique(h, self.exclude_limit) for h in hist]  # what silverrec excludes
-        kk = K0 + self.exclude_limit
+        kk = K0 + self.overfetch
         found = np.full((B * T, kk), -1, dtype=np.int64)
         groups: dict[str | None, list[int]] = {}
         for b, r in enumerate(requests):

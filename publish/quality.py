@@ -42,7 +42,8 @@ def evaluate_handler(handler: RecHandler, split: Split, stage: str = "test", **o
 
 
 def handler_ranks(handler: RecHandler, split: Split, stage: str = "test", **options: Any) -> torch.Tensor:
-    """One request per eval user (its own exclusion limit = its history, so no batch padding)."""
+    """One request per eval user, every known item excluded (exclusion slots = its history), as
+    served otherwise (k0 + the snapshot's overfetch rows searched per task)."""
     ids = split.logs.item_ids
     targets = ids[split.targets(stage)]
     out = []
@@ -115,7 +116,7 @@ def quality_table(ckpt: dict, built, split: Split, stage: str = "test", baseline
 
     def variant(arch, vm) -> RecHandler:
         model = RecModel(m.user_tower, m.index, m.cache, arch, vm, tasks=m.tasks,
-                         merge="intersection" if m.intersection else "union").eval()
+                         merge="intersection" if m.intersection else "union", overfetch=m.overfetch).eval()
         h = handler_for(built)
         h.module = model
         return h

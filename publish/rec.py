@@ -55,7 +55,8 @@ class PublishConfig:
     value_model: Any = None  # formula (JSON object or text); None = task 0's score
     merge: str = "union"
     k0: int = 200  # candidates per task
-    exclude_limit: int = 256  # exclusion slots per request (history newest first): the search fetches k0 + this
+    exclude_limit: int = 4096  # exclusion slots per request (history newest first; cheap: a sorted search)
+    overfetch: int = 256  # rows per task searched beyond k0, so that exclusions still leave k0
     mlp_dtype: str = "fp32"  # user-tower MLP: "fp32", "bf16" (where its top-100 agrees), "auto" (bf16 where also faster)
     nlist: Optional[int] = None
     nprobe: Optional[int] = None  # None: the smallest that reaches min_recall (measured at publish)
@@ -72,6 +73,8 @@ class PublishConfig:
             raise ConfigError(f"quantize must be 'auto', 'int8' or 'none', got {self.quantize!r}")
         if int(self.k0) <= 0:
             raise ConfigError(f"k0 must be positive, got {self.k0}")
+        if int(self.overfetch) < 0:
+            raise ConfigError(f"overfetch must be >= 0, got {self.overfetch}")
         if int(self.exclude_limit) <= 0:
             raise ConfigError(f"exclude_limit must be positive, got {self.exclude_limit}")
         if self.mlp_dtype not in ("fp32", "bf16", "auto"):
@@ -245,7 +248,7 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
         arch.eval()
     formula = cfg.value_model if value_model == "config" else value_model
     vm = compile_value_model(formula, tasks, cache.feature_names) if formula is not None else None
-    model = RecModel(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge).eval()
+    model = RecModel(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch).eval()
     manifest.update({
         "index": "rec",
         "tasks": tasks,
@@ -256,6 +259,7 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
         "merge": cfg.merge,
         "default_k0": int(cfg.k0),
         "exclude_limit": int(cfg.exclude_limit),
+        "overfetch": int(cfg.overfetch),
         "quantization_user_tower": quant,
         "bytes_per_item": _bytes_per_item(model, n),
         "training": ckpt.get("stats", {}),

@@ -2,7 +2,7 @@
 
     request (KJT of user features, dense, filter program, rows to exclude, k)
       -> user tower (TorchRec EBC + MLP)                      -> T query rows [B*T, D]
-      -> filtered int8 IVF search (K0 + E rows per task)      -> rows [B*T, K0 + E]
+      -> filtered int8 IVF search (K0 + overfetch rows per task) -> rows [B*T, K0 + overfetch]
       -> drop excluded rows; embedding cache: exact re-score, each task's best K0
       -> merge tasks (union or intersection), dedupe          -> rows [B, C = T*K0]
       -> OverArch (MLP | mixture-of-logits)                   -> task scores [B, C, T]
@@ -79,11 +79,13 @@ class RecModel(nn.Module):
         overarch: (user [B,T,D], cand [B,C,D], feats [B,C,F]) -> [B,C,T], or None.
         value_model: (task scores [B,C,T], feats [B,C,F]) -> [B,C], or None.
         merge: "union" or "intersection" of the tasks' candidates.
+        overfetch: rows searched per task beyond k0, a constant (not the request's exclusion count)
+            so that no answer depends on the other requests of its batch.
     """
 
     def __init__(self, user_tower: nn.Module, index: FilteredIVFIndex, cache: EmbeddingCache,
                  overarch: Optional[nn.Module] = None, value_model: Optional[nn.Module] = None,
-                 tasks: int = 1, merge: str = "union"):
+                 tasks: int = 1, merge: str = "union", overfetch: int = 256):
         super().__init__()
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
@@ -98,6 +100,7 @@ class RecModel(nn.Module):
         self.value_model = value_model if value_model is not None else nn.Identity()
         self.tasks = int(tasks)
         self.intersection = merge == "intersection"
+        self.overfetch = int(overfetch)  # extra rows per task searched so that exclusions leave k0
         self.register_buffer("row_ids", torch.arange(index.num_items, dtype=torch.int32))
 
     def rank_rows(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
@@ -114,7 +117,7 @@ class RecModel(nn.Module):
 
     def retrieve(self, user: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor, vops: Tensor, vrows: Tensor,
                  lists: Tensor, mode: Tensor, k0: int, nprobe: int, max_probe: int) -> Tensor:
-        """T query rows per request through the filtered IVF search (k0 + E rows each), the excluded
+        """T query rows per request through the filtered IVF search (k0 + overfetch rows each), the excluded
         rows dropped, each task's best k0 by its exact re-score kept, the tasks merged -> int64
         [B, T*k0] rows, -1 = none."""
         T = self.tasks
@@ -125,7 +128,7 @@ class RecModel(nn.Module):
         _, found = torch.ops.silverrec.filtered_ivf_search(
             q, idx.codes, idx.dim_scale, idx.dim_offset, idx.cluster_offsets, idx.centroids, self.row_ids,
             idx.bits, idx.post_rows, idx.post_offsets, idx.post_sizes, ops, rows, vops, vrows, lists, mode,
-            k0 + exclude.shape[1], nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
+            k0 + self.overfetch, nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
             idx.num_items, idx.exact_cost_ratio, idx.posting_limit,
         )
         # per task: drop the excluded rows, keep the best k0 by exact re-score, then merge the tasks

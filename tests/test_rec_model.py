@@ -51,7 +51,7 @@ def variant(built, overarch=None, value_model=None) -> RecModel:
     """The published model's user tower, index and cache, with another OverArch / value model."""
     m = built.model
     return RecModel(m.user_tower, m.index, m.cache, overarch, value_model, tasks=m.tasks,
-                    merge="intersection" if m.intersection else "union").eval()
+                    merge="intersection" if m.intersection else "union", overfetch=m.overfetch).eval()
 
 
 def users(rec, n, start=0):
@@ -292,8 +292,7 @@ def test_history_is_excluded_by_default_and_can_be_included(rec):
 
 
 def test_every_request_gets_the_same_exclusion_slots(rec):
-    """The search fetches k0 + E rows per task (E = exclude columns): E must not depend on the batch,
-    or a request's answer would depend on its neighbours. The predictor sends exactly exclude_limit."""
+    """The predictor sends exactly exclude_limit exclusion slots per request, whatever the batch."""
     handler = rec.snap().rec_handler()
     limit = int(handler.config["exclude_limit"])
     lengths = {int(u): len(rec.logs.history(int(u))) for u in rec.logs.user_ids}
@@ -304,6 +303,19 @@ def test_every_request_gets_the_same_exclusion_slots(rec):
     one = model_inputs(handler, [{"user_id": long_}], k=5)[3][0]
     kept = one[one >= 0]
     assert kept.numel() == min(limit, len(set(rec.logs.history(long_)))) and bool((kept[1:] > kept[:-1]).all())
+
+
+def test_exclude_padding_does_not_change_the_answer(rec):
+    """The search depth is k0 + the model's constant overfetch, not the exclusion count: more -1
+    padding columns in exclude must not change a request's answer."""
+    handler = rec.snap().rec_handler()
+    lengths = {int(u): len(rec.logs.history(int(u))) for u in rec.logs.user_ids}
+    u = min(lengths, key=lengths.get)
+    args = list(model_inputs(handler, [{"user_id": u}], k=T * K0, nprobe=NLIST, max_probe=NLIST))
+    plain = run(rec.built.model, args)
+    args[3] = torch.cat([torch.full((1, 100), -1, dtype=torch.int64), args[3]], dim=1)
+    padded = run(rec.built.model, args)
+    assert padded[0].tolist() == plain[0].tolist()
 
 
 def test_history_beyond_the_limit_keeps_the_newest_items(rec):

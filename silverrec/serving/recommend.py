@@ -35,7 +35,7 @@ ITEMS_FILE = "items.npz"
 USERS_FILE = "users.npz"
 RANK_FILE = "rank.pt2"
 MAX_RANK_ITEMS = 1 << 20
-DEFAULT_EXCLUDE_LIMIT = 256  # exclusion slots per request (snapshots record their own)
+DEFAULT_EXCLUDE_LIMIT = 4096  # exclusion slots per request (snapshots record their own)
 
 
 @dataclass
@@ -147,10 +147,10 @@ class RecHandler:
     def encode(self, requests: Sequence[RecRequest], exclude_history: bool, exclude_limit: int):
         """-> (values, lengths, dense, exclude int64 [B, exclude_limit] sorted, -1 padded).
 
-        Every request gets exactly `exclude_limit` exclusion slots, whatever its neighbours hold, so
-        an answer never depends on the batch it was sent in (the search fetches k0 + exclude_limit
-        rows per task). The slots go to the request's `exclude` ids first, then to its history,
-        newest first: with a longer history, older items may be returned.
+        Every request gets exactly `exclude_limit` exclusion slots, whatever its neighbours hold (the
+        search fetches k0 + the model's constant overfetch rows per task, so no answer depends on
+        its batch). The slots go to the request's `exclude` ids first, then to its history, newest
+        first: with a longer history, its oldest items may be returned.
         """
         histories, excludes = [], []
         for b, r in enumerate(requests):
