@@ -22,6 +22,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
+
+from silverrec.bitmask import pack_bits, unpack_bits
 from torch import nn
 
 from silverrec.errors import QueryError
@@ -149,20 +151,8 @@ class ForwardIndex(nn.Module):
         return torch.stack([self.evaluate(f) for f in filters])
 
 
-def pack_mask(mask: torch.Tensor) -> torch.Tensor:
-    """bool [..., N] -> packed int64 [..., ceil(N / 64)] (bit r & 63 of word r >> 6)."""
-    n = mask.shape[-1]
-    w = (n + 63) // 64
-    padded = torch.zeros(*mask.shape[:-1], w * 64, dtype=torch.int64)
-    padded[..., :n] = mask.to(torch.int64)
-    shifted = padded.reshape(*mask.shape[:-1], w, 64) << torch.arange(64, dtype=torch.int64)
-    return shifted.sum(dim=-1)  # disjoint bits: the sum is the OR (wraps into the sign bit correctly)
-
-
-def unpack_mask(words: torch.Tensor, n: int) -> torch.Tensor:
-    """Packed int64 [..., W] -> bool [..., n]."""
-    bits = (words[..., None] >> torch.arange(64, dtype=torch.int64)) & 1
-    return bits.reshape(*words.shape[:-1], -1)[..., :n].bool()
+pack_mask = pack_bits  # the one packed-bitmask layout (silverrec/bitmask.py)
+unpack_mask = unpack_bits
 
 
 __all__ = ["ForwardIndex", "pack_mask", "unpack_mask"]

@@ -30,23 +30,14 @@ Example:
 from typing import List
 
 import torch
+
+from silverrec.bitmask import pack_bits, unpack_bits
 from torch import nn
 
 
-def pack_bitmask(mask: torch.Tensor) -> torch.Tensor:
-    """bool [B, N] (rows in trie leaf order) -> int64 [B, ceil(N / 64)], bit r & 63 of word r >> 6."""
-    B, N = mask.shape
-    words = (N + 63) // 64
-    padded = torch.zeros(B, words * 64, dtype=torch.int64, device=mask.device)
-    padded[:, :N] = mask.to(torch.int64)
-    shifts = torch.arange(64, dtype=torch.int64, device=mask.device)
-    return (padded.view(B, words, 64) << shifts).sum(dim=2)  # distinct bits: sum == OR (wraps at bit 63)
-
-
-def unpack_bitmask(bits: torch.Tensor, n: int) -> torch.Tensor:
-    """int64 [B, ceil(n / 64)] -> bool [B, n] (inverse of `pack_bitmask`)."""
-    shifts = torch.arange(64, dtype=torch.int64, device=bits.device)
-    return ((bits[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1)[:, :n] != 0
+# the one packed-bitmask layout (silverrec/bitmask.py), under the names the generative code uses
+pack_bitmask = pack_bits
+unpack_bitmask = unpack_bits
 
 
 class ValidPathTrie(nn.Module):
