@@ -150,11 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         from silverrec.publish.rec import PublishConfig, build_rec_model
         from silverrec.publish.train import load_checkpoint
 
+        import os
+
+        os.environ["SILVERREC_QUIET"] = "1"  # the in-process build below repeats step 3's progress output
         t = time.perf_counter()
         ck = load_checkpoint(ckpt)
         split = leave_one_out(read_logs(inter, items, seed=args.seed))
         built = build_rec_model(PublishConfig.from_toml(publish_toml), ck)
-        rows = quality_table(ck, built, split)
+        rows = quality_table(ck, built, split, log=lambda msg: None)
         print(f"\n6. quality on MovieLens ml-latest-small: leave-one-out, {len(split.eval_users)} test users, "
               f"full ranking over {split.logs.item_ids.shape[0]:,} items, history masked, seed {args.seed} "
               f"({time.perf_counter() - t:.0f}s)\n")
