@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -28,12 +27,12 @@ import numpy as np
 import torch
 from torch.export import Dim
 
-from silverrec.errors import SilverrecError
+from silverrec.publish.config import ConfigError, read_toml
 from silverrec.publish.filtered_ivf import DYNAMIC as FILTER_DYNAMIC, build_filtered_ivf, example_inputs, pool_rows
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
 from silverrec.publish.progress import bar, step
-from silverrec.publish.train import ConfigError, load_checkpoint, rebuild_item_tower, rebuild_user_tower
+from silverrec.publish.train import load_checkpoint, rebuild_item_tower, rebuild_user_tower
 from silverrec.ranking.cache import EmbeddingCache
 from silverrec.ranking.overarch import overarch_from_config
 from silverrec.ranking.value_model import compile_value_model
@@ -82,22 +81,7 @@ class PublishConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> "PublishConfig":
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except OSError as e:
-            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config {path} is not valid TOML: {e}") from None
-        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ConfigError(f"config {path}: unknown key {unknown[0]!r} (known: {', '.join(sorted(cls.__dataclass_fields__))})")
-        if "checkpoint" in data and not Path(data["checkpoint"]).is_absolute():
-            data["checkpoint"] = str((path.parent / data["checkpoint"]).resolve())
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        if "checkpoint" not in data:
-            raise ConfigError(f"config {path} names no checkpoint")
-        return cls(**data)
+        return read_toml(cls, path, path_keys=("checkpoint",), required=("checkpoint",), **overrides)
 
 
 @dataclass

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -31,15 +30,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from silverrec.errors import SilverrecError
+from silverrec.publish.config import ConfigError, read_toml
 from silverrec.publish.logs import Logs, Split, leave_one_out, read_logs
 from silverrec.publish.progress import bar, step
 from silverrec.publish.two_tower import ItemTower, sampled_softmax_loss, target_log_q
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec, UserTower
-
-
-class ConfigError(SilverrecError):
-    """A training or publish config is invalid (unknown key, wrong type, unknown label column)."""
 
 
 @dataclass
@@ -103,25 +98,7 @@ class TrainConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except OSError as e:
-            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config {path} is not valid TOML: {e}") from None
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"config {path}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
-        for key in ("interactions", "items", "users"):  # paths relative to the config file
-            if data.get(key) is not None and not Path(data[key]).is_absolute():
-                data[key] = str((path.parent / data[key]).resolve())
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise ConfigError(f"config {path}: {e}") from None
+        return read_toml(cls, path, path_keys=("interactions", "items", "users"), **overrides)
 
 
 def item_dense_features(logs: Logs, train_rows: np.ndarray, max_values: int) -> tuple[list[str], np.ndarray]:
