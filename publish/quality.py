@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from silverrec.publish.evaluate import evaluate_scores, metrics_from_ranks, ranks_from_topk
+from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk
 from silverrec.publish.logs import Split
 from silverrec.rec_model import RecModel
 from silverrec.serving.recommend import RecHandler
@@ -79,16 +79,11 @@ def ivf_only_ranks(handler: RecHandler, split: Split, stage: str = "test", batch
 
 def two_tower_exact(ckpt: dict, split: Split, stage: str = "test") -> dict[str, float]:
     """Float user tower . float item embeddings over the whole pool (the retrieval model's ceiling)."""
-    from silverrec.publish.train import rebuild_user_tower, user_embeddings
+    from silverrec.publish.train import exact_metrics, rebuild_user_tower
     from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 
-    user = rebuild_user_tower(ckpt)
-    spec = UserFeatureSpec.from_json(ckpt["spec"])
-    enc = FeatureEncoder(spec, ckpt["item_features"])
-    emb = ckpt["item_embeddings"]
-    u = user_embeddings(user, enc, split.logs, split.eval_users, split.histories(split.eval_users, stage))
-    pos = {int(x): i for i, x in enumerate(split.eval_users)}
-    return evaluate_scores(lambda users, _: u[[pos[int(x)] for x in users], 0] @ emb.T, split, stage)
+    enc = FeatureEncoder(UserFeatureSpec.from_json(ckpt["spec"]), ckpt["item_features"])
+    return exact_metrics(rebuild_user_tower(ckpt), enc, ckpt["item_embeddings"], split, stage)
 
 
 def quality_table(ckpt: dict, built, split: Split, stage: str = "test", baselines: bool = True,

@@ -236,6 +236,15 @@ def user_embeddings(user: UserTower, encoder: FeatureEncoder, logs: Logs, users:
     return torch.cat(out)
 
 
+def exact_metrics(user: UserTower, encoder: FeatureEncoder, item_emb: torch.Tensor, split: Split, stage: str) -> dict:
+    """Leave-one-out metrics of task 0's user embedding . every item embedding (full ranking)."""
+    from silverrec.publish.evaluate import evaluate_scores
+
+    u = user_embeddings(user, encoder, split.logs, split.eval_users, split.histories(split.eval_users, stage))
+    pos = {int(x): i for i, x in enumerate(split.eval_users)}
+    return evaluate_scores(lambda users, _: u[[pos[int(x)] for x in users], 0] @ item_emb.T, split, stage)
+
+
 def build_overarch(kind: str, dim: int, feat_dim: int, tasks: int) -> torch.nn.Module:
     from silverrec.ranking.overarch import MLPOverArch, MoLOverArch
 
@@ -330,17 +339,8 @@ def train(cfg: TrainConfig, out: str | Path | None = None, max_steps: int | None
         ckpt["overarch"][kind] = {"config": model.config(), "state": model.state_dict()}
         ckpt["stats"][f"overarch_{kind}"] = stats
     if not quiet_eval:
-        from silverrec.publish.evaluate import evaluate_scores
-
         stage = cfg.stage
-        hist = split.histories(split.eval_users, stage)
-        u = user_embeddings(user, encoder, logs, split.eval_users, hist)
-        pos = {int(x): i for i, x in enumerate(split.eval_users)}
-
-        def score_fn(users, histories):
-            return u[[pos[int(x)] for x in users], 0] @ item_emb.T
-
-        ckpt["metrics"] = {"two_tower_exact": evaluate_scores(score_fn, split, stage)}
+        ckpt["metrics"] = {"two_tower_exact": exact_metrics(user, encoder, item_emb, split, stage)}
         print(f"[silverrec] two-tower exact ({stage}): " + _fmt(ckpt["metrics"]["two_tower_exact"]), file=sys.stderr)
     if out is not None:
         out = Path(out)

@@ -134,9 +134,10 @@ class RecModel(nn.Module):
         # per task: drop the excluded rows, keep the best k0 by exact re-score, then merge the tasks
         K = found.shape[1]
         flat = exclude_rows(found.reshape(-1, T * K), exclude, idx.num_items)  # [B, T*K], task-major
-        rescored = self.cache.rescore(user, flat)  # [B, T*K, T]: every task's user against every row
-        own = torch.diagonal(rescored.reshape(-1, T, K, T), dim1=1, dim2=3)  # [B, K, T]: task t's rows by task t
-        top = torch.topk(own.transpose(1, 2), k0, dim=2)  # [B, T, k0]
+        emb = self.cache.gather(flat)[0].reshape(-1, T, K, user.shape[-1])  # [B, T, K, D]
+        own = torch.matmul(emb, user.unsqueeze(-1)).squeeze(-1)  # [B, T, K]: task t's rows by task t only
+        own = torch.where(flat.reshape(-1, T, K) >= 0, own, float("-inf"))
+        top = torch.topk(own, k0, dim=2)  # [B, T, k0]
         rows_t = flat.reshape(-1, T, K).gather(2, top.indices)
         rows_t = torch.where(top.values > float("-inf"), rows_t, torch.full_like(rows_t, -1))
         return dedupe_rows(rows_t.reshape(-1, T * k0), T, self.intersection)

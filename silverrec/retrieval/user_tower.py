@@ -103,20 +103,22 @@ class FeatureEncoder:
     """
 
     def __init__(self, spec: UserFeatureSpec, item_features: Mapping[str, Sequence[Sequence[str]]]):
-        self.spec = spec
         missing = [f for f in spec.item_vocabs if f not in item_features]
         if missing:
             raise ValueError(f"item feature {missing[0]!r} of the user tower is missing from the item table")
-        self.item_csr = {f: _csr(item_features[f], spec.item_vocabs[f]) for f in spec.item_vocabs}
-        self.user_index = {g: {v: i + 1 for i, v in enumerate(vocab)} for g, vocab in spec.user_vocabs.items()}
+        self._setup(spec, {f: _csr(item_features[f], spec.item_vocabs[f]) for f in spec.item_vocabs})
 
     @classmethod
     def from_arrays(cls, spec: UserFeatureSpec, csr: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> "FeatureEncoder":
         """From stored CSR arrays (the snapshot's side file) instead of value lists."""
         enc = cls.__new__(cls)
-        enc.spec, enc.item_csr = spec, {f: (np.asarray(o), np.asarray(c)) for f, (o, c) in csr.items()}
-        enc.user_index = {g: {v: i + 1 for i, v in enumerate(vocab)} for g, vocab in spec.user_vocabs.items()}
+        enc._setup(spec, csr)
         return enc
+
+    def _setup(self, spec: UserFeatureSpec, csr: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        self.spec = spec
+        self.item_csr = {f: (np.asarray(o), np.asarray(c)) for f, (o, c) in csr.items()}
+        self.user_index = {g: {v: i + 1 for i, v in enumerate(vocab)} for g, vocab in spec.user_vocabs.items()}
 
     def encode(
         self,
