@@ -5,7 +5,7 @@
     silverrec recommend DIR --user U | --history "id1,id2,..." [--filter "..."] [--k K] [--json]
     silverrec rank DIR --user U | --history IDS --items FILE [--json]      (early-stage ranking)
     silverrec evaluate DIR --interactions I.parquet --items ITEMS.parquet [--users U.parquet]
-    silverrec publish --pool POOL.parquet --out DIR [--exact] [--nlist N] [--seed S]
+    silverrec publish --pool POOL.parquet --out DIR [--exact] [--nlist N] [--seed S] [--shards S --shard-by items|clusters]
     silverrec query DIR --queries Q.npy --k K [--nprobe P] [--filter "..."] [--json]
     silverrec publish --generative --pool POOL --out DIR [--model CKPT] [--beam-width W] [--top-k K]
     silverrec query DIR --history "id1,id2,..." [--history-file F] --k K      (generative snapshots)
@@ -52,7 +52,9 @@ def _publish(args: argparse.Namespace) -> int:
     kind = "generative" if getattr(args, "generative", False) else "exact" if args.exact else DEFAULT_KIND
     if kind == "ivf" and pool.features and "filtered_ivf" in PUBLISHERS:
         kind = "filtered_ivf"  # categorical columns become filterable features
-    publisher = PUBLISHERS[kind]
+    if args.shard_by is not None and args.shards is None:
+        raise SilverrecError("--shard-by needs --shards S")
+    publisher = PUBLISHERS[kind] if args.shards is None else _publish_sharded(kind)
     out = publisher(pool, args)
     print(f"published {out}")
     return 0
@@ -88,6 +90,19 @@ def _publish_generative(pool, args) -> Path:
         pool, args.out, model=args.model, minutes=args.minutes, beam_width=args.beam_width, top_k=args.top_k,
         weights=args.weights, seed=args.seed, overwrite=args.overwrite,
     )
+
+
+def _publish_sharded(kind: str):
+    from silverrec.publish.ivf import IVFConfig
+    from silverrec.publish.shards import DEFAULT_SHARD_BY, ShardSpec, publish_sharded
+
+    def publish(pool, args) -> Path:
+        spec = ShardSpec(args.shards, args.shard_by or DEFAULT_SHARD_BY)
+        config = None if kind == "exact" else IVFConfig(nlist=args.nlist, seed=args.seed)
+        return publish_sharded(pool, args.out, kind=kind, spec=spec, config=config, bloom_bits=args.bloom_bits,
+                               bloom_hashes=args.bloom_hashes, overwrite=args.overwrite)
+
+    return publish
 
 
 # Index kind -> publisher(pool, args).
@@ -283,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--seed", type=int, default=0, help="IVF k-means seed")
     pub.add_argument("--bloom-bits", type=int, default=None, help="Bloom bits M per item (default: sizing rule, max tokens x K x 1.5)")
     pub.add_argument("--bloom-hashes", type=int, default=None, help="Bloom hash functions K per token (default 7)")
+    pub.add_argument("--shards", type=int, default=None, help="split the index into S shard snapshots + a top manifest")
+    pub.add_argument("--shard-by", dest="shard_by", choices=("items", "clusters"), default=None,
+                     help="sharded: items hashed to shards (default) or whole IVF clusters by size")
     pub.add_argument("--generative", action="store_true", help="generative (semantic-ID beam decode) snapshot")
     pub.add_argument("--model", default=None, help="generative: checkpoint from python -m silverrec.publish.train_generative (default: train now)")
     pub.add_argument("--minutes", type=float, default=3.0, help="generative without --model: training budget (default 3)")
