@@ -1,0 +1,247 @@
+"""Server-side dynamic batching: a bounded queue, batches that close on size or age, per-request deadlines.
+
+    >>> batcher = Batcher(run_group, max_batch=32, max_wait_ms=5, max_queue=512, workers=1)
+    >>> await batcher.start()
+    >>> result = await batcher.submit(key, payload, deadline=time.monotonic() + 0.1)
+
+A *job* is one validated request: a group `key` and a `payload`. When a worker is free, the batcher
+takes the oldest queued job and waits until either `max_batch` jobs are queued or that job has
+waited `max_wait_ms`; it then takes up to `max_batch` jobs, drops those whose deadline passed
+(`DeadlineExceeded`, before any compute), groups the rest by key and calls
+`run_group(key, payloads) -> results` once per group in a worker thread. Jobs with the same key
+can share one forward call (same snapshot version and options); `run_group` returns one result per
+payload in order, or raises. A `QueryError` from a group is isolated by re-running each of its
+payloads alone, so one bad request never fails its neighbours.
+
+Backpressure: `submit` raises `QueueFull` when `max_queue` jobs are already waiting.
+Concurrency policy: `policy(concurrency) -> (workers, threads)` (silverrec tune's table) is asked
+at every batch with the number of requests in flight; `workers` bounds the batches computed at once
+and `threads` is applied with torch.set_num_threads before the batch runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Optional, Sequence
+
+import torch
+
+from silverrec.errors import QueryError
+
+
+class QueueFull(Exception):
+    """The batcher's queue holds max_queue jobs (answer 503 with Retry-After)."""
+
+
+class DeadlineExceeded(Exception):
+    """The job's deadline passed before it was computed (answer 504)."""
+
+
+class ShuttingDown(Exception):
+    """The batcher is stopping and takes no new jobs (answer 503)."""
+
+
+@dataclass
+class Job:
+    key: Hashable
+    payload: Any
+    deadline: Optional[float]  # time.monotonic() seconds, None = no deadline
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.monotonic)
+    abandoned: bool = False  # the caller stopped waiting (its deadline passed)
+
+
+RunGroup = Callable[[Hashable, Sequence[Any]], Sequence[Any]]
+Policy = Callable[[int], tuple[int, int]]
+
+
+class Batcher:
+    """Dynamic batcher (module docstring). Create and use inside one asyncio event loop."""
+
+    def __init__(self, run_group: RunGroup, max_batch: int = 32, max_wait_ms: float = 5.0, max_queue: int = 1024,
+                 workers: int = 1, threads: Optional[int] = None, policy: Optional[Policy] = None,
+                 on_batch: Optional[Callable[[int], None]] = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.run_group = run_group
+        self.max_batch = max_batch
+        self.max_wait = max_wait_ms / 1000.0
+        self.max_queue = max_queue
+        self.workers = workers
+        self.threads = threads
+        self.policy = policy
+        self.on_batch = on_batch
+        self._queue: collections.deque[Job] = collections.deque()
+        self._busy = 0  # batches being computed
+        self._in_flight = 0  # submitted jobs not yet answered
+        self._closing = False
+        self._kick: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._max_workers = max(workers, 1)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, max_workers: Optional[int] = None) -> None:
+        self._max_workers = max(self.workers, max_workers or 1)
+        self._executor = concurrent.futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="silverrec-batch")
+        self._kick = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Take no new jobs, compute every queued one, wait for running batches, then stop."""
+        self._closing = True
+        if self._kick is not None:
+            self._kick.set()
+        if self._task is not None:
+            await self._task
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    # ------------------------------------------------------------------ submit
+    async def submit(self, key: Hashable, payload: Any, deadline: Optional[float] = None) -> Any:
+        """Queue one job and wait for its result. Raises QueueFull, DeadlineExceeded, ShuttingDown,
+        or what run_group raised for this job."""
+        if self._closing or self._kick is None:
+            raise ShuttingDown("the server is shutting down")
+        if len(self._queue) >= self.max_queue:
+            raise QueueFull(f"queue full ({self.max_queue} requests waiting)")
+        now = time.monotonic()
+        if deadline is not None and deadline <= now:
+            raise DeadlineExceeded("deadline passed before the request was queued")
+        job = Job(key, payload, deadline, asyncio.get_running_loop().create_future(), now)
+        self._queue.append(job)
+        self._in_flight += 1
+        self._kick.set()
+        try:
+            if deadline is None:
+                return await job.future
+            try:
+                return await asyncio.wait_for(asyncio.shield(job.future), deadline - time.monotonic())
+            except (asyncio.TimeoutError, TimeoutError):
+                job.abandoned = True
+                raise DeadlineExceeded(f"deadline passed after {1000 * (time.monotonic() - now):.1f} ms "
+                                       "(waiting in the queue or computing)") from None
+        finally:
+            self._in_flight -= 1
+
+    # ------------------------------------------------------------------ loop
+    async def _wait(self, timeout: Optional[float] = None) -> None:
+        self._kick.clear()
+        try:
+            await asyncio.wait_for(self._kick.wait(), timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            pass
+
+    def _limits(self) -> tuple[int, Optional[int]]:
+        if self.policy is None:
+            return self.workers, self.threads
+        workers, threads = self.policy(self._in_flight)
+        return max(1, min(int(workers), self._max_workers)), threads
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            workers, threads = self._limits()
+            if self._busy >= workers:
+                await self._wait()
+                continue
+            if not self._queue:
+                if self._closing:
+                    if self._busy == 0:
+                        return
+                    await self._wait()
+                    continue
+                await self._wait()
+                continue
+            close_at = self._queue[0].enqueued + self.max_wait
+            remaining = close_at - time.monotonic()
+            if len(self._queue) < self.max_batch and remaining > 0 and not self._closing:
+                await self._wait(remaining)
+                continue
+            batch = self._take()
+            if not batch:
+                continue
+            self._busy += 1
+            if self.on_batch is not None:
+                self.on_batch(len(batch))
+            fut = loop.run_in_executor(self._executor, self._execute, batch, threads)
+            fut.add_done_callback(lambda f, batch=batch: self._finish(batch, f))
+
+    def _take(self) -> list[Job]:
+        batch, now = [], time.monotonic()
+        while self._queue and len(batch) < self.max_batch:
+            job = self._queue.popleft()
+            if job.abandoned or job.future.done():
+                job.future.cancel()  # nobody waits for it any more
+                continue
+            if job.deadline is not None and job.deadline <= now:
+                job.future.set_exception(DeadlineExceeded(
+                    f"deadline passed after {1000 * (now - job.enqueued):.1f} ms in the queue; dropped before compute"))
+                continue
+            batch.append(job)
+        return batch
+
+    def _execute(self, batch: list[Job], threads: Optional[int]) -> list[tuple[bool, Any]]:
+        """Worker thread: group by key, one run_group call per group. -> (ok, result or exception) per job."""
+        if threads and torch.get_num_threads() != threads:
+            torch.set_num_threads(int(threads))
+        groups: dict[Hashable, list[int]] = {}
+        for i, job in enumerate(batch):
+            groups.setdefault(job.key, []).append(i)
+        out: list[tuple[bool, Any]] = [(False, RuntimeError("not computed"))] * len(batch)
+        for key, idx in groups.items():
+            # a job abandoned while its batch waited for a worker is dropped before compute
+            idx = [i for i in idx if not batch[i].abandoned]
+            for i, r in zip(idx, self._run(key, [batch[i].payload for i in idx])):
+                out[i] = r
+        return out
+
+    def _run(self, key: Hashable, payloads: list[Any]) -> list[tuple[bool, Any]]:
+        if not payloads:
+            return []
+        try:
+            results = self.run_group(key, payloads)
+            return [(True, r) for r in results]
+        except QueryError as e:
+            if len(payloads) == 1:
+                return [(False, e)]
+            return [r for p in payloads for r in self._run(key, [p])]  # isolate the bad request
+        except Exception as e:  # noqa: BLE001  (handed to each waiting request)
+            return [(False, e)] * len(payloads)
+
+    def _finish(self, batch: list[Job], fut: asyncio.Future) -> None:
+        self._busy -= 1
+        self._kick.set()
+        exc = fut.exception()
+        for i, job in enumerate(batch):
+            if job.future.done():
+                continue
+            if job.abandoned:
+                job.future.cancel()
+                continue
+            if exc is not None:
+                job.future.set_exception(exc)
+                continue
+            ok, value = fut.result()[i]
+            if ok:
+                job.future.set_result(value)
+            else:
+                job.future.set_exception(value)
