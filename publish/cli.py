@@ -10,6 +10,8 @@
     silverrec publish --generative --pool POOL --out DIR [--model CKPT] [--beam-width W] [--top-k K]
     silverrec query DIR --history "id1,id2,..." [--history-file F] --k K      (generative snapshots)
     silverrec inspect DIR
+    silverrec serve DIR [--host H] [--port P] [--max-batch N] [--max-wait-ms MS] [--workers W] [--threads T] [--tune F]
+    silverrec tune DIR [--out F] [--seconds S]            (workers x threads per concurrency, read by serve)
 """
 
 from __future__ import annotations
@@ -361,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print a snapshot's manifest")
     i.add_argument("snapshot")
     i.set_defaults(func=_inspect)
+
+    from silverrec.publish.tune import add_serve_parsers
+
+    add_serve_parsers(sub)
     return p
 
 
