@@ -212,11 +212,11 @@ def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True) ->
         SnapshotError: missing/truncated/altered file, newer format version, unknown backend.
     """
     root = Path(path)
-    manifest = read_manifest(root, verify=verify)
-    if manifest.get("kind") == "sharded":  # a top manifest: every shard loads and verifies alone
+    if read_manifest(root, verify=False).get("kind") == "sharded":  # a top manifest: shards load and verify alone
         from silverrec.serving.sharded import load_sharded
 
         return load_sharded(root, backend=backend, verify=verify)
+    manifest = read_manifest(root, verify=verify)
     if backend == "auto":
         backend = manifest.get("config", {}).get("backend", {}).get("preferred", "export")
     if manifest.get("kind") == "rec":  # the user tower's program holds fbgemm / torchrec ops
