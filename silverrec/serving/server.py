@@ -762,11 +762,21 @@ def check_bind(config: ServeConfig) -> None:
 
 
 def _uvicorn_server(app, log_level: str = "warning"):
+    import signal
+
     import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # graceful shutdown, then exit 0 (uvicorn would re-raise the signal after draining)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
 
     cfg = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=30,
                          backlog=2048)
-    return uvicorn.Server(cfg)
+    return _Server(cfg)
 
 
 def start_in_thread(path: str | os.PathLike, config: Optional[ServeConfig] = None, served: Optional[Served] = None,
@@ -803,4 +813,5 @@ def serve(path: str | os.PathLike, config: ServeConfig) -> int:
           file=sys.stderr, flush=True)
     server = _uvicorn_server(app, log_level=os.environ.get("SILVERREC_LOG_LEVEL", "warning"))
     asyncio.run(server.serve(sockets=[sock]))
+    print("silverrec: stopped (in-flight requests answered)", file=sys.stderr, flush=True)
     return 0

@@ -1,0 +1,517 @@
+"""`silverrec serve`: the HTTP server on an ephemeral loopback port, its batcher, reloads and errors.
+
+References: direct `Snapshot.search` / `recommend` / `rank` calls on the same snapshot (each
+request's answer inside a batch must equal its answer alone); status codes and messages named per
+bad input; a slowed-down model (a `Served` whose run sleeps) to fill queues, pass deadlines and
+have requests in flight during reloads and shutdown. Timing is never asserted, only outcomes.
+"""
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import silverrec
+from silverrec.errors import QueryError, SilverrecError
+from silverrec.serving.batcher import Batcher, DeadlineExceeded, QueueFull
+from silverrec.serving.server import Served, ServeConfig, TunePolicy, check_bind, load_served, start_in_thread
+
+from tests.rec_fixtures import rec_setup
+
+N, D = 1500, 16
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def snaps(tmp_path_factory):
+    """Two small IVF snapshots of different pools (two versions) and an exact one."""
+    from silverrec.publish.build import publish_exact
+    from silverrec.publish.ivf import IVFConfig, publish_ivf
+    from silverrec.publish.pool import read_pool, write_pool
+
+    d = tmp_path_factory.mktemp("serve")
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, seed in (("v1", 1), ("v2", 2)):
+        emb = np.random.default_rng(seed).standard_normal((N, D)).astype(np.float32)
+        write_pool(d / f"{name}.parquet", np.arange(N, dtype=np.int64) * 3 + seed, emb)
+        out[name] = publish_ivf(read_pool(d / f"{name}.parquet"), d / name, config=IVFConfig(nlist=8))
+    out["exact"] = publish_exact(read_pool(d / "v1.parquet"), d / "exact", torchscript=False)
+    out["queries"] = rng.standard_normal((64, D)).astype(np.float32)
+    out["dir"] = d
+    return out
+
+
+class SlowServed(Served):
+    """The real model, `delay` seconds slower per group (to fill queues and hold requests in flight)."""
+
+    delay = 0.2
+
+    def run(self, key, payloads):
+        time.sleep(self.delay)
+        return super().run(key, payloads)
+
+
+def slow(path, delay=0.2):
+    s = SlowServed(silverrec.load(path))
+    s.delay = delay
+    return s
+
+
+@pytest.fixture(scope="module")
+def ivf_server(snaps):
+    run = start_in_thread(snaps["v1"], ServeConfig(port=0, max_batch=16, max_wait_ms=20, max_body_bytes=1 << 16))
+    yield run
+    run.stop()
+
+
+def post(url, path, body=None, **kw):
+    with httpx.Client(base_url=url, timeout=30) as c:
+        if isinstance(body, (str, bytes)):
+            return c.post(path, content=body, headers={"content-type": "application/json", **kw.pop("headers", {})}, **kw)
+        return c.post(path, json=body, **kw)
+
+
+def parallel(fn, args, threads=16):
+    out = [None] * len(args)
+
+    def work(i):
+        out[i] = fn(args[i])
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(len(args))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+# ------------------------------------------------------------------------------------ answers
+
+def test_each_request_gets_its_own_rows_inside_a_batch(snaps, ivf_server):
+    snap, q = silverrec.load(snaps["v1"]), snaps["queries"]
+    cases = [(i, 1 + i % 3, 1 + (7 * i) % 20, None if i % 4 else 1 + i % 8) for i in range(32)]  # rows, k, nprobe
+
+    def one(case):
+        i, rows, k, nprobe = case
+        body = {"queries": q[i:i + rows].tolist(), "k": k}
+        if nprobe is not None:
+            body["nprobe"] = nprobe
+        return post(ivf_server.url, "/v1/search", body)
+
+    answers = parallel(one, cases)
+    for (i, rows, k, nprobe), r in zip(cases, answers):
+        assert r.status_code == 200, r.text
+        got = r.json()
+        opts = {} if nprobe is None else {"nprobe": nprobe}
+        ref = snap.search(q[i:i + rows], k, **opts)
+        assert got["item_ids"] == ref.item_ids.tolist()
+        np.testing.assert_allclose(np.array(got["scores"], dtype=np.float32), ref.scores.numpy(), rtol=1e-5)
+        assert got["version"].startswith("v1@")
+    metrics = httpx.get(ivf_server.url + "/metrics").text
+    sizes = {float(m.group(1)): float(m.group(2))
+             for m in re.finditer(r'silverrec_batch_requests_bucket\{le="([\d.]+)"\} ([\d.]+)', metrics)}
+    assert sizes[1.0] < sizes[16.0], "no batch held more than one request"
+
+
+def test_exact_snapshot_answers_like_search(snaps):
+    run = start_in_thread(snaps["exact"], ServeConfig(port=0))
+    try:
+        q = snaps["queries"][:3]
+        r = post(run.url, "/v1/search", {"queries": q.tolist(), "k": 4})
+        assert r.status_code == 200 and r.json()["item_ids"] == silverrec.load(snaps["exact"]).search(q, 4).item_ids.tolist()
+        r = post(run.url, "/v1/search", {"queries": q.tolist(), "k": 4, "nprobe": 2})
+        assert r.status_code == 400 and "exact snapshot takes no search options" in r.json()["detail"]
+        r = post(run.url, "/v1/recommend", {"history": [1, 2]})
+        assert r.status_code == 400 and "does not answer /v1/recommend" in r.json()["detail"]
+    finally:
+        run.stop()
+
+
+def test_service_routes(ivf_server):
+    with httpx.Client(base_url=ivf_server.url) as c:
+        assert c.get("/healthz").json()["status"] == "ok"
+        assert c.get("/readyz").status_code == 200
+        model = c.get("/v1/model").json()
+        assert model["kind"] == "ivf" and model["version"].startswith("v1@") and "admin_token" not in model["serving"]
+        assert "/v1/search" in c.get("/openapi.json").json()["paths"]
+        text = c.get("/metrics").text
+        for name in ("silverrec_requests_total", "silverrec_request_latency_seconds_bucket", "silverrec_queue_depth",
+                     "silverrec_batch_requests_bucket", "silverrec_snapshot_info"):
+            assert name in text
+
+
+# ------------------------------------------------------------------------------------ bad requests
+
+BAD = [  # body, status, message pattern
+    ('{"queries": [[1.0, 2.0', 400, r"malformed JSON at position \d+"),
+    ('[1, 2]', 422, r"invalid request"),
+    ({"queries": [[0.5] * (D - 1)], "k": 5}, 400, r"query row 0 has 15 values, the index holds 16-d items"),
+    ({"queries": [[0.5] * D, [0.5] * (D + 1)], "k": 5}, 400, r"query row 1 has 17 values"),
+    ({"queries": [["x"] * D], "k": 5}, 422, r"queries\.0\.0: Input should be a valid number"),
+    ({"queries": [[0.5] * D], "k": 0}, 400, r"k must be positive, got 0"),
+    ({"queries": [[0.5] * D], "k": N + 1}, 400, rf"k={N + 1} exceeds the {N} items"),
+    ({"queries": [[0.5] * D], "k": 2.5}, 422, r"k: Input should be a valid integer"),
+    ({"queries": [[0.5] * D], "k": 5, "nprobe": 99}, 400, r"nprobe must be an int in \[1, 8\], got 99"),
+    ({"queries": [[0.5] * D], "k": 5, "filter": "a = b"}, 400, r"ivf snapshot takes only the search option nprobe"),
+    ({"queries": [[0.5] * D], "k": 5, "colour": 1}, 422, r"colour: Extra inputs are not permitted"),
+    ({"queries": [], "k": 5}, 400, r"at least one row"),
+    ({"k": 5}, 422, r"queries: Field required"),
+    ('{"queries": [[NaN' + ", 0.5" * (D - 1) + ']], "k": 5}', 400, r"row 0 contains NaN or Inf"),
+    ("x" * (1 << 17), 413, r"request body exceeds 65536 bytes"),
+]
+
+
+def test_every_error_status_names_the_problem(ivf_server):
+    for body, status, pattern in BAD:
+        r = post(ivf_server.url, "/v1/search", body)
+        assert r.status_code == status, (body if len(str(body)) < 200 else "big", r.text)
+        assert re.search(pattern, r.json()["detail"]), r.json()["detail"]
+        assert r.json()["version"].startswith("v1@")
+    r = post(ivf_server.url, "/v1/search", {"queries": [[0.5] * D]}, headers={"X-Deadline-Ms": "soon"})
+    assert r.status_code == 400 and "X-Deadline-Ms must be a number" in r.json()["detail"]
+
+
+def test_bad_requests_never_disturb_their_batch(snaps, ivf_server):
+    snap, q = silverrec.load(snaps["v1"]), snaps["queries"]
+    jobs = [("good", i) if i % 3 else ("bad", i) for i in range(30)]
+
+    def one(job):
+        kind, i = job
+        if kind == "good":
+            return post(ivf_server.url, "/v1/search", {"queries": q[i:i + 1].tolist(), "k": 5})
+        body, _, _ = BAD[i % (len(BAD) - 1)]
+        return post(ivf_server.url, "/v1/search", body)
+
+    for (kind, i), r in zip(jobs, parallel(one, jobs)):
+        if kind == "good":
+            assert r.status_code == 200 and r.json()["item_ids"] == snap.search(q[i:i + 1], 5).item_ids.tolist()
+        else:
+            assert r.status_code in (400, 413, 422), r.text
+
+
+# ------------------------------------------------------------------------------------ backpressure, deadlines
+
+def test_deadline_expiry_answers_504_and_skips_compute(snaps):
+    run = start_in_thread(snaps["v1"], ServeConfig(port=0, max_batch=1, max_wait_ms=0), served=slow(snaps["v1"], 0.3))
+    try:
+        q = snaps["queries"][:1].tolist()
+        first = threading.Thread(target=post, args=(run.url, "/v1/search", {"queries": q, "k": 3}))
+        first.start()
+        time.sleep(0.05)  # the worker is busy with the first request for 0.3 s
+        r = post(run.url, "/v1/search", {"queries": q, "k": 3, "deadline_ms": 50})
+        assert r.status_code == 504 and "deadline of 50 ms exceeded" in r.json()["detail"]
+        r = post(run.url, "/v1/search", {"queries": q, "k": 3}, headers={"X-Deadline-Ms": "40"})
+        assert r.status_code == 504 and "deadline of 40 ms exceeded" in r.json()["detail"]
+        first.join()
+        assert 'silverrec_rejections_total{reason="deadline"} 2.0' in httpx.get(run.url + "/metrics").text
+    finally:
+        run.stop()
+
+
+def test_batcher_drops_expired_jobs_before_compute():
+    computed = []
+
+    def run_group(key, payloads):
+        computed.extend(payloads)
+        time.sleep(0.1)
+        return payloads
+
+    async def main():
+        b = Batcher(run_group, max_batch=4, max_wait_ms=0, max_queue=8, workers=1)
+        await b.start()
+        first = asyncio.ensure_future(b.submit("k", "first"))
+        await asyncio.sleep(0.02)
+        late = b.submit("k", "late", deadline=time.monotonic() + 0.03)
+        ok = b.submit("k", "ok")
+        res = await asyncio.gather(first, late, ok, return_exceptions=True)
+        await b.stop()
+        return res
+
+    first, late, ok = asyncio.run(main())
+    assert first == "first" and ok == "ok" and isinstance(late, DeadlineExceeded)
+    assert computed == ["first", "ok"]
+
+
+def test_queue_full_answers_503_with_retry_after(snaps):
+    run = start_in_thread(snaps["v1"], ServeConfig(port=0, max_batch=1, max_wait_ms=0, max_queue=2),
+                          served=slow(snaps["v1"], 0.25))
+    try:
+        q = snaps["queries"][:1].tolist()
+        answers = parallel(lambda _: post(run.url, "/v1/search", {"queries": q, "k": 3}), list(range(10)))
+        codes = sorted(r.status_code for r in answers)
+        assert set(codes) == {200, 503} and codes.count(200) >= 2, codes
+        full = next(r for r in answers if r.status_code == 503)
+        assert full.headers["retry-after"] == "1" and "queue full (2 requests waiting)" in full.json()["detail"]
+    finally:
+        run.stop()
+
+
+def test_batcher_isolates_a_failing_request():
+    def run_group(key, payloads):
+        if "bad" in payloads:
+            raise QueryError("bad payload")
+        return [p.upper() for p in payloads]
+
+    async def main():
+        b = Batcher(run_group, max_batch=8, max_wait_ms=20, max_queue=2)
+        await b.start()
+        res = await asyncio.gather(*(b.submit("k", p) for p in ("a", "bad")), return_exceptions=True)
+        with pytest.raises(QueueFull, match="queue full"):
+            await asyncio.gather(*(b.submit("k", p) for p in ("x", "y", "z")))
+        await b.stop()
+        return res
+
+    a, bad = asyncio.run(main())
+    assert a == "A" and isinstance(bad, QueryError)
+
+
+# ------------------------------------------------------------------------------------ reload
+
+def test_reload_under_load_loses_no_request(snaps, monkeypatch):
+    refs = {v: silverrec.load(snaps[v]) for v in ("v1", "v2")}
+    versions = {v: load_served(snaps[v]).version for v in ("v1", "v2")}
+    run = start_in_thread(snaps["v1"], ServeConfig(port=0, max_batch=8, max_wait_ms=5, admin_token=TOKEN))
+    q = snaps["queries"]
+    stop, answers = threading.Event(), []
+
+    def load(c):
+        with httpx.Client(base_url=run.url, timeout=30) as client:
+            i = c
+            while not stop.is_set():
+                r = client.post("/v1/search", json={"queries": q[i % 64:i % 64 + 1].tolist(), "k": 5})
+                answers.append((i % 64, r))
+                i += 7
+
+    threads = [threading.Thread(target=load, args=(c,)) for c in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for n in range(4):
+            target = "v2" if n % 2 == 0 else "v1"
+            r = post(run.url, "/v1/admin/reload", {"path": str(snaps[target])},
+                     headers={"Authorization": f"Bearer {TOKEN}"})
+            assert r.status_code == 200 and r.json()["version"] == versions[target], r.text
+            time.sleep(0.15)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        run.stop()
+    assert len(answers) > 20
+    by_version = {versions[v]: v for v in versions}
+    seen = set()
+    for i, r in answers:
+        assert r.status_code == 200, r.text
+        v = by_version[r.json()["version"]]
+        seen.add(v)
+        assert r.json()["item_ids"] == refs[v].search(q[i:i + 1], 5).item_ids.tolist()
+    assert seen == {"v1", "v2"}
+
+
+def test_corrupt_snapshot_refused_while_old_keeps_serving(snaps, tmp_path):
+    bad = tmp_path / "corrupt"
+    shutil.copytree(snaps["v2"], bad)
+    data = bytearray((bad / "model.pt2").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / "model.pt2").write_bytes(bytes(data))
+    run = start_in_thread(snaps["v1"], ServeConfig(port=0, admin_token=TOKEN))
+    try:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        old = httpx.get(run.url + "/v1/model").json()["version"]
+        r = post(run.url, "/v1/admin/reload", {"path": str(bad)}, headers=auth)
+        assert r.status_code == 409 and f"still serving {old}" in r.json()["detail"]
+        assert "model.pt2" in r.json()["detail"]
+        r = post(run.url, "/v1/admin/reload", {"path": str(tmp_path / "missing")}, headers=auth)
+        assert r.status_code == 409 and "refused" in r.json()["detail"]
+        r = post(run.url, "/v1/search", {"queries": snaps["queries"][:1].tolist(), "k": 3})
+        assert r.status_code == 200 and r.json()["version"] == old
+        r = post(run.url, "/v1/admin/reload", {}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and "admin token" in r.json()["detail"]
+        assert 'silverrec_reloads_total{result="refused"} 2.0' in httpx.get(run.url + "/metrics").text
+    finally:
+        run.stop()
+    run = start_in_thread(snaps["v1"], ServeConfig(port=0))  # no token: reload disabled
+    try:
+        r = post(run.url, "/v1/admin/reload", {}, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 403 and "reload is disabled" in r.json()["detail"]
+    finally:
+        run.stop()
+    with pytest.raises(SilverrecError, match="refusing to bind non-loopback address 0.0.0.0 without an admin token"):
+        check_bind(ServeConfig(host="0.0.0.0", port=0))
+    check_bind(ServeConfig(host="0.0.0.0", port=0, admin_token=TOKEN))
+
+
+def test_clean_shutdown_finishes_in_flight_requests(snaps):
+    run = start_in_thread(snaps["v1"], ServeConfig(port=0, max_batch=2, max_wait_ms=0), served=slow(snaps["v1"], 0.3))
+    q = snaps["queries"][:1].tolist()
+    answers = []
+    ts = [threading.Thread(target=lambda: answers.append(post(run.url, "/v1/search", {"queries": q, "k": 3})))
+          for _ in range(4)]
+    for t in ts:
+        t.start()
+    t0 = time.monotonic()
+    while run.app.server.batcher.in_flight < 4 and time.monotonic() - t0 < 20:
+        time.sleep(0.01)
+    run.stop()
+    for t in ts:
+        t.join()
+    assert not run.thread.is_alive()
+    assert [r.status_code for r in answers] == [200] * 4
+
+
+def test_cli_serve_starts_answers_and_stops_on_sigterm(snaps):
+    env = dict(os.environ, SILVERREC_QUIET="1")
+    proc = subprocess.Popen([sys.executable, "-m", "silverrec.publish.cli", "serve", str(snaps["v1"]), "--port", "0"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        m = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+        assert m, line
+        assert httpx.get(m.group(1) + "/readyz", timeout=30).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+    assert "stopped (in-flight requests answered)" in proc.stderr.read()
+
+
+def test_cli_serve_refuses_non_loopback_without_token(snaps, monkeypatch, capsys):
+    from silverrec.publish.cli import main
+
+    monkeypatch.delenv("SILVERREC_ADMIN_TOKEN", raising=False)
+    assert main(["serve", str(snaps["v1"]), "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "refusing to bind non-loopback address 0.0.0.0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ tune
+
+def test_tune_writes_a_table_serve_reads(snaps, tmp_path):
+    from silverrec.publish.tune import tune
+
+    out = tmp_path / "t.json"
+    table = tune(snaps["v1"], out, seconds=0.05, workers=(1, 2), threads=(1,), levels=(1, 8), log=lambda s: None)
+    assert [r["concurrency"] for r in table["best"]] == [1, 8] and len(table["results"]) == 4
+    policy = TunePolicy.from_file(out)
+    assert policy(0) == policy(1) and policy(100) == (table["best"][1]["workers"], table["best"][1]["threads"])
+    run = start_in_thread(snaps["v1"], ServeConfig(port=0, tune_file=str(out)))
+    try:
+        assert post(run.url, "/v1/search", {"queries": snaps["queries"][:2].tolist(), "k": 2}).status_code == 200
+    finally:
+        run.stop()
+    (tmp_path / "broken.json").write_text("{}")
+    with pytest.raises(SilverrecError, match="cannot read tune file"):
+        TunePolicy.from_file(tmp_path / "broken.json")
+
+
+# ------------------------------------------------------------------------------------ recommendation model
+
+@pytest.fixture(scope="module")
+def rec(tmp_path_factory):
+    return rec_setup(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def rec_server(rec):
+    run = start_in_thread(rec.snap_dir, ServeConfig(port=0, max_batch=16, max_wait_ms=20))
+    yield run
+    run.stop()
+
+
+def test_recommend_and_rank_answer_like_the_snapshot(rec, rec_server):
+    snap = silverrec.load(rec.snap_dir)
+    users = rec.logs.user_ids[:12].tolist()
+    cases = [{"user_id": u, "k": 3 + i % 5, **({"filter": "cat = c1"} if i % 3 == 0 else {})} for i, u in enumerate(users)]
+    answers = parallel(lambda body: post(rec_server.url, "/v1/recommend", body), cases)
+    for body, r in zip(cases, answers):
+        assert r.status_code == 200, r.text
+        k = body.pop("k")
+        ref = snap.recommend([body], k=k).to_json()
+        assert r.json()["item_ids"] == ref["item_ids"]
+        np.testing.assert_allclose(np.array(r.json()["scores"], dtype=np.float32), np.array(ref["scores"]), rtol=1e-4)
+    many = post(rec_server.url, "/v1/recommend", {"requests": [{"user_id": users[0]}, {"history": rec.logs.history(users[1])}],
+                                                  "k": 4})
+    assert many.status_code == 200 and len(many.json()["item_ids"]) == 2
+    items = rec.logs.item_ids[:5].tolist()
+    r = post(rec_server.url, "/v1/rank", {"user_id": users[0], "items": items})
+    assert r.status_code == 200, r.text
+    ref = snap.rank({"user_id": users[0]}, items).to_json()
+    assert r.json()["item_ids"] == ref["item_ids"]
+    np.testing.assert_allclose(np.array(r.json()["scores"], dtype=np.float32), np.array(ref["scores"]), rtol=1e-4)
+
+
+REC_BAD = [
+    ("/v1/recommend", {"user_id": 1}, r"unknown user_id 1: not a user of the snapshot's training logs"),
+    ("/v1/recommend", {"history": [999999]}, r"unknown item id 999999"),
+    ("/v1/recommend", {}, r"give exactly one of user_id and history"),
+    ("/v1/recommend", {"history": [1000], "filter": "colour = red"}, r"colour"),
+    ("/v1/recommend", {"history": [1000], "filter": "cat = = c1"}, r"filter syntax error at position \d+"),
+    ("/v1/recommend", {"history": [1000], "k": 0}, r"k must be an int in \[1, 300\], got 0"),
+    ("/v1/recommend", {"history": [1000], "mode": "fast"}, r"unknown search mode 'fast'"),
+    ("/v1/recommend", {"requests": [{"history": [1000]}], "user_id": 503}, r"either 'requests' or the top-level"),
+    ("/v1/rank", {"user_id": 503, "items": [1]}, r"unknown item id 1"),
+    ("/v1/search", {"queries": [[0.0] * 16]}, r"does not answer /v1/search"),
+]
+
+
+def test_recommend_errors_name_the_problem(rec_server):
+    for path, body, pattern in REC_BAD:
+        r = post(rec_server.url, path, body)
+        assert r.status_code == 400, (body, r.text)
+        assert re.search(pattern, r.json()["detail"]), r.json()["detail"]
+
+
+# ------------------------------------------------------------------------------------ fuzz: no 500s
+
+FILTER_TOKENS = ["cat", "tags", "c1", "t2", "=", "!=", "IN", "(", ")", ",", "AND", "OR", "NOT", "'", '"', " ", "x",
+                 "\\", "é", "0", "-", "cat = c1", "tags IN (t1, t2)"]
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+SEARCH_KEYS = st.sampled_from(["queries", "k", "filter", "nprobe", "max_probe", "mode", "deadline_ms", "other"])
+REC_KEYS = st.sampled_from(["user_id", "history", "features", "numeric", "filter", "exclude", "k", "k0", "nprobe",
+                            "mode", "requests", "items", "exclude_history"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(parts=st.lists(st.sampled_from(FILTER_TOKENS), max_size=10), k=st.integers(-2, 400))
+def test_fuzz_filters_never_500(rec_server, rec, parts, k):
+    body = {"history": [int(rec.logs.item_ids[0])], "filter": " ".join(parts), "k": k}
+    r = post(rec_server.url, "/v1/recommend", body)
+    assert r.status_code in (200, 400, 422), r.text
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.dictionaries(SEARCH_KEYS, JSON, max_size=5), rows=st.integers(0, 3), dim=st.sampled_from([0, 15, 16]))
+def test_fuzz_search_decoding_never_500(ivf_server, body, rows, dim):
+    if rows:
+        body.setdefault("queries", [[0.25] * dim] * rows)
+    text = json.dumps(body, allow_nan=True)
+    r = post(ivf_server.url, "/v1/search", text)
+    assert r.status_code in (200, 400, 413, 422), r.text
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.dictionaries(REC_KEYS, JSON, max_size=5), path=st.sampled_from(["/v1/recommend", "/v1/rank"]))
+def test_fuzz_rec_decoding_never_500(rec_server, body, path):
+    r = post(rec_server.url, path, json.dumps(body, allow_nan=True))
+    assert r.status_code in (200, 400, 413, 422), r.text
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(raw=st.binary(max_size=64))
+def test_fuzz_raw_bytes_never_500(ivf_server, raw):
+    r = post(ivf_server.url, "/v1/search", raw)
+    assert r.status_code in (400, 422), r.text
