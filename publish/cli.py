@@ -258,6 +258,31 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _update(args: argparse.Namespace) -> int:
+    from silverrec.publish.update import update_snapshot
+
+    if args.upsert is None and args.delete is None:
+        raise SilverrecError("update needs --upsert ITEMS.parquet and/or --delete IDS")
+    out = update_snapshot(args.snapshot, args.out, upsert=args.upsert, delete=args.delete, overwrite=args.overwrite)
+    _print_update_advice(json.loads((out / "manifest.json").read_text())["config"])
+    print(f"published {out}")
+    return 0
+
+
+def _print_update_advice(config: dict) -> None:
+    up = config.get("update")
+    if not up:
+        return
+    c, d = up["counts"], up["drift"]
+    print(f"update        generation {up['generation']} of {up['parent']['path']}: {c['inserted']} inserted, "
+          f"{c['changed']} changed, {c['deleted']} deleted, {c['items']:,} items")
+    print(f"drift         clamped {d['clamped_share']:.2e} (since build {d['clamped_share_since_build']:.2e}), "
+          f"upserted since build {d['changed_share_since_build']:.1%}"
+          + (f", imbalance {d['imbalance']:.3f} ({d['imbalance_ratio']:.2f}x the build's)" if "imbalance" in d else ""))
+    advised = up.get("rebuild_advised") or []
+    print("rebuild       " + ("ADVISED: " + "; ".join(advised) if advised else "not needed"))
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from silverrec.snapshot import read_manifest
 
@@ -271,6 +296,7 @@ def _inspect(args: argparse.Namespace) -> int:
     for key, value in sorted(m["config"].items()):
         text = json.dumps(value)
         print(f"  {key:<12}{text if len(text) < 200 else text[:197] + '...'}")
+    _print_update_advice(m["config"])
     print("files")
     for name, meta in sorted(m["files"].items()):
         print(f"  {name:<12}{meta['bytes']:>14,} bytes  sha256 {meta['sha256'][:16]}")
@@ -359,6 +385,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--backend", choices=("auto", "export", "torchscript"), default="auto",
                    help="program to run (auto: the one the publisher measured faster)")
     ev.set_defaults(func=_evaluate)
+
+    up = sub.add_parser("update", help="new snapshot version: upsert and delete items without a full rebuild")
+    up.add_argument("snapshot", help="parent snapshot (kind exact, ivf or filtered_ivf)")
+    up.add_argument("--upsert", default=None, help="Parquet of new or changed items (the pool's schema)")
+    up.add_argument("--delete", default=None, help="ids to delete: text (one per line) or Parquet with item_id")
+    up.add_argument("--out", required=True, help="snapshot directory to create")
+    up.add_argument("--overwrite", action="store_true", help="replace an existing snapshot atomically")
+    up.set_defaults(func=_update)
 
     i = sub.add_parser("inspect", help="print a snapshot's manifest")
     i.add_argument("snapshot")

@@ -26,6 +26,7 @@ from silverrec.publish.pool import Pool
 from silverrec.publish.postings import build_postings, default_limit
 from silverrec.publish.progress import step
 from silverrec.snapshot import export_module, write_snapshot
+from silverrec.publish.update import save_forward
 
 BATCH = Dim("batch", min=1, max=1 << 16)
 
@@ -49,6 +50,12 @@ def filter_index(ivf: Int8IVFIndex, fwd: ForwardIndex, cfg: BloomConfig, posting
     tokens held by <= posting_limit items (postings.py; default max(256, N / 32))."""
     bank, filter_config = build_filter_bank(fwd, cfg)
     limit = default_limit(fwd.size) if posting_limit is None else int(posting_limit)
+    return filter_module(ivf, fwd, bank, filter_config, limit)
+
+
+def filter_module(ivf: Int8IVFIndex, fwd: ForwardIndex, bank: torch.Tensor, filter_config: dict, limit: int) -> tuple[FilteredIVFIndex, dict]:
+    """Posting lists of `fwd` (tokens held by <= limit items) + the module over `ivf` and `bank`;
+    completes `filter_config` (per-value list ids and counts, "postings", postings_bytes)."""
     post_rows, post_offsets, per_feature = build_postings(fwd, limit)
     for f, meta in per_feature.items():
         filter_config["features"][f].update(meta)
@@ -65,6 +72,17 @@ def build_filtered_ivf(
     bloom_hashes: Optional[int] = None,
 ) -> tuple[FilteredIVFIndex, dict]:
     """Build the module and the manifest config (IVF config + "filter" section)."""
+    module, manifest, _ = build_filtered_ivf_forward(pool, config, bloom_bits, bloom_hashes)
+    return module, manifest
+
+
+def build_filtered_ivf_forward(
+    pool: Pool,
+    config: Optional[IVFConfig] = None,
+    bloom_bits: Optional[int] = None,
+    bloom_hashes: Optional[int] = None,
+) -> tuple[FilteredIVFIndex, dict, ForwardIndex]:
+    """`build_filtered_ivf`, also returning the forward index in the module's row order."""
     if not pool.features:
         raise PoolError("the pool has no categorical feature columns: nothing to filter on (publish plain IVF)")
     config = config or IVFConfig()
@@ -83,7 +101,7 @@ def build_filtered_ivf(
         "posting_limit": module.posting_limit,
         "modes": ["auto", "probed", "unprobed"],
     }
-    return module, manifest
+    return module, manifest, fwd
 
 
 def example_inputs(module: FilteredIVFIndex, dim: int) -> tuple:
@@ -123,7 +141,7 @@ def publish_filtered_ivf(
     overwrite: bool = False,
 ) -> Path:
     """Build a filtered int8 IVF snapshot of `pool` at `out` (kind "filtered_ivf")."""
-    module, manifest = build_filtered_ivf(pool, config, bloom_bits, bloom_hashes)
+    module, manifest, fwd = build_filtered_ivf_forward(pool, config, bloom_bits, bloom_hashes)
     stats = manifest["filter"]["stats"]
     bloom = manifest["filter"]["bloom"]
     with step(
@@ -135,5 +153,6 @@ def publish_filtered_ivf(
     def write(tmp: Path) -> None:
         with step("exporting model (torch.export + TorchScript)"):
             export_module(module, example_inputs(module, pool.dim), DYNAMIC, tmp, torchscript=torchscript)
+        save_forward(fwd, tmp)  # for incremental updates (publish/update.py)
 
     return write_snapshot(out, kind="filtered_ivf", config=manifest, item_count=pool.size, write_files=write, overwrite=overwrite)

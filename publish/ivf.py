@@ -108,6 +108,13 @@ def ivf_manifest_config(pool: Pool, index: Int8IVFIndex, config: IVFConfig, km: 
     }
 
 
+def ivf_example(module: Int8IVFIndex, dim: int, n: int) -> tuple[tuple, dict]:
+    """Export example and dynamic shapes; distinct values for k and nprobe so that export keeps
+    them as separate symbols."""
+    example = (torch.zeros(2, dim), min(3, n), min(2, module.nlist))
+    return example, {"queries": {0: BATCH}, "k": Dim.DYNAMIC, "nprobe": Dim.DYNAMIC}
+
+
 def publish_ivf(
     pool: Pool,
     out: str | os.PathLike,
@@ -120,9 +127,7 @@ def publish_ivf(
     config = config or IVFConfig()
     module, km = build_ivf(pool, config)
     manifest_config = ivf_manifest_config(pool, module, config, km)
-    # Distinct example values for k and nprobe so that export keeps them as separate symbols.
-    example = (torch.zeros(2, pool.dim), min(3, pool.size), min(2, module.nlist))
-    dynamic = {"queries": {0: BATCH}, "k": Dim.DYNAMIC, "nprobe": Dim.DYNAMIC}
+    example, dynamic = ivf_example(module, pool.dim, pool.size)
 
     def write(tmp: Path) -> None:
         with step("exporting model (torch.export + TorchScript)"):
