@@ -5,7 +5,7 @@
       -> filtered int8 IVF search (K0 + overfetch rows per task) -> rows [B*T, K0 + overfetch]
       -> drop excluded rows; embedding cache: exact re-score, each task's best K0
       -> merge tasks (union or intersection), dedupe          -> rows [B, C = T*K0]
-      -> OverArch (MLP | mixture-of-logits)                   -> task scores [B, C, T]
+      -> OverArch (MLP | mixture-of-logits; its item side cached) -> task scores [B, C, T]
       -> value model (compiled formula)                       -> value [B, C]
       -> top-k rows -> item ids
 
@@ -93,7 +93,8 @@ class RecModel(nn.Module):
             raise ValueError(f"cache holds {cache.num_items} rows, the index {index.num_items}")
         self.user_tower = user_tower
         self.index = index
-        self.cache = cache
+        # the OverArch's item side, computed once per item and kept by row beside the embeddings
+        self.cache = cache.with_ranker(overarch.item_side) if overarch is not None else cache
         self.has_overarch = overarch is not None
         self.overarch = overarch if overarch is not None else nn.Identity()
         self.has_value_model = value_model is not None
@@ -106,9 +107,9 @@ class RecModel(nn.Module):
     def rank_rows(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
         """user float32 [B, T, D], rows int64 [B, C] (-1 = none) -> (value float32 [B, C] with -inf
         at padding, task scores float32 [B, C, T])."""
-        emb, feats, scores = self.cache(user, rows)
+        emb, feats, ranker, scores = self.cache(user, rows)
         if self.has_overarch:
-            scores = self.overarch(user, emb, feats)
+            scores = self.overarch.score(user, emb, ranker)
         if self.has_value_model:
             value = self.value_model(scores, feats)
         else:
@@ -134,7 +135,7 @@ class RecModel(nn.Module):
         # per task: drop the excluded rows, keep the best k0 by exact re-score, then merge the tasks
         K = found.shape[1]
         flat = exclude_rows(found.reshape(-1, T * K), exclude, idx.num_items)  # [B, T*K], task-major
-        emb = self.cache.gather(flat)[0].reshape(-1, T, K, user.shape[-1])  # [B, T, K, D]
+        emb = self.cache.embeddings(flat).reshape(-1, T, K, user.shape[-1])  # [B, T, K, D]
         own = torch.matmul(emb, user.unsqueeze(-1)).squeeze(-1)  # [B, T, K]: task t's rows by task t only
         own = torch.where(flat.reshape(-1, T, K) >= 0, own, float("-inf"))
         top = torch.topk(own, k0, dim=2)  # [B, T, k0]

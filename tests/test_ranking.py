@@ -84,10 +84,29 @@ def test_cache_rescore_is_exact_on_cached_values():
                     exact = float(cached[r] @ user[b, t].double())
                     assert abs(float(got[b, k, t]) - exact) < 1e-5
                     assert abs(float(got[b, k, t]) - float(emb[r] @ user[b, t])) < 0.05 * math.sqrt(D)
-    e, f, s = cache(user, rows)  # forward = gather + rescore
+    e, f, r, s = cache(user, rows)  # forward = one take of each table + rescore
     torch.testing.assert_close(s, got, rtol=0, atol=0)
-    torch.testing.assert_close(e, cache.gather(rows)[0], rtol=0, atol=0)
-    assert f.shape == (3, 11, 0)
+    valid = rows >= 0
+    torch.testing.assert_close(e[valid], cache.gather(rows)[0][valid], rtol=0, atol=0)
+    torch.testing.assert_close(cache.embeddings(rows)[valid], e[valid], rtol=0, atol=0)
+    assert f.shape == (3, 11, 0) and r.shape == (3, 11, 0)
+
+
+def test_cache_ranker_holds_the_item_side_by_row():
+    emb, feats = torch.randn(N, D), torch.rand(N, FEAT)
+    cache = EmbeddingCache(emb, feats, ["a", "b", "c"])
+    assert cache.bytes_per_item() == 2 * D + 2 * FEAT
+    plain = cache
+    cache = plain.with_ranker(lambda e, f: torch.cat([e[:, :3] * 2, f.sum(1, keepdim=True)], 1))
+    assert cache.ranker.shape == (N, 4) and cache.ranker.dtype == torch.bfloat16
+    assert plain.ranker.shape == (N, 0) and cache.emb is plain.emb  # the original is left as it was
+    assert cache.bytes_per_item() == 2 * D + 2 * FEAT + 2 * 4
+    stored_e, stored_f = cache.emb.float(), cache.feats.float()  # computed from what the cache holds
+    want = torch.cat([stored_e[:, :3] * 2, stored_f.sum(1, keepdim=True)], 1).to(torch.bfloat16)
+    assert torch.equal(cache.ranker, want)
+    rows = _rows(2, 9)
+    got = cache(torch.randn(2, T, D), rows)[2]
+    assert torch.equal(got, want[rows.clamp(min=0)])
 
 
 def test_cache_feature_storage_and_bytes():

@@ -189,7 +189,9 @@ def test_overarch_only_reorders_the_candidates(rec):
         rows = full[3][b][full[3][b] >= 0]
         with torch.inference_mode():
             emb, feats = built.model.cache.gather(rows[None])
-            ts = built.model.overarch(user[b:b + 1], emb, feats)[0].numpy()
+            arch = built.model.overarch  # its item side, as the snapshot stores it: rounded to bf16
+            item = arch.item_side(emb, feats).to(torch.bfloat16).float()
+            ts = arch.score(user[b:b + 1], emb, item)[0].numpy()
         ref = {int(i): formula_value(ts[j], feats[0, j].numpy(), names)
                for j, i in enumerate(got[got >= 0].tolist())}
         assert_ranked_by(got[got >= 0].tolist(), full[1][b][got >= 0].tolist(), ref, atol=1e-4)

@@ -13,6 +13,8 @@ Storage (measured by `bytes_per_item`):
                              a count of 1000 may read back as 1000 or 1004 - pass
                              feats_dtype="float32" where features need more precision)
     feature_names  List[str] (length F) - the names the value model refers to
+    ranker bfloat16 [N, E]   the OverArch's item side (`item_side`), computed once per item by the
+                             model that owns the OverArch (`with_ranker`); E = 0 without one
 
 Example:
     >>> cache = EmbeddingCache(torch.randn(1000, 64), torch.rand(1000, 3), ["age", "price", "ctr"])
@@ -22,6 +24,7 @@ Example:
 """
 
 
+import copy
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -88,7 +91,20 @@ class EmbeddingCache(nn.Module):
             feats_dtype = "uint8" if binary else "bfloat16"
         self.register_buffer("emb", emb.detach().to(torch.bfloat16).contiguous())
         self.register_buffer("feats", feats.detach().to(getattr(torch, feats_dtype)).contiguous())
+        self.register_buffer("ranker", torch.zeros(n, 0, dtype=torch.bfloat16, device=emb.device))
         self.feature_names = names
+
+    def with_ranker(self, item_side) -> "EmbeddingCache":
+        """A cache over the same stored rows (shared tensors) that also holds an OverArch's item side:
+        `item_side(emb float32 [n, D], feats float32 [n, F]) -> [n, E]`, run over the stored values
+        in chunks and kept as bf16. This cache is left as it is (several models may share it)."""
+        out = copy.copy(self)
+        out._buffers = dict(self._buffers)
+        with torch.no_grad():
+            parts = [item_side(self.emb[i : i + 65536].float(), self.feats[i : i + 65536].float()).float()
+                     for i in range(0, self.num_items, 65536)]
+        out.ranker = torch.cat(parts).to(torch.bfloat16).contiguous()
+        return out
 
     @property
     def num_items(self) -> int:
@@ -99,8 +115,14 @@ class EmbeddingCache(nn.Module):
         return int(self.emb.shape[1])
 
     def bytes_per_item(self) -> int:
-        """Bytes the cache stores per item: D * 2 (bf16) + F * (1 for uint8 | 2 for bf16 | 4)."""
-        return int(self.emb.shape[1] * self.emb.element_size() + self.feats.shape[1] * self.feats.element_size())
+        """Bytes the cache stores per item: D * 2 (bf16) + F * (1 for uint8 | 2 for bf16 | 4) + E * 2."""
+        return int(sum(t.shape[1] * t.element_size() for t in (self.emb, self.feats, self.ranker)))
+
+    @torch.jit.export
+    def embeddings(self, rows: Tensor) -> Tensor:
+        """rows int64 [B, K] (-1 = padding) -> float32 [B, K, D]; padding reads row 0 (the caller
+        masks what it computes from it)."""
+        return _take(self.emb, rows).float()
 
     @torch.jit.export
     def gather(self, rows: Tensor) -> Tuple[Tensor, Tensor]:
@@ -133,18 +155,19 @@ class EmbeddingCache(nn.Module):
         scores = torch.bmm(cand, user.float().transpose(1, 2))  # [B, K, T]
         return torch.where(valid, scores, float("-inf"))
 
-    def forward(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """Everything the ranking stage needs from the cache, with one gather.
+    def forward(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Everything the ranking stage needs from the cache.
 
         Args:
             user: float32 [B, T, D]; rows: int64 [B, K] (-1 = padding).
         Returns:
-            emb float32 [B, K, D] (zeros at padding), feats float32 [B, K, F] (zeros at padding),
-            scores float32 [B, K, T] (exact re-score, -inf at padding).
+            emb float32 [B, K, D], feats float32 [B, K, F], ranker bfloat16 [B, K, E] (padding reads
+            row 0: the caller masks), scores float32 [B, K, T] (exact re-score, -inf at padding).
         """
-        emb, feats = self.gather(rows)
+        emb = _take(self.emb, rows).float()
+        feats = _take(self.feats, rows).float()
         scores = torch.bmm(emb, user.float().transpose(1, 2))
-        return emb, feats, torch.where((rows >= 0).unsqueeze(-1), scores, float("-inf"))
+        return emb, feats, _take(self.ranker, rows), torch.where((rows >= 0).unsqueeze(-1), scores, float("-inf"))
 
 
 def _take(table: Tensor, rows: Tensor) -> Tensor:

@@ -10,6 +10,11 @@ some finite score: the caller masks them. Inputs are cast to the parameters' dty
 `.to(torch.bfloat16)` module takes the float32 tensors the cache produces) and scores come back
 as float32. Scores are logits meant for a softmax cross-entropy over each candidate list.
 
+Each kind splits into an item side and a pair side, `forward = score(user, cand, item_side(cand,
+feats))`: `item_side` [.., E] depends on the item alone, so a snapshot computes it once per item at
+publish and keeps it in the embedding cache (BAT's reuse of item-side work across users), and a
+request pays only for `score`, the part that needs the user.
+
 `config()` returns the constructor arguments (JSON-able); `overarch_from_config(kind, config)`
 rebuilds an untrained module of the same shape, to load a state dict into.
 
@@ -39,8 +44,8 @@ class MLPOverArch(nn.Module):
     correction of it rather than the whole score from scratch.
     The trunk is shared so that tasks learn from each other's data; the heads are T separate
     linear maps stored as one `[T, H]` parameter. The first layer is applied as the sum of its
-    four column blocks (user part once per (b, t), item part once per (b, k)), which is the same
-    map as the concatenation without building a `[B, K, T, 3D + F]` tensor.
+    four column blocks (user part once per (b, t), item part once per item: `item_side`), which
+    is the same map as the concatenation without building a `[B, K, T, 3D + F]` tensor.
 
     Args:
         dim: D, the embedding size of users and items.
@@ -70,22 +75,38 @@ class MLPOverArch(nn.Module):
         return {"dim": self.dim, "feat_dim": self.feat_dim, "tasks": self.tasks, "hidden": list(self.hidden),
                 "dot_scale": float(self.dot_scale.detach()[0])}
 
-    def forward(self, user: Tensor, cand: Tensor, feats: Tensor) -> Tensor:
-        """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]."""
+    @property
+    def item_width(self) -> int:
+        """E, the width of `item_side`."""
+        return self.hidden[0]
+
+    @torch.jit.export
+    def item_side(self, cand: Tensor, feats: Tensor) -> Tensor:
+        """cand [.., D], feats [.., F] -> the first layer's item part W_v v + W_f f + b1 [.., H0]."""
         w = self.first.weight  # [H0, 3D + F]
+        d = self.dim
+        return F.linear(cand.to(w.dtype), w[:, d : 2 * d]) + F.linear(feats.to(w.dtype), w[:, 3 * d :], self.first.bias)
+
+    def score(self, user: Tensor, cand: Tensor, item: Tensor) -> Tensor:
+        """user float32 [B, T, D], cand [B, K, D], item [B, K, H0] (`item_side`) -> float32 [B, K, T]."""
+        w = self.first.weight
         d = self.dim
         user = user.to(w.dtype)
         cand = cand.to(w.dtype)
-        feats = feats.to(w.dtype)
         hu = F.linear(user, w[:, :d])  # [B, T, H0]
-        hv = F.linear(cand, w[:, d : 2 * d]) + F.linear(feats, w[:, 3 * d :], self.first.bias)  # [B, K, H0]
-        uv = user.unsqueeze(1) * cand.unsqueeze(2)  # [B, K, T, D]
-        huv = F.linear(uv, w[:, 2 * d : 3 * d])  # [B, K, T, H0]
-        h = torch.relu(huv + hu.unsqueeze(1) + hv.unsqueeze(2))
+        # W_uv (u_t * v) = (W_uv diag(u_t)) v: one [H0, D] matrix per (b, t), applied by one bmm
+        # (never a [B, K, T, D] product tensor)
+        per_user = w[:, 2 * d : 3 * d] * user.unsqueeze(2)  # [B, T, H0, D]
+        huv = torch.bmm(cand, per_user.flatten(1, 2).transpose(1, 2)).unflatten(2, [self.tasks, -1])  # [B, K, T, H0]
+        h = torch.relu(huv + (hu.unsqueeze(1) + item.to(w.dtype).unsqueeze(2)))
         for layer in self.rest:
             h = torch.relu(layer(h))
-        dot = uv.sum(-1) * self.dot_scale.to(uv.dtype)  # [B, K, T]
+        dot = torch.bmm(cand, user.transpose(1, 2)) * self.dot_scale.to(w.dtype)  # [B, K, T]
         return ((h * self.head_weight).sum(-1) + self.head_bias + dot).float()  # [B, K, T]
+
+    def forward(self, user: Tensor, cand: Tensor, feats: Tensor) -> Tensor:
+        """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]."""
+        return self.score(user, cand, self.item_side(cand, feats))
 
 
 class MoLOverArch(nn.Module):
@@ -105,8 +126,9 @@ class MoLOverArch(nn.Module):
     ranker gets here, a mixture learned from scratch was seen to fall below the retrieval order.
     The temperature s_t makes the bounded mixture usable as a softmax cross-entropy logit.
     User projections are per task because the components a task attends to differ; the item
-    projection is shared so an item's components are computed once per candidate. The gate's first
-    layer is applied as the sum of its column blocks (same map as the concatenation).
+    projection is shared so an item's components are computed once per item (`item_side`, with the
+    gate's item columns). The gate's first layer is applied as the sum of its column blocks (same
+    map as the concatenation).
 
     Args:
         dim: D; feat_dim: F (0 allowed); tasks: T.
@@ -163,39 +185,62 @@ class MoLOverArch(nn.Module):
             "learn_scale": self.learn_scale, "dot_scale": float(self.dot_scale.detach()[0]),
         }
 
-    def component_logits(self, user: Tensor, cand: Tensor) -> Tensor:
-        """user [B, T, D], cand [B, K, D] (parameter dtype) -> l [B, K, T, P], P = p_q * p_x (i-major)."""
+    @property
+    def item_width(self) -> int:
+        """E, the width of `item_side`: p_x * comp_dim normalised item components + gate_hidden."""
+        return self.p_x * self.comp_dim + self.gate_hidden
+
+    @torch.jit.export
+    def item_side(self, cand: Tensor, feats: Tensor) -> Tensor:
+        """cand [.., D], feats [.., F] -> [.., E]: the item components x_j (normalised, j-major) and
+        the gate's item part W_v v + W_f f + c."""
+        w = self.gate_in.weight  # [H, 2D + F + P]
+        d, f = self.dim, self.feat_dim
+        cand = cand.to(w.dtype)
+        x = F.normalize(self.item_proj(cand).unflatten(-1, [self.p_x, self.comp_dim]), dim=-1).flatten(-2)
+        hv = F.linear(cand, w[:, d : 2 * d]) + F.linear(feats.to(w.dtype), w[:, 2 * d : 2 * d + f], self.gate_in.bias)
+        return torch.cat([x, hv], dim=-1)
+
+    def component_logits(self, user: Tensor, x: Tensor) -> Tensor:
+        """user [B, T, D], x [B, K, p_x * c] normalised item components, j-major (parameter dtype) ->
+        l [B, K, T, P], P = p_q * p_x (i-major)."""
         # per-task projection as a broadcast matmul (einsum or bmm here made export guard on B != 1)
         q = torch.stack([F.linear(user[:, t], self.user_weight[t]) for t in range(self.tasks)], dim=1)
         q = q + self.user_bias  # [B, T, p_q * c]
         q = F.normalize(q.unflatten(-1, [self.p_q, self.comp_dim]), dim=-1)  # [B, T, p_q, c]
-        x = F.normalize(self.item_proj(cand).unflatten(-1, [self.p_x, self.comp_dim]), dim=-1)  # [B, K, p_x, c]
-        # all (i, j) pairs as one batched matmul; (einsum here made export guard on K != 1)
-        logits = torch.bmm(x.flatten(1, 2), q.flatten(1, 2).transpose(1, 2))  # [B, K * p_x, T * p_q]
-        logits = logits.unflatten(2, [self.tasks, self.p_q]).unflatten(1, [-1, self.p_x])  # [B, K, p_x, T, p_q]
-        return logits.permute(0, 1, 3, 4, 2).flatten(-2)  # [B, K, T, p_q * p_x]
+        # one batched matmul per item component j against every (t, i); (einsum, or flattening the
+        # cached slice x into [B, K * p_x, c], made export guard on K != 1)
+        qt = q.flatten(1, 2).transpose(1, 2)  # [B, c, T * p_q]
+        c = self.comp_dim
+        logits = torch.stack([torch.bmm(x[:, :, j * c : (j + 1) * c], qt) for j in range(self.p_x)], dim=3)
+        logits = logits.unflatten(2, [self.tasks, self.p_q])  # [B, K, T, p_q, p_x]
+        return logits.flatten(-2)  # [B, K, T, p_q * p_x]
 
-    def forward(self, user: Tensor, cand: Tensor, feats: Tensor) -> Tensor:
-        """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]."""
+    def score(self, user: Tensor, cand: Tensor, item: Tensor) -> Tensor:
+        """user float32 [B, T, D], cand [B, K, D], item [B, K, E] (`item_side`) -> float32 [B, K, T]."""
         w = self.gate_in.weight  # [H, 2D + F + P]
         d, f = self.dim, self.feat_dim
         user = user.to(w.dtype)
         cand = cand.to(w.dtype)
-        feats = feats.to(w.dtype)
-        logits = self.component_logits(user, cand)  # [B, K, T, P]
+        item = item.to(w.dtype)
+        nx = self.p_x * self.comp_dim
+        logits = self.component_logits(user, item[:, :, :nx])  # [B, K, T, P]
         hu = F.linear(user, w[:, :d])  # [B, T, H]
-        hv = F.linear(cand, w[:, d : 2 * d]) + F.linear(feats, w[:, 2 * d : 2 * d + f], self.gate_in.bias)  # [B, K, H]
-        hl = F.linear(logits, w[:, 2 * d + f :])  # [B, K, T, H]
-        h = F.silu(hl + hu.unsqueeze(1) + hv.unsqueeze(2))
+        base = hu.unsqueeze(1) + item[:, :, nx:].unsqueeze(2)  # [B, K, T, H]
+        h = F.silu(F.linear(logits, w[:, 2 * d + f :]) + base)
         # the T per-task output layers as one block-diagonal linear map [T*P, T*H]: a broadcast matmul
-        # here materialised [B, K, T, H, P], and a permute + bmm guarded export on K != 1
+        # here materialised [B, K, T, H, P], and a per-task slice, or a permute + bmm, guarded export on K != 1
         eye = torch.eye(self.tasks, dtype=h.dtype, device=h.device)
         blocks = (self.gate_weight.to(h.dtype)[:, :, None, :] * eye[:, None, :, None]).flatten(2).flatten(0, 1)
         g = F.linear(h.flatten(2), blocks).unflatten(2, [self.tasks, -1])  # [B, K, T, P]
         gates = torch.softmax(g + self.gate_bias, dim=-1)
         mixed = (gates * logits).sum(-1)  # [B, K, T]
-        dot = (user.unsqueeze(1) * cand.unsqueeze(2)).sum(-1) * self.dot_scale.to(user.dtype)  # [B, K, T]
+        dot = torch.bmm(cand, user.transpose(1, 2)) * self.dot_scale.to(w.dtype)  # [B, K, T]
         return (mixed * self.log_scale.exp().clamp(max=100.0) + dot).float()
+
+    def forward(self, user: Tensor, cand: Tensor, feats: Tensor) -> Tensor:
+        """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]."""
+        return self.score(user, cand, self.item_side(cand, feats))
 
 
 OVERARCHES = {"mlp": MLPOverArch, "mol": MoLOverArch}
