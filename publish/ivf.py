@@ -16,10 +16,12 @@ from silverrec.kernels.ivf_scan import bitmask_words
 from silverrec.publish.kmeans import KMeansResult, default_nlist, kmeans
 from silverrec.publish.pool import Pool
 from silverrec.publish.progress import step
-from silverrec.publish.quantize import quantize_per_dim
+from silverrec.publish.stages import StageClock
 from silverrec.snapshot import export_module, write_snapshot
 
 BATCH = Dim("batch", min=1, max=1 << 16)
+LAYOUT_CHUNK = 1 << 17  # rows quantised per step of the cluster-major layout
+TORCHSCRIPT_MAX_BYTES = 256 << 20  # auto: no model.ts beside model.pt2 above this many tensor bytes
 
 
 def default_nprobe(nlist: int) -> int:
@@ -60,18 +62,27 @@ def cluster_major_layout(
     counts = torch.bincount(assignment, minlength=nlist)
     offsets = torch.zeros(nlist + 1, dtype=torch.int64, device=embeddings.device)
     offsets[1:] = torch.cumsum(counts, 0)
-    codes, dim_scale, dim_offset = quantize_per_dim(embeddings)
-    return Int8IVFIndex(codes[order], dim_scale, dim_offset, offsets, centroids, item_ids[order])
+    # quantised straight into cluster-major order, a chunk at a time: one int8 copy of the pool
+    # per-dimension min/max ranges as in quantize_per_dim
+    lo, hi = embeddings.amin(dim=0).float(), embeddings.amax(dim=0).float()
+    dim_scale = ((hi - lo) / 255.0).clamp_min(1e-12)
+    dim_offset = lo + 128.0 * dim_scale
+    codes = torch.empty(embeddings.shape, dtype=torch.int8, device=embeddings.device)
+    for start in range(0, order.numel(), LAYOUT_CHUNK):
+        rows = order[start : start + LAYOUT_CHUNK]
+        codes[start : start + rows.numel()] = torch.round((embeddings[rows].float() - dim_offset) / dim_scale).clamp_(-128, 127)
+    return Int8IVFIndex(codes, dim_scale, dim_offset, offsets, centroids, item_ids[order])
 
 
-def build_ivf(pool: Pool, config: IVFConfig | None = None) -> tuple[Int8IVFIndex, KMeansResult]:
-    """k-means the pool's embeddings and lay them out as an Int8IVFIndex."""
+def build_ivf(pool: Pool, config: IVFConfig | None = None, clock: StageClock | None = None) -> tuple[Int8IVFIndex, KMeansResult]:
+    """k-means the pool's embeddings and lay them out as an Int8IVFIndex (stages timed on `clock`)."""
     config = config or IVFConfig()
+    clock = clock or StageClock()
     x = torch.from_numpy(pool.embeddings)
     nlist = default_nlist(pool.size) if config.nlist is None else int(config.nlist)
     if nlist > pool.size:
         raise PoolError(f"nlist={nlist} exceeds the {pool.size} items in the pool")
-    with step(f"k-means: {pool.size} items into {nlist} clusters"):
+    with clock(f"k-means: {pool.size} items into {nlist} clusters"):
         km = kmeans(
             x,
             nlist,
@@ -80,7 +91,7 @@ def build_ivf(pool: Pool, config: IVFConfig | None = None) -> tuple[Int8IVFIndex
             max_points_per_centroid=config.max_points_per_centroid,
             seed_points_per_centroid=config.seed_points_per_centroid,
         )
-    with step("quantising to int8, cluster-major layout"):
+    with clock("quantising to int8, cluster-major layout"):
         index = cluster_major_layout(x, torch.from_numpy(pool.item_ids), km.centroids, km.assignment)
     return index, km
 
@@ -120,19 +131,32 @@ def publish_ivf(
     out: str | os.PathLike,
     *,
     config: IVFConfig | None = None,
-    torchscript: bool = True,
+    torchscript: bool | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Build an int8 IVF snapshot of `pool` at `out` (kind "ivf"; forward(queries, k, nprobe))."""
+    """Build an int8 IVF snapshot of `pool` at `out` (kind "ivf"; forward(queries, k, nprobe)).
+
+    torchscript: also write model.ts; None (default) = only when the index holds at most
+    TORCHSCRIPT_MAX_BYTES of tensors (model.pt2 alone serves; model.ts would double the snapshot).
+    The manifest's "build_report" gives time and peak resident memory per stage.
+    """
     config = config or IVFConfig()
-    module, km = build_ivf(pool, config)
+    clock = StageClock()
+    module, km = build_ivf(pool, config, clock)
     manifest_config = ivf_manifest_config(pool, module, config, km)
     example, dynamic = ivf_example(module, pool.dim, pool.size)
+    if torchscript is None:
+        torchscript = tensor_bytes(module) <= TORCHSCRIPT_MAX_BYTES
 
     def write(tmp: Path) -> None:
-        with step("exporting model (torch.export + TorchScript)"):
+        with clock("exporting model (torch.export" + (" + TorchScript)" if torchscript else ")")):
             export_module(module, example, dynamic, tmp, torchscript=torchscript)
+        manifest_config["build_report"] = clock.report()
 
     return write_snapshot(
         out, kind="ivf", config=manifest_config, item_count=pool.size, write_files=write, overwrite=overwrite
     )
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    return sum(b.numel() * b.element_size() for b in module.buffers())

@@ -70,16 +70,58 @@ def validate(pool: Pool) -> None:
             raise PoolError(f"feature column {name!r} has {len(values)} rows, pool has {ids.shape[0]}")
 
 
+READ_BATCH_ROWS = 1 << 17  # rows per streamed batch: memory O(batch) beyond the float32 matrix
+
+
 def read_pool(path: str | Path) -> Pool:
-    """Read and validate a pool Parquet file."""
+    """Read and validate a pool Parquet file, streamed in batches of row groups: the embeddings go
+    straight into one preallocated float32 [N, D] array (no whole Arrow table, no second copy), so
+    the peak is the float32 pool plus one batch."""
     path = Path(path)
     if not path.is_file():
         raise PoolError(f"pool file {path} does not exist")
     try:
-        table = pq.read_table(path)
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+        for col in RESERVED:
+            if col not in names:
+                raise PoolError(f"{path} has no column {col!r} (columns: {names})")
+        n = pf.metadata.num_rows
+        if n == 0:
+            raise PoolError(f"candidate pool {path} is empty: no items to publish")
+        ids = np.empty(n, dtype=np.int64)
+        emb = None
+        features: dict[str, list[list[str]]] = {c: [] for c in names if c not in RESERVED}
+        start = 0
+        for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS):
+            table = pa.Table.from_batches([batch])
+            part_ids = _id_column(table.column("item_id"), start)
+            part = _embedding_matrix(table.column("embedding"), part_ids, start)
+            if emb is None:
+                emb = np.empty((n, part.shape[1]), dtype=np.float32)
+            elif part.shape[1] != emb.shape[1]:
+                raise PoolError(
+                    f"column 'embedding' is ragged: row {start} (item_id {int(part_ids[0])}) has length "
+                    f"{part.shape[1]}, row 0 has {emb.shape[1]}"
+                )
+            stop = start + part.shape[0]
+            ids[start:stop], emb[start:stop] = part_ids, part
+            for name in features:
+                features[name] += _feature_values(name, table.column(name))
+            start = stop
+            del table, part
     except (pa.ArrowInvalid, OSError) as e:
         raise PoolError(f"cannot read {path} as Parquet: {e}") from None
-    return pool_from_table(table, source=str(path))
+    return Pool(ids, emb, features)
+
+
+def _id_column(id_col: pa.ChunkedArray, base: int = 0) -> np.ndarray:
+    if not pa.types.is_integer(id_col.type):
+        raise PoolError(f"column 'item_id' must be int64, got {id_col.type}")
+    if id_col.null_count:
+        row = int(np.flatnonzero(id_col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise PoolError(f"column 'item_id' is null at row {base + row}")
+    return id_col.to_numpy().astype(np.int64)
 
 
 def pool_from_table(table: pa.Table, source: str = "pool") -> Pool:
@@ -89,13 +131,7 @@ def pool_from_table(table: pa.Table, source: str = "pool") -> Pool:
             raise PoolError(f"{source} has no column {col!r} (columns: {table.column_names})")
     if table.num_rows == 0:
         raise PoolError(f"candidate pool {source} is empty: no items to publish")
-    id_col = table.column("item_id")
-    if not pa.types.is_integer(id_col.type):
-        raise PoolError(f"column 'item_id' must be int64, got {id_col.type}")
-    if id_col.null_count:
-        row = int(np.flatnonzero(id_col.is_null().to_numpy(zero_copy_only=False))[0])
-        raise PoolError(f"column 'item_id' is null at row {row}")
-    ids = id_col.to_numpy().astype(np.int64)
+    ids = _id_column(table.column("item_id"))
     embeddings = _embedding_matrix(table.column("embedding"), ids)
     features = {}
     for name in table.column_names:
@@ -105,13 +141,14 @@ def pool_from_table(table: pa.Table, source: str = "pool") -> Pool:
     return Pool(ids, embeddings, features)
 
 
-def _embedding_matrix(col: pa.ChunkedArray, ids: np.ndarray) -> np.ndarray:
+def _embedding_matrix(col: pa.ChunkedArray, ids: np.ndarray, base: int = 0) -> np.ndarray:
+    """float32 [rows, D] of one batch; error messages give row numbers offset by `base`."""
     arr = col.combine_chunks()
     if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type)):
         raise PoolError(f"column 'embedding' must be a list of float32, got {arr.type}")
     if arr.null_count:
         row = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
-        raise PoolError(f"column 'embedding' is null at row {row} (item_id {int(ids[row])})")
+        raise PoolError(f"column 'embedding' is null at row {base + row} (item_id {int(ids[row])})")
     if pa.types.is_fixed_size_list(arr.type):
         lengths = np.full(len(arr), arr.type.list_size)
     else:
@@ -121,16 +158,16 @@ def _embedding_matrix(col: pa.ChunkedArray, ids: np.ndarray) -> np.ndarray:
     if ragged.size:
         row = int(ragged[0])
         raise PoolError(
-            f"column 'embedding' is ragged: row {row} (item_id {int(ids[row])}) has length "
-            f"{int(lengths[row])}, row 0 has {dim}"
+            f"column 'embedding' is ragged: row {base + row} (item_id {int(ids[row])}) has length "
+            f"{int(lengths[row])}, row {base} has {dim}"
         )
     flat = arr.flatten()
     if not (pa.types.is_floating(flat.type) or pa.types.is_integer(flat.type)):
         raise PoolError(f"column 'embedding' must hold floats, got list<{flat.type}>")
     if flat.null_count:
         pos = int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0])
-        raise PoolError(f"column 'embedding' has a null value at row {pos // dim} (item_id {int(ids[pos // dim])})")
-    values = np.array(flat.to_numpy(zero_copy_only=False), dtype=np.float32)
+        raise PoolError(f"column 'embedding' has a null value at row {base + pos // dim} (item_id {int(ids[pos // dim])})")
+    values = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.float32)
     return values.reshape(len(arr), dim)
 
 
