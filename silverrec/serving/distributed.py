@@ -8,12 +8,13 @@ alone; every rank then reports its verification to every other (one all_gather),
 to start, with the first failing shard named, when any shard fails (`ShardVerificationError`).
 
 A request on rank 0 (`ShardedRuntime.search`, same surface as `Snapshot.search`):
-    1. broadcast a header int64 [4] (op, B, k, options bytes)      control group (idle ranks wait here)
+    1. the header "op,B,k,options bytes" under key req/<n> in the group's store (idle ranks wait
+       on the key: no collective is ever left waiting without a timeout)
     2. broadcast the payload uint8 [B*D*4 + options]               data group, `timeout_s`
     3. every rank: `shard_topk` of its shards, merged locally       (sharded.py, the one-process code)
     4. gather int64 [1 + B*2k] per rank (status, scores as bits, ids) data group, `timeout_s`
     5. rank 0: `merge_topk` of the W parts                          exact, (score desc, item id asc)
-Bytes per request: header 32 + B*D*4 + options to each of W-1 ranks, (1 + 2*B*k) * 8 back from each.
+Bytes per request: header ~20 (store) + B*D*4 + options to each of W-1 ranks, (1 + 2*B*k) * 8 back from each.
 
 A rank that dies or stalls makes step 2 or 4 fail on rank 0 within `timeout_s`: the request raises
 `ShardUnavailableError` (http_status 503) and so does every later one (the group is not usable
@@ -37,7 +38,8 @@ from silverrec.errors import QueryError, SilverrecError, SnapshotError, check_k,
 from silverrec.serving.sharded import ShardVerificationError, load_shard, merge_topk, read_top, routed_rows, shard_topk
 
 OP_STOP, OP_SEARCH, OP_PING = 0, 1, 2
-IDLE_TIMEOUT = _dt.timedelta(days=365)  # the control group: idle ranks wait for the next request
+STARTUP_TIMEOUT = _dt.timedelta(minutes=10)  # rendezvous and the verification all_gather
+POLL = _dt.timedelta(seconds=2)  # an idle rank re-checks its request key this often
 
 
 class ShardUnavailableError(RuntimeError):
@@ -73,7 +75,7 @@ class ShardedRuntime:
             self.shards = [load_shard(self.path, self.manifest, i, backend, verify) for i in self.shard_ids]
         except SnapshotError as e:
             error = f"rank {rank}: {e}"
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=IDLE_TIMEOUT)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=STARTUP_TIMEOUT)
         errors: list = [None] * world_size
         dist.all_gather_object(errors, error)
         bad = [e for e in errors if e is not None]
@@ -81,6 +83,8 @@ class ShardedRuntime:
             dist.destroy_process_group()
             raise ShardVerificationError(f"refusing to start: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
         self.data = dist.new_group(timeout=_dt.timedelta(seconds=self.timeout_s))
+        self.store = dist.distributed_c10d._get_default_store()  # the rendezvous store (private accessor)
+        self.requests = 0
         cfg = self.manifest["config"]
         self.kind, self.dim = cfg["base_kind"], int(cfg["dim"])
 
@@ -118,16 +122,18 @@ class ShardedRuntime:
         if self.dead is not None:
             raise ShardUnavailableError(f"sharded runtime unavailable: {self.dead}")
         B = queries.shape[0]
-        header = torch.tensor([op, B, k, len(opts)], dtype=torch.int64)
         payload = torch.cat([queries.contiguous().view(torch.uint8).reshape(-1),
                              torch.frombuffer(bytearray(opts), dtype=torch.uint8)])
         try:
-            dist.broadcast(header, 0)
+            key = f"req/{self.requests}"
+            self.store.set(key, f"{op},{B},{k},{len(opts)}")
+            self.requests += 1
             dist.broadcast(payload, 0, group=self.data)
             mine = self._local(op, queries, k, opts)
             out = [torch.empty_like(mine) for _ in range(self.world_size)]
             dist.gather(mine, out, dst=0, group=self.data)
-        except (RuntimeError, dist.DistBackendError) as e:
+            self.store.delete_key(key)  # every rank read it before the gather completed
+        except RuntimeError as e:  # gloo errors, timeouts, a closed connection
             self.dead = f"a rank stopped answering ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
             raise ShardUnavailableError(f"request failed: {self.dead}") from None
         return torch.stack(out)
@@ -137,10 +143,8 @@ class ShardedRuntime:
         if not dist.is_initialized():
             return
         if self.rank == 0 and self.dead is None:
-            try:
-                dist.broadcast(torch.tensor([OP_STOP, 0, 0, 0], dtype=torch.int64), 0)
-            except RuntimeError:
-                pass
+            self.store.set(f"req/{self.requests}", f"{OP_STOP},0,0,0")
+            dist.barrier(group=self.data)  # the others have read it: the store may go
         dist.destroy_process_group()
 
     # ------------------------------------------------------------------ every rank
@@ -171,10 +175,18 @@ class ShardedRuntime:
     def serve(self) -> None:
         """Ranks > 0: answer rank 0's requests until it stops them (or dies)."""
         while True:
-            header = torch.empty(4, dtype=torch.int64)
-            dist.broadcast(header, 0)
-            op, B, k, nopts = (int(x) for x in header)
+            key = f"req/{self.requests}"
+            while True:
+                try:
+                    self.store.wait([key], POLL)
+                    break
+                except RuntimeError as e:  # a timeout: keep waiting; anything else: rank 0 is gone
+                    if "imeout" not in str(e):
+                        raise
+            op, B, k, nopts = (int(x) for x in self.store.get(key).decode().split(","))
+            self.requests += 1
             if op == OP_STOP:
+                dist.barrier(group=self.data)
                 return
             payload = torch.empty(B * self.dim * 4 + nopts, dtype=torch.uint8)
             dist.broadcast(payload, 0, group=self.data)
