@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.silverrec-setup
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench bench-serve clean
 
 setup: $(STAMP)
 
@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard kernels/csrc/*)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0 fbgemm-gpu-cpu==1.8.0 tensordict \
 		torchmetrics==1.0.3 tqdm pyre-extensions numpy pyarrow triton==3.9.0 pytest \
-		faiss-cpu hnswlib pyroaring transformers matplotlib
+		faiss-cpu hnswlib pyroaring transformers matplotlib \
+		fastapi uvicorn prometheus_client httpx hypothesis pydantic
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(BIN)/python -c "import silverrec, torchrec, fbgemm_gpu; from silverrec.kernels.cpu_ext import cpu_ext; print('silverrec', silverrec.__version__, 'ready; C++ CPU kernels:', cpu_ext() is not None)"
@@ -29,6 +30,15 @@ test: setup
 
 bench: setup
 	$(BIN)/python benchmarks/exact_topk.py
+
+# Load test of silverrec serve (benchmarks/serve.py), with Ray Serve as a baseline: ray goes into its
+# own venv (.venv/ray) that sees this one's packages, so its pins never touch the project's.
+bench-serve: setup
+	test -x $(VENV)/ray/bin/python || $(PY) -m venv $(VENV)/ray
+	$(VENV)/ray/bin/pip install -q --disable-pip-version-check "ray[serve]"
+	echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python3.11/site-packages')" \
+		> $(VENV)/ray/lib/python3.11/site-packages/zz_silverrec_main.pth
+	$(BIN)/python benchmarks/serve.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info kernels/_cpu*.so
