@@ -1,7 +1,8 @@
 """The snapshot format: one directory per model version, written atomically.
 
-    DIR/manifest.json   format version, silverrec/torch versions, kind, config, item count,
-                        creation time, and {file: {sha256, bytes}} for every other file
+    DIR/manifest.json   format version, the versions that built it (`build`: python, torch,
+                        torchrec, fbgemm_gpu, silverrec), kind, config, item count, creation
+                        time, and {file: {sha256, bytes}} for every other file
     DIR/model.pt2       torch.export program (dynamic batch dimension)
     DIR/model.ts        TorchScript of the same module (optional)
     DIR/...             kind-specific files (a "rec" snapshot: rank.pt2, items.npz, users.npz)
@@ -77,6 +78,7 @@ def write_snapshot(
             "format_version": FORMAT_VERSION,
             "silverrec_version": _silverrec_version(),
             "torch_version": torch.__version__,
+            "build": build_versions(),
             "kind": kind,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "item_count": int(item_count),
@@ -136,6 +138,59 @@ def read_manifest(path: str | os.PathLike, verify: bool = True) -> dict[str, Any
         if digest != meta["sha256"]:
             raise SnapshotError(f"{p} checksum mismatch: sha256 {digest[:12]}..., manifest says {meta['sha256'][:12]}...")
     return manifest
+
+
+# What a loader must match, by package: the major.minor of the version that built the snapshot.
+# torch: the program's serialisation and operator schemas; silverrec: its own ops' schemas;
+# torchrec / fbgemm_gpu (snapshots with a TorchRec user tower): the fbgemm ops in the program.
+BUILD_PACKAGES = {"torch": "torch", "silverrec": "silverrec", "torchrec": "torchrec", "fbgemm_gpu": "fbgemm-gpu-cpu"}
+_NEEDS_TORCHREC = ("rec",)
+
+
+def build_versions() -> dict[str, str]:
+    """The versions of Python and of BUILD_PACKAGES in this process (those installed)."""
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "silverrec": _silverrec_version()}
+    for key, dist in (("torchrec", "torchrec"), ("fbgemm_gpu", "fbgemm-gpu-cpu"), ("fbgemm_gpu", "fbgemm-gpu")):
+        if key not in out:
+            try:
+                out[key] = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                pass
+    return out
+
+
+def check_build(manifest: dict[str, Any], path: str | os.PathLike = "snapshot") -> list[str]:
+    """Refuse a snapshot this process cannot run: SnapshotError naming the package, the version that
+    built the snapshot and the one installed here, when their major.minor differ. Checks torch and
+    silverrec always, torchrec and fbgemm_gpu for kinds whose program holds TorchRec modules.
+    Returns what it checked (for `silverrec inspect`), e.g. ["torch 2.13.0 == 2.13.0", ...]."""
+    built = dict(manifest.get("build") or {})
+    built.setdefault("torch", manifest.get("torch_version"))  # format 3 snapshots before `build`
+    built.setdefault("silverrec", manifest.get("silverrec_version"))
+    here = build_versions()
+    wanted = ["torch", "silverrec"] + (["torchrec", "fbgemm_gpu"] if manifest.get("kind") in _NEEDS_TORCHREC else [])
+    checked = []
+    for pkg in wanted:
+        theirs, ours = built.get(pkg), here.get(pkg)
+        if theirs is None:
+            continue  # not recorded by the writer: nothing to compare
+        if ours is None:
+            raise SnapshotError(f"snapshot {path} was built with {pkg} {theirs}, which is not installed here "
+                                f"(install {BUILD_PACKAGES[pkg]}=={theirs})")
+        if _major_minor(theirs) != _major_minor(ours):
+            raise SnapshotError(f"snapshot {path} was built with {pkg} {theirs}; this process has {pkg} {ours}: "
+                                f"{pkg} major.minor must match to load its program (checked: torch, silverrec"
+                                f"{', torchrec, fbgemm_gpu' if len(wanted) > 2 else ''}). Republish it, or install "
+                                f"{BUILD_PACKAGES[pkg]}=={theirs}")
+        checked.append(f"{pkg} {theirs} ~ {ours}")
+    return checked
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])
 
 
 def export_program(module: torch.nn.Module, example_args: tuple, dynamic_shapes: dict[str, Any]):

@@ -1,6 +1,7 @@
 """Publish -> snapshot -> load in a fresh process -> query, and every bad input's error."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +104,30 @@ def test_newer_format_version_is_rejected(exact_snapshot, tmp_path):
         silverrec.load(snap)
     proc = run_cli("query", str(snap), "--queries", "x.npy", "--k", "1", check=False)
     assert proc.returncode == 2 and "format version" in proc.stderr
+
+
+def test_manifest_records_the_build_versions(exact_snapshot):
+    import platform
+    from importlib import metadata
+
+    build = read_manifest(exact_snapshot)["build"]
+    assert build["torch"] == torch.__version__ and build["silverrec"] == silverrec.__version__
+    assert build["python"] == platform.python_version()
+    assert build["torchrec"] == metadata.version("torchrec")
+
+
+@pytest.mark.parametrize("package, built_with", [("torch", "1.13.1"), ("silverrec", "0.9.0")])
+def test_snapshot_built_by_other_versions_is_refused(exact_snapshot, tmp_path, package, built_with):
+    snap = _copy(exact_snapshot, tmp_path / "s")
+    m = json.loads((snap / MANIFEST).read_text())
+    ours = m["build"][package]
+    m["build"][package] = built_with
+    (snap / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(silverrec.SnapshotError, match=re.escape(f"built with {package} {built_with}; this process has {package} {ours}")):
+        silverrec.load(snap)
+    m["build"][package] = re.sub(r"^(\d+\.\d+)\.\d+", r"\g<1>.77", ours)  # another patch release loads
+    (snap / MANIFEST).write_text(json.dumps(m))
+    assert silverrec.load(snap).manifest["build"][package] != ours
 
 
 def test_missing_manifest_is_rejected(tmp_path):

@@ -20,7 +20,7 @@ import torch
 import silverrec.kernels  # noqa: F401  (ops must be registered before deserialising)
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
 from silverrec.retrieval.filtered_search import search_filtered_ivf
-from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, read_manifest
+from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, check_build, read_manifest
 from silverrec.generative.trie import pack_bitmask, unpack_bitmask
 
 
@@ -209,7 +209,9 @@ def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True) ->
             snapshot that records none loads model.pt2).
         verify: check sizes and sha256 of every file against the manifest (default on).
     Raises:
-        SnapshotError: missing/truncated/altered file, newer format version, unknown backend.
+        SnapshotError: missing/truncated/altered file, newer format version, unknown backend, or
+            built by a torch / silverrec / torchrec / fbgemm_gpu whose major.minor differs from this
+            process's (`snapshot.check_build`; the message names both versions).
     """
     root = Path(path)
     if read_manifest(root, verify=False).get("kind") == "sharded":  # a top manifest: shards load and verify alone
@@ -217,6 +219,7 @@ def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True) ->
 
         return load_sharded(root, backend=backend, verify=verify)
     manifest = read_manifest(root, verify=verify)
+    check_build(manifest, root)  # the versions that built it against this process's, before deserialising
     if backend == "auto":
         backend = manifest.get("config", {}).get("backend", {}).get("preferred", "export")
     if manifest.get("kind") == "rec":  # the user tower's program holds fbgemm / torchrec ops
