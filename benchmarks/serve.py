@@ -424,7 +424,7 @@ def report(rows: list[dict], extra: dict, args) -> None:
             summary_[load.replace("closed+", "").replace(" ", "_").replace("%", "pct") + "_failed_good"] = r["failed_good"]
             summary_[load.replace("closed+", "").replace(" ", "_").replace("%", "pct") + "_5xx"] = sum(
                 v for s, v in r["status_counts"].items() if s.startswith("5")) + r.get("status_500", 0)
-    payload = {"benchmark": "serve", "machine": machine_info(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    payload = {"benchmark": "serve", "machine": {**machine_info(), "loadavg_at_end": os.getloadavg()}, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "config": {"items": N_ITEMS, "dim": DIM, "k": K, "snapshot": "exact", "quick": args.quick,
                           "batched": "max batch 32, max wait 2 ms, 1 worker", "ray": "@serve.batch(32, 2 ms)",
                           "command": "python benchmarks/serve.py" + (" --quick" if args.quick else "")},
