@@ -21,7 +21,8 @@ from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config
-from silverrec.publish.ivf import IVFConfig, build_ivf, ivf_manifest_config
+from silverrec.publish.ivf import TORCHSCRIPT_MAX_BYTES, IVFConfig, build_ivf, ivf_manifest_config, tensor_bytes
+from silverrec.publish.stages import StageClock
 from silverrec.publish.pool import Pool
 from silverrec.publish.postings import build_postings, default_limit
 from silverrec.publish.progress import step
@@ -81,13 +82,16 @@ def build_filtered_ivf_forward(
     config: Optional[IVFConfig] = None,
     bloom_bits: Optional[int] = None,
     bloom_hashes: Optional[int] = None,
+    clock: Optional[StageClock] = None,
 ) -> tuple[FilteredIVFIndex, dict, ForwardIndex]:
-    """`build_filtered_ivf`, also returning the forward index in the module's row order."""
+    """`build_filtered_ivf`, also returning the forward index in the module's row order (stages
+    timed on `clock`)."""
     if not pool.features:
         raise PoolError("the pool has no categorical feature columns: nothing to filter on (publish plain IVF)")
     config = config or IVFConfig()
-    ivf, km = build_ivf(pool, config)
-    with step("Bloom signatures, exact value planes and posting lists"):
+    clock = clock or StageClock()
+    ivf, km = build_ivf(pool, config, clock)
+    with clock("Bloom signatures, exact value planes and posting lists"):
         fwd = ForwardIndex.from_lists(pool.features).permute(pool_rows(pool, ivf.row_to_item))
         module, filter_config = filter_index(ivf, fwd, choose_config(fwd, bloom_bits, bloom_hashes))
     manifest = ivf_manifest_config(pool, ivf, config, km)
@@ -137,11 +141,15 @@ def publish_filtered_ivf(
     config: Optional[IVFConfig] = None,
     bloom_bits: Optional[int] = None,
     bloom_hashes: Optional[int] = None,
-    torchscript: bool = True,
+    torchscript: Optional[bool] = None,
     overwrite: bool = False,
 ) -> Path:
-    """Build a filtered int8 IVF snapshot of `pool` at `out` (kind "filtered_ivf")."""
-    module, manifest, fwd = build_filtered_ivf_forward(pool, config, bloom_bits, bloom_hashes)
+    """Build a filtered int8 IVF snapshot of `pool` at `out` (kind "filtered_ivf"); torchscript
+    None = as `publish_ivf` (model.ts only up to TORCHSCRIPT_MAX_BYTES of tensors)."""
+    clock = StageClock()
+    module, manifest, fwd = build_filtered_ivf_forward(pool, config, bloom_bits, bloom_hashes, clock)
+    if torchscript is None:
+        torchscript = tensor_bytes(module) <= TORCHSCRIPT_MAX_BYTES
     stats = manifest["filter"]["stats"]
     bloom = manifest["filter"]["bloom"]
     with step(
@@ -151,8 +159,9 @@ def publish_filtered_ivf(
         pass
 
     def write(tmp: Path) -> None:
-        with step("exporting model (torch.export + TorchScript)"):
+        with clock("exporting model (torch.export" + (" + TorchScript)" if torchscript else ")")):
             export_module(module, example_inputs(module, pool.dim), DYNAMIC, tmp, torchscript=torchscript)
         save_forward(fwd, tmp)  # for incremental updates (publish/update.py)
+        manifest["build_report"] = clock.report()
 
     return write_snapshot(out, kind="filtered_ivf", config=manifest, item_count=pool.size, write_files=write, overwrite=overwrite)

@@ -308,8 +308,8 @@ def kmeans(
     if method not in ("auto", "flat", "two_level"):
         raise PoolError(f"k-means method must be 'auto', 'flat' or 'two_level', got {method!r}")
     x = x.float().contiguous()
-    if not bool(torch.isfinite(x).all()):
-        raise PoolError("k-means input contains NaN or Inf")
+    if not all(bool(torch.isfinite(x[i : i + GROUPED_CHUNK]).all()) for i in range(0, x.shape[0], GROUPED_CHUNK)):
+        raise PoolError("k-means input contains NaN or Inf")  # (chunked: a whole bool mask is N x D bytes)
     n = x.shape[0]
     nlist = default_nlist(n) if nlist is None else int(nlist)
     if not 0 < nlist <= n:

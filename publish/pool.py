@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 from silverrec.errors import PoolError
 
 RESERVED = ("item_id", "embedding")
+READ_BATCH_ROWS = 1 << 17  # rows per streamed batch / validation chunk: memory O(batch) beyond the float32 matrix
 
 
 @dataclass
@@ -51,8 +52,8 @@ def validate(pool: Pool) -> None:
         raise PoolError(f"embeddings must be [{ids.shape[0]}, D], got {emb.shape}")
     if emb.shape[1] == 0:
         raise PoolError("column 'embedding' has length 0")
-    bad = ~np.isfinite(emb).all(axis=1)
-    if bad.any():
+    bad = np.concatenate([~np.isfinite(emb[i : i + READ_BATCH_ROWS]).all(axis=1) for i in range(0, emb.shape[0], READ_BATCH_ROWS)])
+    if bad.any():  # (checked a batch at a time: a whole-pool bool mask is N x D bytes)
         row = int(np.flatnonzero(bad)[0])
         raise PoolError(
             f"column 'embedding' has NaN or Inf at row {row} (item_id {int(ids[row])}); "
@@ -68,9 +69,6 @@ def validate(pool: Pool) -> None:
             raise PoolError(f"feature name {name!r} is reserved")
         if len(values) != ids.shape[0]:
             raise PoolError(f"feature column {name!r} has {len(values)} rows, pool has {ids.shape[0]}")
-
-
-READ_BATCH_ROWS = 1 << 17  # rows per streamed batch: memory O(batch) beyond the float32 matrix
 
 
 def read_pool(path: str | Path) -> Pool:

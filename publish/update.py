@@ -313,6 +313,7 @@ def update_snapshot(
                 config["search"] = dict(cfg["search"]) | {"posting_limit": module.posting_limit}
             info["forward"] = fwd_final
 
+    config.pop("build_report", None)  # the parent's; this version's stages are in update.timings
     counts = {
         "items": int(n_final),
         "parent_items": int(parent_ids.size),

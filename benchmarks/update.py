@@ -1,0 +1,142 @@
+"""Incremental updates (`silverrec update`) against full publishes, on a 1M x 96 IVF pool.
+
+    python benchmarks/update.py            # 1M items; --n for another size
+
+1. Update time for 0.1%, 1% and 10% of the pool (half changed embeddings, a quarter new items, a
+   quarter deleted), each applied to the same parent, against a full publish of the same pool.
+2. Ten successive 1% updates whose new embeddings drift (a shift of +0.05 per step on every
+   dimension, so values leave the parent's ranges): recall@100 after each against brute force, and
+   after the tenth against a full rebuild of the final pool at the same nprobe; the drift signals
+   and where they advise a rebuild.
+Writes benchmarks/results/update.json and update.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+os.environ.setdefault("SILVERREC_QUIET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, write_results  # noqa: E402
+from publish_scale import mixture, queries, recall, truth  # noqa: E402
+
+import silverrec  # noqa: E402
+from silverrec.publish.ivf import publish_ivf  # noqa: E402
+from silverrec.publish.pool import Pool  # noqa: E402
+from silverrec.publish.update import update_snapshot  # noqa: E402
+
+
+def delta(rng, ids: np.ndarray, frac: float, dim: int, next_id: int, step: int, shift: float):
+    m = max(4, int(round(frac * ids.size)))
+    pick = rng.choice(ids.size, m // 2 + m // 4, replace=False)
+    changed, deleted = ids[pick[: m // 2]], ids[pick[m // 2 :]]
+    new = np.arange(next_id, next_id + m // 4, dtype=np.int64)
+    up_ids = np.concatenate([changed, new])
+    up_x = mixture(up_ids.size, dim, seed=1000 + step, shift=shift)
+    return Pool(up_ids, up_x), deleted
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=96)
+    ap.add_argument("--work", default="/tmp/silverrec_update")
+    ap.add_argument("--nprobe", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    x = mixture(args.n, args.dim)
+    ids = np.arange(args.n, dtype=np.int64)
+    rows = []
+
+    t0 = time.perf_counter()
+    v0 = publish_ivf(Pool(ids, x), work / "v0")
+    full_s = time.perf_counter() - t0
+    rows.append({"what": "full publish", "fraction": 1.0, "seconds": round(full_s, 2)})
+    print(rows[-1], flush=True)
+    for frac in (0.001, 0.01, 0.1):
+        up, deleted = delta(rng, ids, frac, args.dim, args.n, 0, 0.0)
+        t0 = time.perf_counter()
+        out = update_snapshot(v0, work / f"u{frac}", upsert=up, delete=deleted)
+        secs = time.perf_counter() - t0
+        stages = json.loads((out / "manifest.json").read_text())["config"]["update"]["timings"]["stages"]
+        rows.append({"what": "update", "fraction": frac, "seconds": round(secs, 2), "speedup_vs_full": round(full_s / secs, 1),
+                     "stages": {s["name"]: s["seconds"] for s in stages}})
+        print(rows[-1], flush=True)
+        shutil.rmtree(out)
+
+    # ten successive drifting 1% updates
+    q = queries(args.dim)
+    cur_ids, cur_x = ids.copy(), x
+    parent, next_id = v0, args.n
+    for step in range(1, args.steps + 1):
+        up, deleted = delta(rng, cur_ids, 0.01, args.dim, next_id, step, 0.05 * step)
+        next_id += up.size
+        t0 = time.perf_counter()
+        out = update_snapshot(parent, work / f"s{step}", upsert=up, delete=deleted)
+        secs = time.perf_counter() - t0
+        keep = ~np.isin(cur_ids, np.concatenate([up.item_ids, deleted]))
+        cur_ids = np.concatenate([cur_ids[keep], up.item_ids])
+        cur_x = np.concatenate([cur_x[keep], up.embeddings])
+        snap = silverrec.load(out)
+        gt = cur_ids[truth(cur_x, q, 100)]
+        r = recall(snap.search(torch.from_numpy(q), 100, nprobe=args.nprobe).item_ids.numpy(), gt)
+        up_cfg = snap.config["update"]
+        rows.append({"what": "successive 1% update", "step": step, "seconds": round(secs, 2), "recall@100": r,
+                     "drift": up_cfg["drift"], "rebuild_advised": up_cfg["rebuild_advised"]})
+        print({k: v for k, v in rows[-1].items() if k != "drift"}, flush=True)
+        if parent != v0:
+            shutil.rmtree(parent)
+        parent = out
+    t0 = time.perf_counter()
+    rebuilt = publish_ivf(Pool(cur_ids, cur_x), work / "rebuilt")
+    rebuild_s = time.perf_counter() - t0
+    gt = cur_ids[truth(cur_x, q, 100)]
+    r_full = recall(silverrec.load(rebuilt).search(torch.from_numpy(q), 100, nprobe=args.nprobe).item_ids.numpy(), gt)
+    rows.append({"what": "full rebuild after the updates", "seconds": round(rebuild_s, 2), "recall@100": r_full,
+                 "nprobe": args.nprobe, "gap_after_updates": round(r_full - rows[-1]["recall@100"], 4)})
+    print(rows[-1], flush=True)
+    write_results("update", vars(args), rows)
+    plot(rows, RESULTS / "update.png")
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    ups = [r for r in rows if r["what"] == "update"]
+    full = rows[0]["seconds"]
+    a.bar(["full publish"] + [f"update {r['fraction']:.1%}" for r in ups], [full] + [r["seconds"] for r in ups],
+          color=["grey"] + ["tab:blue"] * len(ups))
+    a.set_ylabel("seconds")
+    a.set_title("1M x 96 IVF: update vs full publish")
+    steps = [r for r in rows if r["what"] == "successive 1% update"]
+    b.plot([r["step"] for r in steps], [r["recall@100"] for r in steps], "o-", label="after k successive 1% updates")
+    b.axhline(rows[-1]["recall@100"], color="grey", ls="--", label="full rebuild of the final pool")
+    adv = [r["step"] for r in steps if r["rebuild_advised"]]
+    if adv:
+        b.axvline(adv[0], color="tab:red", ls=":", label=f"rebuild first advised (step {adv[0]})")
+    b.set_xlabel("update step")
+    b.set_ylabel(f"recall@100 (nprobe {rows[-1]['nprobe']})")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
