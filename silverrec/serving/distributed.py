@@ -195,6 +195,19 @@ class ShardedRuntime:
             dist.gather(mine, None, dst=0, group=self.data)
 
 
+def spawn_workers(path: str | Path, world_size: int, init_method: str, timeout_s: float = 5.0, stderr=None) -> list:
+    """Ranks 1..world_size-1 as local subprocesses (this process then joins as rank 0): the
+    launcher for tests, benchmarks and one-host deployments without torchrun."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, SILVERREC_QUIET="1")
+    return [subprocess.Popen([sys.executable, "-m", "silverrec.serving.distributed", str(path), "--rank", str(r),
+                              "--world-size", str(world_size), "--init-method", init_method, "--timeout", str(timeout_s)],
+                             env=env, stdout=subprocess.DEVNULL, stderr=stderr or subprocess.DEVNULL)
+            for r in range(1, world_size)]
+
+
 def _pack(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """(float32 [B, k], int64 [B, k]) -> int64 [B*2k]: score bits (int32 widened), then ids."""
     return torch.cat([scores.contiguous().view(torch.int32).to(torch.int64).reshape(-1), ids.reshape(-1)])
