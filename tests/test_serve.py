@@ -485,7 +485,7 @@ REC_KEYS = st.sampled_from(["user_id", "history", "features", "numeric", "filter
                             "mode", "requests", "items", "exclude_history"])
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(parts=st.lists(st.sampled_from(FILTER_TOKENS), max_size=10), k=st.integers(-2, 400))
 def test_fuzz_filters_never_500(rec_server, rec, parts, k):
     body = {"history": [int(rec.logs.item_ids[0])], "filter": " ".join(parts), "k": k}
@@ -493,7 +493,7 @@ def test_fuzz_filters_never_500(rec_server, rec, parts, k):
     assert r.status_code in (200, 400, 422), r.text
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=st.dictionaries(SEARCH_KEYS, JSON, max_size=5), rows=st.integers(0, 3), dim=st.sampled_from([0, 15, 16]))
 def test_fuzz_search_decoding_never_500(ivf_server, body, rows, dim):
     if rows:
@@ -503,14 +503,14 @@ def test_fuzz_search_decoding_never_500(ivf_server, body, rows, dim):
     assert r.status_code in (200, 400, 413, 422), r.text
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=st.dictionaries(REC_KEYS, JSON, max_size=5), path=st.sampled_from(["/v1/recommend", "/v1/rank"]))
 def test_fuzz_rec_decoding_never_500(rec_server, body, path):
     r = post(rec_server.url, path, json.dumps(body, allow_nan=True))
     assert r.status_code in (200, 400, 413, 422), r.text
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(raw=st.binary(max_size=64))
 def test_fuzz_raw_bytes_never_500(ivf_server, raw):
     r = post(ivf_server.url, "/v1/search", raw)
