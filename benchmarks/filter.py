@@ -31,7 +31,8 @@ import silverrec  # noqa: E402
 from silverrec.filtering.filter_lang import And, Not, Term, parse  # noqa: E402
 from silverrec.filtering.filter_program import FilterPlan, compile_batch, compile_request  # noqa: E402
 from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED  # noqa: E402
-from silverrec.filtering.forward_index import ForwardIndex, unpack_mask  # noqa: E402
+from silverrec.bitmask import unpack_bits  # noqa: E402
+from silverrec.filtering.forward_index import ForwardIndex  # noqa: E402
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config  # noqa: E402
 from silverrec.publish.filtered_ivf import filter_index  # noqa: E402
 from silverrec.publish.ivf import cluster_major_layout  # noqa: E402
@@ -147,13 +148,13 @@ def filter_part(n: int, ms: list[int], batches: list[int], rng, nlist: int, npro
         # FP rate of the Bloom-only programs on the mix, against the exact answer
         ops, prow = compile_batch(MIX, plan)
         words = torch.ops.silverrec.bloom_filter(bank, ops, prow, torch.zeros(len(MIX), 1, dtype=torch.int64), bank.shape[1])
-        got = unpack_mask(words[:, 0], n)
+        got = unpack_bits(words[:, 0], n)
         want = fwd.evaluate_batch(MIX)
         fn = int((want & ~got).sum())
         fp = float((got & ~want).sum()) / float((~want).sum())
         single = [f"{f} = {v[0]}{i}" for f, (card, _) in FEATURES.items() for i in range(0, card, max(1, card // 10)) for v in [f]]
         o1, r1 = compile_batch(single, plan)
-        g1 = unpack_mask(torch.ops.silverrec.bloom_filter(bank, o1, r1, torch.zeros(len(single), 1, dtype=torch.int64), bank.shape[1])[:, 0], n)
+        g1 = unpack_bits(torch.ops.silverrec.bloom_filter(bank, o1, r1, torch.zeros(len(single), 1, dtype=torch.int64), bank.shape[1])[:, 0], n)
         w1 = fwd.evaluate_batch(single)
         fp_term = float((g1 & ~w1).sum()) / float((~w1).sum())
         del got, want, g1, w1

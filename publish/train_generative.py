@@ -46,7 +46,8 @@ from silverrec.publish import movielens
 from silverrec.publish.generative import build_generative
 from silverrec.publish.progress import quiet, step
 from silverrec.publish.semantic_ids import SemanticIds, SemanticIdStats, build_semantic_ids
-from silverrec.generative.trie import ValidPathTrie, pack_bitmask
+from silverrec.bitmask import pack_bits
+from silverrec.generative.trie import ValidPathTrie
 
 
 @dataclass
@@ -296,7 +297,7 @@ def exclusion_bitmask(histories: list[np.ndarray], trie: ValidPathTrie) -> torch
     allowed = torch.ones(len(histories), trie.n_items, dtype=torch.bool)
     for b, h in enumerate(histories):
         allowed[b, leaf_of[torch.from_numpy(np.asarray(h, dtype=np.int64))]] = False
-    return pack_bitmask(allowed)
+    return pack_bits(allowed)
 
 
 def ranking_metrics(ranked: np.ndarray, targets: np.ndarray, k: int = 10) -> dict[str, float]:

@@ -8,7 +8,8 @@ import torch
 
 from silverrec.filtering.bloom_hash import token_positions
 from silverrec.filtering.filter_program import FilterPlan, compile_batch
-from silverrec.filtering.forward_index import ForwardIndex, pack_mask, unpack_mask
+from silverrec.bitmask import pack_bits, unpack_bits
+from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.kernels.bloom_filter import (
     OP_AND,
     OP_FALSE,
@@ -154,7 +155,7 @@ def test_counts_op_matches_reference(seed):
         for p in range(lo.shape[1]):
             if lo[b, p] < 0:
                 continue
-            got_rows = unpack_mask(mask[b, p], 64 * n) & True
+            got_rows = unpack_bits(mask[b, p], 64 * n) & True
             idx = torch.arange(64 * n) + 64 * int(lo[b, p] >> 6)
             in_range = (idx >= lo[b, p]) & (idx < hi[b, p])
             assert not (got_rows & ~in_range).any()
@@ -202,7 +203,7 @@ def test_popcount_and_range_masks_against_python():
     starts = lo >> 6
     masks = range_word_masks(lo, hi, starts, 4)
     for i in range(5):
-        bits = unpack_mask(masks[i], 256)
+        bits = unpack_bits(masks[i], 256)
         rows = torch.arange(256) + 64 * int(starts[i])
         assert torch.equal(bits, (rows >= lo[i]) & (rows < hi[i]))
 
@@ -210,7 +211,7 @@ def test_popcount_and_range_masks_against_python():
 def test_pack_unpack_round_trip():
     m = torch.rand(3, 130) < 0.5
     m[:, 63] = True  # sign bit
-    assert torch.equal(unpack_mask(pack_mask(m), 130), m)
+    assert torch.equal(unpack_bits(pack_bits(m), 130), m)
 
 
 # --------------------------------------------------------------------------- real data: MovieLens
@@ -253,7 +254,7 @@ def test_default_bloom_on_movielens_no_false_negatives_and_fp_below_one_percent(
     assert meta["features"]["tag"]["exact"] is None  # 173 tags x 11 bits: too wide for exact planes
     assert meta["features"]["genre"]["exact"] is not None
     filters = _all_single_terms(fwd)
-    got = unpack_mask(_whole_pool(bank, plan, filters), fwd.size)
+    got = unpack_bits(_whole_pool(bank, plan, filters), fwd.size)
     want = _token_truth(fwd)
     assert torch.equal(want[::97], fwd.evaluate_batch(filters[::97]))  # the shortcut is the evaluator
     assert not (want & ~got).any(), "a positive term dropped an item that has the value"
@@ -272,7 +273,7 @@ def test_fp_rate_within_estimate_when_small(movielens):
     bank, meta = build_filter_bank(fwd, cfg)
     plan = FilterPlan.from_config(meta)
     filters = _all_single_terms(fwd)
-    got = unpack_mask(_whole_pool(bank, plan, filters), fwd.size)
+    got = unpack_bits(_whole_pool(bank, plan, filters), fwd.size)
     want = _token_truth(fwd)
     assert not (want & ~got).any()
     fp = (got & ~want).sum().item() / (~want).sum().item()
@@ -289,7 +290,7 @@ def test_not_semantics_on_movielens(movielens):
     exact_not = ["NOT genre = Drama", "genre = Comedy AND NOT genre IN (Romance, Drama)", "NOT (decade = 1990s OR genre = Horror)"]
     approx_not = ["NOT tag = 'funny'", "genre = Comedy AND NOT tag IN ('funny', 'romance')"]
     filters = positive + exact_not + approx_not
-    got = unpack_mask(_whole_pool(bank, plan, filters), fwd.size)
+    got = unpack_bits(_whole_pool(bank, plan, filters), fwd.size)
     want = fwd.evaluate_batch(filters)
     for i, f in enumerate(filters):
         if f in approx_not:
@@ -309,7 +310,7 @@ def test_exact_planes_alone_are_exact(movielens):
     bank, meta = build_filter_bank(fwd, BloomConfig(bits=64, hashes=1))  # a terrible Bloom on purpose
     plan = FilterPlan.from_config(meta)
     filters = [f"NOT {f} = {_q(v)}" for f, voc in zip(fwd.features, fwd.vocabs) if f != "tag" for v in voc]
-    got = unpack_mask(_whole_pool(bank, plan, filters), fwd.size)
+    got = unpack_bits(_whole_pool(bank, plan, filters), fwd.size)
     assert torch.equal(got, fwd.evaluate_batch(filters))
 
 

@@ -6,7 +6,8 @@ import torch
 from silverrec.errors import QueryError
 from silverrec.filtering.filter_lang import And, FilterSyntaxError, Not, Or, Term, parse, to_string
 from silverrec.filtering.filter_program import FilterPlan, compile_batch, compile_filter, normalize_filters
-from silverrec.filtering.forward_index import ForwardIndex, unpack_mask
+from silverrec.bitmask import unpack_bits
+from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.kernels.bloom_filter import OP_FALSE, OP_NOT, OP_PUSH, bloom_filter_reference
 from silverrec.publish.bloom import BloomConfig, build_filter_bank
 
@@ -91,7 +92,7 @@ def test_unknown_value_matches_nothing_exactly(small_bank):
     ops, rows = compile_batch(["genre = Western", "NOT genre = Western", "genre = Western OR lang = FR"], plan)
     w = bank.shape[1]
     mask = bloom_filter_reference(bank, ops, rows, torch.zeros(3, 1, dtype=torch.int64), w)[:, 0]
-    got = unpack_mask(mask, fwd.size)
+    got = unpack_bits(mask, fwd.size)
     assert not got[0].any() and got[1].all()
     assert torch.equal(got[2], fwd.evaluate("lang = FR"))  # 256 bits, 3 tokens: no FP at this size
 
@@ -122,7 +123,7 @@ def test_programs_match_exact_evaluator(small_bank):
     ops, rows = compile_batch(filters, plan)
     assert ops.shape[0] == len(filters) and rows.shape[:2] == ops.shape
     mask = torch.ops.silverrec.bloom_filter(bank, ops, rows, torch.zeros(len(filters), 1, dtype=torch.int64), bank.shape[1])
-    got = unpack_mask(mask[:, 0], fwd.size)
+    got = unpack_bits(mask[:, 0], fwd.size)
     want = fwd.evaluate_batch(filters)
     assert torch.equal(got, want)  # 256 bits for <= 4 tokens per item: measured FP-free
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from silverrec.generative.generative import GenerativeRetrieval, reorder_beams
-from silverrec.generative.trie import ValidPathTrie, pack_bitmask
+from silverrec.bitmask import pack_bits
+from silverrec.generative.trie import ValidPathTrie
 
 from .reference_beam_search import random_decoder, random_histories, random_paths, reference_beam_search
 
@@ -47,7 +48,7 @@ def test_matches_reference_float32_with_bitmask(pool, W, k, n_kv):
     dec = random_decoder(SIZES, n_heads=4, n_kv_heads=n_kv, seed=3)
     hist = random_histories(paths, SIZES, 4, 6, seed=4)
     allowed = torch.rand(4, paths.shape[0]) < torch.tensor([[0.02], [0.2], [0.6], [1.0]])
-    bitmask = pack_bitmask(allowed[:, trie.row_order])
+    bitmask = pack_bits(allowed[:, trie.row_order])
     with torch.no_grad():
         ids, scores = _module(pool, dec, W, k)(hist, bitmask)
     ref_ids, ref_scores = reference_beam_search(dec, hist, paths, item_ids, SIZES, W, k, allowed)
@@ -69,7 +70,7 @@ def test_empty_filter_returns_nothing(pool):
     paths, _, trie = pool
     dec = random_decoder(SIZES)
     hist = random_histories(paths, SIZES, 2, 3)
-    bitmask = pack_bitmask(torch.zeros(2, trie.n_items, dtype=torch.bool))
+    bitmask = pack_bits(torch.zeros(2, trie.n_items, dtype=torch.bool))
     with torch.no_grad():
         ids, scores = _module(pool, dec, 6, 6)(hist, bitmask)
     assert torch.all(ids == -1) and torch.all(scores == float("-inf"))
@@ -147,11 +148,11 @@ def test_export_round_trip(pool, tmp_path):
     m = _module(pool, dec, 8, 4)
     batch = torch.export.Dim("batch", min=1, max=4096)
     length = torch.export.Dim("length", min=2, max=dec.max_seq_len - len(SIZES))
-    example = (random_histories(paths, SIZES, 2, 3, seed=1), pack_bitmask(torch.rand(2, trie.n_items) < 0.5))
+    example = (random_histories(paths, SIZES, 2, 3, seed=1), pack_bits(torch.rand(2, trie.n_items) < 0.5))
     export_module(m, example, {"history": {0: batch, 1: length}, "item_bitmask": {0: batch}}, tmp_path)
     # other batch size and history length than the example
     hist = random_histories(paths, SIZES, 5, 7, seed=2)
-    bm = pack_bitmask(torch.rand(5, trie.n_items) < 0.7)
+    bm = pack_bits(torch.rand(5, trie.n_items) < 0.7)
     torch.save((hist, bm), tmp_path / "inputs.pt")
     subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path)], check=True, timeout=300)
     ids, scores, ids_ts, scores_ts = torch.load(tmp_path / "out.pt")

@@ -105,10 +105,10 @@ def test_filter_bitmask_prunes_during_decode(setup):
     snap = silverrec.load(snap_dir)
     rows = snap.generative_item_ids()
     allowed_rows = torch.rand(3, len(rows)) < torch.tensor([[0.03], [0.3], [1.0]])
-    from silverrec.generative.trie import pack_bitmask
+    from silverrec.bitmask import pack_bits
 
     histories = _histories(sids.item_ids, n=3, seed=2)
-    got = snap.recommend(histories, pack_bitmask(allowed_rows))
+    got = snap.recommend(histories, pack_bits(allowed_rows))
     pos = {int(i): r for r, i in enumerate(rows)}
     allowed = torch.tensor([[bool(allowed_rows[b, pos[int(i)]]) for i in sids.item_ids] for b in range(3)])
     ref_ids, _ = _reference(dec, sids, histories, allowed=allowed)
@@ -118,7 +118,7 @@ def test_filter_bitmask_prunes_during_decode(setup):
         assert set(got.item_ids[b][got.item_ids[b] >= 0].tolist()) <= ok
     assert int((got.item_ids[0] >= 0).sum()) == min(W, int(allowed_rows[0].sum()))
     with pytest.raises(QueryError, match="filter_bitmask must be int64"):
-        snap.recommend(histories, pack_bitmask(allowed_rows)[:2])
+        snap.recommend(histories, pack_bits(allowed_rows)[:2])
 
 
 def test_exclude_history_prunes_history_items(setup):

@@ -5,7 +5,8 @@ import itertools
 import pytest
 import torch
 
-from silverrec.generative.trie import ValidPathTrie, pack_bitmask, unpack_bitmask
+from silverrec.bitmask import pack_bits, unpack_bits
+from silverrec.generative.trie import ValidPathTrie
 
 from .reference_beam_search import random_paths
 
@@ -62,7 +63,7 @@ def test_node_alive_vs_brute_force():
     trie = ValidPathTrie(paths, SIZES)
     N = paths.shape[0]
     allowed = torch.rand(4, N) < torch.tensor([[0.0], [0.05], [0.5], [1.0]])
-    alive = trie.node_alive(pack_bitmask(allowed))
+    alive = trie.node_alive(pack_bits(allowed))
     for b in range(4):
         pool = trie.leaf_paths[allowed[b]].tolist()
         for d in range(len(SIZES) + 1):
@@ -75,9 +76,9 @@ def test_node_alive_vs_brute_force():
 def test_bitmask_pack_round_trip(n):
     mask = torch.rand(3, n) < 0.5
     mask[:, -1] = True  # includes bit 63 of a word when n % 64 == 0
-    bits = pack_bitmask(mask)
+    bits = pack_bits(mask)
     assert bits.shape == (3, (n + 63) // 64) and bits.dtype == torch.int64
-    assert torch.equal(unpack_bitmask(bits, n), mask)
+    assert torch.equal(unpack_bits(bits, n), mask)
     for r in range(n):  # the Bloom packed format: bit r & 63 of word r >> 6
         assert torch.equal((bits[:, r >> 6] >> (r & 63)) & 1 == 1, mask[:, r])
 

@@ -23,7 +23,6 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from silverrec.bitmask import pack_bits, unpack_bits
 from torch import nn
 
 from silverrec.errors import QueryError
@@ -151,8 +150,4 @@ class ForwardIndex(nn.Module):
         return torch.stack([self.evaluate(f) for f in filters])
 
 
-pack_mask = pack_bits  # the one packed-bitmask layout (silverrec/bitmask.py)
-unpack_mask = unpack_bits
-
-
-__all__ = ["ForwardIndex", "pack_mask", "unpack_mask"]
+__all__ = ["ForwardIndex"]

@@ -31,13 +31,8 @@ from typing import List
 
 import torch
 
-from silverrec.bitmask import pack_bits, unpack_bits
+from silverrec.bitmask import unpack_bits
 from torch import nn
-
-
-# the one packed-bitmask layout (silverrec/bitmask.py), under the names the generative code uses
-pack_bitmask = pack_bits
-unpack_bitmask = unpack_bits
 
 
 class ValidPathTrie(nn.Module):
@@ -144,7 +139,7 @@ class ValidPathTrie(nn.Module):
             bool [B, n_nodes] indexed by node id (root, depth 1, ..., leaves).
         """
         B = item_bitmask.shape[0]
-        alive = unpack_bitmask(item_bitmask, self.n_items)  # leaves [B, N]
+        alive = unpack_bits(item_bitmask, self.n_items)  # leaves [B, N]
         parts = [alive]
         for d in range(self.n_levels - 1, -1, -1):
             lo, hi = self.level_base[d], self.level_base[d + 1]

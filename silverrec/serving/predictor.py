@@ -21,7 +21,7 @@ import silverrec.kernels  # noqa: F401  (ops must be registered before deseriali
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
 from silverrec.retrieval.filtered_search import search_filtered_ivf
 from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, check_build, read_manifest
-from silverrec.generative.trie import pack_bitmask, unpack_bitmask
+from silverrec.bitmask import pack_bits, unpack_bits
 
 
 @dataclass
@@ -108,11 +108,11 @@ class Snapshot:
             raise QueryError(f"filter_bitmask must be int64 [{B}, {words}], got "
                              f"{getattr(filter_bitmask, 'dtype', '')} {got}")
         if exclude_history:
-            allowed = unpack_bitmask(filter_bitmask, n)
+            allowed = unpack_bits(filter_bitmask, n)
             for b, h in enumerate(history_item_ids):  # every id is known: history_tokens checked them
                 hist = np.asarray(h, dtype=np.int64).reshape(-1)
                 allowed[b, torch.from_numpy(order[np.searchsorted(ids[order], hist)])] = False
-            filter_bitmask = pack_bitmask(allowed)
+            filter_bitmask = pack_bits(allowed)
         if B == 1 and self.backend == "export":  # the exported decode guards batch != 1: pad to 2 rows
             history, filter_bitmask = history.expand(2, -1), filter_bitmask.expand(2, -1)
         with torch.inference_mode():
