@@ -77,9 +77,10 @@ def compare_flat(x: np.ndarray, q: np.ndarray, gt: np.ndarray, nprobes, k: int =
 
     xt = torch.from_numpy(x)
     rows = []
-    for method in ("two_level", "flat"):
+    variants = [("two_level", {}), ("two_level reach=4 refine=1", {"reach": 4, "refine": 1}), ("flat", {"method": "flat"})]
+    for method, kwargs in variants:
         t0 = time.perf_counter()
-        km = kmeans(xt, default_nlist(len(x)), method=method, seed=0)
+        km = kmeans(xt, default_nlist(len(x)), seed=0, **({"method": "two_level"} | kwargs))
         secs = time.perf_counter() - t0
         index = cluster_major_layout(xt, torch.arange(len(x)), km.centroids, km.assignment).eval()
         for p in nprobes:
@@ -91,12 +92,24 @@ def compare_flat(x: np.ndarray, q: np.ndarray, gt: np.ndarray, nprobes, k: int =
     return rows
 
 
+def _read_x(pool: Path, n: int, dim: int) -> np.ndarray:
+    return pq.read_table(pool).column("embedding").combine_chunks().flatten().to_numpy().reshape(n, dim)
+
+
+def compare_only(args, pool: Path) -> None:
+    x = _read_x(pool, args.n, args.dim)
+    q = queries(args.dim)
+    rows = compare_flat(x, q, truth(x, q, 100), args.nprobe)
+    write_results(f"publish_scale_recall_{args.n // 1000}k", vars(args), rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=1_000_000)
     ap.add_argument("--dim", type=int, default=96)
     ap.add_argument("--work", default="/tmp/silverrec_scale")
     ap.add_argument("--compare-flat", action="store_true")
+    ap.add_argument("--compare-only", action="store_true", help="only the k-means recall comparison (no CLI publish)")
     ap.add_argument("--nprobe", type=int, nargs="+", default=[16, 32, 64])
     args = ap.parse_args()
     work = Path(args.work)
@@ -107,6 +120,8 @@ def main() -> None:
         write_mixture(pool, args.n, args.dim)
         print(f"wrote {pool} in {time.perf_counter() - t0:.0f}s", flush=True)
     out = work / f"snap_{args.n}"
+    if args.compare_only:
+        return compare_only(args, pool)
     subprocess.run(["rm", "-rf", str(out)], check=True)
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "silverrec.publish.cli", "publish", "--pool", str(pool), "--out", str(out)],
@@ -122,7 +137,7 @@ def main() -> None:
     print(json.dumps(result, indent=1), flush=True)
     rows = [result]
     if args.compare_flat:
-        x = pq.read_table(pool).column("embedding").combine_chunks().flatten().to_numpy().reshape(args.n, args.dim)
+        x = _read_x(pool, args.n, args.dim)
         q = queries(args.dim)
         gt = truth(x, q, 100)
         import silverrec

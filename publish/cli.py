@@ -9,6 +9,7 @@
     silverrec query DIR --queries Q.npy --k K [--nprobe P] [--filter "..."] [--json]
     silverrec publish --generative --pool POOL --out DIR [--model CKPT] [--beam-width W] [--top-k K]
     silverrec query DIR --history "id1,id2,..." [--history-file F] --k K      (generative snapshots)
+    silverrec update DIR --upsert ITEMS.parquet [--delete IDS] --out NEW_DIR   (incremental pool update)
     silverrec inspect DIR
     silverrec serve DIR [--host H] [--port P] [--max-batch N] [--max-wait-ms MS] [--workers W] [--threads T] [--tune F]
     silverrec tune DIR [--out F] [--seconds S]            (workers x threads per concurrency, read by serve)
@@ -264,7 +265,9 @@ def _update(args: argparse.Namespace) -> int:
     if args.upsert is None and args.delete is None:
         raise SilverrecError("update needs --upsert ITEMS.parquet and/or --delete IDS")
     out = update_snapshot(args.snapshot, args.out, upsert=args.upsert, delete=args.delete, overwrite=args.overwrite)
-    _print_update_advice(json.loads((out / "manifest.json").read_text())["config"])
+    config = json.loads((out / "manifest.json").read_text())["config"]
+    _print_update_advice(config)
+    _print_stages(config["update"].get("timings"))
     print(f"published {out}")
     return 0
 
@@ -283,6 +286,12 @@ def _print_update_advice(config: dict) -> None:
     print("rebuild       " + ("ADVISED: " + "; ".join(advised) if advised else "not needed"))
 
 
+def _print_stages(report: dict | None) -> None:
+    """Time and peak resident memory per stage (manifest build_report / update.timings)."""
+    for st in (report or {}).get("stages", []):
+        print(f"  stage       {st['seconds']:>8.1f} s  peak RSS {st['peak_rss_bytes'] / 2**30:6.2f} GiB  {st['name']}")
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from silverrec.snapshot import read_manifest
 
@@ -297,6 +306,7 @@ def _inspect(args: argparse.Namespace) -> int:
         text = json.dumps(value)
         print(f"  {key:<12}{text if len(text) < 200 else text[:197] + '...'}")
     _print_update_advice(m["config"])
+    _print_stages(m["config"].get("build_report") or m["config"].get("update", {}).get("timings"))
     print("files")
     for name, meta in sorted(m["files"].items()):
         print(f"  {name:<12}{meta['bytes']:>14,} bytes  sha256 {meta['sha256'][:16]}")
