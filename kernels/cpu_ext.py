@@ -1,6 +1,6 @@
 """Lazy loader of the optional C++ CPU fast paths (`silverrec.kernels._cpu`, built from kernels/csrc/).
 
-The CPU implementations of `int8_topk`, `ivf_scan`, `masked_topk`, `bloom_filter(_counts)`,
+The CPU implementations of `int8_topk`, `ivf_scan`, `bloom_filter(_counts)`,
 `filter_plan`, `verify_topk`, `filtered_topk` and the query quantisation call `cpu_ext()` and use
 the extension when it is importable; otherwise (no compiler at install time, or
 `SILVERREC_CPU_EXT=0` in the environment) they run their torch / numpy implementations, which stay

@@ -43,9 +43,17 @@ import torch
 from silverrec.kernels.bloom_filter import check_program
 from silverrec.kernels.common import EMPTY_KEY, dequantize_scores, make_keys, quantize_queries, split_keys
 from silverrec.kernels.cpu_ext import cpu_ext
-from silverrec.kernels.masked_topk import unpack_rows
 
 NO_LISTS = -2
+
+_SHIFTS = torch.arange(64, dtype=torch.int64)
+
+
+def unpack_rows(words: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows (int64 [M], ascending, < n) whose bit is set in int64 words [W]."""
+    bits = (words[:, None] >> _SHIFTS.to(words.device)) & 1  # [W, 64]
+    rows = bits.reshape(-1).nonzero().reshape(-1)
+    return rows[rows < n]
 
 
 def row_passes(bits: torch.Tensor, ops: torch.Tensor, prog_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

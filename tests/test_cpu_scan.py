@@ -19,7 +19,6 @@ from silverrec.kernels.bloom_filter import OP_AND, OP_NOT, OP_OR, OP_PUSH, bloom
 from silverrec.kernels.common import EMPTY_KEY, quantize_queries
 from silverrec.kernels.int8_topk import topk_keys_cpu
 from silverrec.kernels.ivf_scan import bitmask_words, canonical_probes, scan_keys_cpu
-from silverrec.kernels.masked_topk import masked_keys_torch
 
 ext = pytest.importorskip("silverrec.kernels._cpu", reason="C++ extension not built")
 
@@ -176,28 +175,6 @@ def test_ivf_bad_values_raise_value_error():
         ext.ivf_scan_keys(q, codes, off, torch.tensor([[0, 1], [1, 2]]), None, 0)
 
 
-@pytest.mark.parametrize("d", [3, 128, 130])
-@pytest.mark.parametrize("b", [1, 3, 16, 19])
-@pytest.mark.parametrize("density", [0.0, 0.001, 0.1, 1.0])
-def test_masked_topk_equals_torch(d, b, density):
-    g = torch.Generator().manual_seed(b * 7 + d)
-    n = 20000 + 37  # > one piece; rows past N in the last word are ignored
-    codes, q = _codes(n, d, g), _qcodes(b, d, g)
-    allowed = torch.rand(b, n, generator=g) < density
-    allowed[-1] = allowed[0]  # identical masks
-    wm = (n + 63) // 64 + 1  # one extra word: bits past N must be ignored
-    bits = torch.zeros(b, wm * 64, dtype=torch.bool)
-    bits[:, :n] = allowed
-    bits[:, n:] = True
-    mask = (bits.view(b, wm, 64).long() << torch.arange(64)).sum(dim=2)
-    active = torch.ones(b, dtype=torch.bool)
-    active[min(1, b - 1)] = b == 1
-    for k in (1, 64, 2500):
-        got = ext.masked_topk_keys(q, codes, mask, active, k)
-        assert torch.equal(got, _brute_keys(q, codes, k, allowed & active[:, None])), k
-        assert torch.equal(got, masked_keys_torch(q, codes, mask, active, k)), k
-
-
 def test_scan_ranges_equals_brute_force():
     g = torch.Generator().manual_seed(3)
     n, d, b = 5000, 19, 3
@@ -263,8 +240,6 @@ def test_ops_fall_back_to_torch_with_the_same_results(monkeypatch):
     queries = torch.randn(b, d, generator=g)
     scale, offset = torch.tensor(0.02), torch.tensor(0.1)
     bitmask = torch.randint(-(2**63), 2**63 - 1, (b, p, bitmask_words(off)), generator=g)
-    mask = torch.randint(-(2**63), 2**63 - 1, (b, (n + 63) // 64), generator=g)
-    active = torch.tensor([True, False, True, True, True])
     bank = torch.randint(-(2**63), 2**63 - 1, (9, (n + 63) // 64), generator=g)
     f_ops = torch.tensor([[1, 1, 2], [1, 4, 0], [1, 1, 2], [6, 0, 0], [1, 1, 3]])
     f_rows = torch.randint(-9, 9, (b, 3, 2), generator=g)
@@ -275,8 +250,6 @@ def test_ops_fall_back_to_torch_with_the_same_results(monkeypatch):
         return (
             torch.ops.silverrec.ivf_scan(queries, codes, scale, offset, off, probes, 30, bitmask),
             torch.ops.silverrec.int8_topk(queries, codes, scale, offset, 30),
-            torch.ops.silverrec.masked_topk(queries, codes, scale, offset, mask, active, 30),
-            torch.ops.silverrec.masked_topk(queries, codes, scale, offset, mask, torch.zeros_like(active), 30),
             torch.ops.silverrec.bloom_filter_counts(bank, f_ops, f_rows, lo, hi, bitmask_words(off)),
         )
 

@@ -41,26 +41,6 @@ at::Tensor topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, int64_t 
   return scan_topk(in);
 }
 
-// masked_topk: active queries scan the rows set in their packed mask [B, Wm] (rows >= N ignored).
-at::Tensor masked_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& mask,
-                            const at::Tensor& active, int64_t k) {
-  ScanInput in = base_input(qcodes, codes, k);
-  check(mask, at::kLong, 2, "mask");
-  check(active, at::kBool, 1, "active");
-  TORCH_CHECK(mask.size(0) == in.B && active.size(0) == in.B, "mask / active must have B rows");
-  const int64_t wm = mask.size(1);
-  const bool* act = active.data_ptr<bool>();
-  for (int64_t b = 0; b < in.B; ++b)
-    if (act[b]) {
-      in.member_query.push_back(b);
-      in.member_word.push_back(b * wm);
-    }
-  in.bitmask = mask.data_ptr<int64_t>();
-  const int64_t end = std::min(in.N, 64 * wm);
-  if (!in.member_query.empty() && end > 0) in.segments.push_back({0, end, 0, int64_t(in.member_query.size())});
-  return scan_topk(in);
-}
-
 // ivf_scan: probes [B, P] (-1 = empty slot, repeats of a cluster count once: the first slot), optional
 // bitmask [B, P, Wc]. Segments = probed clusters, ordered by the best slot any query gave them.
 at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& cluster_offsets,
@@ -323,8 +303,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "silverrec CPU fast paths: fused int8 scan + bitmask + top-k, bloom filter programs";
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("topk_keys", &topk_keys, "exact top-k keys int64 [B, k]", py::arg("qcodes"), py::arg("codes"), py::arg("k"), nogil);
-  m.def("masked_topk_keys", &masked_topk_keys, "top-k keys over the rows set in mask [B, Wm]", py::arg("qcodes"),
-        py::arg("codes"), py::arg("mask"), py::arg("active"), py::arg("k"), nogil);
   m.def("ivf_scan_keys", &ivf_scan_keys, "top-k keys over probed clusters", py::arg("qcodes"), py::arg("codes"),
         py::arg("cluster_offsets"), py::arg("probes"), py::arg("bitmask"), py::arg("k"), nogil);
   m.def("scan_ranges", &scan_ranges, "top-k keys over explicit row ranges", py::arg("qcodes"), py::arg("codes"),

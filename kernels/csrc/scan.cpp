@@ -1,7 +1,7 @@
 // Fused CPU scan: int8 dot products + optional packed bitmask + running top-k, in one pass.
 //
-// One core routine serves the CPU paths of silverrec::ivf_scan, silverrec::masked_topk and
-// silverrec::int8_topk. Its input is a list of *segments*: a row range [start, end) of the int8
+// One core routine serves the CPU paths of silverrec::ivf_scan, silverrec::int8_topk and the
+// explicit row ranges of `scan_ranges`. Its input is a list of *segments*: a row range [start, end) of the int8
 // codes and the queries ("members") that scan it, each with an optional word base into a flat
 // int64 bitmask:
 //
@@ -9,8 +9,7 @@
 //
 // (no bitmask: every row of the range is allowed). For ivf_scan a segment is one probed cluster
 // and its members are the queries that probe it, word_base = (b * P + slot) * Wc - (off[c] >> 6);
-// for masked_topk it is [0, N) with the active queries, word_base = b * Wm; for int8_topk [0, N)
-// with every query and no bitmask.
+// for int8_topk it is [0, N) with every query and no bitmask.
 //
 // Work: segments are cut into pieces of <= kPieceRows rows (64-aligned), and worker threads
 // (at::parallel_for, one per thread) take pieces from an atomic counter in the given order (for

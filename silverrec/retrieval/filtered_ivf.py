@@ -21,7 +21,7 @@ Steps 0-5 are `silverrec::filter_plan`:
 5. Switch: when even all `max_probe` candidates hold fewer matches than that, or scanning the
    needed clusters would touch more rows than the whole pool has matches (estimated from the
    candidates' match density), the query goes "unprobed": the filter runs over the whole pool
-   and `silverrec::masked_topk` scans exactly the matching rows.
+   and `silverrec::filtered_topk` scans exactly the matching rows.
 6. `silverrec::ivf_scan` scans the chosen clusters, dropping rows whose bit is 0 before top-k
    (k + k/4 + 16 results, a margin for Bloom false positives).
 7. Verify: the "verify" program (positive terms on exact value-code planes where the features
