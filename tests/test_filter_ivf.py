@@ -180,3 +180,26 @@ def test_snapshot_export_round_trip_and_cli(built, tmp_path):
     )
     ids = json.loads(cli.stdout)["item_ids"]
     assert ids[0] == eager.item_ids[0].tolist()
+
+
+def test_pool_without_posting_lists_publishes_and_searches_exactly(tmp_path):
+    """Every value held by more items than the posting limit: no lists at all (an empty post_rows).
+    The export must save it, and the loaded snapshot must answer like exact filtered brute force."""
+    rng = np.random.default_rng(3)
+    n = 3000
+    x = rng.normal(size=(n, D)).astype(np.float32)
+    feats = {f: [[f"{f}{v}"] for v in rng.integers(0, 4, n)] for f in ("a", "b", "c")}
+    pool = Pool(np.arange(n, dtype=np.int64) * 7 + 2, x, feats)
+    out = publish_filtered_ivf(pool, tmp_path / "snap", config=IVFConfig(nlist=30, seed=0))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["filter"]["postings"]["lists"] == 0
+    module, _ = build_filtered_ivf(pool, IVFConfig(nlist=30, seed=0))  # the published module (seeded)
+    fwd = ForwardIndex.from_lists(pool.features).permute(pool_rows(pool, module.row_to_item))
+    filters = ["a = a1", "a = a0 AND b IN (b1, b2)", "NOT c = c3 AND a = a2", "a = a3 AND b = b0 AND c = c1"]
+    q = torch.from_numpy(x[:4] + 0.2 * rng.normal(size=(4, D)).astype(np.float32))
+    want = _exact_filtered(module, fwd, q, filters, 20)
+    for backend in ("export", "torchscript"):
+        snap = silverrec.load(out, backend=backend)
+        for mode in ("unprobed", "auto"):
+            got = snap.search(q, 20, filter=filters, mode=mode, nprobe=30, max_probe=30)
+            assert got.item_ids.tolist() == want, (backend, mode)
