@@ -143,6 +143,11 @@ def _serve(args: argparse.Namespace) -> int:
                          max_queue=args.max_queue, workers=args.workers or 1, threads=args.threads,
                          max_body_bytes=args.max_body_bytes, deadline_ms=args.deadline_ms,
                          admin_token=read_token(args.admin_token_file), tune_file=tune_file)
+    if args.sharded:  # torchrun (RANK / WORLD_SIZE / MASTER_ADDR) or --rank / --world-size / --init-method
+        from silverrec.serving.distributed import serve_http
+
+        return serve_http(args.snapshot, config, rank=args.rank, world_size=args.world_size,
+                          init_method=args.init_method, timeout_s=args.shard_timeout)
     return serve(args.snapshot, config)
 
 
@@ -173,6 +178,16 @@ def add_serve_parsers(sub) -> None:
                    help="default per-request deadline (X-Deadline-Ms or body deadline_ms override it)")
     s.add_argument("--admin-token-file", dest="admin_token_file", default=None,
                    help="file holding the reload token (else $SILVERREC_ADMIN_TOKEN)")
+    s.add_argument("--sharded", action="store_true",
+                   help="serve a sharded snapshot across torch.distributed ranks (launch with torchrun "
+                        "--nproc-per-node N -m silverrec serve DIR --sharded): rank 0 serves HTTP")
+    s.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)), help="--sharded: this rank (default $RANK)")
+    s.add_argument("--world-size", dest="world_size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                   help="--sharded: number of ranks (default $WORLD_SIZE)")
+    s.add_argument("--init-method", dest="init_method", default="env://",
+                   help="--sharded: rendezvous (default env://, as torchrun sets; or tcp://HOST:PORT)")
+    s.add_argument("--shard-timeout", dest="shard_timeout", type=float, default=5.0,
+                   help="--sharded: seconds before a request waiting on a dead or stalled rank fails with 503 (default 5)")
     s.set_defaults(func=_serve)
 
     t = sub.add_parser("tune", help="measure workers x intra-op threads per concurrency; write the file serve reads")

@@ -1,5 +1,6 @@
 """Sharded search on torch.distributed: each rank loads its shards, rank 0 fans requests out.
 
+    torchrun --nproc-per-node 2 -m silverrec serve snapshots/sharded --sharded --port 8080   # HTTP on rank 0
     torchrun --nproc-per-node 2 -m silverrec.serving.distributed snapshots/sharded --queries q.npy --k 100
     python -m silverrec.serving.distributed DIR --rank 1 --world-size 2 --init-method tcp://127.0.0.1:29500
 
@@ -7,18 +8,29 @@ Rank r loads shards r, r + W, r + 2W, ... of a sharded snapshot (publish --shard
 alone; every rank then reports its verification to every other (one all_gather), and all refuse
 to start, with the first failing shard named, when any shard fails (`ShardVerificationError`).
 
-A request on rank 0 (`ShardedRuntime.search`, same surface as `Snapshot.search`):
-    1. the header "op,B,k,options bytes" under key req/<n> in the group's store (idle ranks wait
-       on the key: no collective is ever left waiting without a timeout)
-    2. broadcast the payload uint8 [B*D*4 + options]               data group, `timeout_s`
-    3. every rank: `shard_topk` of its shards, merged locally       (sharded.py, the one-process code)
-    4. gather int64 [1 + B*2k] per rank (status, scores as bits, ids) data group, `timeout_s`
-    5. rank 0: `merge_topk` of the W parts                          exact, (score desc, item id asc)
-Bytes per request: header ~20 (store) + B*D*4 + options to each of W-1 ranks, (1 + 2*B*k) * 8 back from each.
+Two process groups: `control` (timeout CONTROL_TIMEOUT, idle ranks wait in it) and `data` (the
+request timeout, `timeout_s`). A request on rank 0 (`ShardedRuntime.search`, same surface as
+`Snapshot.search`) is one broadcast and one gather:
+    1. broadcast a fixed-size uint8 [64 + INLINE] buffer on `control`: header int64 [8]
+       (op, B, k, options bytes, generation) then the queries and JSON options inline when they fit
+       (else a second broadcast of exactly those bytes on `data`)
+    2. every rank: `shard_topk` of its shards, merged locally       (sharded.py, the one-process code)
+    3. gather int64 [1 + B*2k] per rank (status, scores as bits, ids) on `data`, `timeout_s`
+    4. rank 0: `merge_topk` of the W parts                          exact, (score desc, item id asc)
+Bytes per request: 64 + INLINE (or 64 + INLINE + B*D*4 + options) to each of W-1 ranks,
+(1 + 2*B*k) * 8 back from each. No store round trips on the hot path.
 
-A rank that dies or stalls makes step 2 or 4 fail on rank 0 within `timeout_s`: the request raises
-`ShardUnavailableError` (http_status 503) and so does every later one (the group is not usable
-after a failed collective; restart the ranks), instead of hanging.
+A rank that dies makes step 1 or 3 fail on rank 0 at once (closed connection); one that stalls
+makes the gather fail within `timeout_s`: the request raises `ShardUnavailableError`
+(http_status 503) and so does every later one (the group is not usable after a failed
+collective; restart the ranks), instead of hanging. Rank 0 sends a header-only keep-alive when
+idle for KEEPALIVE_S so that idle ranks never reach the control timeout.
+
+Reload (`reload(path)`, rank 0): every rank loads and verifies its shards of the new sharded
+snapshot as a new generation, all exchange the outcome (all_gather on `control`), and all switch
+together only if every rank succeeded; otherwise every rank drops the new generation and keeps
+serving the old one. A request names the generation it was validated on; each rank keeps the
+current and the previous generation, so requests in flight during a reload finish on their version.
 """
 
 from __future__ import annotations
@@ -27,6 +39,9 @@ import argparse
 import datetime as _dt
 import json
 import sys
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,9 +52,13 @@ import torch.distributed as dist
 from silverrec.errors import QueryError, SilverrecError, SnapshotError, check_k, check_queries
 from silverrec.serving.sharded import ShardVerificationError, load_shard, merge_topk, read_top, routed_rows, shard_topk
 
-OP_STOP, OP_SEARCH, OP_PING = 0, 1, 2
+OP_STOP, OP_SEARCH, OP_PING, OP_LOAD, OP_NOOP = 0, 1, 2, 3, 4
+STATUS_OK, STATUS_REJECTED, STATUS_RETIRED = 0, 1, 2
 STARTUP_TIMEOUT = _dt.timedelta(minutes=10)  # rendezvous and the verification all_gather
-POLL = _dt.timedelta(seconds=2)  # an idle rank re-checks its request key this often
+CONTROL_TIMEOUT = _dt.timedelta(days=1)  # idle ranks wait for the next header this long at most
+KEEPALIVE_S = 600.0  # rank 0 sends a header-only round when idle this long (far below CONTROL_TIMEOUT)
+HEADER = 64  # bytes: int64 [8] = op, B, k, options bytes, generation, 0, 0, 0
+INLINE = 16384  # payload bytes carried in the header broadcast (B*D*4 + options); larger ones follow on `data`
 
 
 class ShardUnavailableError(RuntimeError):
@@ -48,14 +67,36 @@ class ShardUnavailableError(RuntimeError):
     http_status = 503
 
 
+@dataclass
+class Generation:
+    """One loaded version of the sharded snapshot on one rank."""
+
+    path: Path
+    manifest: dict[str, Any]
+    centroids: Optional[torch.Tensor]
+    shard_ids: list[int]
+    shards: list  # predictor.Snapshot per shard id
+
+
+def load_generation(path: str | Path, rank: int, world_size: int, backend: str = "auto", verify: bool = True) -> Generation:
+    """This rank's shards (r, r + W, ...) of the sharded snapshot at `path`, each verified alone."""
+    path = Path(path)
+    manifest, centroids = read_top(path, verify=verify)
+    count = len(manifest["config"]["shards"])
+    if not 1 <= world_size <= count:
+        raise ShardVerificationError(f"{world_size} ranks for {count} shards: run at most one rank per shard")
+    shard_ids = list(range(rank, count, world_size))
+    return Generation(path, manifest, centroids, shard_ids, [load_shard(path, manifest, i, backend, verify) for i in shard_ids])
+
+
 class ShardedRuntime:
-    """One rank of a sharded deployment. Rank 0 answers `search`; the other ranks run `serve()`.
+    """One rank of a sharded deployment. Rank 0 answers `search` (and `reload`); the other ranks run `serve()`.
 
     Args:
         path: sharded snapshot directory (top manifest).
         rank, world_size: this process and the group (world_size <= shard count).
         init_method: torch.distributed rendezvous ("env://" under torchrun, or tcp://HOST:PORT).
-        timeout_s: collective timeout of a request (payload broadcast, gather).
+        timeout_s: collective timeout of a request (the gather, an oversized payload's broadcast).
         backend: program backend of the shards ("auto" | "export" | "torchscript").
     Raises:
         ShardVerificationError: on every rank, when any rank's shard fails verification.
@@ -63,16 +104,13 @@ class ShardedRuntime:
 
     def __init__(self, path: str | Path, *, rank: int, world_size: int, init_method: str = "env://",
                  timeout_s: float = 5.0, backend: str = "auto", verify: bool = True):
-        self.path, self.rank, self.world_size, self.timeout_s = Path(path), rank, world_size, float(timeout_s)
+        self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
+        self.backend_name, self.verify = backend, verify
         self.dead: Optional[str] = None
-        error, self.shards = None, []
+        self._local_error: Optional[str] = None
+        error, gen = None, None
         try:
-            self.manifest, self.centroids = read_top(self.path, verify=verify)
-            count = len(self.manifest["config"]["shards"])
-            if not 1 <= world_size <= count:
-                raise ShardVerificationError(f"{world_size} ranks for {count} shards: run at most one rank per shard")
-            self.shard_ids = list(range(rank, count, world_size))
-            self.shards = [load_shard(self.path, self.manifest, i, backend, verify) for i in self.shard_ids]
+            gen = load_generation(path, rank, world_size, backend, verify)
         except SnapshotError as e:
             error = f"rank {rank}: {e}"
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=STARTUP_TIMEOUT)
@@ -82,86 +120,223 @@ class ShardedRuntime:
         if bad:
             dist.destroy_process_group()
             raise ShardVerificationError(f"refusing to start: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+        self.control = dist.new_group(timeout=CONTROL_TIMEOUT)
         self.data = dist.new_group(timeout=_dt.timedelta(seconds=self.timeout_s))
-        self.store = dist.distributed_c10d._get_default_store()  # the rendezvous store (private accessor)
+        self.gens: dict[int, Generation] = {0: gen}
+        self.current, self._next_gen = 0, 1
         self.requests = 0
-        cfg = self.manifest["config"]
-        self.kind, self.dim = cfg["base_kind"], int(cfg["dim"])
+        self._buf = torch.zeros(HEADER + INLINE, dtype=torch.uint8)  # the header broadcast, reused
+        self._hdr = self._buf[:HEADER].view(torch.int64)
+        self._lock = threading.Lock()  # one round at a time (batcher workers, reloads, keep-alive)
+        self._last = time.monotonic()
+        self._closed = threading.Event()
+        if rank == 0:
+            threading.Thread(target=self._keepalive, daemon=True, name="silverrec-keepalive").start()
+
+    # ------------------------------------------------------------------ generations
+
+    @property
+    def path(self) -> Path:
+        return self.gens[self.current].path
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.gens[self.current].manifest
+
+    @property
+    def shards(self) -> list:
+        return self.gens[self.current].shards
+
+    @property
+    def shard_ids(self) -> list[int]:
+        return self.gens[self.current].shard_ids
+
+    @property
+    def dim(self) -> int:
+        return int(self.manifest["config"]["dim"])
+
+    @property
+    def kind(self) -> str:
+        return self.manifest["config"]["base_kind"]
+
+    def view(self, gen: Optional[int] = None) -> "RuntimeView":
+        """Generation `gen` (default: the current one) behind the predictor surface (rank 0)."""
+        return RuntimeView(self, self.current if gen is None else gen)
 
     # ------------------------------------------------------------------ rank 0
 
-    def search(self, queries, k: int, **options: Any):
+    def search(self, queries, k: int, gen: Optional[int] = None, **options: Any):
         """Top-k over all shards on all ranks (rank 0 only) -> SearchResult; ShardUnavailableError
-        when a rank is gone."""
+        when a rank is gone. `gen`: the generation to answer from (default: the current one)."""
         from silverrec.serving.predictor import SearchResult
 
         if self.rank != 0:
             raise SilverrecError("only rank 0 answers requests; the other ranks run serve()")
+        gen = self.current if gen is None else gen
+        g = self.gens.get(gen)
         if isinstance(queries, np.ndarray):
             queries = torch.from_numpy(queries)
-        queries = check_queries(queries, self.dim)
-        check_k(k, self.manifest["item_count"])
+        dim = int((g or self.gens[self.current]).manifest["config"]["dim"])
+        queries = check_queries(queries, dim)
+        if g is not None:
+            check_k(k, g.manifest["item_count"])
         try:
             opts = json.dumps(options).encode()
         except TypeError:
             raise QueryError(f"search options must be JSON values (strings, ints, lists), got {sorted(options)}") from None
-        parts = self._round(OP_SEARCH, queries, k, opts)
+        parts = self._round(OP_SEARCH, queries, k, opts, gen)
         status = parts[:, 0]
-        if bool((status != 0).any()):
+        if bool((status == STATUS_RETIRED).any()):
+            raise ShardUnavailableError(f"snapshot generation {gen} was replaced by two reloads while this request "
+                                        "waited; retry")
+        if bool((status != STATUS_OK).any()):
             r = int(torch.nonzero(status)[0, 0])
-            raise QueryError(self._local_error if r == 0 else f"shards on rank {r} rejected the request")
+            raise QueryError(self._local_error if r == 0 and self._local_error else f"shards on rank {r} rejected the request")
         scores, ids = _unpack(parts[:, 1:], queries.shape[0], k)
         s, i = merge_topk(list(scores), list(ids), k)
         return SearchResult(item_ids=i, scores=s)
 
     def ping(self, batch: int, k: int) -> None:
         """One request's collectives with no search (the benchmark's collective cost)."""
-        self._round(OP_PING, torch.zeros(batch, self.dim), k, b"{}")
+        self._round(OP_PING, torch.zeros(batch, self.dim), k, b"{}", self.current)
 
-    def _round(self, op: int, queries: torch.Tensor, k: int, opts: bytes) -> torch.Tensor:
+    def reload(self, path: str | Path) -> "RuntimeView":
+        """Every rank loads and verifies its shards of `path`; all switch together, or none does.
+
+        Raises:
+            ShardVerificationError: a rank's shard failed (every rank keeps the old generation).
+            ShardUnavailableError: a rank is gone.
+        """
+        if self.rank != 0:
+            raise SilverrecError("only rank 0 starts a reload")
+        opts = json.dumps({"path": str(Path(path).resolve())}).encode()
+        with self._lock:
+            self._check_alive()
+            gen = self._next_gen
+            self._next_gen += 1
+            try:
+                late = self._send_header(OP_LOAD, 0, 0, opts, gen)
+                if late is not None:
+                    dist.broadcast(late, 0, group=self.data)
+                self._load_and_agree(gen, opts)
+            except RuntimeError as e:
+                if isinstance(e, ShardVerificationError):
+                    raise
+                raise self._fail(e) from None
+            return self.view(gen)
+
+    def _check_alive(self) -> None:
         if self.dead is not None:
             raise ShardUnavailableError(f"sharded runtime unavailable: {self.dead}")
+
+    def _fail(self, e: BaseException) -> ShardUnavailableError:
+        self.dead = f"a rank stopped answering ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+        return ShardUnavailableError(f"request failed: {self.dead}")
+
+    def _send_header(self, op: int, B: int, k: int, payload: bytes | torch.Tensor, gen: int) -> Optional[torch.Tensor]:
+        """Broadcast the header (and the payload inline when it fits) -> the payload still to send, or None."""
+        n = len(payload)
+        self._hdr[:5] = torch.tensor([op, B, k, n, gen], dtype=torch.int64)
+        late = None
+        if n <= INLINE:
+            if n:
+                src = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                self._buf[HEADER:HEADER + n] = src
+        else:
+            late = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        dist.broadcast(self._buf, 0, group=self.control)
+        return late
+
+    def _round(self, op: int, queries: torch.Tensor, k: int, opts: bytes, gen: int) -> torch.Tensor:
         B = queries.shape[0]
-        payload = torch.cat([queries.contiguous().view(torch.uint8).reshape(-1),
-                             torch.frombuffer(bytearray(opts), dtype=torch.uint8)])
-        try:
-            key = f"req/{self.requests}"
-            self.store.set(key, f"{op},{B},{k},{len(opts)}")
-            self.requests += 1
-            dist.broadcast(payload, 0, group=self.data)
-            mine = self._local(op, queries, k, opts)
-            out = [torch.empty_like(mine) for _ in range(self.world_size)]
-            dist.gather(mine, out, dst=0, group=self.data)
-            self.store.delete_key(key)  # every rank read it before the gather completed
-        except RuntimeError as e:  # gloo errors, timeouts, a closed connection
-            self.dead = f"a rank stopped answering ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-            raise ShardUnavailableError(f"request failed: {self.dead}") from None
+        q = queries.contiguous()
+        payload = torch.cat([q.view(torch.uint8).reshape(-1), torch.frombuffer(bytearray(opts), dtype=torch.uint8)])
+        with self._lock:
+            self._check_alive()
+            try:
+                late = self._send_header(op, B, k, payload, gen)
+                if late is not None:
+                    dist.broadcast(late, 0, group=self.data)
+                self.requests += 1
+                mine = self._local(op, q, k, opts, gen)
+                out = [torch.empty_like(mine) for _ in range(self.world_size)]
+                dist.gather(mine, out, dst=0, group=self.data)
+            except RuntimeError as e:  # gloo errors, timeouts, a closed connection
+                raise self._fail(e) from None
+            finally:
+                self._last = time.monotonic()
         return torch.stack(out)
+
+    def _keepalive(self) -> None:
+        while not self._closed.wait(min(60.0, KEEPALIVE_S)):
+            if self.dead is not None:
+                return
+            if time.monotonic() - self._last < KEEPALIVE_S:
+                continue
+            with self._lock:
+                if self._closed.is_set() or self.dead is not None:
+                    return
+                try:
+                    self._send_header(OP_NOOP, 0, 0, b"", self.current)
+                except RuntimeError as e:
+                    self._fail(e)
+                    return
+                self._last = time.monotonic()
 
     def close(self) -> None:
         """Stop the other ranks (rank 0) and leave the group."""
+        self._closed.set()
         if not dist.is_initialized():
             return
         if self.rank == 0 and self.dead is None:
-            self.store.set(f"req/{self.requests}", f"{OP_STOP},0,0,0")
-            dist.barrier(group=self.data)  # the others have read it: the store may go
+            with self._lock:
+                try:
+                    self._send_header(OP_STOP, 0, 0, b"", self.current)
+                    dist.barrier(group=self.data)  # the others have it before the connections close
+                except RuntimeError:
+                    pass
         dist.destroy_process_group()
 
     # ------------------------------------------------------------------ every rank
 
-    def _local(self, op: int, queries: torch.Tensor, k: int, opts: bytes) -> torch.Tensor:
+    def _load_and_agree(self, gen: int, opts: bytes) -> None:
+        """Load generation `gen` (its path in `opts`), exchange outcomes, switch together or drop it."""
+        error, new = None, None
+        try:
+            new = load_generation(json.loads(opts)["path"], self.rank, self.world_size, self.backend_name, self.verify)
+        except SnapshotError as e:
+            error = f"rank {self.rank}: {e}"
+        except Exception as e:  # noqa: BLE001  (any failure refuses the snapshot, on every rank)
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        errors: list = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.control)
+        bad = [e for e in errors if e is not None]
+        if bad:
+            raise ShardVerificationError(f"reload refused on every rank: {bad[0]}"
+                                         + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+        previous = self.current
+        self.gens = {g: v for g, v in self.gens.items() if g == previous}  # keep the previous for in-flight requests
+        self.gens[gen] = new
+        self.current = gen
+
+    def _local(self, op: int, queries: torch.Tensor, k: int, opts: bytes, gen: int) -> torch.Tensor:
         """This rank's part: int64 [1 + B*2k] = status, then its shards' merged top-k (packed)."""
         B = queries.shape[0]
         out = torch.zeros(1 + 2 * B * k, dtype=torch.int64)
         if op == OP_PING:
             return out
+        g = self.gens.get(gen)
+        if g is None:
+            out[0] = STATUS_RETIRED
+            return out
         self._local_error = None
         try:
             options = json.loads(opts)
+            cfg = g.manifest["config"]
             parts_s, parts_i = [], []
-            for i, snap in zip(self.shard_ids, self.shards):
-                rows = routed_rows(self.kind, self.centroids, self.manifest["config"]["shards"][i]["clusters"],
-                                   queries, options, int(self.manifest["config"].get("default_nprobe", 1)))
+            for i, snap in zip(g.shard_ids, g.shards):
+                rows = routed_rows(cfg["base_kind"], g.centroids, cfg["shards"][i]["clusters"], queries, options,
+                                   int(cfg.get("default_nprobe", 1)))
                 s, ids = shard_topk(snap, queries, k, options, rows)
                 parts_s.append(s)
                 parts_i.append(ids)
@@ -169,30 +344,70 @@ class ShardedRuntime:
             out[1:] = _pack(s, ids)
         except SilverrecError as e:
             self._local_error = str(e)
-            out[0] = 1
+            out[0] = STATUS_REJECTED
         return out
 
     def serve(self) -> None:
-        """Ranks > 0: answer rank 0's requests until it stops them (or dies)."""
+        """Ranks > 0: answer rank 0's requests until it stops them. Raises RuntimeError when rank 0 is gone."""
+        buf, hdr = self._buf, self._hdr
         while True:
-            key = f"req/{self.requests}"
-            while True:
-                try:
-                    self.store.wait([key], POLL)
-                    break
-                except RuntimeError as e:  # a timeout: keep waiting; anything else: rank 0 is gone
-                    if "imeout" not in str(e):
-                        raise
-            op, B, k, nopts = (int(x) for x in self.store.get(key).decode().split(","))
-            self.requests += 1
+            dist.broadcast(buf, 0, group=self.control)
+            op, B, k, n, gen = (int(x) for x in hdr[:5])
             if op == OP_STOP:
                 dist.barrier(group=self.data)
                 return
-            payload = torch.empty(B * self.dim * 4 + nopts, dtype=torch.uint8)
-            dist.broadcast(payload, 0, group=self.data)
-            queries = payload[: B * self.dim * 4].view(torch.float32).reshape(B, self.dim)
-            mine = self._local(op, queries, k, payload[B * self.dim * 4 :].numpy().tobytes())
+            if op == OP_NOOP:
+                continue
+            if n <= INLINE:
+                payload = buf[HEADER:HEADER + n].clone()
+            else:
+                payload = torch.empty(n, dtype=torch.uint8)
+                dist.broadcast(payload, 0, group=self.data)
+            if op == OP_LOAD:
+                try:
+                    self._load_and_agree(gen, payload.numpy().tobytes())
+                except ShardVerificationError:
+                    pass  # rank 0 reports it; every rank keeps the old generation
+                continue
+            self.requests += 1
+            qbytes = B * self.dim * 4 if gen not in self.gens else B * int(self.gens[gen].manifest["config"]["dim"]) * 4
+            queries = payload[:qbytes].view(torch.float32).reshape(B, -1)
+            mine = self._local(op, queries, k, payload[qbytes:].numpy().tobytes(), gen)
             dist.gather(mine, None, dst=0, group=self.data)
+
+
+class RuntimeView:
+    """One generation of a runtime behind the predictor surface that server.Served wraps (rank 0):
+    path, manifest, config, kind, backend, template, search."""
+
+    def __init__(self, runtime: ShardedRuntime, gen: int):
+        self.runtime, self.gen = runtime, gen
+        g = runtime.gens[gen]
+        self.path, self.manifest, self.centroids = g.path, g.manifest, g.centroids
+        self.template = g.shards[0]  # rank 0 holds shard 0: the global search config and filter vocabulary
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.manifest["config"]
+
+    @property
+    def kind(self) -> str:
+        return self.config["base_kind"]
+
+    @property
+    def backend(self) -> str:
+        return f"{self.template.backend} x {self.runtime.world_size} gloo ranks"
+
+    @property
+    def unavailable(self) -> Optional[str]:
+        """Why the runtime cannot answer (a rank is gone), or None."""
+        return self.runtime.dead
+
+    def search(self, queries, k: int, **options: Any):
+        return self.runtime.search(queries, k, gen=self.gen, **options)
+
+    def recommend(self, *args: Any, **kwargs: Any):
+        raise QueryError("sharded snapshots answer search requests; sharded recommendation models are not built yet")
 
 
 def spawn_workers(path: str | Path, world_size: int, init_method: str, timeout_s: float = 5.0, stderr=None) -> list:
@@ -218,6 +433,47 @@ def _unpack(packed: torch.Tensor, B: int, k: int) -> tuple[torch.Tensor, torch.T
     n = B * k
     scores = packed[:, :n].to(torch.int32).view(torch.float32).reshape(-1, B, k)
     return scores, packed[:, n:].reshape(-1, B, k)
+
+
+# ----------------------------------------------------------------------------------- HTTP launcher
+
+def served_view(runtime: ShardedRuntime, path: Optional[str | Path] = None):
+    """server.Served over the runtime's current generation, or over `path` after an all-or-none reload."""
+    from silverrec.serving.server import Served
+
+    served = Served(runtime.view() if path is None else runtime.reload(path))
+    served.smoke()
+    return served
+
+
+def serve_http(path: str | Path, config, *, rank: int, world_size: int, init_method: str = "env://",
+               timeout_s: float = 5.0) -> int:
+    """`silverrec serve DIR --sharded`: rank 0 runs server.py's app and batcher over the runtime
+    (`served_view`), reloads go through `ShardedRuntime.reload`; other ranks serve their shards.
+
+    Raises:
+        ShardVerificationError: on every rank, when any shard fails verification (nothing is bound).
+    """
+    from silverrec.serving.server import check_bind, serve
+
+    if rank == 0:
+        check_bind(config)
+    rt = ShardedRuntime(path, rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s)
+    try:
+        if rank != 0:
+            print(f"silverrec: rank {rank}/{world_size} serving shards {rt.shard_ids} of {rt.path}", file=sys.stderr, flush=True)
+            try:
+                rt.serve()
+            except RuntimeError as e:
+                rt.dead = "rank 0 is gone"
+                print(f"silverrec: rank {rank}: rank 0 is gone ({str(e).splitlines()[0][:200] if str(e) else ''})",
+                      file=sys.stderr, flush=True)
+                return 3
+            return 0
+        return serve(path, config, served=served_view(rt), loader=lambda p: served_view(rt, p))
+    finally:
+        if rt.dead is None or rank == 0:
+            rt.close()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

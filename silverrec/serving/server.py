@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -76,10 +76,13 @@ class ServeConfig:
 
 
 def snapshot_version(snap) -> str:
-    """The manifest's `version` if it records one, else `<directory name>@<manifest sha256 prefix>`."""
+    """The manifest's `version` if it records one, `<directory name>@<version id prefix>` for a sharded
+    snapshot (the id every shard carries), else `<directory name>@<manifest sha256 prefix>`."""
     version = snap.manifest.get("version")
     if version:
         return str(version)
+    if snap.manifest.get("kind") == "sharded" and snap.manifest["config"].get("version"):
+        return f"{Path(snap.path).name}@{str(snap.manifest['config']['version'])[:12]}"
     digest = hashlib.sha256(json.dumps(snap.manifest, sort_keys=True).encode()).hexdigest()[:12]
     return f"{Path(snap.path).name}@{digest}"
 
@@ -193,10 +196,16 @@ USER_FIELDS = ("user_id", "history", "features", "numeric", "filter", "exclude")
 # ----------------------------------------------------------------------------------- served model
 
 class Served:
-    """One loaded snapshot version: validates requests into (group key, payload) and runs groups."""
+    """One loaded snapshot version: validates requests into (group key, payload) and runs groups.
+
+    `snap` is a predictor.Snapshot, a sharded.ShardedSnapshot (one process) or a
+    distributed.RuntimeView (rank 0 of a sharded deployment): anything with path, manifest, config,
+    kind, backend and search(). A sharded one names a `template` shard whose config (nlist, probe
+    defaults) and filter vocabulary are the global ones, for validating requests."""
 
     def __init__(self, snap):
         self.snap = snap
+        self.template = getattr(snap, "template", snap)
         self.version = snapshot_version(snap)
         self.kind = snap.kind
         if self.kind == "rec":
@@ -204,7 +213,7 @@ class Served:
 
     # -------------------------------------------------------------- search
     def prepare_search(self, body) -> tuple[tuple, dict]:
-        snap, cfg = self.snap, self.snap.config
+        snap, cfg = self.snap, self.template.config
         if self.kind not in SEARCH_KINDS:
             raise QueryError(f"snapshot kind {self.kind!r} does not answer /v1/search (use /v1/recommend)")
         if not body.queries:
@@ -243,7 +252,7 @@ class Served:
         if max_probe is None:
             max_probe = max(nprobe, min(nlist, int(cfg["search"]["default_max_probe"])))
         max_probe = _check_int("max_probe", max_probe, nprobe, nlist)
-        plan = filter_plan(snap)
+        plan = filter_plan(self.template)
         for b, f in enumerate(filters):  # syntax errors (with position) and unknown features, per row
             if f is not None:
                 compile_request([f], plan)
@@ -508,10 +517,12 @@ class Gate:
 class Server:
     """State of one serving app: the served version, the batcher, metrics, reloads."""
 
-    def __init__(self, path: str | os.PathLike, config: ServeConfig, served: Optional[Served] = None):
+    def __init__(self, path: str | os.PathLike, config: ServeConfig, served: Optional[Served] = None,
+                 loader: Optional[Callable[[Path], Served]] = None):
         self.path = Path(path)
         self.config = config
-        self.current = served if served is not None else load_served(path)
+        self.loader = loader or load_served  # path -> a verified, smoke-tested Served (reloads)
+        self.current = served if served is not None else self.loader(self.path)
         self.metrics = Metrics()
         self.metrics.info.labels(self.current.version, self.current.kind).set(1)
         self.policy = TunePolicy.from_file(config.tune_file) if config.tune_file else None
@@ -554,7 +565,7 @@ class Server:
             old = self.current
             loop = asyncio.get_running_loop()
             try:
-                new = await loop.run_in_executor(self._reload_pool, load_served, target)
+                new = await loop.run_in_executor(self._reload_pool, self.loader, target)
             except Exception as e:  # noqa: BLE001  (any failure refuses the snapshot)
                 self.metrics.reloads.labels("refused").inc()
                 raise SnapshotError(f"snapshot {target} refused, still serving {old.version}: "
@@ -589,6 +600,12 @@ class Server:
             return _error(504, f"deadline of {deadline_ms:g} ms exceeded: {e}", served.version)
         except QueryError as e:
             return _error(400, str(e), served.version)
+        except Exception as e:  # noqa: BLE001  (errors that name their status: a sharded rank gone -> 503)
+            status = getattr(e, "http_status", None)
+            if status is None:
+                raise
+            self.metrics.rejections.labels("unavailable").inc()
+            return _error(int(status), str(e), served.version, {"Retry-After": "1"})
         finally:
             self.metrics.in_flight.dec()
             self.metrics.queue.set(self.batcher.queue_depth)
@@ -623,13 +640,15 @@ def _error(status: int, message: str, version: str, headers: Optional[dict] = No
     return _json({"detail": message, "version": version}, version, status, headers)
 
 
-def create_app(path: str | os.PathLike, config: Optional[ServeConfig] = None, served: Optional[Served] = None):
-    """The FastAPI app serving the snapshot at `path` (loaded and smoke-tested now)."""
+def create_app(path: str | os.PathLike, config: Optional[ServeConfig] = None, served: Optional[Served] = None,
+               loader: Optional[Callable[[Path], Served]] = None):
+    """The FastAPI app serving the snapshot at `path` (loaded and smoke-tested now, unless `served`
+    is given). `loader(path) -> Served` loads for reloads (default `load_served`)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
 
     config = config or ServeConfig()
-    server = Server(path, config, served)
+    server = Server(path, config, served, loader)
     SearchBody, UserBody, RecommendBody, RankBody, ReloadBody = _models()
 
     @contextlib.asynccontextmanager
@@ -683,6 +702,9 @@ def create_app(path: str | os.PathLike, config: Optional[ServeConfig] = None, se
     async def readyz():
         if not server.ready:
             return _error(503, "not ready (starting or shutting down)", server.version)
+        gone = getattr(server.current.snap, "unavailable", None)  # a sharded runtime whose rank is gone
+        if gone:
+            return _error(503, f"not ready: {gone}", server.version)
         return _json({"status": "ready", "version": server.version}, server.version)
 
     @app.get("/v1/model")
@@ -782,11 +804,11 @@ def _uvicorn_server(app, log_level: str = "warning"):
 
 
 def start_in_thread(path: str | os.PathLike, config: Optional[ServeConfig] = None, served: Optional[Served] = None,
-                    timeout: float = 60.0) -> Running:
+                    timeout: float = 60.0, loader: Optional[Callable[[Path], Served]] = None) -> Running:
     """Start a server on (config.host, config.port; 0 = ephemeral) in a daemon thread; wait until ready."""
     config = config or ServeConfig(port=0)
     check_bind(config)
-    app = create_app(path, config, served)
+    app = create_app(path, config, served, loader)
     sock = bind(config.host, config.port)
     server = _uvicorn_server(app)
     run = Running(app, sock, server)
@@ -802,14 +824,16 @@ def start_in_thread(path: str | os.PathLike, config: Optional[ServeConfig] = Non
     return run
 
 
-def serve(path: str | os.PathLike, config: ServeConfig) -> int:
-    """Run in the foreground until SIGINT/SIGTERM; in-flight requests finish before exit."""
+def serve(path: str | os.PathLike, config: ServeConfig, served: Optional[Served] = None,
+          loader: Optional[Callable[[Path], Served]] = None) -> int:
+    """Run in the foreground until SIGINT/SIGTERM; in-flight requests finish before exit.
+    `served` / `loader`: as create_app (the sharded launcher passes the distributed runtime's)."""
     check_bind(config)
-    app = create_app(path, config)
+    app = create_app(path, config, served, loader)
     sock = bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     srv = app.server.current
-    print(f"silverrec: serving {srv.kind} snapshot {srv.version} on http://{host}:{port} "
+    print(f"silverrec: serving {srv.kind} snapshot {srv.version} ({srv.snap.backend}) on http://{host}:{port} "
           f"(max batch {config.max_batch}, max wait {config.max_wait_ms:g} ms, workers {config.workers}, "
           f"threads {config.threads or torch.get_num_threads()}{', tune ' + config.tune_file if config.tune_file else ''})",
           file=sys.stderr, flush=True)

@@ -161,6 +161,12 @@ class ShardedSnapshot:
     def backend(self) -> str:
         return self.shards[0].backend
 
+    @property
+    def template(self):
+        """Shard 0: its config (nlist, probe defaults) and filter vocabulary are the global ones
+        (every shard keeps them), so the server validates requests against it."""
+        return self.shards[0]
+
     def owned_clusters(self, i: int) -> Optional[list[int]]:
         return self.config["shards"][i]["clusters"]
 
