@@ -3,6 +3,7 @@ collectives, the merge's growth with k, measured bytes per item by part, and a c
 100M and 1B items.
 
     .venv/bin/python benchmarks/shards.py [--items 100000] [--dim 64] [--quick]
+    .venv/bin/python benchmarks/shards.py --shards 1,2 --splits items --items 50000   # the collectives at 2 shards
 
 Limits: this machine has 2 CPU cores, so 2 ranks already share them with the front end and 4
 ranks oversubscribe them (every process, one-process runs included, gets 1 intra-op thread); the machine is also shared
@@ -96,7 +97,12 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=100_000)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="50k items, fewer repeats")
+    ap.add_argument("--shards", default="1,2,4", help="shard counts to run (default 1,2,4)")
+    ap.add_argument("--splits", default="items,clusters", help="splits to run above 1 shard (default items,clusters)")
     args = ap.parse_args()
+    counts = [int(x) for x in args.shards.split(",")]
+    splits = tuple(args.splits.split(","))
+    partial = counts != [1, 2, 4] or splits != ("items", "clusters")
     torch.set_num_threads(1)  # every process (front end and ranks) one intra-op thread: 2 cores shared
     os.environ["OMP_NUM_THREADS"] = "1"
     n = 50_000 if args.quick else args.items
@@ -108,8 +114,9 @@ def main() -> None:
     rows, root = [], Path(tempfile.mkdtemp(prefix="shards-bench-"))
     os.environ["SILVERREC_QUIET"] = "1"
     reference = None
-    for shards in (1, 2, 4):
-        for by in (("items",) if shards == 1 else ("items", "clusters")):
+    load_before = os.getloadavg()
+    for shards in counts:
+        for by in (("items",) if shards == 1 else splits):
             t = time.perf_counter()
             path = publish_sharded(pool, root / f"s{shards}_{by}", kind="filtered_ivf", spec=ShardSpec(shards, by),
                                    config=cfg, torchscript=False)
@@ -139,7 +146,7 @@ def main() -> None:
                 try:
                     assert torch.equal(rt.search(queries, K).item_ids, res.item_ids)
                     m = measure(lambda: rt.search(queries, K), repeat=repeat, warmup=3)
-                    ping = measure(lambda: rt.ping(BATCH, K), repeat=200, warmup=20)
+                    ping = measure(lambda: rt.ping(BATCH, K), repeat=500, warmup=20)
                     rows.append({"shards": shards, "shard_by": by, "mode": f"{shards} gloo ranks", "nprobe": nprobe,
                                  "median_ms": m["median_ms"], "p20_ms": m["p20_ms"], "p80_ms": m["p80_ms"],
                                  "qps": BATCH / m["median_ms"] * 1e3, "collective_ms": ping["median_ms"],
@@ -150,6 +157,13 @@ def main() -> None:
                         p.wait(timeout=60)
     print_table(rows, ["shards", "shard_by", "mode", "median_ms", "p80_ms", "qps", "collective_ms", "imbalance",
                        "shards_per_query", "shards_per_batch", "same_scores_as_1_shard"])
+    load_after = os.getloadavg()
+    print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}")
+    if partial:
+        write_results("shards_partial", {"items": n, "dim": args.dim, "batch": BATCH, "k": K, "shards": counts,
+                                         "splits": list(splits), "cores": os.cpu_count(),
+                                         "loadavg_before": load_before, "loadavg_after": load_after}, rows)
+        return
 
     merge_rows = []
     for k in (10, 100, 1000, 10000):
@@ -167,7 +181,8 @@ def main() -> None:
         print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in c.items()})
     write_results("shards_quick" if args.quick else "shards",
                   {"items": n, "dim": args.dim, "batch": BATCH, "k": K, "kind": "filtered_ivf (unfiltered requests)",
-                   "nlist": int(shard0.config["nlist"]), "cores": os.cpu_count()},
+                   "nlist": int(shard0.config["nlist"]), "cores": os.cpu_count(),
+                   "loadavg_before": load_before, "loadavg_after": load_after},
                   rows + [{"merge": r} for r in merge_rows]
                   + [{"bytes_per_item_measured": per_item, "measured_dim": args.dim}] + [{"capacity": c} for c in model])
 
