@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/quality.py [--seeds 0 1 2] [--steps 1500] [--overarch-steps 150]
 
 For each seed: the logs' timestamp ties are shuffled with that seed (so the held-out items differ),
-the model is trained with that seed (two-tower + MLP and MoL OverArch, `silverrec.publish.train`),
+the model is trained with that seed (two-tower + MLP, MoL and list-wise OverArch,
+`silverrec.publish.train`),
 composed as it would be published (MoL OverArch, value model 1.0 * interacted + 0.5 * liked), and
 every row of `publish.quality.quality_table` is measured under the leave-one-out protocol (test
 stage, full ranking, history masked). Writes benchmarks/results/quality.json with each seed's rows
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         t0 = time.perf_counter()
         cfg = TrainConfig(interactions=str(inter), items=str(items), steps=args.steps,
-                          overarch_steps=args.overarch_steps, seed=seed,
+                          overarch_steps=args.overarch_steps, seed=seed, overarch=["mlp", "mol", "listwise"],
                           tasks=[TaskSpec("interacted"), TaskSpec("liked", "rating", 4.0)])
         ckpt = train(cfg, work / f"seed{seed}.ckpt", quiet_eval=True)
         split = leave_one_out(read_logs(inter, items, seed=seed))

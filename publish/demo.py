@@ -39,7 +39,7 @@ history_len = 50
 recent_len = 5
 minutes = {minutes}            # two-tower budget
 overarch_minutes = {overarch_minutes}   # per OverArch kind
-overarch = ["mlp", "mol"]
+overarch = ["mlp", "mol", "listwise"]
 k0 = 200
 seed = {seed}
 

@@ -9,7 +9,7 @@ and ranks the held-out item in that list (`ranks_from_topk`: absent = a miss).
     two-tower exact                           float user tower . float item embeddings, full ranking
     IVF                                       int8 IVF scan of task 0, its top-100
     IVF + re-score                            candidates re-scored exactly from the embedding cache
-    + OverArch MLP / + MoL                    the OverArch's task-0 score over the same candidates
+    + OverArch MLP / + MoL / + list-wise      the OverArch's task-0 score over the same candidates
     multi-task + value model                  the published configuration
 """
 
@@ -117,7 +117,7 @@ def quality_table(ckpt: dict, built, split: Split, stage: str = "test", baseline
         return h
 
     timed("IVF + re-score", lambda: evaluate_handler(variant(None, None), split, stage))
-    for kind, label in (("mlp", "+ OverArch MLP"), ("mol", "+ MoL")):
+    for kind, label in (("mlp", "+ OverArch MLP"), ("mol", "+ MoL"), ("listwise", "+ list-wise OverArch")):
         if kind in ckpt["overarch"]:
             entry = ckpt["overarch"][kind]
             arch = overarch_from_config(kind, entry["config"])

@@ -87,9 +87,11 @@ class TrainConfig:
         names = [t.name for t in self.tasks]
         if len(set(names)) != len(names):
             raise ConfigError(f"duplicate task name in {names}")
-        bad = [k for k in self.overarch if k not in ("mlp", "mol")]
+        from silverrec.ranking.overarch import OVERARCHES
+
+        bad = [k for k in self.overarch if k not in OVERARCHES]
         if bad:
-            raise ConfigError(f"unknown overarch kind {bad[0]!r}: use 'mlp' or 'mol'")
+            raise ConfigError(f"unknown overarch kind {bad[0]!r}: use one of {', '.join(OVERARCHES)}")
         if self.stage not in ("test", "valid"):
             raise ConfigError(f"stage must be 'test' or 'valid', got {self.stage!r}")
         for name in ("dim", "history_len", "recent_len", "batch", "negatives", "k0"):
@@ -246,14 +248,15 @@ def exact_metrics(user: UserTower, encoder: FeatureEncoder, item_emb: torch.Tens
 
 
 def build_overarch(kind: str, dim: int, feat_dim: int, tasks: int) -> torch.nn.Module:
-    from silverrec.ranking.overarch import MLPOverArch, MoLOverArch
+    from silverrec.ranking.overarch import OVERARCHES
 
-    return MLPOverArch(dim, feat_dim, tasks) if kind == "mlp" else MoLOverArch(dim, feat_dim, tasks)
+    return OVERARCHES[kind](dim, feat_dim, tasks)
 
 
 def train_overarch(kind: str, cfg: TrainConfig, ex: Examples, user: UserTower, encoder: FeatureEncoder,
                    item_emb: torch.Tensor, item_feats: torch.Tensor, max_steps: int | None = None) -> tuple[torch.nn.Module, dict]:
-    """OverArch on the two-tower's own top-K0 candidates (history items masked, as served)."""
+    """OverArch on the two-tower's own top-K0 candidates (history items masked, as served): a pointwise
+    kind sees the target and `overarch_negatives` of the others, a list-wise kind the whole list."""
     T = len(cfg.tasks)
     model = build_overarch(kind, item_emb.shape[1], item_feats.shape[1], T)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -279,9 +282,11 @@ def train_overarch(kind: str, cfg: TrainConfig, ex: Examples, user: UserTower, e
         if not bool(keep.any()):
             return float("nan")
         cands, hit, u = cands[keep], hit[keep], u[keep]
-        # the target first, then overarch_negatives of the other candidates, drawn at random
+        # the target first, then overarch_negatives of the other candidates, drawn at random (all of
+        # them for a list-wise OverArch, whose scores depend on the list it sees)
         draw = torch.rand(cands.shape, generator=gen).masked_fill(hit, -1.0)
-        pick = draw.topk(min(cands.shape[1], cfg.overarch_negatives + 1), dim=1, largest=False).indices
+        size = cands.shape[1] if kind == "listwise" else min(cands.shape[1], cfg.overarch_negatives + 1)
+        pick = draw.topk(size, dim=1, largest=False).indices
         cands = cands.gather(1, pick)
         w = torch.from_numpy(ex.weights[idx])[keep]  # [b, T]
         logits = model(u, cache_emb[cands], item_feats[cands])  # [b, 1 + negatives, T]
@@ -383,9 +388,9 @@ def rebuild_item_tower(ckpt: dict) -> ItemTower:
 
 
 def rebuild_overarch(ckpt: dict, kind: str) -> torch.nn.Module:
-    from silverrec.ranking.overarch import MLPOverArch, MoLOverArch
+    from silverrec.ranking.overarch import overarch_from_config
 
     entry = ckpt["overarch"][kind]
-    model = (MLPOverArch if kind == "mlp" else MoLOverArch)(**entry["config"])
+    model = overarch_from_config(kind, entry["config"])
     model.load_state_dict(entry["state"])
     return model.eval()

@@ -5,7 +5,7 @@
       -> filtered int8 IVF search (K0 + overfetch rows per task) -> rows [B*T, K0 + overfetch]
       -> drop excluded rows; embedding cache: exact re-score, each task's best K0
       -> merge tasks (union or intersection), dedupe          -> rows [B, C = T*K0]
-      -> OverArch (MLP | mixture-of-logits; its item side cached) -> task scores [B, C, T]
+      -> OverArch (MLP | mixture-of-logits | list-wise; its item side cached) -> task scores [B, C, T]
       -> value model (compiled formula)                       -> value [B, C]
       -> top-k rows -> item ids
 
@@ -109,7 +109,7 @@ class RecModel(nn.Module):
         at padding, task scores float32 [B, C, T])."""
         emb, feats, ranker, scores = self.cache(user, rows)
         if self.has_overarch:
-            scores = self.overarch.score(user, emb, ranker)
+            scores = self.overarch.score(user, emb, ranker, rows >= 0)
         if self.has_value_model:
             value = self.value_model(scores, feats)
         else:

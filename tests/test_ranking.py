@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.export import Dim
 
 from silverrec.errors import PoolError
-from silverrec.ranking import EmbeddingCache, MLPOverArch, MoLOverArch, overarch_from_config
+from silverrec.ranking import EmbeddingCache, ListwiseOverArch, MLPOverArch, MoLOverArch, overarch_from_config
 from silverrec.snapshot import export_program
 
 N, D, T, FEAT = 40, 8, 2, 3
@@ -204,9 +204,39 @@ def _mol_loop(module: MoLOverArch, user, cand, feats) -> torch.Tensor:
     return out
 
 
+def listwise_reference(module: ListwiseOverArch, user, cand, feats, valid) -> torch.Tensor:
+    """The list-wise OverArch one request at a time in float64, straight from its definition, run
+    on the valid candidates only (padding removed, not masked) -> [B, K, T], NaN at padding."""
+    out = torch.full((cand.shape[0], cand.shape[1], module.tasks), math.nan, dtype=torch.float64)
+    m = {k: v.detach().double() for k, v in module.state_dict().items()}
+
+    def ln(x, name):
+        return F.layer_norm(x, x.shape[-1:], m[name + ".weight"], m[name + ".bias"])
+
+    for b in range(cand.shape[0]):
+        keep = valid[b].nonzero().reshape(-1)
+        v, f, u = cand[b, keep].double(), feats[b, keep].double(), user[b].double()
+        x = torch.cat([u @ m["user_in.weight"].T + m["user_in.bias"] + m["task_token"],
+                       torch.cat([v, f], 1) @ m["item_in.weight"].T + m["item_in.bias"]])  # [T + k, M]
+        for i in range(module.layers):
+            p = f"blocks.{i}."
+            qkv = (ln(x, p + "norm1") @ m[p + "qkv.weight"].T + m[p + "qkv.bias"]).reshape(len(x), 3, module.heads, -1)
+            heads = []
+            for h in range(module.heads):
+                q, k_, v_ = qkv[:, 0, h], qkv[:, 1, h], qkv[:, 2, h]
+                heads.append(torch.softmax(q @ k_.T / math.sqrt(q.shape[1]), dim=1) @ v_)
+            x = x + torch.cat(heads, 1) @ m[p + "proj.weight"].T + m[p + "proj.bias"]
+            hid = F.gelu(ln(x, p + "norm2") @ m[p + "ffn_in.weight"].T + m[p + "ffn_in.bias"])
+            x = x + hid @ m[p + "ffn_out.weight"].T + m[p + "ffn_out.bias"]
+        h = ln(x[module.tasks:], "out_norm")
+        out[b, keep] = h @ m["head_weight"].T + m["head_bias"] + (v @ u.T) * m["dot_scale"]
+    return out
+
+
 def _kinds(feat_dim=FEAT):
     return [MLPOverArch(D, feat_dim, T, hidden=(16, 12)),
-            MoLOverArch(D, feat_dim, T, p_q=2, p_x=3, comp_dim=4, gate_hidden=10)]
+            MoLOverArch(D, feat_dim, T, p_q=2, p_x=3, comp_dim=4, gate_hidden=10),
+            ListwiseOverArch(D, feat_dim, T, model_dim=8, heads=2, layers=2, ffn=12)]
 
 
 @pytest.mark.parametrize("feat_dim", [FEAT, 0])
@@ -236,7 +266,32 @@ def test_mol_matches_loop_reference(feat_dim):
     torch.testing.assert_close(module(*args).double(), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "mol"])
+@pytest.mark.parametrize("feat_dim", [FEAT, 0])
+def test_listwise_matches_reference_and_ignores_padding(feat_dim):
+    module = ListwiseOverArch(D, feat_dim, T, model_dim=8, heads=2, layers=2, ffn=12).double()
+    with torch.no_grad():  # off the init (LayerNorm weights 1, biases 0) so the test sees every parameter
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    user, cand, feats = [x.double() for x in _inputs(3, 7, feat_dim)]
+    valid = torch.rand(3, 7, generator=torch.Generator().manual_seed(4)) < 0.6
+    valid[0] = True  # a full list
+    valid[1, :] = False
+    valid[1, 3] = True  # a list of one
+    got = module.score(user, cand, module.item_side(cand, feats), valid)  # float64 math, float32 out
+    ref = listwise_reference(module, user, cand, feats, valid)
+    torch.testing.assert_close(got[valid].double(), ref[valid], rtol=1e-6, atol=1e-6)
+    # what sits in a padding slot never changes a valid candidate's score
+    junk = torch.where(valid[:, :, None], cand, torch.randn_like(cand) * 50)
+    again = module.score(user, junk, module.item_side(junk, feats), valid)
+    torch.testing.assert_close(again[valid], got[valid], rtol=1e-6, atol=1e-6)
+    # and the list matters: dropping one valid candidate moves the others' scores
+    fewer = valid.clone()
+    fewer[0, 0] = False
+    moved = module.score(user, cand, module.item_side(cand, feats), fewer)
+    assert float((moved[0, 1:] - got[0, 1:]).abs().max()) > 1e-6
+
+
+@pytest.mark.parametrize("kind", ["mlp", "mol", "listwise"])
 def test_overarch_script_and_export_equal_eager(kind):
     module = {m.kind: m for m in _kinds()}[kind].eval()
     scripted = _script_roundtrip(module)
@@ -251,7 +306,7 @@ def test_overarch_script_and_export_equal_eager(kind):
         torch.testing.assert_close(exported(*args), want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "mol"])
+@pytest.mark.parametrize("kind", ["mlp", "mol", "listwise"])
 def test_overarch_bf16_eager(kind):
     module = {m.kind: m for m in _kinds()}[kind]
     args = _inputs(3, 7)
@@ -261,7 +316,7 @@ def test_overarch_bf16_eager(kind):
     assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max()) + 0.05
 
 
-@pytest.mark.parametrize("kind", ["mlp", "mol"])
+@pytest.mark.parametrize("kind", ["mlp", "mol", "listwise"])
 def test_overarch_config_rebuilds(kind):
     module = {m.kind: m for m in _kinds()}[kind]
     cfg = json.loads(json.dumps(module.config()))
@@ -274,7 +329,7 @@ def test_overarch_config_rebuilds(kind):
         overarch_from_config("dlrm", cfg)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "mol"])
+@pytest.mark.parametrize("kind", ["mlp", "mol", "listwise"])
 def test_overarch_every_parameter_trains(kind):
     module = {m.kind: m for m in _kinds()}[kind]
     user, cand, feats = _inputs(3, 7)

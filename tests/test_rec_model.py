@@ -16,6 +16,7 @@ import torch
 from silverrec.filtering.filter_program import compile_request
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.filtering.forward_index import ForwardIndex
+from silverrec.ranking import ListwiseOverArch
 from silverrec.ranking.value_model import evaluate_formula
 from silverrec.rec_model import RecModel, merge_rows
 from silverrec.serving.recommend import RecRequest
@@ -168,16 +169,47 @@ def test_export_equals_eager_equals_torchscript(rec, case):
     assert bool((eager[0] >= 0).any(dim=1).all()), "every request got items"
 
 
+def test_listwise_variant_exports_equal_to_eager(rec):
+    """A RecModel with a list-wise OverArch (attention over its padded candidate list) exports with
+    the same dynamic shapes as the published one and answers as its eager self."""
+    from silverrec.publish.rec import dynamic_shapes, example_request
+    from silverrec.retrieval.user_tower import UserFeatureSpec
+    from silverrec.snapshot import export_program
+
+    model = listwise_variant(rec.built)
+    spec = UserFeatureSpec.from_json(rec.built.manifest["user_features"])
+    program = export_program(model, example_request(model, spec, model.cache.dim), dynamic_shapes(len(spec.keys))).module()
+    handler = rec.snap().rec_handler()
+    for case in ("b1", "b3-filter"):
+        args = model_inputs(handler, _three_way_cases(rec)[case], k=12, nprobe=2, max_probe=NLIST)
+        eager, got = run(model, args), run(program, args)
+        torch.testing.assert_close(got[0], eager[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], eager[1], rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------- OverArch / value model reorder only
 
-def test_overarch_only_reorders_the_candidates(rec):
+def listwise_variant(built) -> RecModel:
+    """The published model with an (untrained, randomised) list-wise OverArch in place of its own."""
+    m = built.model
+    arch = ListwiseOverArch(m.cache.dim, len(m.cache.feature_names), T, model_dim=16, heads=2, layers=1, ffn=16)
+    with torch.no_grad():
+        for p in arch.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    return variant(built, arch.eval(), m.value_model)
+
+
+@pytest.mark.parametrize("ranker", ["published", "listwise"])
+def test_overarch_only_reorders_the_candidates(rec, ranker):
     """With k = T*k0 (every candidate returned) the item set does not depend on the ranking
-    stage; the order is the value model's score of each candidate, computed here in Python."""
+    stage; the order is the value model's score of each candidate, computed here in Python
+    (for the list-wise OverArch: over the list of every returned candidate, in another order)."""
     built, handler = rec.built, rec.snap().rec_handler()
+    model = built.model if ranker == "published" else listwise_variant(built)
     requests = [{"user_id": u} for u in users(rec, 3, start=5)] + [{"user_id": users(rec, 1, 9)[0], "filter": "tags = t4"}]
     k = T * K0
     args = model_inputs(handler, requests, k=k, nprobe=3)
-    full = run(built.model, args)
+    full = run(model, args)
     plain = run(variant(built), args)
     names = built.model.cache.feature_names
     with torch.inference_mode():
@@ -189,9 +221,9 @@ def test_overarch_only_reorders_the_candidates(rec):
         rows = full[3][b][full[3][b] >= 0]
         with torch.inference_mode():
             emb, feats = built.model.cache.gather(rows[None])
-            arch = built.model.overarch  # its item side, as the snapshot stores it: rounded to bf16
+            arch = model.overarch  # its item side, as the snapshot stores it: rounded to bf16
             item = arch.item_side(emb, feats).to(torch.bfloat16).float()
-            ts = arch.score(user[b:b + 1], emb, item)[0].numpy()
+            ts = arch.score(user[b:b + 1], emb, item, rows[None] >= 0)[0].numpy()
         ref = {int(i): formula_value(ts[j], feats[0, j].numpy(), names)
                for j, i in enumerate(got[got >= 0].tolist())}
         assert_ranked_by(got[got >= 0].tolist(), full[1][b][got >= 0].tolist(), ref, atol=1e-4)

@@ -32,6 +32,7 @@ from silverrec.publish.train import (
     train,
 )
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
+from silverrec.serving.recommend import RecHandler
 
 from tests.rec_fixtures import N_ITEMS, NLIST, OVERARCH_STEPS, TASKS, TRAIN_STEPS, TRAIN_TOML, make_logs, rec_setup, write_logs
 
@@ -186,10 +187,14 @@ def test_bad_rank_requests(rec):
     unknown = int(rec.logs.item_ids.max()) + 5
     with pytest.raises(QueryError, match=rf"items: unknown item id {unknown} \(position 2\)"):
         snap.rank({"user_id": u}, good[:2] + [unknown])
-    with pytest.raises(QueryError, match="rank takes 1 to .* item ids, got 0"):
+    with pytest.raises(QueryError, match="rank takes 1 to .* item ids .*, got 0"):
         snap.rank({"user_id": u}, [])
     with pytest.raises(QueryError, match="unknown user_id 7"):
         snap.rank({"user_id": 7}, good)
+    listwise = RecHandler(dict(snap.config, overarch="listwise"), snap.module, rec.built.row_to_item,
+                          rec.built.item_csr, rec.built.users)  # a list-wise OverArch attends over the list
+    with pytest.raises(QueryError, match=r"rank takes 1 to 4096 item ids with this snapshot's OverArch \(listwise\), got 4097"):
+        listwise.rank({"user_id": u}, [good[0]] * 4097)
 
 
 # ------------------------------------------------------------------------------- bad train files
@@ -202,6 +207,23 @@ def test_train_config_with_an_unknown_key(rec, tmp_path):
     path.write_text(rec.train_toml.read_text() + "\n[[tasks]]\nname = \"liked\"\n")
     with pytest.raises(ConfigError, match="duplicate task name"):
         TrainConfig.from_toml(path)
+
+
+def test_trainer_trains_a_listwise_overarch_on_whole_candidate_lists(rec, tmp_path):
+    from silverrec.publish.train import rebuild_overarch
+
+    inter, items = write_logs(make_logs(), tmp_path)
+    cfg = TrainConfig(interactions=str(inter), items=str(items), dim=8, batch=16, negatives=8, k0=6,
+                      steps=3, overarch_steps=4, overarch=["listwise"], overarch_negatives=1)
+    ckpt = train(cfg, None, max_steps=4, quiet_eval=True)
+    assert ckpt["stats"]["overarch_listwise"]["steps"] == 4
+    arch = rebuild_overarch(ckpt, "listwise")
+    assert arch.kind == "listwise" and arch.config()["tasks"] == 1
+    user, cand = torch.randn(2, 1, 8), torch.randn(2, 6, 8)
+    feats = torch.zeros(2, 6, ckpt["item_dense"].shape[1])
+    assert arch(user, cand, feats).shape == (2, 6, 1)
+    with pytest.raises(ConfigError, match="unknown overarch kind 'dlrm': use one of mlp, mol, listwise"):
+        TrainConfig(interactions=str(inter), items=str(items), overarch=["dlrm"])
 
 
 def test_task_naming_a_missing_label_column(rec, tmp_path):

@@ -21,6 +21,11 @@ rebuilds an untrained module of the same shape, to load a state dict into.
 - MLPOverArch: x_t = [u_t, v, u_t * v, feats] -> shared ReLU MLP trunk -> per-task linear head.
 - MoLOverArch: mixture of logits (Zhai et al., KDD 2023, "Revisiting Neural Retrieval on
   Accelerators"): gated sum of cosine similarities between user and item components.
+- ListwiseOverArch: a small transformer over the whole candidate list with the user's T task
+  embeddings as extra tokens, so a candidate's score depends on the other candidates.
+
+`score` takes `valid` bool [B, K] (False = padding slot): the list-wise kind masks padding out of
+its attention; the pointwise kinds ignore it (their padded scores are masked by the caller).
 """
 
 
@@ -87,8 +92,9 @@ class MLPOverArch(nn.Module):
         d = self.dim
         return F.linear(cand.to(w.dtype), w[:, d : 2 * d]) + F.linear(feats.to(w.dtype), w[:, 3 * d :], self.first.bias)
 
-    def score(self, user: Tensor, cand: Tensor, item: Tensor) -> Tensor:
-        """user float32 [B, T, D], cand [B, K, D], item [B, K, H0] (`item_side`) -> float32 [B, K, T]."""
+    def score(self, user: Tensor, cand: Tensor, item: Tensor, valid: Tensor) -> Tensor:
+        """user float32 [B, T, D], cand [B, K, D], item [B, K, H0] (`item_side`), valid (unused) ->
+        float32 [B, K, T]."""
         w = self.first.weight
         d = self.dim
         user = user.to(w.dtype)
@@ -106,7 +112,7 @@ class MLPOverArch(nn.Module):
 
     def forward(self, user: Tensor, cand: Tensor, feats: Tensor) -> Tensor:
         """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]."""
-        return self.score(user, cand, self.item_side(cand, feats))
+        return self.score(user, cand, self.item_side(cand, feats), _all_valid(cand))
 
 
 class MoLOverArch(nn.Module):
@@ -216,8 +222,9 @@ class MoLOverArch(nn.Module):
         logits = logits.unflatten(2, [self.tasks, self.p_q])  # [B, K, T, p_q, p_x]
         return logits.flatten(-2)  # [B, K, T, p_q * p_x]
 
-    def score(self, user: Tensor, cand: Tensor, item: Tensor) -> Tensor:
-        """user float32 [B, T, D], cand [B, K, D], item [B, K, E] (`item_side`) -> float32 [B, K, T]."""
+    def score(self, user: Tensor, cand: Tensor, item: Tensor, valid: Tensor) -> Tensor:
+        """user float32 [B, T, D], cand [B, K, D], item [B, K, E] (`item_side`), valid (unused) ->
+        float32 [B, K, T]."""
         w = self.gate_in.weight  # [H, 2D + F + P]
         d, f = self.dim, self.feat_dim
         user = user.to(w.dtype)
@@ -240,14 +247,120 @@ class MoLOverArch(nn.Module):
 
     def forward(self, user: Tensor, cand: Tensor, feats: Tensor) -> Tensor:
         """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]."""
-        return self.score(user, cand, self.item_side(cand, feats))
+        return self.score(user, cand, self.item_side(cand, feats), _all_valid(cand))
 
 
-OVERARCHES = {"mlp": MLPOverArch, "mol": MoLOverArch}
+class ListwiseOverArch(nn.Module):
+    """A pre-LN transformer over [T user tokens, K candidate tokens]; scores read off the candidates.
+
+        item token  x_k = W_i [v_k, f_k] + b_i                 (`item_side`, once per item)
+        user tokens z_t = W_u u_t + b_u + e_t                  (e_t: a learned token per task)
+        S = [z_1..z_T, x_1..x_K] -> `layers` x (S += MHA(LN S), padding masked; S += FFN(LN S))
+        score_t(k) = <w_t, LN(S_{T+k})> + c_t + r_t <u_t, v_k>
+
+    Every candidate attends to the user tokens and to the other valid candidates, so the model can
+    learn list-level effects (redundancy, the list's spread) that pointwise scorers cannot. The
+    residual r_t <u_t, v_k> (initially `dot_scale`) starts it at the retrieval order, as in the
+    other kinds. Attention is quadratic in the list length: it ranks retrieved candidate lists
+    (K0 per task), not whole pools.
+
+    Args:
+        dim: D; feat_dim: F (0 allowed); tasks: T.
+        model_dim: token width M (divisible by heads); heads; layers; ffn: hidden width of the FFN.
+    """
+
+    kind = "listwise"
+
+    def __init__(self, dim: int, feat_dim: int, tasks: int, model_dim: int = 64, heads: int = 4, layers: int = 2,
+                 ffn: int = 128, dot_scale: float = 20.0) -> None:
+        super().__init__()
+        _check_dims(dim=dim, feat_dim=feat_dim, tasks=tasks)
+        for name, v in (("model_dim", model_dim), ("heads", heads), ("layers", layers), ("ffn", ffn)):
+            if int(v) < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if model_dim % heads:
+            raise ValueError(f"model_dim ({model_dim}) must be divisible by heads ({heads})")
+        self.dim, self.feat_dim, self.tasks = int(dim), int(feat_dim), int(tasks)
+        self.model_dim, self.heads, self.layers, self.ffn = int(model_dim), int(heads), int(layers), int(ffn)
+        self.item_in = nn.Linear(dim + feat_dim, model_dim)
+        self.user_in = nn.Linear(dim, model_dim)
+        self.task_token = nn.Parameter(torch.randn(tasks, model_dim) * 0.02)
+        self.blocks = nn.ModuleList(_Block(model_dim, heads, ffn) for _ in range(layers))
+        self.out_norm = nn.LayerNorm(model_dim)
+        self.head_weight = nn.Parameter(torch.empty(tasks, model_dim).uniform_(-1.0 / math.sqrt(model_dim),
+                                                                               1.0 / math.sqrt(model_dim)))
+        self.head_bias = nn.Parameter(torch.zeros(tasks))
+        self.dot_scale = nn.Parameter(torch.full((tasks,), float(dot_scale)))
+
+    def config(self) -> Dict[str, Any]:
+        return {"dim": self.dim, "feat_dim": self.feat_dim, "tasks": self.tasks, "model_dim": self.model_dim,
+                "heads": self.heads, "layers": self.layers, "ffn": self.ffn,
+                "dot_scale": float(self.dot_scale.detach()[0])}
+
+    @property
+    def item_width(self) -> int:
+        return self.model_dim
+
+    @torch.jit.export
+    def item_side(self, cand: Tensor, feats: Tensor) -> Tensor:
+        """cand [.., D], feats [.., F] -> item tokens [.., M]."""
+        w = self.item_in.weight
+        return F.linear(cand.to(w.dtype), w[:, : self.dim]) + F.linear(feats.to(w.dtype), w[:, self.dim :], self.item_in.bias)
+
+    def score(self, user: Tensor, cand: Tensor, item: Tensor, valid: Tensor) -> Tensor:
+        """user float32 [B, T, D], cand [B, K, D], item [B, K, M] (`item_side`), valid bool [B, K]
+        -> float32 [B, K, T]."""
+        w = self.user_in.weight
+        user = user.to(w.dtype)
+        cand = cand.to(w.dtype)
+        tokens = torch.cat([self.user_in(user) + self.task_token.to(w.dtype), item.to(w.dtype)], dim=1)  # [B, T+K, M]
+        # keys a token may attend to: every user token, the valid candidates
+        users = torch.ones(valid.shape[0], self.tasks, dtype=torch.bool, device=valid.device)
+        keep = torch.cat([users, valid], dim=1)  # [B, T+K]
+        mask = keep[:, None, None, :]  # [B, 1, 1, T+K]
+        for block in self.blocks:
+            tokens = block(tokens, mask)
+        h = self.out_norm(tokens[:, self.tasks :])  # [B, K, M]
+        dot = torch.bmm(cand, user.transpose(1, 2)) * self.dot_scale.to(w.dtype)  # [B, K, T]
+        return (F.linear(h, self.head_weight, self.head_bias) + dot).float()
+
+    def forward(self, user: Tensor, cand: Tensor, feats: Tensor) -> Tensor:
+        """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]
+        (every candidate valid)."""
+        return self.score(user, cand, self.item_side(cand, feats), _all_valid(cand))
+
+
+class _Block(nn.Module):
+    """Pre-LN transformer block: x += MHA(LN x) over the allowed keys; x += FFN(LN x)."""
+
+    def __init__(self, model_dim: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(model_dim)
+        self.qkv = nn.Linear(model_dim, 3 * model_dim)
+        self.proj = nn.Linear(model_dim, model_dim)
+        self.norm2 = nn.LayerNorm(model_dim)
+        self.ffn_in = nn.Linear(model_dim, ffn)
+        self.ffn_out = nn.Linear(ffn, model_dim)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        """x [B, S, M], mask bool [B, 1, 1, S] (True = may attend) -> [B, S, M]."""
+        qkv = self.qkv(self.norm1(x)).unflatten(-1, [3, self.heads, -1]).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)  # [B, H, S, M/H]
+        x = x + self.proj(a.transpose(1, 2).flatten(2))
+        return x + self.ffn_out(F.gelu(self.ffn_in(self.norm2(x))))
+
+
+def _all_valid(cand: Tensor) -> Tensor:
+    """bool [B, K] of True for cand [B, K, D]."""
+    return torch.ones(cand.shape[:2], dtype=torch.bool, device=cand.device)
+
+
+OVERARCHES = {"mlp": MLPOverArch, "mol": MoLOverArch, "listwise": ListwiseOverArch}
 
 
 def overarch_from_config(kind: str, config: Dict[str, Any]) -> nn.Module:
-    """Rebuild an (untrained) OverArch from its kind ("mlp" | "mol") and `config()`."""
+    """Rebuild an (untrained) OverArch from its kind ("mlp" | "mol" | "listwise") and `config()`."""
     if kind not in OVERARCHES:
         raise ValueError(f"unknown OverArch kind {kind!r} (known: {', '.join(OVERARCHES)})")
     return OVERARCHES[kind](**config)

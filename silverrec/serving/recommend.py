@@ -35,6 +35,7 @@ ITEMS_FILE = "items.npz"
 USERS_FILE = "users.npz"
 RANK_FILE = "rank.pt2"
 MAX_RANK_ITEMS = 1 << 20
+MAX_LISTWISE_RANK_ITEMS = 4096  # a list-wise OverArch attends over the whole list: quadratic in its length
 DEFAULT_EXCLUDE_LIMIT = 4096  # exclusion slots per request (snapshots record their own)
 
 
@@ -213,8 +214,10 @@ class RecHandler:
         given order (scores [1, C], task scores [1, C, T])."""
         r = RecRequest.coerce(request, "request")
         rows = self.rows(item_ids, "items")
-        if not 1 <= rows.size <= MAX_RANK_ITEMS:
-            raise QueryError(f"rank takes 1 to {MAX_RANK_ITEMS} item ids, got {rows.size}")
+        limit = MAX_LISTWISE_RANK_ITEMS if self.config.get("overarch") == "listwise" else MAX_RANK_ITEMS
+        if not 1 <= rows.size <= limit:
+            raise QueryError(f"rank takes 1 to {limit} item ids with this snapshot's OverArch "
+                             f"({self.config.get('overarch')}), got {rows.size}")
         values, lengths, dense, _ = self.encode([r], exclude_history=False, exclude_limit=max(1, len(r.exclude)))
         with torch.inference_mode():
             value, tasks = self.rank_module()(values, lengths, dense, torch.from_numpy(rows)[None])
