@@ -4,6 +4,7 @@ end-to-end filtered ANN: co-designed selectivity-aware search vs Faiss IVF-SQ8 +
 
     .venv/bin/python benchmarks/filter.py            # 1M (+10M filter-only at M=512), ~15 min
     .venv/bin/python benchmarks/filter.py --quick    # 200k items, a couple of minutes
+    .venv/bin/python benchmarks/filter.py --part conjunctions [--quick]   # part C only: ANDs of frequent values
 
 Writes benchmarks/results/filter.json (filter_quick.json with --quick).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -309,10 +311,142 @@ def ann_part(n: int, d: int, nlist: int, ks: list[int], rng, bloom_bits: int) ->
     return rows
 
 
+# ----------------------------------------------------- part C: conjunctions of frequent values
+
+
+CONJ_FEATURES = {"country": 6, "lang": 10, "category": 16}  # every value held by 4-30% of the items
+
+
+def conjunction_family(feats: dict, n: int, rng, count: int = 40) -> list[tuple[str, float]]:
+    """Random ANDs of 2-3 single frequent values (one per feature), their exact fractions, plus two
+    broad filters (~7% and ~50%): the most common filter shape in recommendation."""
+    out = []
+    names = list(feats)
+    for _ in range(count):
+        chosen = rng.choice(names, size=int(rng.integers(2, 4)), replace=False)
+        terms = [f"{f} = {f[0]}{int(rng.integers(0, len(feats[f][0])))}" for f in chosen]
+        out.append(" AND ".join(terms))
+    out += ["country IN (c0, c1) AND NOT lang IN (l0, l1, l2, l3, l4, l5, l6)", "NOT country = c0"]
+    return out
+
+
+def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int) -> list[dict]:
+    """silverrec (public search path: compile LRU + estimate + one forward) vs roaring AND + exact
+    float scan of the survivors (timed together) vs Faiss IVF-SQ8 + IDSelectorBitmap fed by the
+    roaring AND (bitmap built per call, the lowest nprobe reaching recall 0.95), batch 16, sides
+    alternated call by call, each filter evaluated per call on every side."""
+    from types import SimpleNamespace
+
+    from silverrec.retrieval.filtered_search import search_filtered_ivf
+
+    rows = []
+    x = gaussian_mixture(n, d, rng)
+    feats = {}
+    for name, card in CONJ_FEATURES.items():
+        p = 1.0 / np.arange(1, card + 1) ** 0.7
+        feats[name] = ([f"{name[0]}{i}" for i in range(card)], rng.choice(card, size=n, p=p / p.sum()).astype(np.int32))
+    t0 = time.perf_counter()
+    km = faiss.Kmeans(d, nlist, niter=10, seed=1, max_points_per_centroid=64)
+    km.train(x)
+    quant = faiss.IndexFlatIP(d)
+    quant.add(km.centroids)
+    _, assign = quant.search(x, 1)
+    ivf = cluster_major_layout(torch.from_numpy(x), torch.arange(n), torch.from_numpy(km.centroids), torch.from_numpy(assign[:, 0]).long())
+    module, meta = filter_index(ivf, ForwardIndex.from_codes(feats).permute(ivf.row_to_item), BloomConfig(bits=512, hashes=7))
+    module.eval()
+    nprobe = 16
+    snap = SimpleNamespace(path="bench", module=module, config={
+        "nlist": nlist, "default_nprobe": nprobe, "filter": meta,
+        "search": {"default_max_probe": min(nlist, max(64, 8 * nprobe)), "match_factor": module.match_factor, "exact_cost_ratio": module.exact_cost_ratio},
+    })
+    faiss_ix = faiss.IndexIVFScalarQuantizer(quant, d, nlist, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+    faiss_ix.train(x[rng.choice(n, min(n, 100_000), replace=False)])
+    faiss_ix.add(x)
+    roar = RoaringIndex(feats, n)
+    planes = [r for f in meta["features"].values() for r in f["planes"] if r >= 0]
+    mem = {"value_planes": int(meta["stats"]["value_planes_bytes"]), "roaring_same_values": int(sum(len(m.serialize()) for m in roar.maps.values())),
+           "planes": len(planes)}
+    print(f"[conjunctions {n:,} x {d}] built in {time.perf_counter() - t0:.1f}s; value planes {mem['value_planes'] / 2**20:.2f} MiB "
+          f"vs roaring {mem['roaring_same_values'] / 2**20:.2f} MiB for the same {len(planes)} values", flush=True)
+    rows.append({"part": "conj_memory", "n": n, **mem})
+    B = 16
+    q = x[rng.integers(0, n, B)] + 0.3 * rng.normal(size=(B, d)).astype(np.float32)
+    qt = torch.from_numpy(q)
+    family = conjunction_family(feats, n, rng)
+    fractions = {f: len(roar.evaluate(f)) / n for f in family}
+    # a spread of selectivities: 0.01% .. 50%
+    picked, seen = [], set()
+    for f in sorted(family, key=lambda f: fractions[f]):
+        bucket = round(math.log10(max(fractions[f], 1e-6)) * 2)
+        if fractions[f] >= 5e-5 and bucket not in seen:
+            seen.add(bucket)
+            picked.append(f)
+    for k in ks:
+        for f in picked:
+            frac = fractions[f]
+
+            def exact_scan():  # roaring AND + exact float scan of the survivors
+                idx = np.asarray(roar.evaluate(f).to_array(), dtype=np.int64)
+                s_ = x[idx] @ q.T
+                kk = min(k, len(idx))
+                part = np.argpartition(-s_, kk - 1, axis=0)[:kk] if kk < len(idx) else np.arange(len(idx))[:, None].repeat(B, 1)
+                return [idx[part[:, b][np.argsort(-s_[part[:, b], b])]] for b in range(B)]
+
+            def ours():
+                with torch.inference_mode():
+                    return search_filtered_ivf(snap, qt, k, nprobe=nprobe, filter=f)[1]
+
+            truth = exact_scan()
+            best = None
+            for fp in (16, 64, 256, nlist):
+                def faiss_search(fp=fp):
+                    sel_bits = roaring_to_faiss_bitmap(roar.evaluate(f), n)
+                    params = faiss.SearchParametersIVF(sel=faiss.IDSelectorBitmap(n, faiss.swig_ptr(sel_bits)), nprobe=fp)
+                    return faiss_ix.search(q, k, params=params)[1]
+                if recall(faiss_search(), truth) >= 0.95:
+                    best = (fp, faiss_search)
+                    break
+            sides = {"silverrec": ours, "roaring_and_exact_scan": exact_scan, "faiss_ivfsq8_bitmap": best[1]}
+            ts = {name: [] for name in sides}
+            for fn in sides.values():
+                fn()  # warm-up
+            for _ in range(repeat):  # alternate the sides call by call
+                for name, fn in sides.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    ts[name].append(1e3 * (time.perf_counter() - t0))
+            med = {name: statistics.median(v) for name, v in ts.items()}
+            r_ours = recall(ours().numpy(), truth)
+            baseline = min(med["roaring_and_exact_scan"], med["faiss_ivfsq8_bitmap"])
+            routes = search_routes(snap, qt, k, nprobe, f)
+            rows.append({"part": "conjunction", "n": n, "k": k, "filter": f, "fraction": frac, "recall": r_ours, "faiss_nprobe": best[0],
+                         "median_ms": med, "ratio_vs_best": med["silverrec"] / baseline, "routes": routes, "repeat": repeat})
+            print(f"  k={k:4d} {frac:8.4%} silverrec {med['silverrec']:7.3f} ms (recall {r_ours:.3f}, {routes}) | roaring AND + exact "
+                  f"{med['roaring_and_exact_scan']:7.3f} ms | faiss SQ8+bitmap nprobe {best[0]:4d} {med['faiss_ivfsq8_bitmap']:8.3f} ms "
+                  f"| ratio {rows[-1]['ratio_vs_best']:.2f}  [{f}]", flush=True)
+    return rows
+
+
+def search_routes(snap, qt, k, nprobe, f) -> dict:
+    """How the public search path routes a batch of one filter (predictor's estimate, then filter_plan)."""
+    from silverrec.filtering.filter_program import compile_estimates
+    from silverrec.retrieval.filtered_search import filter_plan, whole_pool_by_estimate
+
+    plan, cfg, m = filter_plan(snap), snap.config, snap.module
+    B = qt.shape[0]
+    whole = whole_pool_by_estimate(compile_estimates([f] * B, plan), k, nprobe, m.num_items, m.nlist, m.match_factor, m.exact_cost_ratio)
+    modes = torch.where(torch.from_numpy(whole), 2, 0)
+    ops, prow, _, _, lists = compile_request([f] * B, plan)
+    with torch.inference_mode():
+        route = m.plan_probes(qt, k, nprobe, ops, prow, lists, cfg["search"]["default_max_probe"], modes)[2]
+    return {name: int((route == r).sum()) for r, name in enumerate(("probed", "whole_pool", "posting_lists")) if (route == r).any()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="200k items, fewer settings")
     ap.add_argument("--skip-10m", action="store_true")
+    ap.add_argument("--part", choices=["all", "conjunctions"], default="all", help="conjunctions: only part C (1M x 96, or 200k with --quick)")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     faiss.omp_set_num_threads(2)
@@ -322,6 +456,13 @@ def main(argv=None) -> int:
         "versions": {"torch": torch.__version__, "faiss": faiss.__version__, "pyroaring": pyroaring.__version__, "silverrec": silverrec.__version__},
         "mix": MIX, "selective": SELECTIVE, "features": FEATURES, "rows": [],
     }
+    if args.part == "conjunctions":
+        n = 200_000 if args.quick else 1_000_000
+        results["rows"] += conjunction_part(n, 96, 256 if args.quick else 1024, [100, 4096], rng, 5 if args.quick else 15)
+        out = Path(__file__).parent / "results" / ("filter_conj_quick.json" if args.quick else "filter_conj.json")
+        out.write_text(json.dumps(results, indent=1))
+        print(f"wrote {out}")
+        return 0
     if args.quick:
         results["rows"] += filter_part(200_000, [512, 0], [1, 16, 64], rng, nlist=1800, nprobe=32)
         results["rows"] += ann_part(200_000, 64, 512, [100, 4096], rng, 512)

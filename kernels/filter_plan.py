@@ -20,7 +20,8 @@ hold fewer, or when the prefix would scan more rows than the pool's estimated ma
 exact_cost_ratio.
 
 CPU: one fused C++ call (kernels/csrc/plan.cpp), same float32 arithmetic; a batch routed to posting
-lists computes no centroid scores. CUDA and without the extension: `filter_plan_torch`, the same
+lists or unprobed by its mode computes no centroid scores (on every path, an unprobed query's
+candidate clusters are not evaluated: its bitmask rows are zero). CUDA and without the extension: `filter_plan_torch`, the same
 steps as tensor ops with no host synchronisation.
 """
 
@@ -43,7 +44,8 @@ def filter_plan_torch(
     posting = (lists[:, 0] != -2) & (sizes_l <= posting_limit) & (mode_t != 1)
     scores = queries @ centroids.t()
     cand = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :max_probe]  # ties: lower cluster
-    lo = torch.where(posting[:, None], torch.full_like(cand, -1), cluster_offsets[cand])  # -1: not evaluated
+    skip = posting | (mode_t == 2)  # posting route, or whole pool by the caller's choice: no candidates
+    lo = torch.where(skip[:, None], torch.full_like(cand, -1), cluster_offsets[cand])  # -1: not evaluated
     hi = cluster_offsets[cand + 1]
     bitmask, matches = torch.ops.silverrec.bloom_filter_counts(bits, ops, rows, lo, hi, window_words)
     cum = torch.cumsum(matches, dim=1)

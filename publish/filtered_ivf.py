@@ -55,15 +55,55 @@ def filter_index(ivf: Int8IVFIndex, fwd: ForwardIndex, cfg: BloomConfig, posting
 
 
 def filter_module(ivf: Int8IVFIndex, fwd: ForwardIndex, bank: torch.Tensor, filter_config: dict, limit: int) -> tuple[FilteredIVFIndex, dict]:
-    """Posting lists of `fwd` (tokens held by <= limit items) + the module over `ivf` and `bank`;
-    completes `filter_config` (per-value list ids and counts, "postings", postings_bytes)."""
+    """Posting lists of `fwd` (tokens held by <= limit items), bit planes of the other tokens
+    (appended to `bank`) + the module over `ivf` and the bank; completes `filter_config` (per-value
+    list ids, counts and plane rows, "postings", postings_bytes, value_planes_bytes)."""
     post_rows, post_offsets, per_feature = build_postings(fwd, limit)
     for f, meta in per_feature.items():
         filter_config["features"][f].update(meta)
+    bank = append_value_planes(fwd, bank, filter_config, limit)
     filter_config["postings"] = {"limit": limit, "lists": int(post_offsets.numel() - 1), "entries": int(post_rows.numel())}
     filter_config["stats"]["postings_bytes"] = int(post_rows.numel() * 4 + post_offsets.numel() * 8)
     module = FilteredIVFIndex.from_ivf(ivf, bank, post_rows=post_rows, post_offsets=post_offsets, posting_limit=limit)
     return module, filter_config
+
+
+def value_planes(fwd: ForwardIndex, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """(planes int64 [F, ceil(N / 64)], token ids int64 [F]): one bit plane per frequent token (held
+    by more than `limit` items, i.e. without a posting list), bit r & 63 of word r >> 6 set when
+    row r holds the token. A conjunction of frequent values is a few plane ANDs over the pool
+    (N / 64 words each, what roaring's bitmap containers cost for values above 1/16 of the pool)."""
+    tokens = fwd.token_ids.numpy().astype(np.int64)
+    rows = fwd.token_rows.numpy().astype(np.int64)
+    total = sum(len(v) for v in fwd.vocabs)
+    frequent = np.flatnonzero(np.bincount(tokens, minlength=total) > limit)
+    w = (fwd.size + 63) // 64
+    planes = np.zeros((frequent.size, w * 8), dtype=np.uint8)
+    index = np.full(total, -1, dtype=np.int64)
+    index[frequent] = np.arange(frequent.size)
+    for i, t in enumerate(frequent):
+        mask = np.zeros(w * 64, dtype=bool)
+        mask[rows[tokens == t]] = True
+        planes[i] = np.packbits(mask, bitorder="little")
+    return planes.view(np.int64).reshape(frequent.size, w), frequent
+
+
+def append_value_planes(fwd: ForwardIndex, bank: torch.Tensor, filter_config: dict, limit: int) -> torch.Tensor:
+    """`bank` with `value_planes` appended (last rows) and the manifest's per-value plane rows
+    (features[f]["planes"], -1 = none) and plane bytes recorded."""
+    planes, tokens = value_planes(fwd, limit)
+    base = int(bank.shape[0])
+    for f, vocab in zip(fwd.features, fwd.vocabs):
+        filter_config["features"][f]["planes"] = [-1] * len(vocab)
+    for i, t in enumerate(tokens.tolist()):
+        fi = max(j for j, fb in enumerate(fwd.feature_base) if fb <= t)
+        filter_config["features"][fwd.features[fi]]["planes"][t - fwd.feature_base[fi]] = base + i
+    filter_config["rows"] = base + planes.shape[0]
+    filter_config["items"] = int(fwd.size)
+    filter_config["stats"]["value_planes"] = int(planes.shape[0])
+    filter_config["stats"]["value_planes_bytes"] = int(planes.size * 8)
+    filter_config["stats"]["bank_bytes"] = int((base + planes.shape[0]) * bank.shape[1] * 8)
+    return torch.cat([bank.to(torch.int64), torch.from_numpy(planes)]) if planes.shape[0] else bank
 
 
 def build_filtered_ivf(

@@ -9,8 +9,8 @@
 //               code buffer and scanned by scan_topk (scan.cpp) with the group's queries as
 //               members. Keys are remapped from buffer positions to pool rows; the map is
 //               increasing within a group, so the order (score, then lower row) is unchanged.
-//               Whole-pool groups with many passing rows scan the pool through a bitmask instead
-//               of copying their rows.
+//               Whole-pool groups with more than half the pool passing scan it through a bitmask
+//               instead of copying their rows.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -29,6 +29,11 @@ namespace silverrec {
 namespace {
 
 using namespace program;
+
+// A whole-pool group scans the pool through its mask only when more than N / kMaskDivisor rows pass:
+// below that, copying the passing rows' codes (D bytes each) costs less than the dot products of
+// the rows the mask would drag along (16-row blocks with any passing row are scored whole).
+constexpr int64_t kMaskDivisor = 2;
 
 // Program b on rows[0, n) (n <= kBlock, each row >= 0): pass[i] = bit (row & 63) of its word.
 void eval_rows(const int64_t* bank, int64_t W, const int64_t* ops, const int64_t* prog_rows, int64_t L, int64_t T,
@@ -188,7 +193,7 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
   for (size_t g = 0; g < groups.size(); ++g) group_of[groups[g]] = int64_t(g);
   int64_t total = 0, masked = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
-    if (int64_t(passing[g].size()) * 16 > N) {
+    if (int64_t(passing[g].size()) * kMaskDivisor > N) {
       mask_group[g] = masked++;
       continue;
     }

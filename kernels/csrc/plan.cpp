@@ -4,7 +4,8 @@
 // (the reference and the CUDA path): posting route, centroid candidates (one at::mm, so the
 // scores are bit-identical; best first, ties to the lower cluster), the filter with per-cluster
 // match counts on the candidates (bloom_filter_counts), widening, and the whole-pool switch. One
-// call replaces some thirty small tensor ops, and a batch that takes the posting route computes no
+// call replaces some thirty small tensor ops, and a batch that takes the posting route or is
+// unprobed by its mode (the caller's estimate, silverrec/retrieval/filtered_search.py) computes no
 // centroid scores and evaluates no cluster at all.
 #include <ATen/ATen.h>
 
@@ -47,6 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
     }
     const bool posting = ls[b * T2] != kNoLists && size <= posting_limit && md[b] != kModeProbed;
     if (posting) rt[b] = 2;
+    else if (md[b] == kModeUnprobed) rt[b] = 1;  // whole pool, decided by the caller: no candidates
     else probing.push_back(b);
   }
   at::Tensor probes = at::full({B, P}, -1, at::kLong);

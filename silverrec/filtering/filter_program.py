@@ -24,6 +24,8 @@ Semantics (documented in README "Filtering"):
 - The verify program (`exact_positive=True`) evaluates positive terms with the exact planes too;
   the search uses it to drop Bloom false positives from its results and for the unprobed
   (filter-then-exact-scan) mask, so results are exact for filters over features with planes.
+- A value held by more items than the posting limit (no posting list) has its own exact bit plane
+  (`planes` in the manifest): its term is one row, exact, in both programs.
 - A value not in the feature's vocabulary matches nothing, exactly (compiled to FALSE; a Bloom
   test of an unseen value could otherwise false-positive). `f IN (...)` drops unknown values.
 - An unknown feature name is a QueryError naming it and its position.
@@ -71,6 +73,10 @@ class FilterPlan:
     # feature -> per value (vocabulary order): its posting list id (-1 = none stored) and item count
     postings: dict[str, list[int]] = field(default_factory=dict)
     counts: dict[str, list[int]] = field(default_factory=dict)
+    # feature -> per value: the bank row of its bit plane (publish/filtered_ivf.py value_planes:
+    # values without a posting list), -1 = none; and the pool size
+    planes: dict[str, list[int]] = field(default_factory=dict)
+    num_items: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
     # LRU caches of compiled programs: (filter text, exact_positive) -> (ops int64 [L], rows int64
     # [L, T]) numpy arrays, and (tuple of filters, exact_positive) -> batch tensors (ops, rows).
@@ -83,14 +89,16 @@ class FilterPlan:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> "FilterPlan":
         bloom = cfg["bloom"]
-        vocab, exact, postings, counts = {}, {}, {}, {}
+        vocab, exact, postings, counts, planes = {}, {}, {}, {}, {}
         for name, meta in cfg["features"].items():
+            planes[name] = [int(r) for r in meta.get("planes", [-1] * len(meta["values"]))]
             vocab[name] = {v: i for i, v in enumerate(meta["values"])}
             e = meta.get("exact")
             exact[name] = ExactPlanes(int(e["row"]), int(e["slots"]), int(e["bits"])) if e else None
             postings[name] = [int(i) for i in meta.get("postings", [-1] * len(meta["values"]))]
             counts[name] = [int(c) for c in meta.get("counts", [0] * len(meta["values"]))]
-        return cls(int(bloom["bits"]), int(bloom["hashes"]), int(bloom["seed"]), vocab, exact, int(cfg["rows"]), postings, counts)
+        return cls(int(bloom["bits"]), int(bloom["hashes"]), int(bloom["seed"]), vocab, exact, int(cfg["rows"]), postings, counts,
+                   planes, int(cfg.get("items", 0)))
 
     @property
     def approximate_not(self) -> list[str]:
@@ -157,10 +165,16 @@ def _lower(node: Node, plan: FilterPlan, negated: bool, exact_positive: bool = F
                 f"this snapshot can filter on {sorted(plan.vocab) or 'no features'}"
             )
         known = [v for v in node.values if v in plan.vocab[node.feature]]
-        if (negated or exact_positive) and plan.exact[node.feature] is not None:
-            pushes = [("push", r) for v in known for r in plan.exact_slot_rows(node.feature, v)]
-        else:
-            pushes = [("push", plan.bloom_rows(node.feature, v)) for v in known]
+        pushes = []
+        for v in known:
+            plane = plan.planes.get(node.feature, ())
+            row = plane[plan.vocab[node.feature][v]] if plane else -1
+            if row >= 0:  # the value's own bit plane: one exact row
+                pushes.append(("push", [row]))
+            elif (negated or exact_positive) and plan.exact[node.feature] is not None:
+                pushes += [("push", r) for r in plan.exact_slot_rows(node.feature, v)]
+            else:
+                pushes.append(("push", plan.bloom_rows(node.feature, v)))
         return _balanced("or", pushes)
     if isinstance(node, Not):
         return _negate(_lower(node.child, plan, not negated, exact_positive))
@@ -297,6 +311,38 @@ def posting_lists(node: Node, plan: FilterPlan) -> Optional[tuple[tuple[int, ...
         return None
     ids = sorted({i for p in parts for i in p[0]})
     return tuple(ids), sum(p[1] for p in parts)  # an upper bound when children share lists
+
+
+def estimate_matches(node: Optional[Node], plan: FilterPlan) -> float:
+    """Estimated items passing `node`, from the manifest's per-value counts with independent
+    features: a term sums its values' counts (exact for single-valued features), NOT is the
+    complement, AND multiplies fractions, OR is 1 - the product of the complements."""
+    n = float(max(plan.num_items, 1))
+    if node is None:
+        return n
+    if isinstance(node, Term):
+        idx = [plan.vocab[node.feature][v] for v in node.values if v in plan.vocab.get(node.feature, {})]
+        return min(n, float(sum(plan.counts[node.feature][i] for i in idx)))
+    if isinstance(node, Not):
+        return n - estimate_matches(node.child, plan)
+    fracs = [estimate_matches(c, plan) / n for c in node.children]
+    if isinstance(node, And):
+        return n * float(np.prod(fracs))
+    return n * (1.0 - float(np.prod([1.0 - f for f in fracs])))
+
+
+def compile_estimates(filters: Sequence[Union[str, Node, None]], plan: FilterPlan) -> np.ndarray:
+    """float64 [B]: `estimate_matches` of each filter (cached per filter string)."""
+    out = np.empty(len(filters), dtype=np.float64)
+    for b, f in enumerate(filters):
+        key = (f, "estimate") if isinstance(f, str) else None
+        hit = _lru_get(plan._programs, key) if key else None
+        if hit is None:
+            hit = (estimate_matches(None if f is None else (parse(f) if isinstance(f, str) else f), plan),)
+            if key:
+                _lru_put(plan._programs, key, hit, plan.program_cache_size)
+        out[b] = hit[0]
+    return out
 
 
 def compile_lists(filters: Sequence[Union[str, Node, None]], plan: FilterPlan) -> torch.Tensor:

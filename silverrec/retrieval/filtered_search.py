@@ -7,6 +7,9 @@
 Options: `filter` (one string for every query row, or one string / None per row), `nprobe`
 (default the manifest's), `max_probe` (candidate clusters the search may widen to; default the
 manifest's, at least nprobe), `mode` ("auto" | "probed" | "unprobed", or one per row).
+An "auto" query whose filter is estimated (from the manifest's value counts) to pass few enough
+items goes unprobed here (`whole_pool_by_estimate`): its filter runs over the whole pool, on the
+values' bit planes, and the passing rows are scanned exactly, with no centroid scored.
 Only the manifest is read to compile filters (`FilterPlan`), never the model's tensors.
 """
 
@@ -17,8 +20,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from silverrec.errors import QueryError
-from silverrec.filtering.filter_program import FilterPlan, compile_request, normalize_filters
-from silverrec.retrieval.filtered_ivf import MODE_PROBED, MODES
+from silverrec.filtering.filter_program import FilterPlan, compile_estimates, compile_request, normalize_filters
+from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED, MODES
 
 
 def filter_plan(snap) -> FilterPlan:
@@ -52,6 +55,18 @@ def _modes(mode: Union[str, Sequence[str]], batch: int) -> torch.Tensor:
     return torch.tensor([MODES[m] for m in names], dtype=torch.int64)
 
 
+def whole_pool_by_estimate(estimates, k: int, nprobe: int, num_items: int, nlist: int, match_factor: int,
+                           exact_cost_ratio: float):
+    """bool per query: the estimated matches m (`compile_estimates`, from the manifest's counts) are
+    few enough that filtering the whole pool and scanning its m passing rows costs less than the
+    probed search, which scans about target x N / m rows to collect its target = max(nprobe x
+    avg_cluster, k x match_factor) matches: m^2 x exact_cost_ratio <= target x N. The same switch
+    filter_plan applies with the candidates' counts (silverrec/retrieval/filtered_ivf.py, step 5),
+    decided here before any centroid is scored or cluster filtered."""
+    target = max(nprobe * max(1, num_items // nlist), k * match_factor)
+    return estimates * estimates * exact_cost_ratio <= float(target) * float(num_items)
+
+
 def search_filtered_ivf(
     snap,
     queries: torch.Tensor,
@@ -78,4 +93,8 @@ def search_filtered_ivf(
         if max_probe is None:
             max_probe = max(nprobe, min(nlist, int(cfg["search"]["default_max_probe"])))
         max_probe = _check_int("max_probe", max_probe, nprobe, nlist)
+        if plan.num_items and bool((modes == MODE_AUTO).any()):  # selective filters: whole pool, no probing
+            whole = whole_pool_by_estimate(compile_estimates(filters, plan), k, nprobe, plan.num_items, nlist,
+                                           int(cfg["search"]["match_factor"]), float(cfg["search"]["exact_cost_ratio"]))
+            modes = torch.where((modes == MODE_AUTO) & torch.from_numpy(whole), MODE_UNPROBED, modes)
     return snap.module(queries, k, nprobe, *compile_request(filters, plan), max_probe, modes)
