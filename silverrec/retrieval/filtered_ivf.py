@@ -10,6 +10,13 @@ Steps 0-5 are `silverrec::filter_plan`:
    the filter runs on those rows only and the survivors are scored exactly
    (`silverrec::filtered_topk`); steps 1-7 skip it. A very selective filter costs its list, not
    the centroids' neighbourhood or the pool.
+0b. Selective filters without a posting list (ANDs of frequent values: country AND language AND
+   category): the predictor estimates each filter's matches m from the manifest's value counts
+   (filter_program.estimate_matches) and sends the query unprobed (mode 2) when m^2 x
+   exact_cost_ratio <= target x N (filtered_search.whole_pool_by_estimate; target as in step 4):
+   no centroid is scored, the filter runs over the pool on the values' own bit planes (one row per
+   frequent value, publish/filtered_ivf.py value_planes: N / 64 words per term), and the passing
+   rows are copied and scanned exactly (step 5's route, without its candidate evaluation).
 1. Probe candidates: the `max_probe` best centroids by dot product (`[B, P]`, best first).
 2. Filter only those clusters: `silverrec::bloom_filter_counts` runs each query's program over its
    candidates' row ranges -> bitmask `[B, P, Wc]` (scratch proportional to probed items; on CPU
@@ -21,7 +28,8 @@ Steps 0-5 are `silverrec::filter_plan`:
 5. Switch: when even all `max_probe` candidates hold fewer matches than that, or scanning the
    needed clusters would touch more rows than the whole pool has matches (estimated from the
    candidates' match density), the query goes "unprobed": the filter runs over the whole pool
-   and `silverrec::filtered_topk` scans exactly the matching rows.
+   and `silverrec::filtered_topk` scans exactly the matching rows (copied into a compact buffer
+   up to half the pool; beyond that the pool is scanned through the mask).
 6. `silverrec::ivf_scan` scans the chosen clusters, dropping rows whose bit is 0 before top-k
    (k + k/4 + 16 results, a margin for Bloom false positives).
 7. Verify: the "verify" program (positive terms on exact value-code planes where the features
