@@ -4,8 +4,8 @@
 
 1. Update time for 0.1%, 1% and 10% of the pool (half changed embeddings, a quarter new items, a
    quarter deleted), each applied to the same parent, against a full publish of the same pool.
-2. Ten successive 1% updates whose new embeddings drift (a shift of +0.05 per step on every
-   dimension, so values leave the parent's ranges): recall@100 after each against brute force, and
+2. Ten successive 1% updates whose new embeddings drift (a shift of +--drift per step on every
+   dimension, default 0.3, so values leave the parent's ranges): recall@100 after each against brute force, and
    after the tenth against a full rebuild of the final pool at the same nprobe; the drift signals
    and where they advise a rebuild.
 Writes benchmarks/results/update.json and update.png.
@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/silverrec_update")
     ap.add_argument("--nprobe", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--drift", type=float, default=0.3, help="shift of the upserted embeddings per step")
     args = ap.parse_args()
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -82,7 +83,7 @@ def main() -> None:
     cur_ids, cur_x = ids.copy(), x
     parent, next_id = v0, args.n
     for step in range(1, args.steps + 1):
-        up, deleted = delta(rng, cur_ids, 0.01, args.dim, next_id, step, 0.05 * step)
+        up, deleted = delta(rng, cur_ids, 0.01, args.dim, next_id, step, args.drift * step)
         next_id += up.size
         t0 = time.perf_counter()
         out = update_snapshot(parent, work / f"s{step}", upsert=up, delete=deleted)
