@@ -53,6 +53,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (all its threads; Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def bytes_per_item(shard_snap, n: int) -> dict[str, float]:
     """Measured bytes per item of each buffer of a filtered IVF shard (its exported program's state)."""
     state = torch.export.load(shard_snap.path / "model.pt2").state_dict
@@ -146,16 +152,21 @@ def main() -> None:
                 try:
                     assert torch.equal(rt.search(queries, K).item_ids, res.item_ids)
                     m = measure(lambda: rt.search(queries, K), repeat=repeat, warmup=3)
-                    ping = measure(lambda: rt.ping(BATCH, K), repeat=500, warmup=20)
+                    cpu0 = [cpu_seconds(os.getpid())] + [cpu_seconds(p.pid) for p in procs]
+                    ping = measure(lambda: rt.ping(BATCH, K), repeat=1000, warmup=20)
+                    cpu1 = [cpu_seconds(os.getpid())] + [cpu_seconds(p.pid) for p in procs]
+                    cpu_ms = [round((b - a) / (1000 + 20) * 1e3, 3) for a, b in zip(cpu0, cpu1)]
                     rows.append({"shards": shards, "shard_by": by, "mode": f"{shards} gloo ranks", "nprobe": nprobe,
                                  "median_ms": m["median_ms"], "p20_ms": m["p20_ms"], "p80_ms": m["p80_ms"],
                                  "qps": BATCH / m["median_ms"] * 1e3, "collective_ms": ping["median_ms"],
-                                 "collective_p80_ms": ping["p80_ms"]})
+                                 "collective_p20_ms": ping["p20_ms"], "collective_p80_ms": ping["p80_ms"],
+                                 "collective_cpu_ms_per_rank": cpu_ms, "loadavg": os.getloadavg()})
                 finally:
                     rt.close()
                     for p in procs:
                         p.wait(timeout=60)
-    print_table(rows, ["shards", "shard_by", "mode", "median_ms", "p80_ms", "qps", "collective_ms", "imbalance",
+    print_table(rows, ["shards", "shard_by", "mode", "median_ms", "p80_ms", "qps", "collective_ms", "collective_p20_ms",
+                       "collective_cpu_ms_per_rank", "imbalance",
                        "shards_per_query", "shards_per_batch", "same_scores_as_1_shard"])
     load_after = os.getloadavg()
     print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}")

@@ -246,8 +246,10 @@ class ShardedRuntime:
         self.dead = f"a rank stopped answering ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
         return ShardUnavailableError(f"request failed: {self.dead}")
 
-    def _send_header(self, op: int, B: int, k: int, payload: bytes | torch.Tensor, gen: int) -> Optional[torch.Tensor]:
-        """Broadcast the header (and the payload inline when it fits) -> the payload still to send, or None."""
+    def _send_header(self, op: int, B: int, k: int, payload: bytes | torch.Tensor, gen: int,
+                     pending: Optional[list] = None) -> Optional[torch.Tensor]:
+        """Broadcast the header (and the payload inline when it fits) -> the payload still to send, or None.
+        With `pending`, the broadcast's Work is appended there for the caller to wait on later."""
         n = len(payload)
         self._hdr[:5] = torch.tensor([op, B, k, n, gen], dtype=torch.int64)
         late = None
@@ -257,7 +259,11 @@ class ShardedRuntime:
                 self._buf[HEADER:HEADER + n] = src
         else:
             late = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        self._wait(dist.broadcast(self._buf, 0, group=self.group, async_op=True))
+        work = dist.broadcast(self._buf, 0, group=self.group, async_op=True)
+        if pending is None:
+            self._wait(work)
+        else:
+            pending.append(work)
         return late
 
     def _round(self, op: int, queries: torch.Tensor, k: int, opts: bytes, gen: int) -> torch.Tensor:
@@ -267,13 +273,16 @@ class ShardedRuntime:
         with self._lock:
             self._check_alive()
             try:
-                late = self._send_header(op, B, k, payload, gen)
+                sends: list = []  # rank 0 searches its shards while the broadcasts go out
+                late = self._send_header(op, B, k, payload, gen, sends)
                 if late is not None:
-                    self._wait(dist.broadcast(late, 0, group=self.group, async_op=True))
+                    sends.append(dist.broadcast(late, 0, group=self.group, async_op=True))
                 self.requests += 1
                 mine = self._local(op, q, k, opts, gen)
                 out = [torch.empty_like(mine) for _ in range(self.world_size)]
                 self._wait(dist.gather(mine, out, dst=0, group=self.group, async_op=True))
+                for work in sends:  # done by now (the gather came back); the buffer may be reused
+                    self._wait(work)
             except RuntimeError as e:  # gloo errors, timeouts, a closed connection
                 raise self._fail(e) from None
             finally:
