@@ -93,7 +93,10 @@ def capacity(per_item: dict[str, float], dim_measured: int, dim: int, items: int
 
 def request_bytes(shards: int, batch: int, dim: int, k: int, opts: int = 64) -> dict[str, int]:
     """Collective bytes of one request: payload to each other rank, packed top-k back from each."""
-    out_bytes = (shards - 1) * (batch * dim * 4 + opts + 20)
+    from silverrec.serving.distributed import HEADER, INLINE
+
+    payload = batch * dim * 4 + opts  # inline in the fixed header buffer when it fits, else a second broadcast
+    out_bytes = (shards - 1) * (HEADER + INLINE + (payload if payload > INLINE else 0))
     back = (shards - 1) * (1 + 2 * batch * k) * 8
     return {"shards": shards, "batch": batch, "k": k, "to_ranks": out_bytes, "from_ranks": back, "total": out_bytes + back}
 
