@@ -12,6 +12,7 @@
     silverrec update DIR --upsert ITEMS.parquet [--delete IDS] --out NEW_DIR   (incremental pool update)
     silverrec inspect DIR
     silverrec serve DIR [--host H] [--port P] [--max-batch N] [--max-wait-ms MS] [--workers W] [--threads T] [--tune F]
+    torchrun --nproc-per-node N -m silverrec serve DIR --sharded [--shard-timeout S]   (sharded snapshot across ranks)
     silverrec tune DIR [--out F] [--seconds S]            (workers x threads per concurrency, read by serve)
 """
 
