@@ -242,3 +242,28 @@ def test_reload_swaps_all_shards_or_none_and_a_killed_rank_gives_503(built):
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_stalled_rank_gives_503_after_the_timeout_and_rank_0_still_exits(built):
+    _, path, _ = built["v1"]
+    init, port = f"tcp://127.0.0.1:{free_port()}", free_port()
+    procs = [popen(rank_cmd(path, r, init, port)) for r in (0, 1)]
+    url = f"http://127.0.0.1:{port}"
+    body = {"queries": [[0.5] * D], "k": 5}
+    try:
+        wait_ready(url, procs)
+        assert httpx.post(url + "/v1/search", json=body, timeout=60).status_code == 200
+        os.kill(procs[1].pid, signal.SIGSTOP)  # alive, connected, silent: only the timeout can tell
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/search", json=body, timeout=60)
+        assert r.status_code == 503 and "timed out" in r.json()["detail"], r.text
+        assert TIMEOUT_S - 0.5 < time.monotonic() - t0 < TIMEOUT_S + 10
+        assert httpx.get(url + "/readyz").status_code == 503
+        procs[0].send_signal(signal.SIGTERM)  # the timed-out collective is still pending: exit without leaving
+        assert procs[0].wait(timeout=30) == 3
+        assert "exiting without leaving the group" in stderr_of(procs[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
