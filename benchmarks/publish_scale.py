@@ -100,7 +100,7 @@ def compare_only(args, pool: Path) -> None:
     x = _read_x(pool, args.n, args.dim)
     q = queries(args.dim)
     rows = compare_flat(x, q, truth(x, q, 100), args.nprobe)
-    write_results(f"publish_scale_recall_{args.n // 1000}k", vars(args), rows)
+    write_results(f"publish_scale.recall_{args.n // 1000}k", vars(args), rows)
 
 
 def main() -> None:
@@ -147,7 +147,7 @@ def main() -> None:
             res = snap.search(torch.from_numpy(q), 100, nprobe=p)
             rows.append({"method": "published (two_level)", "nprobe": p, "recall@100": recall(res.item_ids.numpy(), gt)})
         rows += compare_flat(x, q, gt, args.nprobe)
-    name = "publish_scale" if args.n >= 10_000_000 else f"publish_scale_{args.n // 1_000_000}m"
+    name = "publish_scale" if args.n >= 10_000_000 else f"publish_scale.{args.n // 1000}k"
     write_results(name, vars(args), rows)
 
 
