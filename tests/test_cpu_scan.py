@@ -2,11 +2,12 @@
 
 Keys are compared, not scores: int64 sort keys `score * 2**32 + 2**32 - 1 - row` carry both the
 int8 dot product and the tie order. Odd dimensions leave the 64-byte SIMD chunks (D = 1, 3, 13,
-127, 130, 784); batches 1, 3 and 19 leave the 16-query lanes; k runs from 1 past the number of
-allowed items (padding); codes in {-1, 0, 1} make massive ties; segments of > 8192 rows are split
-across worker threads and merged. Every case is also checked against brute force (int64 dot
-products, full sort): the torch `_int_mm` paths return wrong scores for D = 1 (torch 2.13), so
-they are compared only for D > 1.
+127, 130, 784) and the AVX2 16-byte steps (`test_simd_tails_and_extreme_codes`: D around multiples
+of 16, codes -128 / 127 that would saturate int16 pair sums); batches 1, 3 and 19 leave the
+16-query lanes; k runs from 1 past the number of allowed items (padding); codes in {-1, 0, 1} make
+massive ties; segments of > 8192 rows are split across worker threads and merged. Every case is
+also checked against brute force (int64 dot products, full sort): the torch `_int_mm` paths return
+wrong scores for D = 1 (torch 2.13), so they are compared only for D > 1.
 """
 
 import os
@@ -93,6 +94,43 @@ def test_exact_ties_and_thread_split(b):
     codes, q = _codes(n, d, g, ties=True), _qcodes(b, d, g, ties=True)
     for k in (1, 3, 100, 9000):
         assert torch.equal(ext.topk_keys(q, codes, k), _brute_keys(q, codes, k)), k
+
+
+# SIMD edge cases of kernels/csrc/dot.h: widths around the 16-byte (AVX2), 64-byte (AVX-512) steps and
+# the compile-time widths (32, 64, 96, 128, 256); 203 rows (ragged 16-row tile and 64-row word at the end).
+SIMD_DIMS = [1, 3, 13, 15, 16, 17, 31, 32, 33, 64, 95, 96, 97, 130, 256]
+
+
+def _extreme(shape, g):
+    """Codes in {-128, 127}: every int16 pair sum of u8 x s8 products would saturate."""
+    return torch.where(torch.randint(0, 2, shape, generator=g) == 1, 127, -128).to(torch.int8)
+
+
+@pytest.mark.parametrize("d", SIMD_DIMS)
+@pytest.mark.parametrize("b", [1, 16])
+@pytest.mark.parametrize("extreme", [False, True])
+def test_simd_tails_and_extreme_codes(d, b, extreme):
+    g = torch.Generator().manual_seed(1000 * d + b + extreme)
+    n = 203
+    if extreme:
+        codes, q = _extreme((n, d), g), _extreme((b, d), g)
+        codes[0], codes[n - 1], codes[n - 2] = -128, -128, 127  # the largest dots and the ragged last tile
+        q[0] = -128
+    else:
+        codes, q = _codes(n, d, g), _qcodes(b, d, g)
+    for k in (1, 5, 100, n, n + 9):  # n + 9: more than the candidates (padding)
+        assert torch.equal(ext.topk_keys(q, codes, k), _brute_keys(q, codes, k)), k
+    off = torch.tensor([0, 0, 37, 64, 150, n])
+    probes = torch.tensor([[1, 2, 3, 4]] * b)
+    bitmask = torch.randint(-(2**63), 2**63 - 1, (b, 4, bitmask_words(off)), generator=g)
+    sparse = bitmask.clone()
+    for _ in range(2):
+        sparse &= torch.randint(-(2**63), 2**63 - 1, bitmask.shape, generator=g)
+    for mask in (None, bitmask, sparse):  # sparse: 1-3 rows of a 16-row tile scored one by one
+        allowed = _ivf_allowed(off, probes, mask, n)
+        for k in (1, 50, n + 9):
+            got = ext.ivf_scan_keys(q, codes, off, probes, mask, k)
+            assert torch.equal(got, _brute_keys(q, codes, k, allowed)), k
 
 
 def _ivf_allowed(off, probes, bitmask, n):

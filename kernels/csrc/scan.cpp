@@ -56,6 +56,15 @@ inline uint64_t range_bits(int64_t blk, int64_t a, int64_t z) {
 inline uint32_t ge_mask16(const int32_t* scores, const int32_t* thr) {
 #if SILVERREC_VNNI
   return _mm512_cmpge_epi32_mask(_mm512_loadu_si512(scores), _mm512_loadu_si512(thr));
+#elif SILVERREC_AVX2
+  // scores >= thr  <=>  !(thr > scores): the sign bits of cmpgt, inverted
+  const __m256i lt0 = _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(thr)),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scores)));
+  const __m256i lt1 = _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(thr + 8)),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scores + 8)));
+  const uint32_t lt = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(lt0))) |
+                      uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(lt1))) << 8;
+  return ~lt & 0xFFFF;
 #else
   uint32_t m = 0;
   for (int i = 0; i < kTile; ++i) m |= uint32_t(scores[i] >= thr[i]) << i;
