@@ -58,6 +58,7 @@ checkpoint = "model.ckpt"
 overarch = "mol"
 merge = "union"
 k0 = 200
+candidates = 256       # ranked per request: the 2 tasks' lists rank by rank (their union: mean 245, p90 279)
 quantize = "auto"      # int8 user-tower tables where their top-100 agrees with fp32's
 
 [value_model]          # the final score: a formula over the task scores (and item features)

@@ -111,7 +111,8 @@ def quality_table(ckpt: dict, built, split: Split, stage: str = "test", baseline
 
     def variant(arch, vm) -> RecHandler:
         model = RecModel(m.user_tower, m.index, m.cache, arch, vm, tasks=m.tasks,
-                         merge="intersection" if m.intersection else "union", overfetch=m.overfetch).eval()
+                         merge="intersection" if m.intersection else "union", overfetch=m.overfetch,
+                         candidates=m.candidates).eval()
         h = handler_for(built)
         h.module = model
         return h

@@ -54,6 +54,7 @@ class PublishConfig:
     value_model: Any = None  # formula (JSON object or text); None = task 0's score
     merge: str = "union"
     k0: int = 200  # candidates per task
+    candidates: int = 0  # K1: most candidates ranked per request (tasks' lists merged rank by rank); 0 = T * k0
     exclude_limit: int = 4096  # exclusion slots per request (history newest first; cheap: a sorted search)
     overfetch: int = 256  # rows per task searched beyond k0, so that exclusions still leave k0
     mlp_dtype: str = "fp32"  # user-tower MLP: "fp32", "bf16" (where its top-100 agrees), "auto" (bf16 where also faster)
@@ -72,6 +73,8 @@ class PublishConfig:
             raise ConfigError(f"quantize must be 'auto', 'int8' or 'none', got {self.quantize!r}")
         if int(self.k0) <= 0:
             raise ConfigError(f"k0 must be positive, got {self.k0}")
+        if int(self.candidates) < 0:
+            raise ConfigError(f"candidates must be >= 0 (0 = every task's k0 candidates), got {self.candidates}")
         if int(self.overfetch) < 0:
             raise ConfigError(f"overfetch must be >= 0, got {self.overfetch}")
         if int(self.exclude_limit) <= 0:
@@ -232,7 +235,8 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
         arch.eval()
     formula = cfg.value_model if value_model == "config" else value_model
     vm = compile_value_model(formula, tasks, cache.feature_names) if formula is not None else None
-    model = RecModel(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch).eval()
+    model = RecModel(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch,
+                     candidates=cfg.candidates).eval()
     manifest.update({
         "index": "rec",
         "tasks": tasks,
@@ -242,6 +246,7 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
         "value_model": None if vm is None else vm.config()["formula"],
         "merge": cfg.merge,
         "default_k0": int(cfg.k0),
+        "candidates": int(cfg.candidates),
         "exclude_limit": int(cfg.exclude_limit),
         "overfetch": int(cfg.overfetch),
         "quantization_user_tower": quant,

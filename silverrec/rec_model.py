@@ -4,7 +4,7 @@
       -> user tower (TorchRec EBC + MLP)                      -> T query rows [B*T, D]
       -> filtered int8 IVF search (K0 + overfetch rows per task) -> rows [B*T, K0 + overfetch]
       -> drop excluded rows; embedding cache: exact re-score, each task's best K0
-      -> merge tasks (union or intersection), dedupe          -> rows [B, C = T*K0]
+      -> merge tasks (union or intersection, rank by rank, at most K1) -> rows [B, C = K1 or T*K0]
       -> OverArch (MLP | mixture-of-logits | list-wise; its item side cached) -> task scores [B, C, T]
       -> value model (compiled formula)                       -> value [B, C]
       -> top-k rows -> item ids
@@ -35,17 +35,30 @@ from silverrec.ranking.cache import EmbeddingCache
 MERGES = ("union", "intersection")
 
 
-def dedupe_rows(flat: Tensor, tasks: int, intersection: bool) -> Tensor:
-    """The T tasks' candidate rows of each request int64 [B, T*K] (-1 = none; no task lists a row
-    twice) -> int64 [B, T*K] sorted, each row once (union) or only the rows every task holds
-    (intersection), -1 elsewhere."""
-    srt = torch.sort(flat, dim=1).values
+def merge_tasks(rows: Tensor, intersection: bool, limit: int) -> Tensor:
+    """Each task's candidate rows, best first, int64 [B, T, K] (-1 = none; no task lists a row twice)
+    -> one list per request int64 [B, limit]: the tasks' rows taken rank by rank (every task's
+    first row, then every task's second, ...), each row once (union) or only the rows every task
+    holds (intersection), the first `limit` of them; -1 pads.
+
+    Rank-by-rank order caps the list without comparing scores across tasks (their scales differ):
+    with `limit` >= T*K it is the whole union. All static shapes: a stable sort finds each row's
+    first occurrence, a top-k of positions compacts the kept rows to the front (the list is padded
+    by `limit` empty slots first, so any limit works whatever K is).
+    """
+    B, T, K = rows.shape
+    empty = torch.full((B, limit), -1, dtype=rows.dtype, device=rows.device)
+    order = torch.cat([rows.transpose(1, 2).reshape(B, K * T), empty], dim=1)
+    srt, perm = torch.sort(order, dim=1, stable=True)
     first = torch.cat([torch.ones_like(srt[:, :1], dtype=torch.bool), srt[:, 1:] != srt[:, :-1]], dim=1)
     keep = first & (srt >= 0)
-    if intersection and tasks > 1:  # a row's first copy is kept when the T-1 next entries repeat it
-        shifted = torch.cat([srt[:, tasks - 1:], torch.full_like(srt[:, : tasks - 1], -1)], dim=1)
+    if intersection and T > 1:  # a row's first copy is kept when the T-1 next entries repeat it
+        shifted = torch.cat([srt[:, T - 1:], torch.full_like(srt[:, : T - 1], -1)], dim=1)
         keep = keep & (shifted == srt)
-    return torch.where(keep, srt, torch.full_like(srt, -1))
+    kept = torch.zeros_like(keep).scatter(1, perm, keep)  # back in rank-major order
+    pos = torch.arange(order.shape[1], device=rows.device).expand(B, -1)
+    front = torch.topk(torch.where(kept, pos, pos + order.shape[1]), limit, dim=1, largest=False).indices
+    return torch.where(kept.gather(1, front), order.gather(1, front), torch.full_like(front, -1))
 
 
 def exclude_rows(rows: Tensor, exclude: Tensor, num_rows: int) -> Tensor:
@@ -63,12 +76,6 @@ def exclude_rows(rows: Tensor, exclude: Tensor, num_rows: int) -> Tensor:
     return torch.where(hit | (rows < 0), torch.full_like(rows, -1), rows)
 
 
-def merge_rows(rows: Tensor, tasks: int, intersection: bool, exclude: Tensor, num_rows: int) -> Tensor:
-    """Per-task candidate rows int64 [B*T, K] -> one deduplicated list per request int64 [B, T*K]
-    (`dedupe_rows`) without the excluded rows (`exclude_rows`)."""
-    return exclude_rows(dedupe_rows(rows.reshape(-1, tasks * rows.shape[1]), tasks, intersection), exclude, num_rows)
-
-
 class RecModel(nn.Module):
     """The root module of a recommendation snapshot (see the module docstring).
 
@@ -81,11 +88,13 @@ class RecModel(nn.Module):
         merge: "union" or "intersection" of the tasks' candidates.
         overfetch: rows searched per task beyond k0, a constant (not the request's exclusion count)
             so that no answer depends on the other requests of its batch.
+        candidates: K1, the most candidates the ranking stage scores per request (`merge_tasks`:
+            the tasks' lists rank by rank); 0 = all T*k0 slots.
     """
 
     def __init__(self, user_tower: nn.Module, index: FilteredIVFIndex, cache: EmbeddingCache,
                  overarch: Optional[nn.Module] = None, value_model: Optional[nn.Module] = None,
-                 tasks: int = 1, merge: str = "union", overfetch: int = 256):
+                 tasks: int = 1, merge: str = "union", overfetch: int = 256, candidates: int = 0):
         super().__init__()
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
@@ -102,6 +111,7 @@ class RecModel(nn.Module):
         self.tasks = int(tasks)
         self.intersection = merge == "intersection"
         self.overfetch = int(overfetch)  # extra rows per task searched so that exclusions leave k0
+        self.candidates = int(candidates)  # K1 (0 = T*k0)
         self.register_buffer("row_ids", torch.arange(index.num_items, dtype=torch.int32))
 
     def rank_rows(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
@@ -120,7 +130,7 @@ class RecModel(nn.Module):
                  lists: Tensor, mode: Tensor, k0: int, nprobe: int, max_probe: int) -> Tensor:
         """T query rows per request through the filtered IVF search (k0 + overfetch rows each), the excluded
         rows dropped, each task's best k0 by its exact re-score kept, the tasks merged -> int64
-        [B, T*k0] rows, -1 = none."""
+        [B, K1] rows (K1 = `candidates`, or T*k0), -1 = none."""
         T = self.tasks
         q = user.reshape(-1, user.shape[-1])
         reps = [ops, rows, vops, vrows, lists, mode]
@@ -141,7 +151,7 @@ class RecModel(nn.Module):
         top = torch.topk(own, k0, dim=2)  # [B, T, k0]
         rows_t = flat.reshape(-1, T, K).gather(2, top.indices)
         rows_t = torch.where(top.values > float("-inf"), rows_t, torch.full_like(rows_t, -1))
-        return dedupe_rows(rows_t.reshape(-1, T * k0), T, self.intersection)
+        return merge_tasks(rows_t, self.intersection, self.candidates if self.candidates > 0 else T * k0)
 
     def forward(self, values: Tensor, lengths: Tensor, dense: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor,
                 vops: Tensor, vrows: Tensor, lists: Tensor, mode: Tensor, k: int, k0: int, nprobe: int,
@@ -153,7 +163,7 @@ class RecModel(nn.Module):
             exclude int64 [B, E]: rows never to return, sorted ascending, padded with -1 (E >= 1).
             ops, rows, vops, vrows, lists: the B filter programs (filter_program.compile_request).
             mode int64 [B]: filter search mode per request (filtered_ivf.MODES).
-            k <= T*k0 results; k0 candidates per task; 1 <= nprobe <= max_probe <= nlist.
+            k <= C results (C = `candidates`, or T*k0); k0 candidates per task; 1 <= nprobe <= max_probe <= nlist.
         Returns:
             item_ids int64 [B, k] (-1 = none), scores float32 [B, k] (the value, -inf = none),
             task scores float32 [B, k, T], rows int64 [B, k] (canonical rows, -1 = none).

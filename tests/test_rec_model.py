@@ -1,6 +1,6 @@
 """RecModel (silverrec/rec_model.py) and its snapshot, against independent references.
 
-References: plain-Python sets (merge_rows), the eager in-process model vs the torch.export and
+References: a plain-Python rank-by-rank walk (merge_tasks) and sets (exclude_rows), the eager in-process model vs the torch.export and
 TorchScript programs, a variant RecModel without OverArch / value model, the plain-Python
 value-model evaluator (`evaluate_formula`), brute-force `user @ cache.T` scores, the exact forward
 index (filters) and the generated logs themselves (histories). The model is the tiny synthetic one
@@ -18,7 +18,7 @@ from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.ranking import ListwiseOverArch
 from silverrec.ranking.value_model import evaluate_formula
-from silverrec.rec_model import RecModel, merge_rows
+from silverrec.rec_model import RecModel, exclude_rows, merge_tasks
 from silverrec.serving.recommend import RecRequest
 
 from tests.rec_fixtures import FORMULA, K0, N_ITEMS, NLIST, TASKS, rec_setup
@@ -52,7 +52,8 @@ def variant(built, overarch=None, value_model=None) -> RecModel:
     """The published model's user tower, index and cache, with another OverArch / value model."""
     m = built.model
     return RecModel(m.user_tower, m.index, m.cache, overarch, value_model, tasks=m.tasks,
-                    merge="intersection" if m.intersection else "union", overfetch=m.overfetch).eval()
+                    merge="intersection" if m.intersection else "union", overfetch=m.overfetch,
+                    candidates=m.candidates).eval()
 
 
 def users(rec, n, start=0):
@@ -73,59 +74,75 @@ def assert_ranked_by(ids, scores, reference: dict[int, float], atol=1e-5):
     assert np.all(np.diff(ref) <= atol), f"not sorted by the reference score: {ref}"
 
 
-# ------------------------------------------------------------------------------------- merge_rows
+# -------------------------------------------------------------------------- merge_tasks, exclude_rows
 
-def _merge_reference(rows: np.ndarray, tasks: int, intersection: bool, exclude: np.ndarray) -> list[set[int]]:
+def _merge_reference(rows: np.ndarray, intersection: bool, limit: int) -> list[list[int]]:
+    """Per request: walk the tasks' lists rank by rank, keep each row once (intersection: only
+    rows in every task's list), stop at `limit`."""
     out = []
-    B = rows.shape[0] // tasks
-    for b in range(B):
-        per_task = [set(int(x) for x in rows[b * tasks + t] if x >= 0) for t in range(tasks)]
-        s = set.intersection(*per_task) if intersection else set.union(*per_task)
-        out.append(s - set(int(x) for x in exclude[b] if x >= 0))
+    for per_task in rows:
+        held = [set(int(x) for x in t if x >= 0) for t in per_task]
+        every = set.intersection(*held)
+        seen, kept = set(), []
+        for r in range(per_task.shape[1]):
+            for t in range(per_task.shape[0]):
+                x = int(per_task[t, r])
+                if x >= 0 and x not in seen and (not intersection or x in every):
+                    seen.add(x)
+                    kept.append(x)
+        out.append(kept[:limit])
     return out
 
 
 @pytest.mark.parametrize("tasks", [1, 2, 3])
 @pytest.mark.parametrize("intersection", [False, True])
-def test_merge_rows_matches_python_sets(tasks, intersection):
+@pytest.mark.parametrize("limit", [None, 5, 40])
+def test_merge_tasks_matches_a_rank_by_rank_walk(tasks, intersection, limit):
     rng = np.random.default_rng(10 * tasks + intersection)
     B, K, n = 7, 9, 23  # a small row space: the tasks' lists overlap a lot
-    rows = np.full((B * tasks, K), -1, dtype=np.int64)
-    for r in range(B * tasks):
-        m = int(rng.integers(0, K + 1))  # some lists short or empty (-1 padding), ids unique per task
-        if r < tasks:  # request 0: rows 4, 5, 6 retrieved by every task
-            m = max(m, 3)
-            rows[r, :m] = np.r_[[4, 5, 6], rng.choice(np.setdiff1d(np.arange(n), [4, 5, 6]), m - 3, replace=False)]
-        else:
-            rows[r, :m] = rng.choice(n, m, replace=False)
-        rng.shuffle(rows[r])
-    E = 5
+    rows = np.full((B, tasks, K), -1, dtype=np.int64)
+    for b in range(B):
+        for t in range(tasks):
+            m = int(rng.integers(0, K + 1))  # some lists short or empty (-1 padding), rows unique per task
+            if b == 0:  # request 0: rows 4, 5, 6 retrieved by every task
+                m = max(m, 3)
+                rows[b, t, :m] = np.r_[[4, 5, 6], rng.choice(np.setdiff1d(np.arange(n), [4, 5, 6]), m - 3, replace=False)]
+            else:
+                rows[b, t, :m] = rng.choice(n, m, replace=False)
+    cap = tasks * K if limit is None else limit
+    got = merge_tasks(torch.from_numpy(rows), intersection, cap)
+    assert got.shape == (B, cap) and got.dtype == torch.int64
+    want = _merge_reference(rows, intersection, cap)
+    for b in range(B):
+        kept = got[b][got[b] >= 0].tolist()
+        assert kept == want[b], (b, kept, want[b])  # the same rows, in the same rank-by-rank order
+        assert bool((got[b][len(kept):] == -1).all())
+    if cap >= 3:
+        assert {4, 5, 6} <= set(got[0].tolist())
+
+
+def test_merge_tasks_all_padding():
+    assert bool((merge_tasks(torch.full((2, 2, 3), -1, dtype=torch.int64), False, 6) == -1).all())
+    disjoint = torch.tensor([[[1, 2, 3], [4, 5, 6]]])
+    assert bool((merge_tasks(disjoint, True, 4) == -1).all())
+
+
+def test_exclude_rows_matches_python_sets():
+    rng = np.random.default_rng(3)
+    B, M, E, n = 6, 11, 5, 23
+    rows = np.where(rng.random((B, M)) < 0.2, -1, rng.integers(0, n, (B, M)))
     exclude = np.full((B, E), -1, dtype=np.int64)
     for b in range(B):
-        e = rng.choice(n, int(rng.integers(0, E)), replace=False)
-        e = np.unique(np.r_[e, 5]) if b == 0 else np.unique(e)  # one of 4, 5, 6 excluded
+        e = np.unique(rng.choice(n, int(rng.integers(0, E + 1)), replace=False))
         exclude[b, E - e.size:] = e  # sorted ascending, -1 padding first
     exclude[1, :] = -1  # nothing excluded
     exclude[2, :] = np.arange(n - E, n)  # the largest rows excluded (the shifted search's edge)
-    got = merge_rows(torch.from_numpy(rows), tasks, intersection, torch.from_numpy(exclude), n)
-    assert got.shape == (B, tasks * K) and got.dtype == torch.int64
-    want = _merge_reference(rows, tasks, intersection, exclude)
+    exclude[3, :] = np.arange(E)  # the smallest
+    got = exclude_rows(torch.from_numpy(rows), torch.from_numpy(exclude), n).numpy()
     for b in range(B):
-        kept = got[b][got[b] >= 0].tolist()
-        assert set(kept) == want[b], (b, kept, want[b])
-        assert len(kept) == len(set(kept)), f"request {b}: a row kept twice: {kept}"
-        assert kept == sorted(kept)
-        assert bool((got[b][got[b] < 0] == -1).all())
-    assert 4 in got[0] and 6 in got[0] and 5 not in got[0]
-
-
-def test_merge_rows_all_padding_and_all_excluded():
-    rows = torch.full((4, 3), -1, dtype=torch.int64)
-    got = merge_rows(rows, 2, False, torch.full((2, 1), -1, dtype=torch.int64), 10)
-    assert bool((got == -1).all())
-    rows = torch.tensor([[1, 2, 3], [3, 2, 1]])
-    got = merge_rows(rows, 2, True, torch.tensor([[1, 2, 3]]), 10)
-    assert bool((got == -1).all())
+        ex = set(exclude[b][exclude[b] >= 0].tolist())
+        want = [-1 if (x < 0 or x in ex) else x for x in rows[b].tolist()]
+        assert got[b].tolist() == want, b
 
 
 # ------------------------------------------------------------------ export == eager == TorchScript
@@ -167,6 +184,21 @@ def test_export_equals_eager_equals_torchscript(rec, case):
         torch.testing.assert_close(scores, eager[1], rtol=1e-5, atol=1e-5, msg=f"{name} scores")
         torch.testing.assert_close(task_scores[:, :, :T], eager[2][:, :, :T], rtol=1e-5, atol=1e-5)
     assert bool((eager[0] >= 0).any(dim=1).all()), "every request got items"
+
+
+def test_candidate_cap_ranks_a_subset_of_the_union(rec):
+    """candidates = K1 < T*k0: the ranking stage scores at most K1 rows, all of them from the
+    uncapped union, taken rank by rank (each task's best rows are never cut before worse ones)."""
+    built, handler = rec.built, rec.snap().rec_handler()
+    m = built.model
+    capped = RecModel(m.user_tower, m.index, m.cache, m.overarch, m.value_model, tasks=m.tasks, candidates=K0 // 2).eval()
+    requests = [{"user_id": u} for u in users(rec, 3, start=2)]
+    args = model_inputs(handler, requests, k=K0 // 2, nprobe=3)
+    got = run(capped, args)
+    full = run(m, model_inputs(handler, requests, k=T * K0, nprobe=3))
+    for b in range(len(requests)):
+        kept = set(got[0][b][got[0][b] >= 0].tolist())
+        assert kept and kept <= set(full[0][b][full[0][b] >= 0].tolist())
 
 
 def test_listwise_variant_exports_equal_to_eager(rec):

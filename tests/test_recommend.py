@@ -195,6 +195,10 @@ def test_bad_rank_requests(rec):
                           rec.built.item_csr, rec.built.users)  # a list-wise OverArch attends over the list
     with pytest.raises(QueryError, match=r"rank takes 1 to 4096 item ids with this snapshot's OverArch \(listwise\), got 4097"):
         listwise.rank({"user_id": u}, [good[0]] * 4097)
+    capped = RecHandler(dict(snap.config, candidates=5), snap.module, rec.built.row_to_item, rec.built.item_csr,
+                        rec.built.users)  # a snapshot that ranks at most 5 candidates per request
+    with pytest.raises(QueryError, match=r"k must be an int in \[1, 5\], got 6"):
+        capped.recommend({"user_id": u}, k=6)
 
 
 # ------------------------------------------------------------------------------- bad train files

@@ -192,7 +192,7 @@ class RecHandler:
             raise QueryError("recommend needs at least one request")
         cfg = self.config
         n, nlist, T = len(self.row_to_item), int(cfg["nlist"]), len(self.tasks)
-        _check_int("k", k, 1, n)
+        _check_int("k", k, 1, min(n, int(cfg.get("candidates") or n)))  # at most the K1 candidates ranked
         k0 = max(k, int(cfg["default_k0"]) if k0 is None else _check_int("k0", k0, 1, n))
         nprobe = _check_int("nprobe", int(cfg["default_nprobe"]) if nprobe is None else nprobe, 1, nlist)
         max_probe = _check_int("max_probe", max(nprobe, int(cfg["search"]["default_max_probe"])) if max_probe is None
