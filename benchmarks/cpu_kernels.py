@@ -128,7 +128,7 @@ def main() -> int:
             overlap = float(np.mean([len(set(a) & set(bb)) / args.k for a, bb in zip(ids, ref)])) if workload == "exact" else None
             t = alternate({"silverrec": ours, peer: theirs}, args.reps)
             rows.append({
-                "tag": args.tag, "workload": workload, "batch": b, "ours_ms": t["silverrec"]["median_ms"],
+                "tag": args.tag, "threads": args.threads, "workload": workload, "batch": b, "ours_ms": t["silverrec"]["median_ms"],
                 "ours_p20_ms": t["silverrec"]["p20_ms"], "ours_p80_ms": t["silverrec"]["p80_ms"],
                 "peer": peer, "peer_ms": t[peer]["median_ms"], "peer_p20_ms": t[peer]["p20_ms"],
                 "peer_p80_ms": t[peer]["p80_ms"], "peer_over_ours": t[peer]["median_ms"] / t["silverrec"]["median_ms"],
@@ -146,7 +146,7 @@ def main() -> int:
     name = "cpu_kernels" + ("_quick" if args.quick else "")
     path = RESULTS / f"{name}.json"
     old = json.loads(path.read_text())["rows"] if path.exists() else []
-    config = {k: v for k, v in vars(args).items() if k not in ("ext", "tag")}
+    config = {k: v for k, v in vars(args).items() if k not in ("ext", "tag", "threads")}  # threads: per row
     payload = {"benchmark": name, "machine": machine_info() | {"cpu_flags_avx512": "avx512f" in open("/proc/cpuinfo").read()},
                "config": config, "rows": [r for r in old if r.get("tag") != args.tag] + rows}
     RESULTS.mkdir(exist_ok=True)
