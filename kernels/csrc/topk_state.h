@@ -7,7 +7,7 @@
 #pragma once
 
 #include <algorithm>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cstring>
@@ -25,9 +25,35 @@ inline int64_t make_key(int32_t score, int64_t row) {
   return int64_t(score) * (int64_t{1} << 32) + (int64_t{0xFFFFFFFF} - row);
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__)
+// AVX2 has no compress store: vpermd tables that move the 64-bit lanes of a 4-bit mask to the front
+// (>= pivot) or to the back (< pivot) of a 4-lane vector.
+struct CompressLut {
+  alignas(32) int32_t front[16][8];
+  alignas(32) int32_t back[16][8];
+  CompressLut() {
+    for (int mk = 0; mk < 16; ++mk) {
+      const int cnt = __builtin_popcount(mk);
+      int f = 0, b = 4 - cnt;
+      for (int j = 0; j < 4; ++j) {
+        if (!(mk >> j & 1)) continue;
+        front[mk][2 * f] = 2 * j, front[mk][2 * f + 1] = 2 * j + 1, ++f;
+        back[mk][2 * b] = 2 * j, back[mk][2 * b + 1] = 2 * j + 1, ++b;
+      }
+      for (; f < 4; ++f) front[mk][2 * f] = front[mk][2 * f + 1] = 0;  // don't-care lanes
+      for (int j = 0; j < 4 - cnt; ++j) back[mk][2 * j] = back[mk][2 * j + 1] = 0;
+    }
+  }
+};
+inline const CompressLut& compress_lut() {
+  static const CompressLut lut;
+  return lut;
+}
+#endif
+
 // Move the k largest of n distinct keys to a[0, k) (unordered). Quickselect whose partition step
-// is branch-free (AVX-512 compress stores: 8 keys per step) into scratch `tmp` (>= n entries);
-// pivot = median of three, partition into >= pivot / < pivot (the median is never the minimum, so
+// is branch-free (AVX-512 compress stores: 8 keys per step; AVX2: vpermd tables, 4 keys) into
+// scratch `tmp` (>= n entries); pivot = median of three, partition into >= pivot / < pivot (the median is never the minimum, so
 // every step shrinks the range). Short ranges finish with std::nth_element.
 inline void select_top(int64_t* a, int64_t n, int64_t k, std::vector<int64_t>& tmp) {
   if (k >= n) return;
@@ -50,6 +76,20 @@ inline void select_top(int64_t* a, int64_t n, int64_t k, std::vector<int64_t>& t
       ge += nu;
       lt -= 8 - nu;
       _mm512_mask_compressstoreu_epi64(lt, __mmask8(~up), v);
+    }
+#elif defined(__AVX2__)
+    // 4 keys per step: the >= lanes stored at ge (front-packed), the < lanes ending at lt
+    // (back-packed); 8 free slots between them keep the two 4-lane stores from clobbering data
+    const CompressLut& lut = compress_lut();
+    const __m256i pv = _mm256_set1_epi64x(pivot);
+    for (; i + 8 <= m; i += 4) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+      const int up = ~_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(pv, v))) & 0xF;
+      const int nu = __builtin_popcount(up);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ge), _mm256_permutevar8x32_epi32(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(lut.front[up]))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lt - 4), _mm256_permutevar8x32_epi32(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(lut.back[~up & 0xF]))));
+      ge += nu;
+      lt -= 4 - nu;
     }
 #endif
     for (; i < m; ++i) {
