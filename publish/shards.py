@@ -52,7 +52,7 @@ from silverrec.publish.pool import Pool
 from silverrec.publish.postings import default_limit
 from silverrec.publish.progress import step
 from silverrec.serving.sharded import CENTROIDS_FILE, SHARDED_KIND
-from silverrec.snapshot import FORMAT_VERSION, MANIFEST, export_module, sha256_file, write_snapshot
+from silverrec.snapshot import FORMAT_VERSION, MANIFEST, export_module, move_into_place, sha256_file, write_snapshot
 
 SHARD_BY = ("items", "clusters")
 KINDS = ("exact", "ivf", "filtered_ivf")
@@ -193,13 +193,7 @@ def publish_sharded(
             json.dump(manifest, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "snap")
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -89,17 +89,23 @@ def write_snapshot(
             json.dump(manifest, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        if out.exists():  # overwrite: swap the old version out, then remove it
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "snap")
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished directory `tmp` to `out` (a sibling); an existing `out` is swapped out
+    first and removed after, so a reader sees the old version or the new one, never a mix."""
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / "snap")
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
 
 
 def read_manifest(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
