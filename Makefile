@@ -4,20 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.silverrec-setup
 
-.PHONY: setup demo test bench bench-serve clean
+.PHONY: setup demo test bench bench-serve lock clean
 
 setup: $(STAMP)
 
-# CPU builds only: torch 2.13.0 from local disk, fbgemm-gpu-cpu instead of the CUDA fbgemm-gpu that
-# torchrec declares (so torchrec goes in with --no-deps), then silverrec itself in editable mode
-# (setup.py compiles the C++ CPU kernels, kernels/csrc/, into silverrec.kernels._cpu).
-$(STAMP): pyproject.toml setup.py Makefile $(wildcard kernels/csrc/*)
+# CPU builds only, every version pinned by requirements.lock (the exact dependency closure; regenerate
+# with `make lock`, tests/test_lock.py checks it against pyproject.toml): torch 2.13.0+cpu from local
+# disk, fbgemm-gpu-cpu instead of the CUDA fbgemm-gpu that torchrec declares, so the whole lock goes in
+# with --no-deps (torchrec included, as before); then silverrec itself in editable mode (setup.py
+# compiles the C++ CPU kernels, kernels/csrc/, into silverrec.kernels._cpu).
+$(STAMP): pyproject.toml requirements.lock setup.py Makefile $(wildcard kernels/csrc/*)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0 fbgemm-gpu-cpu==1.8.0 tensordict \
-		torchmetrics==1.0.3 tqdm pyre-extensions numpy pyarrow triton==3.9.0 pytest \
-		faiss-cpu hnswlib pyroaring transformers matplotlib \
-		fastapi uvicorn prometheus_client httpx hypothesis pydantic
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements.lock
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(BIN)/python -c "import silverrec, torchrec, fbgemm_gpu; from silverrec.kernels.cpu_ext import cpu_ext; print('silverrec', silverrec.__version__, 'ready; C++ CPU kernels:', cpu_ext() is not None)"
 	touch $(STAMP)
@@ -39,6 +37,11 @@ bench-serve: setup
 	echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python3.11/site-packages')" \
 		> $(VENV)/ray/lib/python3.11/site-packages/zz_silverrec_main.pth
 	$(BIN)/python benchmarks/serve.py
+
+# Rewrite requirements.lock from .venv after a dependency change: edit pyproject.toml, pip install the
+# new package into .venv, then `make lock` (tools/lock.py: pyproject's closure, exact versions).
+lock:
+	$(BIN)/python tools/lock.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info kernels/_cpu*.so
