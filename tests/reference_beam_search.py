@@ -73,7 +73,8 @@ def reference_beam_search(
             total = beam_scores[:, None] + lp.masked_fill(~mask, float("-inf")) + 0.0
             # per-beam top_k (ties: lower code), then one full sort (ties: lower beam, then code)
             rank = torch.sort(total, dim=1, descending=True, stable=True).indices.argsort(dim=1)
-            total = total.masked_fill(rank >= top_k, float("-inf")).reshape(-1)
+            k = top_k if level > 0 else max(top_k, beam_width)  # the single start beam keeps W codes
+            total = total.masked_fill(rank >= k, float("-inf")).reshape(-1)
             order = torch.sort(total, descending=True, stable=True).indices[:beam_width]
             order = order[total[order] > float("-inf")]
             prefixes = [prefixes[int(j) // C] + (int(j) % C,) for j in order]

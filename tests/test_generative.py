@@ -150,17 +150,63 @@ def test_export_round_trip(pool, tmp_path):
     length = torch.export.Dim("length", min=2, max=dec.max_seq_len - len(SIZES))
     example = (random_histories(paths, SIZES, 2, 3, seed=1), pack_bits(torch.rand(2, trie.n_items) < 0.5))
     export_module(m, example, {"history": {0: batch, 1: length}, "item_bitmask": {0: batch}}, tmp_path)
-    # other batch size and history length than the example
-    hist = random_histories(paths, SIZES, 5, 7, seed=2)
-    bm = pack_bits(torch.rand(5, trie.n_items) < 0.7)
-    torch.save((hist, bm), tmp_path / "inputs.pt")
-    subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path)], check=True, timeout=300)
-    ids, scores, ids_ts, scores_ts = torch.load(tmp_path / "out.pt")
+    # other batch sizes (5, and 1: no padding to 2 rows) and history lengths than the example
+    for B in (5, 1):
+        hist = random_histories(paths, SIZES, B, 7, seed=2)
+        bm = pack_bits(torch.rand(B, trie.n_items) < 0.7)
+        torch.save((hist, bm), tmp_path / "inputs.pt")
+        subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path)], check=True, timeout=300)
+        ids, scores, ids_ts, scores_ts = torch.load(tmp_path / "out.pt")
+        with torch.no_grad():
+            ref_ids, ref_scores = m(hist, bm)
+        assert ids.shape == (B, 8)
+        assert torch.equal(ids, ref_ids) and torch.equal(ids_ts, ref_ids)
+        torch.testing.assert_close(scores, ref_scores)
+        torch.testing.assert_close(scores_ts, ref_scores)
+
+
+def test_export_takes_batch_one_in_process(pool):
+    """The exported decode answers a single request (batch 1, with and without a bitmask in the
+    same program's signature) exactly like the eager module: no batch != 1 guard."""
+    from silverrec.snapshot import export_program
+
+    paths, _, trie = pool
+    m = _module(pool, random_decoder(SIZES, n_layers=1, seed=4), 6, 2)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    length = torch.export.Dim("length", min=2, max=m.decoder.max_seq_len - len(SIZES))
+    example = (random_histories(paths, SIZES, 2, 3, seed=1), pack_bits(torch.ones(2, trie.n_items, dtype=torch.bool)))
+    program = export_program(m, example, {"history": {0: batch, 1: length}, "item_bitmask": {0: batch}}).module()
+    for seed in range(3):
+        hist = random_histories(paths, SIZES, 1, 2 + 3 * seed, seed=10 + seed)
+        bm = pack_bits(torch.rand(1, trie.n_items) < 0.5)
+        with torch.no_grad():
+            got, ref = program(hist, bm), m(hist, bm)
+        assert torch.equal(got[0], ref[0])
+        torch.testing.assert_close(got[1], ref[1])
+
+
+def test_top_k_below_beam_width_keeps_w_beams_at_step_0():
+    """top_k cuts each beam's candidates, but step 0 has one start beam: it keeps W codes, else a
+    one-level pool would return only top_k items. With two levels, W = 8 and top_k = 2 the result
+    is 8 items, the same as the reference, not the 2 x 2 = 4 a top_k cut at step 0 would leave."""
+    sizes = [12, 3]
+    paths = random_paths(30, sizes, seed=3)
+    item_ids = torch.arange(paths.shape[0], dtype=torch.int64) + 100
+    trie = ValidPathTrie(paths, sizes)
+    dec = random_decoder(sizes, seed=2)
+    hist = random_histories(paths, sizes, 2, 4, seed=5)
+    m = GenerativeRetrieval(dec, trie, item_ids[trie.row_order], 8, 2).eval()
     with torch.no_grad():
-        ref_ids, ref_scores = m(hist, bm)
-    assert torch.equal(ids, ref_ids) and torch.equal(ids_ts, ref_ids)
+        ids, scores = m(hist)
+    ref_ids, ref_scores = reference_beam_search(dec, hist, paths, item_ids, sizes, 8, 2)
+    assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(scores, ref_scores)
-    torch.testing.assert_close(scores_ts, ref_scores)
+    assert torch.all(ids >= 0)  # 8 items each: 8 distinct level-0 codes expanded by 1 to 2 codes
+    one = [paths.shape[0]]
+    p1 = torch.arange(one[0])[:, None]
+    m1 = GenerativeRetrieval(random_decoder(one, seed=1), ValidPathTrie(p1, one), torch.arange(one[0]), 5, 1).eval()
+    with torch.no_grad():
+        assert bool((m1(hist[:, :1].clamp(max=1))[0] >= 0).all())  # 5 items from a single level, top_k 1
 
 
 def test_bf16_weights(pool):

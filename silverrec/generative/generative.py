@@ -72,7 +72,8 @@ class GenerativeRetrieval(nn.Module):
         trie: the `ValidPathTrie` of the candidate pool.
         row_to_item: int64 [N] external item id of each trie row (`item_ids[trie.row_order]`).
         beam_width: W, beams kept per step and results per request.
-        top_k: candidates kept per beam before the global top W (>= W: plain beam search).
+        top_k: candidates kept per beam before the global top W (>= W: plain beam search); step 0
+            has a single start beam and keeps W codes whatever top_k is.
     """
 
     level_sizes: List[int]
@@ -129,12 +130,13 @@ class GenerativeRetrieval(nn.Module):
         if item_bitmask is not None:
             alive = self.trie.node_alive(item_bitmask)  # [B, n_nodes]
 
-        # step 0: one start beam per request
+        # step 0: one start beam per request; it keeps up to W codes (not top_k: a per-beam cut
+        # below W on the single start beam would leave only top_k beams for the whole decode)
         logprobs = self._level_logprobs(last_logits, 0)[:, None, :]  # [B, 1, C0]
         child = self.trie.child_table(torch.zeros(B, dtype=torch.int64, device=history.device), 0)[:, None, :]
         logprobs = self._mask(logprobs, child, alive)
         scores, parent, code = torch.ops.silverrec.beam_topk(
-            logprobs.new_zeros(B, 1), logprobs, self.top_k, W
+            logprobs.new_zeros(B, 1), logprobs, max(self.top_k, W), W
         )  # [B, W] each
         nodes = self._advance(child, parent, code, scores, 1)  # [B, W] depth-1 node ids
         tokens = code + self.level_offsets[0]

@@ -119,7 +119,9 @@ class ValidPathTrie(nn.Module):
         M = nodes.shape[0]
         C = self.level_sizes[depth]
         if depth == 0:
-            return self.first_child[None, :].expand(M, C)
+            # a real [M, C] tensor, not an expand() view: reshaping a stride-0 view makes
+            # torch.export guard M != 1 (the exported decode would then reject batch 1)
+            return nodes[:, None] * 0 + self.first_child[None, :]
         start = self.offsets[nodes]
         end = self.offsets[nodes + 1]
         pos = start[:, None] + torch.arange(self.max_children[depth], dtype=torch.int64, device=nodes.device)[None, :]
@@ -144,8 +146,10 @@ class ValidPathTrie(nn.Module):
         for d in range(self.n_levels - 1, -1, -1):
             lo, hi = self.level_base[d], self.level_base[d + 1]
             # children of depth-d nodes are CSR positions offsets[lo]:offsets[hi] = node ids +1
-            cs = torch.zeros(B, alive.shape[1] + 1, dtype=torch.int32, device=alive.device)
-            cs[:, 1:] = torch.cumsum(alive.to(torch.int32), dim=1)
+            # prefix counts [B, n + 1] by concatenation, not by writing into a slice: the slice
+            # write makes torch.export guard batch != 1 (a memory-overlap check on the view)
+            zero = torch.zeros(B, 1, dtype=torch.int32, device=alive.device)
+            cs = torch.cat([zero, torch.cumsum(alive.to(torch.int32), dim=1)], dim=1)
             child_lo = self.offsets[lo : hi + 1] - self.offsets[lo]  # [n_d + 1] local child positions
             counts = cs[:, child_lo[1:]] - cs[:, child_lo[:-1]]
             alive = counts > 0

@@ -113,11 +113,9 @@ class Snapshot:
                 hist = np.asarray(h, dtype=np.int64).reshape(-1)
                 allowed[b, torch.from_numpy(order[np.searchsorted(ids[order], hist)])] = False
             filter_bitmask = pack_bits(allowed)
-        if B == 1 and self.backend == "export":  # the exported decode guards batch != 1: pad to 2 rows
-            history, filter_bitmask = history.expand(2, -1), filter_bitmask.expand(2, -1)
         with torch.inference_mode():
             item_ids, scores = self.module(history.contiguous(), filter_bitmask.contiguous())
-        return SearchResult(item_ids=item_ids[:B], scores=scores[:B])
+        return SearchResult(item_ids=item_ids, scores=scores)
 
     def generative_item_ids(self) -> np.ndarray:
         """int64 [N] item id of every row of a generative snapshot (the filter bitmask's order)."""
