@@ -97,16 +97,23 @@ def test_cache_ranker_holds_the_item_side_by_row():
     cache = EmbeddingCache(emb, feats, ["a", "b", "c"])
     assert cache.bytes_per_item() == 2 * D + 2 * FEAT
     plain = cache
-    cache = plain.with_ranker(lambda e, f: torch.cat([e[:, :3] * 2, f.sum(1, keepdim=True)], 1))
-    assert cache.ranker.shape == (N, 4) and cache.ranker.dtype == torch.bfloat16
-    assert plain.ranker.shape == (N, 0) and cache.emb is plain.emb  # the original is left as it was
-    assert cache.bytes_per_item() == 2 * D + 2 * FEAT + 2 * 4
+
+    def item_side(e, f):
+        return torch.cat([e[:, :3] * 2, f.sum(1, keepdim=True)], 1)
+
     stored_e, stored_f = cache.emb.float(), cache.feats.float()  # computed from what the cache holds
-    want = torch.cat([stored_e[:, :3] * 2, stored_f.sum(1, keepdim=True)], 1).to(torch.bfloat16)
-    assert torch.equal(cache.ranker, want)
-    rows = _rows(2, 9)
-    got = cache(torch.randn(2, T, D), rows)[2]
-    assert torch.equal(got, want[rows.clamp(min=0)])
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        cache = plain.with_ranker(item_side) if dtype == torch.float32 else plain.with_ranker(item_side, dtype)
+        assert cache.ranker.shape == (N, 4) and cache.ranker.dtype == dtype
+        assert plain.ranker.shape == (N, 0) and cache.emb is plain.emb  # the original is left as it was
+        assert cache.bytes_per_item() == 2 * D + 2 * FEAT + size * 4
+        want = item_side(stored_e, stored_f).to(dtype)
+        assert torch.equal(cache.ranker, want)
+        rows = _rows(2, 9)
+        got = cache(torch.randn(2, T, D), rows)[2]
+        assert torch.equal(got, want[rows.clamp(min=0)])
+    with pytest.raises(PoolError, match="ranker dtype must be"):
+        plain.with_ranker(item_side, torch.float16)
 
 
 def test_cache_feature_storage_and_bytes():

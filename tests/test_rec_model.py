@@ -253,8 +253,8 @@ def test_overarch_only_reorders_the_candidates(rec, ranker):
         rows = full[3][b][full[3][b] >= 0]
         with torch.inference_mode():
             emb, feats = built.model.cache.gather(rows[None])
-            arch = model.overarch  # its item side, as the snapshot stores it: rounded to bf16
-            item = arch.item_side(emb, feats).to(torch.bfloat16).float()
+            arch = model.overarch  # its item side, as the snapshot stores it (the cache's ranker dtype)
+            item = arch.item_side(emb, feats).to(model.cache.ranker.dtype).float()
             ts = arch.score(user[b:b + 1], emb, item, rows[None] >= 0)[0].numpy()
         ref = {int(i): formula_value(ts[j], feats[0, j].numpy(), names)
                for j, i in enumerate(got[got >= 0].tolist())}
