@@ -45,7 +45,12 @@ def _publish(args: argparse.Namespace) -> int:
 
         if args.pool is not None:
             raise SilverrecError("give either --config (a recommendation model) or --pool (an index), not both")
-        out = publish_rec(PublishConfig.from_toml(args.config), args.out, overwrite=args.overwrite)
+        from silverrec.publish.byo import ByoConfig, is_byo_config, publish_byo
+
+        if is_byo_config(args.config):  # a [user_tower] table: the user's own towers and OverArch
+            out = publish_byo(ByoConfig.from_toml(args.config), args.out, overwrite=args.overwrite)
+        else:
+            out = publish_rec(PublishConfig.from_toml(args.config), args.out, overwrite=args.overwrite)
         print(f"published {out}")
         return 0
     if args.pool is None:

@@ -312,7 +312,9 @@ def scriptable(model: RecModel) -> torch.jit.ScriptModule:
 
     clone = copy.copy(model)
     clone._modules = dict(model._modules)
-    clone._modules["user_tower"] = torch.jit.script(torchrec.fx.symbolic_trace(model.user_tower))
+    tower = model.user_tower  # a user's tower (publish/byo.py) scripts as it is
+    clone._modules["user_tower"] = torch.jit.script(tower if getattr(tower, "script_directly", False)
+                                                    else torchrec.fx.symbolic_trace(tower))
     return torch.jit.script(clone)
 
 

@@ -1,0 +1,180 @@
+"""Bring your own model (publish/byo.py): a user's towers and OverArch, published, answer like the
+same modules run eagerly; each form loads; an unexportable module gets its named error.
+
+The reference is an independent eager pipeline: the user's tower on hand-built inputs -> brute-force
+top-K0 over the item tower's embeddings (history excluded) -> the user's OverArch -> top-k. The pool
+is small and nprobe = nlist, so the IVF search is exact. The cache keeps item embeddings in bf16,
+so the reference rounds them the same way (the features are multiples of 1/4: exact in bf16).
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.export import Dim
+
+import silverrec
+from silverrec.publish.byo import ByoConfig, ByoError, UserModule, publish_byo
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "byo"
+sys.path.insert(0, str(EXAMPLE))  # entry points "models:..." import from here
+import models  # noqa: E402  (examples/byo/models.py: plain PyTorch, no silverrec)
+
+N, GENRES, DIM, K0, K = 90, ["a", "b", "c", "d", "e"], 8, 12, 5
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Tiny logs, the user's three modules (random weights) saved in the three forms."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    d = tmp_path_factory.mktemp("byo")
+    item_ids = 1000 + 7 * np.arange(N)
+    genres = [sorted(set(rng.choice(GENRES, size=rng.integers(1, 3)).tolist())) for _ in range(N)]
+    quality = (np.arange(N) % 4) * 0.25
+    pq.write_table(pa.table({"item_id": pa.array(item_ids, pa.int64()), "genre": pa.array(genres, pa.list_(pa.string())),
+                             "quality": pa.array(quality, pa.float32())}), d / "items.parquet")
+    users, items, ts = [], [], []
+    for u in range(12):
+        picks = rng.choice(N, size=int(rng.integers(3, 9)), replace=False)
+        users += [u] * len(picks)
+        items += item_ids[picks].tolist()
+        ts += list(range(len(picks)))
+    pq.write_table(pa.table({"user_id": pa.array(users, pa.int64()), "item_id": pa.array(items, pa.int64()),
+                             "timestamp": pa.array(ts, pa.int64())}), d / "interactions.parquet")
+    user = models.UserTower(N, len(GENRES), dim=DIM, hidden=16).eval()
+    item = models.ItemTower(N, len(GENRES), dim=DIM, hidden=16).eval()
+    arch = models.ListwiseRanker(dim=DIM, feat_dim=1, width=16, heads=2).eval()
+    batch = Dim("batch", min=1, max=1 << 16)
+    example = encode_user([[1, 2, 3], [4]], genres)
+    ep = torch.export.export(user, example, strict=False, dynamic_shapes={
+        "values": {0: Dim.DYNAMIC}, "lengths": {0: 3 * batch}, "dense": {0: batch}})
+    torch.export.save(ep, d / "user.pt2")
+    torch.jit.save(torch.jit.script(user), str(d / "user.ts"))
+    torch.save(user.state_dict(), d / "user_state.pt")
+    torch.jit.save(torch.jit.script(item), str(d / "item.ts"))
+    torch.save(arch.state_dict(), d / "arch_state.pt")
+    return {"dir": d, "user": user, "item": item, "arch": arch, "item_ids": item_ids, "genres": genres,
+            "quality": quality}
+
+
+def encode_user(histories, genres):
+    """The user tower's inputs by hand: keys hist_item, recent_item (pool rows), hist_genre (codes)."""
+    code = {g: i + 1 for i, g in enumerate(GENRES)}
+    hist = [list(h)[-50:] for h in histories]
+    recent = [h[-5:] for h in hist]
+    gen = [[code[g] for r in h for g in genres[r]] for h in hist]
+    values = [v for part in (hist, recent, gen) for h in part for v in h]
+    lengths = [len(h) for part in (hist, recent, gen) for h in part]
+    dense = torch.tensor([[np.log1p(len(h))] for h in histories], dtype=torch.float32)
+    return torch.tensor(values, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int32), dense
+
+
+def config(world, user: dict, overarch: dict | None, **extra) -> ByoConfig:
+    d = world["dir"]
+    tower = {"history_len": 50, "recent_len": 5, "item_features": ["genre"], "item_ids": "pool_row"} | user
+    return ByoConfig(items=str(d / "items.parquet"), interactions=str(d / "interactions.parquet"),
+                     user_tower=tower, item_tower={"path": "item.ts", "item_features": ["genre"], "item_ids": "pool_row",
+                                                   "batch": 32},
+                     overarch=overarch, item_dense=["quality"], k0=K0, nlist=4, nprobe=4, base=str(d), **extra)
+
+
+@torch.no_grad()
+def eager_top(world, history_rows: list[int], arch=True) -> tuple[np.ndarray, np.ndarray]:
+    """The reference pipeline for one user: (item ids [K], scores [K])."""
+    code = {g: i + 1 for i, g in enumerate(GENRES)}
+    genres = world["genres"]
+    vals = list(range(N)) + [code[g] for r in range(N) for g in genres[r]]
+    lens = [1] * N + [len(genres[r]) for r in range(N)]
+    emb = world["item"](torch.tensor(vals), torch.tensor(lens, dtype=torch.int32), torch.zeros(N, 0))
+    emb = emb.to(torch.bfloat16).float()  # as the cache stores it
+    u = world["user"](*encode_user([history_rows], genres))  # [1, D]
+    scores = (u @ emb.T)[0]
+    scores[history_rows] = float("-inf")
+    cand = torch.topk(scores, K0).indices
+    if arch:
+        feats = torch.from_numpy(world["quality"][cand.numpy()]).float().reshape(1, K0, 1)
+        final = world["arch"](u[:, None], emb[cand][None], feats, torch.ones(1, K0, dtype=torch.bool))[0, :, 0]
+    else:
+        final = scores[cand]
+    top = torch.topk(final, K)
+    return world["item_ids"][cand[top.indices].numpy()], top.values.numpy()
+
+
+def check_against_eager(snap, world, arch=True):
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        rows = rng.choice(N, size=int(rng.integers(1, 7)), replace=False).tolist()
+        got = snap.recommend({"history": world["item_ids"][rows].tolist()}, k=K)
+        ids, scores = eager_top(world, rows, arch)
+        np.testing.assert_array_equal(got.item_ids[0].numpy(), ids)
+        np.testing.assert_allclose(got.scores[0].numpy(), scores, rtol=1e-4, atol=1e-4)
+
+
+def test_published_export_program_equals_eager(world, tmp_path):
+    """.pt2 user tower, TorchScript item tower, entry-point list-wise OverArch (masked)."""
+    arch = {"entry": "models:ListwiseRanker", "args": {"dim": DIM, "feat_dim": 1, "width": 16, "heads": 2},
+            "path": "arch_state.pt", "mask": True}
+    cfg = config(world, {"path": "user.pt2"}, arch)
+    out = publish_byo(cfg, tmp_path / "snap")
+    snap = silverrec.load(out)
+    m = snap.manifest["config"]
+    assert m["overarch"] == "listwise" and "torch.export program" not in str(m["torchscript"])
+    assert m["torchscript"] is not None and not (out / "model.ts").exists()  # a .pt2 tower does not script
+    assert snap.backend == "export"
+    check_against_eager(snap, world)
+
+
+def test_published_torchscript_and_entry_equal_eager(world, tmp_path):
+    """Entry-point user tower (state dict), no OverArch: both programs (model.pt2, model.ts)."""
+    cfg = config(world, {"entry": "models:UserTower", "args": {"num_items": N, "num_values": len(GENRES), "dim": DIM,
+                                                              "hidden": 16}, "path": "user_state.pt"}, None)
+    out = publish_byo(cfg, tmp_path / "snap")
+    assert (out / "model.ts").exists()
+    for backend in ("export", "torchscript"):
+        check_against_eager(silverrec.load(out, backend=backend), world, arch=False)
+
+
+@pytest.mark.parametrize("form", ["pt2", "ts", "entry"])
+def test_each_form_loads_and_runs_like_the_module(world, form):
+    d = world["dir"]
+    spec = {"pt2": UserModule("user tower", path="user.pt2", base=str(d)),
+            "ts": UserModule("user tower", path="user.ts", base=str(d)),
+            "entry": UserModule("user tower", entry="models:UserTower", path="user_state.pt", base=str(d),
+                                args={"num_items": N, "num_values": len(GENRES), "dim": DIM, "hidden": 16})}[form]
+    assert spec.form == {"pt2": "export", "ts": "torchscript", "entry": "entry"}[form]
+    inputs = encode_user([[3, 1, 4, 1, 5], [9], [2, 6]], world["genres"])
+    with torch.no_grad():
+        torch.testing.assert_close(spec.load()(*inputs), world["user"](*inputs))
+
+
+class DataDependentTower(torch.nn.Module):
+    """A user tower torch.export cannot trace: Python control flow on a tensor's value."""
+
+    def __init__(self, dim: int = DIM):
+        super().__init__()
+        self.lin = torch.nn.Linear(1, dim)
+
+    def forward(self, values, lengths, dense):
+        if values.sum() > 10:  # data-dependent branch
+            return self.lin(dense)
+        return -self.lin(dense)
+
+
+def test_unexportable_module_is_named_and_leaves_nothing(world, tmp_path):
+    cfg = config(world, {"entry": "tests.test_byo:DataDependentTower"}, None)
+    with pytest.raises(ByoError, match=r"user tower \(tests.test_byo:DataDependentTower.*cannot be exported.*"
+                                       r"test_byo.py:\d+ `if values.sum\(\) > 10:"):
+        publish_byo(cfg, tmp_path / "snap")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_wrong_output_shape_is_named(world, tmp_path):
+    cfg = config(world, {"entry": "tests.test_byo:DataDependentTower", "args": {"dim": DIM + 1}}, None)
+    with pytest.raises(ByoError, match=r"user tower .* returned shape \(\d+, 9\): expected \[B, D\] or \[B, T, D\] with D = 8"):
+        publish_byo(cfg, tmp_path / "snap")
+    assert list(tmp_path.iterdir()) == []
