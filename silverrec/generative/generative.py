@@ -113,9 +113,25 @@ class GenerativeRetrieval(nn.Module):
         exported program accepts T >= 2 (torch.export specialises size 1): left-pad a bare BOS.
         """
         with torch.no_grad():
-            return self._search(history, item_bitmask)
+            alive: Optional[torch.Tensor] = None
+            if item_bitmask is not None:
+                alive = self.trie.node_alive(item_bitmask)  # [B, n_nodes]
+            rows, scores = self._search(history, alive)
+            item_ids = torch.where(rows >= 0, self.row_to_item[rows.clamp_min(0)], torch.full_like(rows, -1))
+            return item_ids, scores
 
-    def _search(self, history: torch.Tensor, item_bitmask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_rows(self, history: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode over an unpacked leaf mask: history int64 [B, T] (contract), allowed bool [B, N]
+        (trie leaf order) -> (rows int64 [B, W] in trie leaf order, -1 = none; scores float32 [B, W]).
+
+        The entry point of a model that evaluates the filter itself (silverrec/generative/source.py):
+        no packing of the mask it just computed."""
+        with torch.no_grad():
+            return self._search(history, self.trie.alive_nodes(allowed))
+
+    def _search(self, history: torch.Tensor, alive: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """history [B, T], alive bool [B, n_nodes] or None -> (rows int64 [B, W] trie order, -1 = none;
+        scores float32 [B, W])."""
         B = history.shape[0]
         W = self.beam_width
         dec = self.decoder
@@ -126,9 +142,6 @@ class GenerativeRetrieval(nn.Module):
         attn_dtype = torch.promote_types(shared_k.dtype, torch.float32)
         shared_k = shared_k.to(attn_dtype)
         shared_v = shared_v.to(attn_dtype)
-        alive: Optional[torch.Tensor] = None
-        if item_bitmask is not None:
-            alive = self.trie.node_alive(item_bitmask)  # [B, n_nodes]
 
         # step 0: one start beam per request; it keeps up to W codes (not top_k: a per-beam cut
         # below W on the single start beam would leave only top_k beams for the whole decode)
@@ -159,8 +172,7 @@ class GenerativeRetrieval(nn.Module):
 
         found = scores > float("-inf")
         rows = (nodes - self.trie.leaf_base).clamp(0, self.trie.n_items - 1)
-        item_ids = torch.where(found, self.row_to_item[rows], torch.full_like(rows, -1))
-        return item_ids, scores.to(torch.float32)
+        return torch.where(found, rows, torch.full_like(rows, -1)), scores.to(torch.float32)
 
     def _mask(self, logprobs: torch.Tensor, child: torch.Tensor, alive: Optional[torch.Tensor]) -> torch.Tensor:
         """-inf where child [B, W', C] is not a valid node or (with a bitmask) has no passing item."""

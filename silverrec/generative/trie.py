@@ -140,8 +140,11 @@ class ValidPathTrie(nn.Module):
         Returns:
             bool [B, n_nodes] indexed by node id (root, depth 1, ..., leaves).
         """
-        B = item_bitmask.shape[0]
-        alive = unpack_bits(item_bitmask, self.n_items)  # leaves [B, N]
+        return self.alive_nodes(unpack_bits(item_bitmask, self.n_items))
+
+    def alive_nodes(self, alive: torch.Tensor) -> torch.Tensor:
+        """`node_alive` from unpacked leaves: alive bool [B, N] (trie leaf order) -> bool [B, n_nodes]."""
+        B = alive.shape[0]
         parts = [alive]
         for d in range(self.n_levels - 1, -1, -1):
             lo, hi = self.level_base[d], self.level_base[d + 1]

@@ -1,0 +1,204 @@
+"""The generative decode as a retrieval source of `RecModel`, and the hybrid model that ranks the
+union of the ANN's and the decode's candidates in one forward.
+
+    request -> user tower -> filtered IVF search (RecModel.retrieve)  -> ANN rows  [B, K1]
+            -> filter program over the whole pool (bloom_filter, the verify program) & not excluded
+               -> allowed rows [B, N] -> (trie order) beam decode     -> decode rows [B, W]
+            -> union (each row once; which source found it; each source's score) [B, K1 + W]
+            -> embedding cache re-score, OverArch, value model (RecModel.rank_rows) -> top-k
+
+Rows: the decode works in trie-leaf order, everything else in the canonical (cluster-major) row
+space; `GenerativeSource` maps once each way with two permutation buffers (`canon_to_trie`,
+`trie_to_canon`), and feeds the decoder from canonical history rows through `canon_tokens`.
+
+The filter is the request's own compiled program (filter_program.compile_request's verify program:
+exact on features with value planes, a Bloom superset otherwise), evaluated by the same op the
+filtered search's whole-pool route uses (`silverrec::bloom_filter`, one window of the whole bank
+per request). Exclusions come from the same `exclude` tensor as the ANN's. No host work.
+
+Sources are switched per request by `sources` bool [B, 2] (column SOURCE_ANN, SOURCE_GENERATIVE):
+both sources always run (static shapes, no host sync); a switched-off source's rows are dropped
+before the merge.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.bloom_filter)
+from silverrec.bitmask import unpack_bits
+from silverrec.generative.decoder import BOS, PAD
+from silverrec.generative.generative import GenerativeRetrieval
+from silverrec.rec_model import RecModel
+
+SOURCES = ("ann", "generative")
+SOURCE_ANN, SOURCE_GENERATIVE = 0, 1
+FOUND_ANN, FOUND_GENERATIVE = 1, 2  # bits of `found_by`
+
+
+class GenerativeSource(nn.Module):
+    """A `GenerativeRetrieval` speaking canonical rows.
+
+    Args:
+        retrieval: the decode (rows in trie-leaf order; `retrieval.row_to_item` their item ids).
+        row_to_item: int64 [N] item id of each canonical row (the index's `row_to_item`); the same
+            set of items as the decode's, else ValueError naming a missing item.
+    Buffers:
+        trie_to_canon int64 [N], canon_to_trie int64 [N]: the row permutations;
+        canon_tokens int64 [N, L]: each canonical row's L decoder tokens.
+    Attributes:
+        max_items: the most history items fed to the decoder (the newest; its RoPE table bounds it).
+    """
+
+    def __init__(self, retrieval: GenerativeRetrieval, row_to_item: Tensor):
+        super().__init__()
+        gen_ids = retrieval.row_to_item.to(torch.int64)
+        canon_ids = torch.as_tensor(row_to_item).to(torch.int64)
+        n = canon_ids.shape[0]
+        if gen_ids.shape[0] != n:
+            raise ValueError(f"the generative source holds {gen_ids.shape[0]} items, the index {n}: "
+                             "semantic IDs must cover exactly the snapshot's pool")
+        order = torch.argsort(gen_ids)
+        pos = torch.searchsorted(gen_ids[order], canon_ids).clamp_max(n - 1)
+        missing = (gen_ids[order][pos] != canon_ids).nonzero()
+        if missing.numel():
+            raise ValueError(f"item {int(canon_ids[missing[0, 0]])} of the pool has no semantic ID")
+        canon_to_trie = order[pos]
+        trie_to_canon = torch.empty_like(canon_to_trie)
+        trie_to_canon[canon_to_trie] = torch.arange(n)
+        trie = retrieval.trie
+        offsets = torch.tensor(retrieval.level_offsets, dtype=torch.int64)
+        self.retrieval = retrieval
+        self.register_buffer("canon_to_trie", canon_to_trie)
+        self.register_buffer("trie_to_canon", trie_to_canon)
+        self.register_buffer("canon_tokens", (trie.leaf_paths + offsets)[canon_to_trie].contiguous())
+        self.n_levels = int(trie.n_levels)
+        self.pad, self.bos = PAD, BOS  # (attributes: TorchScript does not read imported globals)
+        self.num_items = int(n)
+        # BOS + items * L tokens, then L - 1 generated ones, within the RoPE table
+        self.max_items = max(1, (int(retrieval.decoder.max_seq_len) - self.n_levels) // self.n_levels)
+
+    def history_tokens(self, history: Tensor) -> Tensor:
+        """history int64 [B, H] canonical rows, oldest first, left-padded with -1 -> decoder tokens
+        int64 [B, 1 + H' * L] (H' = min(H, max_items), the newest), the decode's contract: PAD ...
+        PAD, BOS, the items' tokens."""
+        history = history[:, -self.max_items:]
+        B, H = history.shape
+        tokens = self.canon_tokens[history.clamp_min(0)]  # [B, H, L]
+        tokens = torch.where((history >= 0)[:, :, None], tokens, torch.full_like(tokens, self.pad)).reshape(B, H * self.n_levels)
+        tokens = torch.cat([torch.full_like(tokens[:, :1], self.pad), tokens], dim=1)
+        pads = (history < 0).sum(dim=1, keepdim=True) * self.n_levels  # BOS sits just before the first item
+        return tokens.scatter(1, pads, torch.full_like(pads, self.bos))
+
+    def allowed_rows(self, bits: Tensor, ops: Tensor, rows: Tensor, exclude: Tensor) -> Tensor:
+        """bits int64 [R, ceil(N / 64)] the filter row bank, (ops int64 [B, L], rows int64 [B, L, T])
+        one filter program per request, exclude int64 [B, E] rows (-1 = none) -> bool [B, N]: the
+        canonical rows that pass the program and are not excluded."""
+        B = ops.shape[0]
+        start = torch.zeros(B, 1, dtype=torch.int64, device=ops.device)
+        words = torch.ops.silverrec.bloom_filter(bits, ops, rows, start, bits.shape[1])[:, 0]  # [B, W]
+        passing = unpack_bits(words, self.num_items)
+        spare = torch.where(exclude >= 0, exclude, torch.full_like(exclude, self.num_items))  # -1 -> column N
+        dropped = torch.zeros(B, self.num_items + 1, dtype=torch.bool, device=ops.device)
+        dropped = dropped.scatter(1, spare, torch.ones_like(spare, dtype=torch.bool))
+        return passing & ~dropped[:, : self.num_items]
+
+    def forward(self, history: Tensor, allowed: Tensor) -> Tuple[Tensor, Tensor]:
+        """history int64 [B, H] canonical rows (see `history_tokens`), allowed bool [B, N] canonical
+        -> (rows int64 [B, W] canonical, -1 = none; scores float32 [B, W] summed log-probs, -inf = none)."""
+        trie_rows, scores = self.retrieval.decode_rows(self.history_tokens(history), allowed[:, self.trie_to_canon])
+        rows = torch.where(trie_rows >= 0, self.trie_to_canon[trie_rows.clamp_min(0)], torch.full_like(trie_rows, -1))
+        return rows, scores
+
+
+def merge_sources(ann: Tensor, gen: Tensor, gen_scores: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """The union of two candidate lists, each row once.
+
+    Args:
+        ann int64 [B, K], gen int64 [B, W]: rows (-1 = none; no list holds a row twice);
+        gen_scores float32 [B, W]: the decode's score of each gen entry.
+    Returns:
+        rows int64 [B, K + W] (ascending, -1 = none, padding anywhere), found_by int64 [B, K + W]
+        (FOUND_ANN | FOUND_GENERATIVE bits, 0 at padding), the decode's score float32 [B, K + W]
+        (-inf where the decode did not find the row).
+
+    Static shapes: one stable sort; equal rows form a group whose slot is its rank among the
+    groups (cumsum of group starts); the members' flags add up (a row appears once per source).
+    """
+    both = torch.cat([ann, gen], dim=1)
+    flags = torch.cat([torch.full_like(ann, 1), torch.full_like(gen, 2)], dim=1)  # FOUND_ANN, FOUND_GENERATIVE
+    scores = torch.cat([torch.full_like(ann, float("-inf"), dtype=gen_scores.dtype), gen_scores], dim=1)
+    srt, perm = torch.sort(both, dim=1, stable=True)
+    start = torch.cat([torch.ones_like(srt[:, :1], dtype=torch.bool), srt[:, 1:] != srt[:, :-1]], dim=1)
+    slot = torch.cumsum(start.to(torch.int64), dim=1) - 1
+    rows = torch.full_like(both, -1).scatter(1, slot, srt)
+    found = torch.zeros_like(both).scatter_add(1, slot, flags.gather(1, perm))
+    gen_best = torch.full_like(scores, float("-inf")).scatter_reduce(1, slot, scores.gather(1, perm), "amax")
+    real = rows >= 0
+    return rows, torch.where(real, found, torch.zeros_like(found)), torch.where(real, gen_best, torch.full_like(gen_best, float("-inf")))
+
+
+class HybridRecModel(RecModel):
+    """`RecModel` with a second retrieval source, the generative decode (module docstring).
+
+    Args: those of `RecModel`, plus generative: a `GenerativeSource` over the same pool.
+    """
+
+    def __init__(self, *args, generative: Optional[GenerativeSource] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if generative is None:
+            raise ValueError("HybridRecModel needs a generative source (a plain RecModel has none)")
+        if generative.num_items != self.index.num_items:
+            raise ValueError(f"generative source holds {generative.num_items} rows, the index {self.index.num_items}")
+        self.generative = generative
+
+    def forward(self, values: Tensor, lengths: Tensor, dense: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor,
+                vops: Tensor, vrows: Tensor, lists: Tensor, mode: Tensor, history: Tensor, sources: Tensor, k: int,
+                k0: int, nprobe: int, max_probe: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """One request batch: RecModel.forward's arguments, plus
+
+            history int64 [B, H]: the user's history as canonical rows, oldest first, left-padded with -1;
+            sources bool [B, 2]: the sources each request uses (SOURCE_ANN, SOURCE_GENERATIVE columns).
+
+        Returns RecModel.forward's (item_ids, scores, task scores, rows) over the union (k <= K1 + W),
+        plus found_by int64 [B, k] (FOUND_ANN | FOUND_GENERATIVE; 0 = none) and source scores
+        float32 [B, k, 2]: the exact re-score of task 0 (ANN) and the decode's summed log-prob,
+        -inf where that source did not find the item.
+        """
+        # (literal columns and bits: TorchScript does not read module globals; SOURCE_* and FOUND_* name them)
+        user = self.user_tower(values, lengths, dense)
+        ann = self.retrieve(user, exclude, ops, rows, vops, vrows, lists, mode, k0, nprobe, max_probe)
+        ann = torch.where(sources[:, 0:1], ann, torch.full_like(ann, -1))
+        allowed = self.generative.allowed_rows(self.index.bits, vops, vrows, exclude)
+        allowed = allowed & sources[:, 1:2]
+        gen, gen_scores = self.generative(history, allowed)
+        cand, found_by, gen_feature = merge_sources(ann, gen, gen_scores)
+        value, task_scores = self.rank_rows(user, cand)
+        top_scores, top = torch.topk(value, k, dim=1)
+        top_rows = cand.gather(1, top)
+        found = top_scores > float("-inf")
+        top_rows = torch.where(found, top_rows, torch.full_like(top_rows, -1))
+        ids = torch.where(found, self.index.row_to_item[top_rows.clamp_min(0)].to(torch.int64), torch.full_like(top_rows, -1))
+        tasks_out = task_scores.gather(1, top[:, :, None].expand(-1, -1, task_scores.shape[2]))
+        by = torch.where(found, found_by.gather(1, top), torch.zeros_like(top))
+        ann_score = (self.cache.embeddings(top_rows) * user[:, :1, :]).sum(dim=2)  # task 0's exact re-score
+        ann_score = torch.where((by & 1) != 0, ann_score, float("-inf"))
+        gen_score = torch.where(found, gen_feature.gather(1, top), float("-inf"))
+        return ids, top_scores, tasks_out, top_rows, by, torch.stack([ann_score, gen_score], dim=2)
+
+
+def example_inputs(example: tuple, num_items: int) -> tuple:
+    """RecModel's export example (batch 2, publish/rec.py example_request) -> the hybrid's: the
+    history rows [2, 4] (-1 left padding) and the source flags [2, 2] inserted before the ints."""
+    history = torch.tensor([[-1, -1, 0, 1], [2, 0, 1, 2]], dtype=torch.int64).clamp_max(num_items - 1)
+    return (*example[:10], history, torch.ones(2, 2, dtype=torch.bool), *example[10:])
+
+
+def dynamic_shapes(shapes: dict) -> dict:
+    """RecModel's export dynamic shapes (by argument name) -> the hybrid's: dynamic batch (the
+    request batch's symbol) and history length."""
+    batch = shapes["dense"][0]
+    return {**shapes, "history": {0: batch, 1: torch.export.Dim.DYNAMIC}, "sources": {0: batch}}

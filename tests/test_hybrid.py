@@ -1,0 +1,223 @@
+"""Hybrid retrieval (silverrec/generative/source.py): the ANN search and the generative decode in one
+RecModel forward, their union ranked by one model.
+
+References: Python sets (merge_sources; the union of the two sources run alone: the plain RecModel
+with the same parts and the stand-alone GenerativeRetrieval with a caller-built bitmask), the exact
+forward index (filters), `RecModel.rank` on the union (scores), the eager model against the
+torch.export and TorchScript programs at batch 1 and 16. The model is the tiny synthetic one of
+tests/rec_fixtures.py with a random decoder over random semantic IDs (the tests check how the
+sources are composed, not how good the decoder is).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from silverrec.bitmask import pack_bits
+from silverrec.filtering.forward_index import ForwardIndex
+from silverrec.generative.generative import GenerativeRetrieval
+from silverrec.generative.source import FOUND_ANN, FOUND_GENERATIVE, GenerativeSource, HybridRecModel, merge_sources
+from silverrec.generative.trie import ValidPathTrie
+from silverrec.generative import source as source_module
+from silverrec.publish.rec import dynamic_shapes, example_request, scriptable
+from silverrec.rec_model import RecModel
+from silverrec.retrieval.user_tower import UserFeatureSpec
+from silverrec.snapshot import export_program
+
+from tests.rec_fixtures import K0, N_ITEMS, TASKS, rec_setup
+from tests.reference_beam_search import random_decoder
+from tests.test_rec_model import model_inputs, run, users
+
+SIZES = [8, 8, 8]
+W = 12  # beam width
+T = len(TASKS)
+FILTERS = [None, "cat = c1 OR tags = t2", "NOT cat = c0", "tags IN (t1, t3) AND NOT cat = c2", "cat = c99"]
+
+
+def semantic_paths(n: int, sizes: list[int], seed: int = 0) -> torch.Tensor:
+    """n distinct random paths int64 [n, L] (digits of distinct numbers in the mixed radix `sizes`)."""
+    codes = torch.randperm(int(np.prod(sizes)), generator=torch.Generator().manual_seed(seed))[:n]
+    digits = []
+    for size in reversed(sizes):
+        digits.append(codes % size)
+        codes = codes // size
+    return torch.stack(digits[::-1], dim=1)
+
+
+def decode_module(rec, beam_width: int = W, top_k: int = 5) -> GenerativeRetrieval:
+    """A random decoder over random semantic IDs of the fixture's pool (item ids of items.parquet)."""
+    paths = semantic_paths(N_ITEMS, SIZES)
+    trie = ValidPathTrie(paths, SIZES)
+    ids = torch.from_numpy(rec.logs.item_ids)[trie.row_order]
+    return GenerativeRetrieval(random_decoder(SIZES, seed=3), trie, ids, beam_width, top_k).eval()
+
+
+def hybrid_model(rec, beam_width: int = W) -> HybridRecModel:
+    m = rec.built.model
+    source = GenerativeSource(decode_module(rec, beam_width), m.index.row_to_item)
+    return HybridRecModel(m.user_tower, m.index, m.cache, m.overarch if m.has_overarch else None,
+                          m.value_model if m.has_value_model else None, tasks=m.tasks, overfetch=m.overfetch,
+                          candidates=m.candidates, generative=source).eval()
+
+
+def hybrid_inputs(rec, handler, requests, *, k, sources=(True, True), **kw):
+    """RecModel's inputs (the predictor's encoding) with the history rows and source flags inserted."""
+    args = model_inputs(handler, requests, k=k, **kw)
+    hist = []
+    for r in requests:
+        ids = rec.logs.history(r["user_id"]) if "user_id" in r else r["history"]
+        hist.append(handler.rows(ids, "history"))
+    H = max(2, max(len(h) for h in hist))
+    history = torch.full((len(hist), H), -1, dtype=torch.int64)
+    for b, h in enumerate(hist):
+        if len(h):
+            history[b, H - len(h):] = torch.from_numpy(h)
+    flags = torch.tensor(sources, dtype=torch.bool).expand(len(requests), 2).clone()
+    return (*args[:10], history, flags, *args[10:])
+
+
+@pytest.fixture(scope="module")
+def rec(tmp_path_factory):
+    return rec_setup(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def hybrid(rec):
+    return hybrid_model(rec)
+
+
+def test_merge_sources_matches_python_sets():
+    g = torch.Generator().manual_seed(0)
+    B, K, Wd, N = 6, 9, 7, 25
+    ann = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(B)])
+    gen = torch.stack([torch.randperm(N, generator=g)[:Wd] for _ in range(B)])
+    ann[ann % 4 == 0] = -1  # padding anywhere
+    gen[:, -2:] = -1
+    gen[0] = -1
+    scores = torch.randn(B, Wd, generator=g)
+    rows, found, gscore = merge_sources(ann, gen, scores)
+    assert rows.shape == found.shape == gscore.shape == (B, K + Wd)
+    for b in range(B):
+        a = {int(x) for x in ann[b] if x >= 0}
+        s = {int(x): float(v) for x, v in zip(gen[b], scores[b]) if x >= 0}
+        got = [int(x) for x in rows[b] if x >= 0]
+        assert len(got) == len(set(got)) and set(got) == a | set(s)
+        for j, r in enumerate(rows[b].tolist()):
+            if r < 0:
+                assert found[b, j] == 0 and gscore[b, j] == float("-inf")
+                continue
+            assert int(found[b, j]) == (FOUND_ANN if r in a else 0) | (FOUND_GENERATIVE if r in s else 0)
+            assert float(gscore[b, j]) == (s[r] if r in s else float("-inf"))
+
+
+def _gen_alone(hybrid, args):
+    """The stand-alone decode of the same requests: GenerativeRetrieval with a caller-built bitmask
+    (the exact forward index's filter, the history excluded), item ids -> canonical rows."""
+    src = hybrid.generative
+    exclude, vops, vrows, history = args[3], args[6], args[7], args[10]
+    allowed = src.allowed_rows(hybrid.index.bits, vops, vrows, exclude)
+    bitmask = pack_bits(allowed[:, src.trie_to_canon])
+    with torch.inference_mode():
+        ids, scores = src.retrieval(src.history_tokens(history), bitmask)
+    return ids, scores
+
+
+def _row_sets(rows):
+    return [set(r[r >= 0].tolist()) for r in rows]
+
+
+def test_union_equals_the_two_sources_run_alone(rec, hybrid):
+    handler = rec.snap().rec_handler()
+    requests = [{"user_id": u} for u in users(rec, 4, start=5)]
+    requests[1]["filter"] = "NOT cat = c0"
+    requests[2]["filter"] = "tags IN (t1, t3)"
+    K1 = hybrid.candidates or T * K0
+    args = hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2)
+    ids, scores, tasks, rows, by, src_scores = run(hybrid, args)
+    plain = RecModel(hybrid.user_tower, hybrid.index, hybrid.cache, None, None, tasks=hybrid.tasks,
+                     overfetch=hybrid.overfetch, candidates=hybrid.candidates).eval()
+    ann_rows = run(plain, model_inputs(handler, requests, k=K1, nprobe=2))[3]
+    gen_ids, gen_scores = _gen_alone(hybrid, args)
+    row_of = {int(i): r for r, i in enumerate(hybrid.index.row_to_item.tolist())}
+    for b in range(len(requests)):
+        a = set(ann_rows[b][ann_rows[b] >= 0].tolist())
+        g = {row_of[int(i)]: float(s) for i, s in zip(gen_ids[b], gen_scores[b]) if i >= 0}
+        assert a and g, "both sources found items"
+        got = rows[b][rows[b] >= 0].tolist()
+        assert len(got) == len(set(got)) and set(got) == a | set(g), f"request {b}"
+        for j, r in enumerate(rows[b].tolist()):
+            if r < 0:
+                continue
+            assert int(by[b, j]) == (FOUND_ANN if r in a else 0) | (FOUND_GENERATIVE if r in g else 0)
+            assert float(src_scores[b, j, 1]) == pytest.approx(g.get(r, float("-inf")), abs=1e-5)
+            assert (src_scores[b, j, 0] > float("-inf")) == (r in a)
+    # each source alone through the hybrid's own switch gives that source's candidates
+    only_ann = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2, sources=(True, False)))
+    only_gen = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2, sources=(False, True)))
+    assert _row_sets(only_ann[3]) == _row_sets(ann_rows)
+    assert _row_sets(only_gen[3]) == [{row_of[int(i)] for i in g[g >= 0].tolist()} for g in gen_ids]
+    assert bool((only_ann[4][only_ann[3] >= 0] == FOUND_ANN).all())
+    assert bool((only_gen[4][only_gen[3] >= 0] == FOUND_GENERATIVE).all())
+
+
+def test_ranking_of_the_union_equals_rank_on_the_union(rec, hybrid):
+    """The top-k is the best k of the union by the model's own value (RecModel.rank on those rows)."""
+    handler = rec.snap().rec_handler()
+    requests = [{"user_id": u} for u in users(rec, 3, start=11)]
+    K1 = hybrid.candidates or T * K0
+    full = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2))
+    top = run(hybrid, hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
+    values, lengths, dense = model_inputs(handler, requests, k=10)[:3]
+    with torch.inference_mode():
+        value, task_scores = hybrid.rank(values, lengths, dense, full[3])
+    for b in range(len(requests)):
+        best = torch.sort(value[b], descending=True).values[:10]
+        torch.testing.assert_close(top[1][b], best, rtol=1e-5, atol=1e-5)
+        assert set(top[3][b].tolist()) <= set(full[3][b].tolist())
+
+
+def test_every_returned_item_passes_its_filter_from_both_sources(rec, hybrid):
+    handler = rec.snap().rec_handler()
+    fwd = ForwardIndex.from_lists(rec.logs.features)  # pool rows = items.parquet order
+    us = users(rec, len(FILTERS), start=20)
+    requests = [{"user_id": u, "filter": f} for u, f in zip(us, FILTERS)]
+    ids, _, _, rows, by, _ = run(hybrid, hybrid_inputs(rec, handler, requests, k=40, nprobe=2))
+    seen = 0
+    for b, (u, f) in enumerate(zip(us, FILTERS)):
+        allowed = set(rec.logs.item_ids[fwd.evaluate(f).numpy()].tolist())
+        got = ids[b][ids[b] >= 0].tolist()
+        assert set(got) <= allowed, f"{f!r}: {sorted(set(got) - allowed)} fail the filter"
+        assert not set(got) & set(rec.logs.history(u)), "history items are excluded from both sources"
+        seen |= int(by[b].max())
+        if f == "cat = c99":
+            assert got == []
+    assert seen == FOUND_ANN | FOUND_GENERATIVE, "both sources returned items"
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_export_and_torchscript_equal_eager(rec, hybrid, batch):
+    handler = rec.snap().rec_handler()
+    programs = _programs(hybrid, UserFeatureSpec.from_json(handler.config["user_features"]))
+    requests = [{"user_id": u, "filter": FILTERS[i % len(FILTERS)]} for i, u in enumerate(users(rec, batch, start=40))]
+    args = hybrid_inputs(rec, handler, requests, k=15, nprobe=2)
+    eager = run(hybrid, args)
+    for name, module in programs.items():
+        got = run(module, args)
+        for e, g, what in zip(eager, got, ["ids", "scores", "task scores", "rows", "found_by", "source scores"]):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=f"{name} {what} at batch {batch}")
+    assert bool((eager[0] >= 0).any())
+
+
+_PROGRAMS = {}
+
+
+def _programs(hybrid, spec):
+    """The hybrid exported (publish's RecModel example and shapes, extended) and scripted, once."""
+    if not _PROGRAMS:
+        example = source_module.example_inputs(example_request(hybrid, spec, hybrid.cache.dim), hybrid.index.num_items)
+        shapes = source_module.dynamic_shapes(dynamic_shapes(len(spec.keys)))
+        _PROGRAMS["export"] = export_program(hybrid, example, shapes).module()
+        _PROGRAMS["torchscript"] = scriptable(hybrid)
+    return _PROGRAMS
