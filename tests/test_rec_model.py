@@ -357,18 +357,33 @@ def test_history_is_excluded_by_default_and_can_be_included(rec):
     assert h.item_ids.tolist() == excluded.item_ids.tolist()
 
 
-def test_every_request_gets_the_same_exclusion_slots(rec):
-    """The predictor sends exactly exclude_limit exclusion slots per request, whatever the batch."""
+def test_exclusion_slots_per_request_equal_a_plain_walk(rec):
+    """Each request's exclusions are its exclude ids, then its distinct history rows newest first, at
+    most exclude_limit in all, sorted; the tensor is as wide as the batch's longest list (-1 in
+    front), whatever the neighbours hold. Reference: a plain-Python walk per request."""
     handler = rec.snap().rec_handler()
-    limit = int(handler.config["exclude_limit"])
     lengths = {int(u): len(rec.logs.history(int(u))) for u in rec.logs.user_ids}
     short, long_ = min(lengths, key=lengths.get), max(lengths, key=lengths.get)
-    for reqs in ([{"user_id": short}], [{"user_id": short}, {"history": rec.logs.item_ids[:250].tolist()}]):
-        exclude = model_inputs(handler, reqs, k=5)[3]
-        assert exclude.shape == (len(reqs), limit)
-    one = model_inputs(handler, [{"user_id": long_}], k=5)[3][0]
-    kept = one[one >= 0]
-    assert kept.numel() == min(limit, len(set(rec.logs.history(long_)))) and bool((kept[1:] > kept[:-1]).all())
+    hist = rec.logs.history(long_)
+    dup = [int(i) for i in hist[:5]] * 3 + [int(i) for i in hist[2:9]]  # repeats: the newest copy counts
+    reqs = [{"user_id": short}, {"history": dup, "exclude": [int(hist[3]), int(hist[-1]), int(hist[-1])]},
+            {"user_id": long_}, {"history": rec.logs.item_ids[:250].tolist()}]
+
+    def walk(r, limit):
+        ids = list(rec.logs.history(r["user_id"])) if "user_id" in r else r["history"]
+        out = list(dict.fromkeys(int(i) for i in r.get("exclude", [])))
+        for i in reversed(ids):
+            if len(out) < limit and int(i) not in out:
+                out.append(int(i))
+        return sorted(handler.rows(out, "test").tolist())
+
+    for limit in (int(handler.config["exclude_limit"]), 6):
+        for batch in ([reqs[0]], reqs):
+            exclude = model_inputs_limit(handler, batch, limit)
+            want = [walk(r, limit) for r in batch]
+            assert exclude.shape == (len(batch), max(1, max(len(w) for w in want)))
+            for row, w in zip(exclude, want):
+                assert row[row >= 0].tolist() == w and bool((row[: row.numel() - len(w)] == -1).all())
 
 
 def test_exclude_padding_does_not_change_the_answer(rec):
