@@ -1,6 +1,6 @@
 """Shared benchmark harness: one timer, machine/version info, table printing, JSON results.
 
-    from common import Timer, machine_info, print_table, write_results   (benchmarks/ on sys.path)
+    from common import alternate, machine_info, measure, print_table, write_results   (benchmarks/ on sys.path)
 """
 
 from __future__ import annotations
@@ -11,11 +11,21 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def quantiles(times_ms: Sequence[float]) -> dict[str, float]:
+    """Median / p20 / p80 (nearest rank) of wall times in ms, and the number of runs."""
+    t = sorted(times_ms)
+
+    def q(p: float) -> float:
+        return t[min(len(t) - 1, int(round(p * (len(t) - 1))))]
+
+    return {"median_ms": statistics.median(t), "p20_ms": q(0.2), "p80_ms": q(0.8), "runs": len(t)}
 
 
 def measure(fn: Callable[[], Any], repeat: int = 7, warmup: int = 2, max_seconds: float = 30.0) -> dict[str, float]:
@@ -30,12 +40,29 @@ def measure(fn: Callable[[], Any], repeat: int = 7, warmup: int = 2, max_seconds
         times.append((time.perf_counter() - t) * 1e3)
         if time.perf_counter() - start > max_seconds and len(times) >= 3:
             break
-    times.sort()
+    return quantiles(times)
 
-    def q(p: float) -> float:
-        return times[min(len(times) - 1, int(round(p * (len(times) - 1))))]
 
-    return {"median_ms": statistics.median(times), "p20_ms": q(0.2), "p80_ms": q(0.8), "runs": len(times)}
+def alternate(fns: Sequence[Callable[[], Any]], repeat: int, warmup: int = 1) -> list[dict[str, float]]:
+    """The functions timed in alternation, one call each per round (A B C, then C B A, ...), so that
+    the load of a shared machine falls on all alike: `warmup` rounds excluded, then `repeat` rounds.
+
+    Returns one dict per function: `quantiles` of its calls, `load_1min` (the 1-minute load average
+    at the end) and `paired_ratio_median`, the median over the rounds of (its time / the first
+    function's time in the same round).
+    """
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(repeat):
+        for j in (range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))):
+            t = time.perf_counter()
+            fns[j]()
+            times[j].append((time.perf_counter() - t) * 1e3)
+    load = os.getloadavg()[0]
+    return [quantiles(t) | {"load_1min": load, "paired_ratio_median": statistics.median(b / a for a, b in zip(times[0], t))}
+            for t in times]
 
 
 def machine_info() -> dict[str, Any]:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine_info, measure, print_table  # noqa: E402
+from common import RESULTS, alternate, machine_info, print_table  # noqa: E402
 
 
 def load_ext(path: str) -> None:
@@ -37,20 +37,6 @@ def load_ext(path: str) -> None:
     mod = importlib.util.module_from_spec(spec)
     sys.modules["silverrec.kernels._cpu"] = mod
     spec.loader.exec_module(mod)
-
-
-def alternate(sides: dict, reps: int) -> dict[str, dict[str, float]]:
-    for fn in sides.values():
-        fn()  # warm-up
-    samples = {name: [] for name in sides}
-    for i in range(reps):
-        for name in (list(sides) if i % 2 == 0 else list(reversed(sides))):
-            samples[name].append(measure(sides[name], repeat=1, warmup=0)["median_ms"])
-    out = {}
-    for name, t in samples.items():
-        t = sorted(t)
-        out[name] = {"median_ms": float(np.median(t)), "p20_ms": t[len(t) // 5], "p80_ms": t[min(len(t) - 1, 4 * len(t) // 5)]}
-    return out
 
 
 def main() -> int:
@@ -126,7 +112,7 @@ def main() -> int:
             ids = ours()[1].numpy()
             ref = theirs()[1]
             overlap = float(np.mean([len(set(a) & set(bb)) / args.k for a, bb in zip(ids, ref)])) if workload == "exact" else None
-            t = alternate({"silverrec": ours, peer: theirs}, args.reps)
+            t = dict(zip(("silverrec", peer), alternate([ours, theirs], args.reps)))
             rows.append({
                 "tag": args.tag, "threads": args.threads, "workload": workload, "batch": b, "ours_ms": t["silverrec"]["median_ms"],
                 "ours_p20_ms": t["silverrec"]["p20_ms"], "ours_p80_ms": t["silverrec"]["p80_ms"],

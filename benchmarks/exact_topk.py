@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure, print_table, write_results  # noqa: E402
+from common import alternate, print_table, write_results  # noqa: E402
 
 import silverrec  # noqa: E402,F401
 from silverrec.publish.quantize import quantize_global  # noqa: E402
@@ -77,16 +77,7 @@ def main() -> int:
             return sq8.search(q, k)
 
         sides = {"silverrec_int8": ours, "faiss_sq8_flat": faiss_sq8, "faiss_flat_ip": faiss_flat, "torch_topk_float": torch_topk}
-        samples = {name: [] for name in sides}
-        for fn in sides.values():
-            fn()  # warm-up
-        for i in range(3 if args.quick else 7):
-            for name in (list(sides) if i % 2 == 0 else list(reversed(sides))):
-                samples[name].append(measure(sides[name], repeat=1, warmup=0)["median_ms"])
-        timings = {}
-        for name, t in samples.items():
-            t = sorted(t)
-            timings[name] = {"median_ms": float(np.median(t)), "p20_ms": t[len(t) // 5], "p80_ms": t[min(len(t) - 1, 4 * len(t) // 5)]}
+        timings = dict(zip(sides, alternate(list(sides.values()), 3 if args.quick else 7)))
         base = timings["silverrec_int8"]["median_ms"]
         for name, t in timings.items():
             rows.append({

@@ -40,7 +40,7 @@ embedding cache vs recomputing the item tower; snapshot bytes per item.
    (manifest `quantization_user_tower`), beside the pipeline's own stores.
 
 Timing: the two sides alternate call by call (A B B A ...) so that the load of this shared
-machine falls on both alike; each call is timed by benchmarks/common.py's `measure`; warm-up
+machine falls on both alike (benchmarks/common.py's `alternate`); warm-up
 calls excluded; median with p20 / p80 per side; `ratio` = pipeline median / silverrec median (> 1:
 silverrec faster), `paired_ratio` = median of the per-round ratios.
 
@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -69,7 +68,7 @@ import pyroaring  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, measure, print_table, write_results  # noqa: E402
+from common import RESULTS, alternate, print_table, write_results  # noqa: E402
 
 import silverrec  # noqa: E402
 from silverrec.filtering.filter_lang import And, Not, Or, Term, parse  # noqa: E402
@@ -271,43 +270,6 @@ def newest_unique(rows: np.ndarray, limit: int) -> np.ndarray:
     return rev[first][:limit]
 
 
-def paired(ours, theirs, repeat: int, warmup: int = 2) -> tuple[dict, dict]:
-    """silverrec and the other side timed in alternation (see `alternate`)."""
-    qa, qb = alternate([ours, theirs], repeat, warmup)
-    return qa, qb
-
-
-def alternate(fns, repeat: int, warmup: int = 2) -> list[dict]:
-    """The functions timed in alternation (A B C, then C B A, ...), so that the load of this shared
-    machine falls on all alike: warm-up calls excluded, each sample one call of common.measure, and
-    the same median / p20 / p80 as common.measure computes; `paired_ratio_median` = median over the
-    rounds of (this one's time / the first one's)."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for i in range(repeat):
-        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
-        for j in order:
-            times[j].append(measure(fns[j], repeat=1, warmup=0)["median_ms"])
-    load = os.getloadavg()[0]
-    out = []
-    for t in times:
-        q = _quantiles(t) | {"load_1min": load}
-        q["paired_ratio_median"] = statistics.median(b / a for a, b in zip(times[0], t))
-        out.append(q)
-    return out
-
-
-def _quantiles(times: list[float]) -> dict:
-    times = sorted(times)
-
-    def q(p: float) -> float:
-        return times[min(len(times) - 1, int(round(p * (len(times) - 1))))]
-
-    return {"median_ms": statistics.median(times), "p20_ms": q(0.2), "p80_ms": q(0.8), "runs": len(times)}
-
-
 def overlap(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean([len(set(x[x >= 0].tolist()) & set(y[y >= 0].tolist())) / K for x, y in zip(a, b)]))
 
@@ -334,7 +296,7 @@ def end_to_end(snap, pipe: Pipeline, users: list[list[int]], repeats: dict[int, 
                 state["theirs"] += 1
                 return pipe.recommend(batch, k=K)
 
-            t_ours, t_pipe = paired(ours, theirs, repeat=nb, warmup=2)
+            t_ours, t_pipe = alternate([ours, theirs], nb, warmup=2)
             a = np.concatenate([snap.recommend(bt, k=K).item_ids.numpy() for bt in batches])
             pipe.candidates.clear()
             p = np.concatenate([pipe.recommend(bt, k=K) for bt in batches])
@@ -388,8 +350,8 @@ def early_stage(snap, pipe: Pipeline, ckpt: dict, request: dict, sizes, repeats:
     # (a) the MovieLens snapshot through the public API, ids drawn with replacement
     for n in sizes:
         ids = pipe.item_ids[rng.integers(0, pipe.n, n)]
-        t_ours, t_pipe = paired(lambda: snap.rank(request, item_ids=ids),
-                                lambda: pipe.rank_recompute(item_tower, pipe.dense, request, ids, True), rep(n), warmup=1)
+        t_ours, t_pipe = alternate([lambda: snap.rank(request, item_ids=ids),
+                                    lambda: pipe.rank_recompute(item_tower, pipe.dense, request, ids, True)], rep(n), warmup=1)
         rows.append({"part": "early_stage", "pool": "movielens_9742_ids_with_replacement", "what": "rank (user tower + embeddings + OverArch + value)",
                      "items": n, "silverrec": t_ours, "pipeline": t_pipe, "silverrec_ms": t_ours["median_ms"],
                      "pipeline_ms": t_pipe["median_ms"], "ratio": t_pipe["median_ms"] / t_ours["median_ms"],
