@@ -44,8 +44,10 @@ logs, named errors for a bad shape, dtype or NaN) and exported into the one prog
 torch.export cannot trace gets a `ByoError` naming the module and the first failing line of its
 code; nothing is written. TorchScript (model.ts) is written where every module scripts (a
 torch.export program cannot be scripted: the manifest's `torchscript` says why it was skipped).
-A TorchScript user tower or OverArch goes into model.ts as it is, and into model.pt2 only where
-torch's TorchScript converter (`TS2EPConverter`) gives a program with a dynamic batch.
+A TorchScript item tower runs at publish only; a TorchScript user tower or OverArch would have to
+go into model.pt2 too, and torch.export cannot trace a ScriptModule (torch's converter,
+`TS2EPConverter`, was seen to specialise the batch size or fail on `prim::If`): a named error asks
+for a .pt2 program or an entry point instead.
 """
 
 from __future__ import annotations
@@ -71,17 +73,13 @@ from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.logs import Logs, read_logs
 from silverrec.publish.pool import Pool, read_pool
 from silverrec.publish.progress import bar, step
-from silverrec.publish.rec import Built, PublishConfig, _bytes_per_item, choose_nprobe, write_rec_files
+from silverrec.publish.rec import Built, PublishConfig, _bytes_per_item, choose_nprobe, serving_config, write_rec_files
 from silverrec.ranking.cache import EmbeddingCache
 from silverrec.ranking.value_model import compile_value_model
 from silverrec.rec_model import RecModel
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec, _csr, gather_csr
 from silverrec.snapshot import export_program, write_snapshot
-
-try:  # the snapshot spec (silverrec/spec.py, landing beside this module): recorded where this silverrec has it
-    from silverrec.spec import ModelSpec
-except ImportError:  # pragma: no cover
-    ModelSpec = None
+from silverrec.spec import ModelSpec
 
 ITEM_INPUTS = ("item_id", "pool_row")
 SAMPLE_USERS = 64
@@ -275,8 +273,9 @@ class ByoConfig(PublishConfig):
                 raise ConfigError(f"a bring-your-own-model config needs `{key}`")
         if self.checkpoint:
             raise ConfigError("give either `checkpoint` (silverrec's own towers) or [user_tower], not both")
-        if getattr(self, "filter_template", None) is not None:
-            raise ConfigError("filter_template is not supported with a user's towers yet (publish/byo.py)")
+        for key, default in (("filter_template", None), ("sources", ["ann"])):  # PublishConfig's newer keys
+            if getattr(self, key, default) != default:
+                raise ConfigError(f"{key} is not supported with a user's towers yet (publish/byo.py)")
         if self.overarch is not None and not isinstance(self.overarch, dict):
             raise ConfigError(f"[overarch] must name a user's module (a table), got {self.overarch!r}")
         self.user = _module_spec("user tower", self.user_tower, self.base, USER_KEYS)
@@ -372,9 +371,14 @@ def _check_output(what: str, out: Any, shapes: list[tuple], names: str) -> Tenso
     return out
 
 
-def check_exportable(what: str, module: nn.Module, example: tuple, dynamic: dict[str, Any]) -> None:
-    """torch.export `module` alone (non-strict, dynamic batch), as the snapshot's export will:
-    ByoError naming `what` and the first failing line of the user's code."""
+def check_exportable(user: UserModule, module: nn.Module, example: tuple, dynamic: dict[str, Any]) -> None:
+    """torch.export `module` (the adapter around `user`'s module) alone, non-strict with a dynamic
+    batch, as the snapshot's export will: ByoError naming the module and the first failing line of
+    the user's code."""
+    what = user.source
+    if user.form == "torchscript":
+        raise ByoError(f"{what} is TorchScript, which torch.export cannot trace into the snapshot's program "
+                       "(model.pt2): give it as a torch.export program (.pt2) or a package.module:factory entry point")
     try:
         export_program(module, example, dynamic)
     except Exception as e:
@@ -383,9 +387,13 @@ def check_exportable(what: str, module: nn.Module, example: tuple, dynamic: dict
                        "(no data-dependent Python control flow, no .item() / .tolist() / numpy)") from e
 
 
-def torchscript_problem(modules: dict[str, nn.Module]) -> Optional[str]:
-    """None when every module scripts, else why the snapshot gets no model.ts."""
-    for what, m in modules.items():
+def torchscript_problem(modules: list[tuple[UserModule, nn.Module]]) -> Optional[str]:
+    """None when every module (an adapter around a user's module) scripts, else why the snapshot
+    gets no model.ts."""
+    for user, m in modules:
+        what = user.source
+        if user.form == "export":
+            return f"{what} is a torch.export program, which TorchScript cannot hold"
         try:
             torch.jit.script(m)
         except Exception as e:
@@ -420,20 +428,22 @@ def _vocabularies(cfg: ByoConfig, logs: Logs) -> dict[str, dict]:
             given = json.loads(Path(cfg.vocab).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"cannot read vocab {cfg.vocab}: {e}") from None
-    out: dict[str, dict] = {"item_features": {}, "user_features": {}, "user_numeric": {}}
+
+    def categorical(kind: str, names: list[str], columns: dict[str, list[list[str]]], where: str) -> dict:
+        for f in names:
+            if f not in columns:
+                raise ConfigError(f"{kind[:-1].replace('_', ' ')} {f!r} is not a categorical column of {where} "
+                                  f"(it has {sorted(columns) or 'none'})")
+        return {f: list(given.get(kind, {}).get(f) or sorted({v for vals in columns[f] for v in vals})) for f in names}
+
     item_names = list(cfg.user_tower.get("item_features", [])) + list((cfg.item_tower or {}).get("item_features", []))
-    for f in dict.fromkeys(item_names):
-        if f not in logs.item_features:
-            raise ConfigError(f"item feature {f!r} is not a categorical column of {Path(cfg.items).name} "
-                              f"(it has {sorted(logs.item_features) or 'none'})")
-        out["item_features"][f] = list(given.get("item_features", {}).get(f) or
-                                       sorted({v for vals in logs.item_features[f] for v in vals}))
-    for g in cfg.user_tower.get("user_features", []):
-        if g not in logs.user_features:
-            raise ConfigError(f"user feature {g!r} is not a categorical column of the users file "
-                              f"(it has {sorted(logs.user_features) or 'none'})")
-        out["user_features"][g] = list(given.get("user_features", {}).get(g) or
-                                       sorted({v for vals in logs.user_features[g] for v in vals}))
+    out: dict[str, dict] = {
+        "item_features": categorical("item_features", list(dict.fromkeys(item_names)), logs.item_features,
+                                     Path(cfg.items).name),
+        "user_features": categorical("user_features", list(cfg.user_tower.get("user_features", [])),
+                                     logs.user_features, "the users file"),
+        "user_numeric": {},
+    }
     for g in cfg.user_tower.get("numeric", []):
         if g not in logs.user_numeric:
             raise ConfigError(f"numeric user feature {g!r} is not a numeric column of the users file "
@@ -532,7 +542,7 @@ def build_byo_model(cfg: ByoConfig) -> Built:
     if len(tasks) != u.shape[1]:
         raise ConfigError(f"task_names lists {len(tasks)} names, the user tower gives {u.shape[1]} embeddings")
     batch = FILTER_DYNAMIC["queries"][0]
-    check_exportable(cfg.user.source, user, sample, {"values": {0: Dim.DYNAMIC}, "lengths": {0: len(spec.keys) * batch},
+    check_exportable(cfg.user, user, sample, {"values": {0: Dim.DYNAMIC}, "lengths": {0: len(spec.keys) * batch},
                                                       "dense": {0: batch}})
 
     arch = None
@@ -549,7 +559,7 @@ def build_byo_model(cfg: ByoConfig) -> Built:
                       [(rows.shape[0], K, len(tasks))], f"[B, K] or [B, K, T] with T = {len(tasks)}")
         dyn = {"user": {0: batch}, "cand": {0: batch, 1: Dim.DYNAMIC}, "item": {0: batch, 1: Dim.DYNAMIC},
                "valid": {0: batch, 1: Dim.DYNAMIC}}
-        check_exportable(cfg.arch.source, _Score(arch), (users, cand, item, valid), dyn)
+        check_exportable(cfg.arch, _Score(arch), (users, cand, item, valid), dyn)
 
     if cfg.nprobe is not None:
         manifest["default_nprobe"] = int(cfg.nprobe)
@@ -560,28 +570,17 @@ def build_byo_model(cfg: ByoConfig) -> Built:
     vm = compile_value_model(cfg.value_model, tasks, cache.feature_names) if cfg.value_model is not None else None
     model = RecModel(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch,
                      candidates=cfg.candidates).eval()
-    modules = {cfg.user.source: user} | ({cfg.arch.source: arch} if arch is not None else {})
+    modules = [(cfg.user, user)] + ([(cfg.arch, arch)] if arch is not None else [])
+    # a masked OverArch is list-wise: the predictor caps `rank` lists for it
+    kind = "none" if arch is None else "listwise" if cfg.overarch.get("mask", False) else "user"
     manifest.update({
-        "index": "rec",
-        "tasks": tasks,
-        "user_features": spec.to_json(),
-        "item_feature_names": cache.feature_names,
-        # a masked OverArch is list-wise: the predictor caps `rank` lists for it
-        "overarch": "none" if arch is None else "listwise" if cfg.overarch.get("mask", False) else "user",
-        "value_model": None if vm is None else vm.config()["formula"],
-        "merge": cfg.merge,
-        "default_k0": int(cfg.k0),
-        "candidates": int(cfg.candidates),
-        "exclude_limit": int(cfg.exclude_limit),
-        "overfetch": int(cfg.overfetch),
+        **serving_config(cfg, spec, tasks, cache, kind, vm),
         "user_modules": {m.role: {"form": m.form, "source": m.source} for m in (cfg.user, cfg.item, cfg.arch) if m},
         "torchscript": torchscript_problem(modules) if cfg.torchscript else "not requested",
         "bytes_per_item": _bytes_per_item(model, n),
     })
-    if ModelSpec is not None:
-        manifest["spec"] = ModelSpec("two_tower", dim, index.nlist, tuple(tasks), cache=True,
-                                     overarch=manifest["overarch"] if arch is not None else None,
-                                     value_model=vm is not None).to_json()
+    manifest["spec"] = ModelSpec("two_tower", dim, index.nlist, tuple(tasks), cache=True,
+                                 overarch=None if arch is None else kind, value_model=vm is not None).to_json()
     users = {"user_ids": logs.user_ids.copy(), "offsets": logs.offsets.copy(), "item_ids": logs.item_ids[logs.items]}
     return Built(model, manifest, index.row_to_item.to(torch.int64).numpy(), item_csr, users)
 

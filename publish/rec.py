@@ -238,17 +238,7 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     model = RecModel(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch,
                      candidates=cfg.candidates).eval()
     manifest.update({
-        "index": "rec",
-        "tasks": tasks,
-        "user_features": spec.to_json(),
-        "item_feature_names": cache.feature_names,
-        "overarch": kind,
-        "value_model": None if vm is None else vm.config()["formula"],
-        "merge": cfg.merge,
-        "default_k0": int(cfg.k0),
-        "candidates": int(cfg.candidates),
-        "exclude_limit": int(cfg.exclude_limit),
-        "overfetch": int(cfg.overfetch),
+        **serving_config(cfg, spec, tasks, cache, kind, vm),
         "quantization_user_tower": quant,
         "bytes_per_item": _bytes_per_item(model, n),
         "training": ckpt.get("stats", {}),
@@ -258,6 +248,25 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     if "users" in ckpt:
         users = {k: np.asarray(v) for k, v in ckpt["users"].items()}
     return Built(model, manifest, index.row_to_item.to(torch.int64).numpy(), item_csr, users)
+
+
+def serving_config(cfg: PublishConfig, spec: UserFeatureSpec, tasks: list[str], cache: EmbeddingCache, overarch: str,
+                   vm: Any) -> dict[str, Any]:
+    """The manifest keys the predictor reads to encode and answer requests, for every recommendation
+    snapshot (silverrec's own towers here, a user's in publish/byo.py)."""
+    return {
+        "index": "rec",
+        "tasks": tasks,
+        "user_features": spec.to_json(),
+        "item_feature_names": cache.feature_names,
+        "overarch": overarch,
+        "value_model": None if vm is None else vm.config()["formula"],
+        "merge": cfg.merge,
+        "default_k0": int(cfg.k0),
+        "candidates": int(cfg.candidates),
+        "exclude_limit": int(cfg.exclude_limit),
+        "overfetch": int(cfg.overfetch),
+    }
 
 
 def _bytes_per_item(model: RecModel, n: int) -> dict[str, float]:

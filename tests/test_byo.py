@@ -123,8 +123,8 @@ def test_published_export_program_equals_eager(world, tmp_path):
     out = publish_byo(cfg, tmp_path / "snap")
     snap = silverrec.load(out)
     m = snap.manifest["config"]
-    assert m["overarch"] == "listwise" and "torch.export program" not in str(m["torchscript"])
-    assert m["torchscript"] is not None and not (out / "model.ts").exists()  # a .pt2 tower does not script
+    assert m["overarch"] == "listwise"
+    assert "torch.export program" in m["torchscript"] and not (out / "model.ts").exists()  # .pt2 does not script
     assert snap.backend == "export"
     check_against_eager(snap, world)
 
@@ -170,6 +170,13 @@ def test_unexportable_module_is_named_and_leaves_nothing(world, tmp_path):
     with pytest.raises(ByoError, match=r"user tower \(tests.test_byo:DataDependentTower.*cannot be exported.*"
                                        r"test_byo.py:\d+ `if values.sum\(\) > 10:"):
         publish_byo(cfg, tmp_path / "snap")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_torchscript_user_tower_is_refused_by_name(world, tmp_path):
+    """A ScriptModule cannot be traced into model.pt2: named, with what to give instead."""
+    with pytest.raises(ByoError, match=r"user tower \(user.ts\) is TorchScript.*\.pt2.*entry point"):
+        publish_byo(config(world, {"path": "user.ts"}, None), tmp_path / "snap")
     assert list(tmp_path.iterdir()) == []
 
 
