@@ -37,6 +37,8 @@ from silverrec.ranking.cache import EmbeddingCache
 from silverrec.ranking.overarch import overarch_from_config
 from silverrec.ranking.value_model import compile_value_model
 from silverrec.rec_model import MERGES, RankEntry, RecModel
+from silverrec.generative import source as generative_source
+from silverrec.generative.source import SOURCES, HybridRecModel
 from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, export_program, write_snapshot
 from silverrec.retrieval.user_tower import UserFeatureSpec, _csr
 
@@ -65,6 +67,12 @@ class PublishConfig:
     quantize: str = "auto"  # user tower tables: "auto" (int8 where quality holds), "int8", "none"
     min_overlap: float = 0.95  # auto: mean top-100 overlap of int8 vs float user embeddings
     torchscript: bool = True
+    # retrieval sources: "ann" (always), "generative" (the beam decode of `generative_checkpoint`, a
+    # publish/train_generative.py checkpoint over the same pool; silverrec/generative/source.py)
+    sources: list = field(default_factory=lambda: ["ann"])
+    generative_checkpoint: Optional[str] = None
+    beam_width: int = 64  # the decode's beams = its candidates per request
+    beam_top_k: int = 0  # per-beam candidates before the global top W (0 = beam_width)
 
     def __post_init__(self):
         if self.merge not in MERGES:
@@ -79,12 +87,18 @@ class PublishConfig:
             raise ConfigError(f"overfetch must be >= 0, got {self.overfetch}")
         if int(self.exclude_limit) <= 0:
             raise ConfigError(f"exclude_limit must be positive, got {self.exclude_limit}")
+        if not set(self.sources) <= set(SOURCES) or "ann" not in self.sources:
+            raise ConfigError(f"sources must list 'ann' and optionally 'generative', got {self.sources!r}")
+        if ("generative" in self.sources) != (self.generative_checkpoint is not None):
+            raise ConfigError("sources = ['ann', 'generative'] and generative_checkpoint go together")
+        if int(self.beam_width) <= 0 or int(self.beam_top_k) < 0:
+            raise ConfigError(f"beam_width must be positive and beam_top_k >= 0, got {self.beam_width}, {self.beam_top_k}")
         if self.mlp_dtype not in ("fp32", "bf16", "auto"):
             raise ConfigError(f"mlp_dtype must be 'fp32', 'bf16' or 'auto', got {self.mlp_dtype!r}")
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> "PublishConfig":
-        return read_toml(cls, path, path_keys=("checkpoint",), required=("checkpoint",), **overrides)
+        return read_toml(cls, path, path_keys=("checkpoint", "generative_checkpoint"), required=("checkpoint",), **overrides)
 
 
 @dataclass
@@ -235,8 +249,13 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
         arch.eval()
     formula = cfg.value_model if value_model == "config" else value_model
     vm = compile_value_model(formula, tasks, cache.feature_names) if formula is not None else None
-    model = RecModel(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch,
-                     candidates=cfg.candidates).eval()
+    extra, kind_of_model = {}, RecModel
+    if "generative" in cfg.sources:  # hybrid: the beam decode beside the IVF search
+        extra["generative"], manifest["generative"] = load_generative_source(cfg, index.row_to_item)
+        kind_of_model = HybridRecModel
+    manifest["sources"] = list(cfg.sources)
+    model = kind_of_model(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch,
+                          candidates=cfg.candidates, **extra).eval()
     manifest.update({
         **serving_config(cfg, spec, tasks, cache, kind, vm),
         "quantization_user_tower": quant,
@@ -267,6 +286,22 @@ def serving_config(cfg: PublishConfig, spec: UserFeatureSpec, tasks: list[str], 
         "exclude_limit": int(cfg.exclude_limit),
         "overfetch": int(cfg.overfetch),
     }
+
+
+def load_generative_source(cfg: PublishConfig, row_to_item: torch.Tensor):
+    """The generative checkpoint as a `GenerativeSource` over the index's rows, and its manifest entry."""
+    from silverrec.publish.generative import build_generative
+    from silverrec.publish.train_generative import load_checkpoint as load_generative
+
+    decoder, sids, info = load_generative(cfg.generative_checkpoint)
+    top_k = int(cfg.beam_top_k) or int(cfg.beam_width)
+    try:
+        source = generative_source.GenerativeSource(build_generative(decoder, sids, int(cfg.beam_width), top_k), row_to_item)
+    except ValueError as e:
+        raise ConfigError(f"generative_checkpoint {cfg.generative_checkpoint}: {e}") from None
+    return source, {"beam_width": int(cfg.beam_width), "top_k": top_k, "level_sizes": list(sids.level_sizes),
+                    "max_items": source.max_items, "decoder": decoder.config.to_dict(),
+                    "training_metrics": info.get("metrics")}
 
 
 def _bytes_per_item(model: RecModel, n: int) -> dict[str, float]:
@@ -351,8 +386,11 @@ def write_rec_files(built: Built, tmp: Path, torchscript: bool = True) -> None:
     model = built.model
     spec = UserFeatureSpec.from_json(built.manifest["user_features"])
     example = example_request(model, spec, model.cache.dim)
+    shapes = dynamic_shapes(len(spec.keys))
+    if isinstance(model, HybridRecModel):  # + the history rows and the source flags
+        example, shapes = generative_source.example_inputs(example, model.index.num_items), generative_source.dynamic_shapes(shapes)
     with step("exporting the model (torch.export)"):
-        program = export_program(model, example, dynamic_shapes(len(spec.keys)))
+        program = export_program(model, example, shapes)
         torch.export.save(program, tmp / EXPORT_FILE)
     rank_example = (*example[:3], torch.tensor([[0, -1, 1], [2, 3, -1]], dtype=torch.int64).clamp_max(model.index.num_items - 1))
     rank_dynamic = {k: dynamic_shapes(len(spec.keys))[k] for k in ("values", "lengths", "dense")}

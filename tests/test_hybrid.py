@@ -18,7 +18,8 @@ import torch
 from silverrec.bitmask import pack_bits
 from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.generative.generative import GenerativeRetrieval
-from silverrec.generative.source import FOUND_ANN, FOUND_GENERATIVE, GenerativeSource, HybridRecModel, merge_sources
+from silverrec.generative.source import (FOUND_ANN, FOUND_GENERATIVE, SOURCES, GenerativeSource, HybridRecModel,
+                                        merge_sources, request_tensors)
 from silverrec.generative.trie import ValidPathTrie
 from silverrec.generative import source as source_module
 from silverrec.publish.rec import dynamic_shapes, example_request, scriptable
@@ -62,19 +63,11 @@ def hybrid_model(rec, beam_width: int = W) -> HybridRecModel:
                           candidates=m.candidates, generative=source).eval()
 
 
-def hybrid_inputs(rec, handler, requests, *, k, sources=(True, True), **kw):
+def hybrid_inputs(rec, handler, requests, *, k, sources=None, **kw):
     """RecModel's inputs (the predictor's encoding) with the history rows and source flags inserted."""
     args = model_inputs(handler, requests, k=k, **kw)
-    hist = []
-    for r in requests:
-        ids = rec.logs.history(r["user_id"]) if "user_id" in r else r["history"]
-        hist.append(handler.rows(ids, "history"))
-    H = max(2, max(len(h) for h in hist))
-    history = torch.full((len(hist), H), -1, dtype=torch.int64)
-    for b, h in enumerate(hist):
-        if len(h):
-            history[b, H - len(h):] = torch.from_numpy(h)
-    flags = torch.tensor(sources, dtype=torch.bool).expand(len(requests), 2).clone()
+    hist = [handler.rows(rec.logs.history(r["user_id"]) if "user_id" in r else r["history"], "history") for r in requests]
+    history, flags = request_tensors(hist, [sources] * len(requests), SOURCES)
     return (*args[:10], history, flags, *args[10:])
 
 
@@ -154,8 +147,8 @@ def test_union_equals_the_two_sources_run_alone(rec, hybrid):
             assert float(src_scores[b, j, 1]) == pytest.approx(g.get(r, float("-inf")), abs=1e-5)
             assert (src_scores[b, j, 0] > float("-inf")) == (r in a)
     # each source alone through the hybrid's own switch gives that source's candidates
-    only_ann = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2, sources=(True, False)))
-    only_gen = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2, sources=(False, True)))
+    only_ann = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2, sources=["ann"]))
+    only_gen = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2, sources=["generative"]))
     assert _row_sets(only_ann[3]) == _row_sets(ann_rows)
     assert _row_sets(only_gen[3]) == [{row_of[int(i)] for i in g[g >= 0].tolist()} for g in gen_ids]
     assert bool((only_ann[4][only_ann[3] >= 0] == FOUND_ANN).all())
@@ -221,3 +214,55 @@ def _programs(hybrid, spec):
         _PROGRAMS["export"] = export_program(hybrid, example, shapes).module()
         _PROGRAMS["torchscript"] = scriptable(hybrid)
     return _PROGRAMS
+
+
+def test_predictor_encodes_histories_and_sources(rec, hybrid):
+    """RecHandler on a hybrid snapshot's config: the same answer as the forward on hand-built inputs;
+    per-request sources; `sources` in the JSON; bad source names are named errors."""
+    from silverrec.errors import QueryError
+    from silverrec.serving.recommend import RecHandler
+
+    snap_handler = rec.snap().rec_handler()
+    cfg = dict(snap_handler.config, sources=list(SOURCES), generative={"beam_width": W})
+    handler = RecHandler(cfg, hybrid, snap_handler.row_to_item, _item_csr(rec), snap_handler.users)
+    us = users(rec, 3, start=50)
+    requests = [{"user_id": us[0]}, {"user_id": us[1], "sources": ["generative"], "filter": "NOT cat = c0"},
+                {"history": rec.logs.history(us[2])[-5:], "sources": ["ann"]}]
+    res = handler.recommend(requests, k=8, nprobe=2)
+    want = [run(hybrid, hybrid_inputs(rec, handler, [r], k=8, nprobe=2, sources=r.get("sources"))) for r in requests]
+    for b, w in enumerate(want):
+        assert torch.equal(res.item_ids[b], w[0][0]) and torch.equal(res.found_by[b], w[4][0])
+    assert set(res.found_by[1].tolist()) == {FOUND_GENERATIVE} and set(res.found_by[2].tolist()) == {FOUND_ANN}
+    js = res.to_json()["sources"]
+    assert js[1][0] == ["generative"] and js[2][0] == ["ann"]
+    with pytest.raises(QueryError, match="request 0: sources"):
+        handler.recommend([{"user_id": us[0], "sources": ["bm25"]}], k=5)
+    with pytest.raises(QueryError, match="request 0: sources"):
+        handler.recommend([{"user_id": us[0], "sources": []}], k=5)
+    with pytest.raises(QueryError, match="one retrieval source"):
+        snap_handler.recommend([{"user_id": us[0], "sources": ["generative"]}], k=5)
+
+
+def _item_csr(rec):
+    import numpy as np
+
+    from silverrec.serving.recommend import ITEMS_FILE
+
+    with np.load(rec.snap_dir / ITEMS_FILE, allow_pickle=False) as f:
+        order = rec.snap().config["item_feature_order"]
+        return {name: (f[f"offsets_{i}"], f[f"codes_{i}"]) for i, name in enumerate(order)}
+
+
+def test_publish_config_names_the_sources(rec):
+    from silverrec.publish.config import ConfigError
+    from silverrec.publish.rec import PublishConfig
+
+    assert PublishConfig(checkpoint="c").sources == ["ann"]
+    PublishConfig(checkpoint="c", sources=["ann", "generative"], generative_checkpoint="g")
+    for bad, match in [({"sources": ["generative"], "generative_checkpoint": "g"}, "sources must list 'ann'"),
+                       ({"sources": ["ann", "bm25"]}, "sources must list"),
+                       ({"sources": ["ann", "generative"]}, "go together"),
+                       ({"generative_checkpoint": "g"}, "go together"),
+                       ({"sources": ["ann", "generative"], "generative_checkpoint": "g", "beam_width": 0}, "beam_width")]:
+        with pytest.raises(ConfigError, match=match):
+            PublishConfig(checkpoint="c", **bad)

@@ -23,13 +23,15 @@ before the merge.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.bloom_filter)
 from silverrec.bitmask import unpack_bits
+from silverrec.errors import QueryError
 from silverrec.generative.decoder import BOS, PAD
 from silverrec.generative.generative import GenerativeRetrieval
 from silverrec.rec_model import RecModel
@@ -188,6 +190,28 @@ class HybridRecModel(RecModel):
         ann_score = torch.where((by & 1) != 0, ann_score, float("-inf"))
         gen_score = torch.where(found, gen_feature.gather(1, top), float("-inf"))
         return ids, top_scores, tasks_out, top_rows, by, torch.stack([ann_score, gen_score], dim=2)
+
+
+def request_tensors(histories: Sequence[np.ndarray], sources: Sequence[Optional[Sequence[str]]],
+                    available: Sequence[str]) -> Tuple[Tensor, Tensor]:
+    """The predictor's side: per request, its history as canonical rows (oldest first) and the
+    sources it asks for (None = every source of the snapshot) -> (history int64 [B, H] left-padded
+    with -1, H = max(2, longest); sources bool [B, 2]). A source the snapshot lacks, an unknown
+    name, or an empty list is a QueryError naming the request."""
+    flags = torch.zeros(len(histories), len(SOURCES), dtype=torch.bool)
+    for b, names in enumerate(sources):
+        names = list(available) if names is None else ([names] if isinstance(names, str) else list(names))
+        bad = [x for x in names if x not in available]
+        if bad or not names:
+            raise QueryError(f"request {b}: sources must be a non-empty list of {list(available)}, got {names!r}")
+        for x in names:
+            flags[b, SOURCES.index(x)] = True
+    H = max([2] + [len(h) for h in histories])
+    history = torch.full((len(histories), H), -1, dtype=torch.int64)
+    for b, h in enumerate(histories):
+        if len(h):
+            history[b, H - len(h):] = torch.as_tensor(np.asarray(h, dtype=np.int64))
+    return history, flags
 
 
 def example_inputs(example: tuple, num_items: int) -> tuple:

@@ -28,6 +28,7 @@ import torch
 
 from silverrec.errors import QueryError
 from silverrec.filtering.filter_program import FilterPlan, compile_request
+from silverrec.generative.source import request_tensors
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 
@@ -49,6 +50,7 @@ class RecRequest:
     numeric: Mapping[str, float] = field(default_factory=dict)
     filter: Optional[str] = None
     exclude: Sequence[int] = ()
+    sources: Optional[Sequence[str]] = None  # hybrid snapshots: "ann" and / or "generative" (default both)
 
     @classmethod
     def coerce(cls, r: Union["RecRequest", Mapping[str, Any]], where: str) -> "RecRequest":
@@ -71,13 +73,21 @@ class Recommendations:
     scores: torch.Tensor
     task_scores: torch.Tensor
     tasks: list[str]
+    # hybrid snapshots (silverrec/generative/source.py): which sources found each item (bits 1 = ann,
+    # 2 = generative) int64 [B, k], and their scores float32 [B, k, 2] (-inf = not found by that source)
+    found_by: Optional[torch.Tensor] = None
+    source_scores: Optional[torch.Tensor] = None
 
     def to_json(self) -> dict[str, Any]:
         def clean(x):
             return [clean(v) for v in x] if isinstance(x, list) else (x if np.isfinite(x) else None)
 
-        return {"item_ids": self.item_ids.tolist(), "scores": clean(self.scores.tolist()),
-                "task_scores": {t: clean(self.task_scores[:, :, i].tolist()) for i, t in enumerate(self.tasks)}}
+        out = {"item_ids": self.item_ids.tolist(), "scores": clean(self.scores.tolist()),
+               "task_scores": {t: clean(self.task_scores[:, :, i].tolist()) for i, t in enumerate(self.tasks)}}
+        if self.found_by is not None:
+            out["sources"] = [[[s for j, s in enumerate(("ann", "generative")) if f >> j & 1] for f in row]
+                              for row in self.found_by.tolist()]
+        return out
 
 
 class RecHandler:
@@ -229,7 +239,9 @@ class RecHandler:
             raise QueryError("recommend needs at least one request")
         cfg = self.config
         n, nlist, T = len(self.row_to_item), int(cfg["nlist"]), len(self.tasks)
-        _check_int("k", k, 1, min(n, int(cfg.get("candidates") or n)))  # at most the K1 candidates ranked
+        sources = list(cfg.get("sources", ["ann"]))
+        beams = int(cfg["generative"]["beam_width"]) if "generative" in sources else 0
+        _check_int("k", k, 1, min(n, int(cfg.get("candidates") or n) + beams))  # at most the candidates ranked
         k0 = max(k, int(cfg["default_k0"]) if k0 is None else _check_int("k0", k0, 1, n))
         nprobe = _check_int("nprobe", int(cfg["default_nprobe"]) if nprobe is None else nprobe, 1, nlist)
         max_probe = _check_int("max_probe", max(nprobe, int(cfg["search"]["default_max_probe"])) if max_probe is None
@@ -241,10 +253,18 @@ class RecHandler:
         values, lengths, dense, exclude = self.encode(requests, exclude_history, limit)
         filters = [r.filter for r in requests]
         modes = torch.tensor([MODES["probed"] if f is None else MODES[mode] for f in filters], dtype=torch.int64)
+        if beams:  # hybrid: + the histories (the decoder's input) and the source flags
+            hist = [self.rows(self.history_ids(r.user_id, f"request {b}") if r.user_id is not None else r.history,
+                              f"request {b} history") for b, r in enumerate(requests)]
+            extra = request_tensors(hist, [r.sources for r in requests], sources)
+        elif any(r.sources is not None and list(r.sources) != ["ann"] for r in requests):
+            raise QueryError("this snapshot has one retrieval source, 'ann' (publish with sources = ['ann', 'generative'])")
+        else:
+            extra = ()
         with torch.inference_mode():
-            ids, scores, task_scores, _ = self.module(
-                values, lengths, dense, exclude, *compile_request(filters, self.plan), modes, k, k0, nprobe, max_probe)
-        return Recommendations(ids, scores, task_scores[:, :, :T], self.tasks)
+            out = self.module(values, lengths, dense, exclude, *compile_request(filters, self.plan), modes, *extra,
+                              k, k0, nprobe, max_probe)
+        return Recommendations(out[0], out[1], out[2][:, :, :T], self.tasks, *out[4:])
 
     def rank(self, request, item_ids: Sequence[int]) -> Recommendations:
         """Early-stage ranking: score `item_ids` (1 .. 2^20 of them) for one user; returned in the
