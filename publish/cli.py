@@ -1,13 +1,14 @@
 """The `silverrec` command line: train, publish, recommend, rank, evaluate, query, inspect.
 
     silverrec train --config train.toml --out model.ckpt [--minutes M] [--seed S] [--stage test|valid]
+    silverrec train --generative --config generative.toml --out gen.ckpt [--minutes M] [--seed S] [--stage S]
     silverrec publish --config publish.toml --out DIR                     (recommendation model)
     silverrec recommend DIR --user U | --history "id1,id2,..." [--filter "..."] [--k K] [--json]
     silverrec rank DIR --user U | --history IDS --items FILE [--json]      (early-stage ranking)
     silverrec evaluate DIR --interactions I.parquet --items ITEMS.parquet [--users U.parquet]
     silverrec publish --pool POOL.parquet --out DIR [--exact] [--nlist N] [--seed S] [--shards S --shard-by items|clusters]
     silverrec query DIR --queries Q.npy --k K [--nprobe P] [--filter "..."] [--json]
-    silverrec publish --generative --pool POOL --out DIR [--model CKPT] [--beam-width W] [--top-k K]
+    silverrec publish --generative --pool POOL --out DIR --model CKPT [--beam-width W] [--top-k K]
     silverrec query DIR --history "id1,id2,..." [--history-file F] --k K      (generative snapshots)
     silverrec update DIR --upsert ITEMS.parquet [--delete IDS] --out NEW_DIR   (incremental pool update)
     silverrec inspect DIR
@@ -29,11 +30,25 @@ from silverrec.errors import SilverrecError
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.generative:
+        return _train_generative(args)
     from silverrec.publish.train import TrainConfig, train
 
     cfg = TrainConfig.from_toml(args.config, minutes=args.minutes, seed=args.seed, stage=args.stage)
     ckpt = train(cfg, args.out)
     print(json.dumps({"checkpoint": str(args.out), "metrics": ckpt.get("metrics", {}), "stats": ckpt["stats"]}, indent=2))
+    return 0
+
+
+def _train_generative(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from silverrec.publish.train_generative import TrainConfig, train
+
+    cfg = TrainConfig.from_toml(args.config, minutes=args.minutes, seed=args.seed, stage=args.stage)
+    _, sids, metrics = train(cfg, args.out)
+    print(json.dumps({"checkpoint": str(args.out), "metrics": asdict(metrics), "semantic_ids": sids.stats.to_dict()},
+                     indent=2))
     return 0
 
 
@@ -96,8 +111,8 @@ def _publish_generative(pool, args) -> Path:
     from silverrec.publish.generative import publish_from_pool
 
     return publish_from_pool(
-        pool, args.out, model=args.model, minutes=args.minutes, beam_width=args.beam_width, top_k=args.top_k,
-        weights=args.weights, seed=args.seed, overwrite=args.overwrite,
+        pool, args.out, model=args.model, beam_width=args.beam_width, top_k=args.top_k, weights=args.weights,
+        overwrite=args.overwrite,
     )
 
 
@@ -298,6 +313,16 @@ def _print_stages(report: dict | None) -> None:
         print(f"  stage       {st['seconds']:>8.1f} s  peak RSS {st['peak_rss_bytes'] / 2**30:6.2f} GiB  {st['name']}")
 
 
+def _print_generative_dtypes(config: dict) -> None:
+    """A generative snapshot's stored weight dtype and the compute dtype the publisher measured faster."""
+    if "weights_dtype" not in config:
+        return
+    timing = config.get("compute_timing") or {}
+    ms = ", ".join(f"{k} {v:.1f} ms" for k, v in timing.get("median_ms", {}).items())
+    where = f" (measured at publish, batch 1: {ms}; {timing.get('measured_on')})" if ms else ""
+    print(f"generative    weights {config['weights_dtype']}, compute {config.get('compute_dtype', config['weights_dtype'])}{where}")
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from silverrec.snapshot import read_manifest
 
@@ -312,6 +337,7 @@ def _inspect(args: argparse.Namespace) -> int:
         text = json.dumps(value)
         print(f"  {key:<12}{text if len(text) < 200 else text[:197] + '...'}")
     _print_update_advice(m["config"])
+    _print_generative_dtypes(m["config"])
     _print_stages(m["config"].get("build_report") or m["config"].get("update", {}).get("timings"))
     print("files")
     for name, meta in sorted(m["files"].items()):
@@ -324,9 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     tr = sub.add_parser("train", help="train the two-tower model and the OverArch rankers from interaction logs")
-    tr.add_argument("--config", required=True, help="train.toml (logs, tasks, dimensions, minutes)")
+    tr.add_argument("--config", required=True, help="train.toml (logs, tasks, dimensions, minutes), or with "
+                    "--generative generative.toml (logs, embeddings, decoder shape, minutes)")
+    tr.add_argument("--generative", action="store_true",
+                    help="train the generative (semantic-ID) decoder (publish/train_generative.py)")
     tr.add_argument("--out", required=True, help="checkpoint file to write")
-    tr.add_argument("--minutes", type=float, default=None, help="two-tower training budget (overrides the config)")
+    tr.add_argument("--minutes", type=float, default=None, help="training budget (overrides the config)")
     tr.add_argument("--seed", type=int, default=None)
     tr.add_argument("--stage", choices=("test", "valid"), default=None,
                     help="test: fit on train + validation items (default); valid: train items only")
@@ -346,8 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--shard-by", dest="shard_by", choices=("items", "clusters"), default=None,
                      help="sharded: items hashed to shards (default) or whole IVF clusters by size")
     pub.add_argument("--generative", action="store_true", help="generative (semantic-ID beam decode) snapshot")
-    pub.add_argument("--model", default=None, help="generative: checkpoint from python -m silverrec.publish.train_generative (default: train now)")
-    pub.add_argument("--minutes", type=float, default=3.0, help="generative without --model: training budget (default 3)")
+    pub.add_argument("--model", default=None, help="generative: checkpoint from silverrec train --generative")
     pub.add_argument("--beam-width", dest="beam_width", type=int, default=64, help="generative: beams = items returned (default 64)")
     pub.add_argument("--top-k", dest="top_k", type=int, default=None, help="generative: candidates per beam (default beam width)")
     pub.add_argument("--weights", choices=("auto", "bf16", "fp32"), default="auto", help="generative: weight dtype (auto: bf16 if it agrees with fp32)")

@@ -1,6 +1,6 @@
 """Publish a generative (semantic-ID beam decode) snapshot.
 
-    >>> decoder, sids, info = load_checkpoint("generative.ckpt")          # or train_movielens(...)
+    >>> decoder, sids, info = load_checkpoint("generative.ckpt")          # silverrec train --generative
     >>> publish_generative(decoder, sids, "snapshots/gen-v1", beam_width=64)
     >>> snap = silverrec.load("snapshots/gen-v1")
     >>> snap.recommend([[1, 50, 260]]).item_ids                           # int64 [1, 64]
@@ -14,13 +14,19 @@ decoder config, the weight dtype, the semantic-ID statistics and the bf16-vs-fp3
 
 Weights: `weights="auto"` (default) stores bf16 when the bf16 module's top-10 lists agree with
 fp32's on probe histories (mean overlap >= `BF16_MIN_OVERLAP`), else fp32; "bf16"/"fp32" force it.
+Compute: bf16 weights run in bf16 or, cast per use, in float32, whichever the publisher measures
+faster at batch 1 on this machine (bf16 matmuls without bf16 units, e.g. AVX2-only CPUs, ran ~3x
+slower than float32); the manifest records `weights_dtype`, `compute_dtype` and `compute_timing`
+(the two medians and the CPU they were measured on), and `silverrec inspect` prints them. The
+measurement is the publisher's: publish on the kind of machine that serves.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-from dataclasses import asdict
+import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +47,19 @@ BF16_MIN_OVERLAP = 0.9
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def cast_decoder(decoder: RecDecoder, dtype: torch.dtype) -> RecDecoder:
-    """A copy of `decoder` with weights in `dtype`; the RoPE tables stay float32 (exact angles)."""
+def cast_decoder(decoder: RecDecoder, dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> RecDecoder:
+    """A copy of `decoder` with weights in `dtype`, computing in `compute_dtype` (None: `dtype`);
+    the RoPE tables stay float32 (exact angles)."""
     out = copy.deepcopy(decoder).to(dtype).eval()
     out.rope_cos = decoder.rope_cos.float().clone()
     out.rope_sin = decoder.rope_sin.float().clone()
-    return out
+    return out.set_compute_dtype(compute_dtype)
 
 
 def build_generative(decoder: RecDecoder, sids: SemanticIds, beam_width: int, top_k: int | None = None,
-                     dtype: torch.dtype = torch.float32) -> GenerativeRetrieval:
-    """`GenerativeRetrieval` over every item of `sids`, decoder weights in `dtype`."""
+                     dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None) -> GenerativeRetrieval:
+    """`GenerativeRetrieval` over every item of `sids`, decoder weights in `dtype`, activations and
+    matmuls in `compute_dtype` (None: `dtype`)."""
     check_paths(sids.paths, sids.level_sizes)
     if decoder.vocab_size != sids.vocab_size:
         raise PoolError(f"decoder vocabulary {decoder.vocab_size} does not match the semantic IDs' "
@@ -63,7 +71,7 @@ def build_generative(decoder: RecDecoder, sids: SemanticIds, beam_width: int, to
         raise PoolError(f"top_k must be a positive int, got {top_k!r}")
     trie = ValidPathTrie(torch.from_numpy(sids.paths), sids.level_sizes)
     row_to_item = torch.from_numpy(sids.item_ids)[trie.row_order]
-    return GenerativeRetrieval(cast_decoder(decoder, dtype), trie, row_to_item, beam_width, top_k).eval()
+    return GenerativeRetrieval(cast_decoder(decoder, dtype, compute_dtype), trie, row_to_item, beam_width, top_k).eval()
 
 
 def all_items_bitmask(batch: int, n_items: int) -> torch.Tensor:
@@ -86,6 +94,33 @@ def top10_overlap(a: GenerativeRetrieval, b: GenerativeRetrieval, histories: tor
     k = min(10, ia.shape[1])
     hits = [len(set(x[:k].tolist()) & set(y[:k].tolist())) for x, y in zip(ia, ib)]
     return float(np.mean(hits)) / k
+
+
+def device_name() -> str:
+    """This machine's CPU model (where the compute-dtype timing ran)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@torch.no_grad()
+def time_modules(modules: dict[str, GenerativeRetrieval], history: torch.Tensor, runs: int = 7) -> dict[str, float]:
+    """Median ms of one forward per module on history int64 [1, T] (all items allowed), calls
+    alternated module by module so both see the same machine load; one warm-up call each."""
+    mask = all_items_bitmask(history.shape[0], next(iter(modules.values())).trie.n_items)
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    for r in range(runs + 1):
+        for name, module in modules.items():
+            t0 = time.perf_counter()
+            module(history, mask)
+            if r:
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def items_table(module: GenerativeRetrieval, sids: SemanticIds) -> tuple[np.ndarray, np.ndarray]:
@@ -138,7 +173,17 @@ def publish_generative(
         bf16 = build_generative(decoder, sids, beam_width, top_k, torch.bfloat16)
         overlap = top10_overlap(fp32, bf16, histories)
     chosen = weights if weights != "auto" else ("bf16" if overlap >= BF16_MIN_OVERLAP else "fp32")
-    module = bf16 if chosen == "bf16" else fp32
+    module, compute, timing = fp32, "fp32", None
+    if chosen == "bf16":  # bf16 weights (half the size); compute in whichever dtype runs faster here
+        with step("timing bf16 vs float32 compute of the bf16 weights (batch 1, longest probe history)"):
+            modules = {"bf16": bf16, "fp32": build_generative(decoder, sids, beam_width, top_k, torch.bfloat16,
+                                                              torch.float32)}
+            longest = int((histories != 0).sum(dim=1).argmax())
+            timing = time_modules(modules, histories[longest : longest + 1])
+        compute = min(timing, key=timing.get)
+        module = modules[compute]
+        if compute == "fp32":
+            overlap = top10_overlap(fp32, module, histories)
     dec = decoder.config
     config: dict[str, Any] = {
         **sids.config(),
@@ -147,8 +192,12 @@ def publish_generative(
         "max_history_items": max_history,
         "max_history_tokens": 1 + L * max_history,
         "weights_dtype": chosen,
+        "compute_dtype": compute,
+        "compute_timing": None if timing is None else {
+            "median_ms": timing, "batch": 1, "history_tokens": int(histories.shape[1]), "measured_on": device_name(),
+            "threads": torch.get_num_threads()},
         "bf16_check": {"top10_overlap_vs_fp32": overlap, "threshold": BF16_MIN_OVERLAP,
-                       "probe_histories": int(histories.shape[0])},
+                       "probe_histories": int(histories.shape[0]), "compute_dtype": compute},
         "decoder": dec.to_dict(),
         "items_file": ITEMS_FILE,
         **(extra_config or {}),
@@ -172,52 +221,23 @@ def publish_from_pool(
     out: str | os.PathLike,
     *,
     model: str | os.PathLike | None = None,
-    minutes: float = 3.0,
     beam_width: int = 64,
     top_k: int | None = None,
     weights: str = "auto",
-    seed: int = 0,
     torchscript: bool = True,
     overwrite: bool = False,
 ) -> Path:
-    """The `silverrec publish --generative` path.
+    """The `silverrec publish --generative --pool POOL --model CKPT` path: the checkpoint's decoder
+    and semantic IDs (`silverrec train --generative`), restricted to the pool's items (every pool
+    item must have a semantic ID in the checkpoint)."""
+    from silverrec.publish.train_generative import load_checkpoint
 
-    With `model` (a checkpoint from `python -m silverrec.publish.train_generative`): its decoder
-    and semantic IDs, restricted to the pool's items (every pool item must have one). Without:
-    semantic IDs from the pool's embeddings, then a `minutes` training run on the bundled MovieLens
-    sequences of the pool's items (the pool must hold MovieLens movie ids).
-    """
-    from silverrec.publish import movielens
-    from silverrec.publish.semantic_ids import build_semantic_ids
-    from silverrec.publish.train_generative import (
-        TrainConfig, evaluate_all, load_checkpoint, split_sequences, torch_threads, train_decoder,
-    )
-
-    extra: dict[str, Any] = {}
-    probe = None
-    if model is not None:
-        decoder, sids, info = load_checkpoint(model)
-        sids = sids.subset(pool.item_ids)
-        max_history = int(info["train_config"]["max_history"])
-        extra["training"] = {"checkpoint": str(model), **info["metrics"]}
-    else:
-        cfg = TrainConfig(minutes=minutes, seed=seed)
-        with step("semantic IDs (residual k-means over the pool embeddings)"):
-            sids = build_semantic_ids(pool.embeddings, pool.item_ids, seed=seed)
-        print(f"[silverrec] {sids.stats.summary()}", flush=True)
-        try:
-            split = split_sequences(movielens.user_sequences(), sids.item_ids)
-        except PoolError:
-            raise PoolError("no checkpoint given (--model) and the pool's item ids are not MovieLens movies: "
-                            "train with python -m silverrec.publish.train_generative, or pass --model") from None
-        with step(f"training decoder on MovieLens sequences ({minutes:g} min budget)"):
-            decoder, metrics = train_decoder(sids, split, cfg)
-        with step("evaluating on held-out users"), torch_threads(cfg.threads):
-            evaluate_all(decoder, sids, split, cfg, metrics)
-        print(f"[silverrec] {metrics.summary()}", flush=True)
-        max_history = cfg.max_history
-        extra["training"] = {"minutes": minutes, **asdict(metrics)}
-        probe = [sids.item_ids[h].tolist() for h in split.valid_history[:64]]
+    if model is None:
+        raise PoolError("publish --generative needs --model CKPT: train one with silverrec train --generative "
+                        "--config generative.toml --out CKPT")
+    decoder, sids, info = load_checkpoint(model)
+    sids = sids.subset(pool.item_ids)
+    max_history = int(info["train_config"]["max_history"])
+    extra = {"training": {"checkpoint": str(model), **info["metrics"]}}
     return publish_generative(decoder, sids, out, beam_width=beam_width, top_k=top_k, max_history=max_history,
-                              weights=weights, probe=probe, extra_config=extra, torchscript=torchscript,
-                              overwrite=overwrite)
+                              weights=weights, extra_config=extra, torchscript=torchscript, overwrite=overwrite)

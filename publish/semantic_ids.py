@@ -256,3 +256,13 @@ def check_paths(paths: np.ndarray, level_sizes: list[int]) -> None:
     if uniq.shape[0] != paths.shape[0]:
         rows = np.flatnonzero(counts[inverse.reshape(-1)] > 1)[:2]
         raise PoolError(f"semantic-ID paths of rows {int(rows[0])} and {int(rows[1])} are equal")
+
+
+def item_token_ids(item_ids: np.ndarray) -> SemanticIds:
+    """One token per item (the SASRec-style reference for semantic IDs): paths int64 [N, 1] = the
+    item's row, level_sizes [N]; the decoder's softmax over level 0 is a full softmax over items."""
+    ids = np.asarray(item_ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        raise PoolError("item-token IDs need at least one item")
+    paths = np.arange(ids.size, dtype=np.int64)[:, None]
+    return SemanticIds(ids, paths, [], [int(ids.size)], collision_stats(paths, [int(ids.size)], [0.0]))

@@ -1,7 +1,9 @@
 """Generative snapshots: publish -> load (fresh process) -> recommend; the predictor's history
 mapping (checked against the independent reference beam search), bad input, bf16 vs fp32, CLI;
-the training script's split, metrics and a tiny training run."""
+the generic trainer (`silverrec train --generative`) on tiny synthetic logs: its split, embeddings
+sources, metrics, the item-token reference and a training run that learns a known pattern."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -18,8 +20,7 @@ from silverrec.publish.generative import build_generative, publish_generative
 from silverrec.publish.pool import write_pool
 from silverrec.publish.semantic_ids import build_semantic_ids
 from silverrec.publish.train_generative import (
-    Split, TrainConfig, left_pad, popularity_metrics, ranking_metrics, save_checkpoint, split_sequences,
-    train_decoder,
+    Sequences, TrainConfig, item_embeddings, left_pad, load_checkpoint, popularity_rows, save_checkpoint,
 )
 
 from .helpers import run_cli
@@ -244,38 +245,126 @@ def test_publish_errors_are_named(setup, tmp_path):
     proc = run_cli("publish", "--generative", "--pool", str(tmp_path / "p.parquet"), "--out", str(tmp_path / "s"),
                    "--model", str(root / "model.ckpt"), check=False)
     assert proc.returncode == 2 and "item 99 has no semantic ID" in proc.stderr
-    # no checkpoint and not MovieLens ids: nothing to train on
-    write_pool(tmp_path / "q.parquet", ids + 10**9, x)
-    proc = run_cli("publish", "--generative", "--pool", str(tmp_path / "q.parquet"), "--out", str(tmp_path / "t"),
+    # no checkpoint: publish does not train
+    proc = run_cli("publish", "--generative", "--pool", str(tmp_path / "p.parquet"), "--out", str(tmp_path / "t"),
                    check=False)
-    assert proc.returncode == 2 and "not MovieLens movies" in proc.stderr
+    assert proc.returncode == 2 and "needs --model" in proc.stderr
     assert not (tmp_path / "s").exists() and not (tmp_path / "t").exists()
 
 
-# ------------------------------------------------------------------------- training helpers
+# ------------------------------------------------------------------------- the generic trainer
 
 
-def test_split_is_leave_last_out():
-    ids = np.array([30, 10, 20, 40, 50])
-    seqs = {7: np.array([10, 20, 30, 40]), 8: np.array([50, 99, 10, 30]), 9: np.array([10, 20, 99])}
-    s = split_sequences(seqs, ids)
-    assert s.user_ids.tolist() == [7, 8]  # user 9 has too few pool items; 99 is not in the pool
-    assert [t.tolist() for t in s.train] == [[1, 2], [4]]
-    assert s.valid_target.tolist() == [0, 1] and s.test_target.tolist() == [3, 0]
-    assert [h.tolist() for h in s.valid_history] == [[1, 2], [4]]
-    assert [h.tolist() for h in s.test_history] == [[1, 2, 0], [4, 1]]
+def _cycle_logs(root, n_items=40, users=64, length=12, seed=5):
+    """Synthetic generic logs: every user walks the items in one fixed cyclic order (timestamps
+    increasing), so the next item is known exactly. items.parquet carries an `embedding` column
+    (clustered, with a forced collision). Returns (interactions, items, item ids, cycle of ids)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    x, ids = _embeddings(n=n_items, seed=seed)
+    g = np.random.default_rng(0)
+    cycle = ids[g.permutation(n_items)]
+    rows = []
+    for u in range(users):
+        start = int(g.integers(n_items))
+        rows += [(1000 + u, int(cycle[(start + t) % n_items]), 10 * t) for t in range(length)]
+    u, i, t = map(np.asarray, zip(*rows))
+    order = g.permutation(len(rows))  # file order is not time order
+    pq.write_table(pa.table({"user_id": u[order], "item_id": i[order], "timestamp": t[order]}),
+                   root / "interactions.parquet")
+    write_pool(root / "items.parquet", ids, x)
+    return root / "interactions.parquet", root / "items.parquet", ids, cycle
 
 
-def test_ranking_metrics_and_popularity():
-    ranked = np.array([[5, 3, 9] + [0] * 7, [1] * 10, [2, 7] + [0] * 8])
-    m = ranking_metrics(ranked, np.array([3, 4, 7]))
-    assert m["recall@10"] == pytest.approx(2 / 3)
-    assert m["ndcg@10"] == pytest.approx((1 / np.log2(3) + 1 / np.log2(3)) / 3)
-    split = Split(np.array([1, 2]), [np.array([0, 0, 1]), np.array([0, 2])], [], np.array([]), [], np.array([]))
-    hist = [np.array([0]), np.array([5])]
-    ex = popularity_metrics(split, hist, np.array([1, 0]), 12, exclude_seen=True)
-    assert ex["recall@10"] == pytest.approx(1.0)  # user 0: 0 is seen, 1 is next; user 1: 0 is top
-    assert popularity_metrics(split, hist, np.array([1, 11]), 12, exclude_seen=False)["recall@10"] == pytest.approx(0.5)
+_TINY = dict(levels=2, codes=4, minutes=2.0, max_steps=150, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64,
+             max_history=4, batch_size=32, lr=1e-2, warmup_steps=10, eval_beam=10)
+
+
+def test_generic_trainer_learns_the_next_item(tmp_path, capsys):
+    """`silverrec train --generative` on generic logs: after 150 steps the decode puts the true next
+    item of the cycle first for > 90% of the held-out users (popularity cannot: every item is
+    equally frequent), the checkpoint loads, and `publish --generative --model` serves it."""
+    inter, items, ids, cycle = _cycle_logs(tmp_path)
+    toml = tmp_path / "generative.toml"
+    toml.write_text(f'interactions = "{inter.name}"\nitems = "{items.name}"\nembeddings = "{items.name}"\n'
+                    + "".join(f"{k} = {v}\n" for k, v in _TINY.items()))
+    from silverrec.publish.cli import main
+
+    assert main(["train", "--generative", "--config", str(toml), "--out", str(tmp_path / "g.ckpt")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    m = out["metrics"]
+    assert m["steps"] == 150 and m["users"] == 64 and m["eval_beam"] == 10
+    assert m["heldout_loss"] < 0.25 * np.log(2 + sum(out["semantic_ids"]["level_sizes"]))
+    assert m["model"]["HR@10"] > 0.9 and m["model"]["NDCG@10"] > 0.8, m["model"]
+    assert m["popularity"]["HR@10"] < 0.5
+    assert set(m["model"]) == {"HR@10", "NDCG@10"}  # a top-10 list measures nothing deeper
+    dec, sids, meta = load_checkpoint(tmp_path / "g.ckpt")
+    assert meta["train_config"]["max_history"] == 4 and meta["train_config"]["embeddings"] == str(items)
+    assert sorted(sids.item_ids.tolist()) == sorted(ids.tolist()) and sids.depth == 3
+    # served: the next item of the cycle after a 4-item walk
+    run_cli("publish", "--generative", "--pool", str(items), "--out", str(tmp_path / "snap"),
+            "--model", str(tmp_path / "g.ckpt"), "--beam-width", "10", "--weights", "fp32")
+    snap = silverrec.load(tmp_path / "snap")
+    walks = [cycle[np.arange(s, s + 4) % len(cycle)] for s in range(0, 40, 3)]
+    got = snap.recommend([w.tolist() for w in walks]).item_ids[:, 0].numpy()
+    expect = np.array([cycle[(s + 4) % len(cycle)] for s in range(0, 40, 3)])
+    assert np.mean(got == expect) > 0.9
+
+
+def test_item_token_reference_decodes_the_full_softmax(tmp_path):
+    """embeddings = "items": one token per item; its beam decode's list (history excluded) is the top
+    of the full softmax over items computed directly from the decoder's logits."""
+    from silverrec.publish.logs import leave_one_out, read_logs
+    from silverrec.publish.train_generative import build_module, decode_rows, semantic_ids_for, train_decoder
+
+    inter, items, ids, _ = _cycle_logs(tmp_path, n_items=30, users=20)
+    cfg = TrainConfig(interactions=str(inter), items=str(items), embeddings="items", **{**_TINY, "max_steps": 20})
+    logs = read_logs(inter, items)
+    data = Sequences.from_split(leave_one_out(logs), "test")
+    sids = semantic_ids_for(cfg, logs.item_ids)
+    assert sids.level_sizes == [30] and sids.depth == 1 and sids.paths[:, 0].tolist() == list(range(30))
+    dec, _ = train_decoder(sids, data, cfg)
+    rows = decode_rows(build_module(dec, sids, 10), sids, data.eval_history, 4)
+    with torch.no_grad():
+        logits = dec(left_pad(data.eval_history, torch.from_numpy(sids.tokens()), 4))[:, -1, 2:].double()
+    for b, h in enumerate(data.eval_history):
+        logits[b, np.unique(h)] = -np.inf
+    expect = torch.topk(logits, 10).indices.numpy()
+    assert (rows == expect).mean() > 0.99  # equal up to float near-ties
+
+
+def test_sequences_follow_the_leave_one_out_split():
+    from silverrec.publish.logs import leave_one_out, logs_from_arrays
+
+    logs = logs_from_arrays([30, 10, 20, 40, 50], None, user_id=[7, 7, 7, 7, 8, 8, 8, 9, 9],
+                            item_id=[10, 20, 30, 40, 50, 10, 30, 10, 20], timestamp=[1, 2, 3, 4, 1, 2, 3, 1, 2])
+    split = leave_one_out(logs)
+    test, valid = Sequences.from_split(split, "test"), Sequences.from_split(split, "valid")
+    # pool rows: 30 -> 0, 10 -> 1, 20 -> 2, 40 -> 3, 50 -> 4; user 9 has 2 interactions: train only
+    assert [t.tolist() for t in valid.train] == [[1, 2], [4], [1, 2]]
+    assert [t.tolist() for t in test.train] == [[1, 2, 0], [4, 1], [1, 2]]
+    assert valid.eval_target.tolist() == [0, 1] and test.eval_target.tolist() == [3, 0]
+    assert [h.tolist() for h in test.eval_history] == [[1, 2, 0], [4, 1]]
+
+
+def test_embedding_sources_align_to_the_logs(tmp_path):
+    x, ids = _embeddings(n=20)
+    logs_ids = ids[::-1].copy()
+    torch.save({"item_ids": torch.from_numpy(ids), "item_embeddings": torch.from_numpy(x)}, tmp_path / "tt.ckpt")
+    write_pool(tmp_path / "pool.parquet", ids[[3, 1, 0, 2] + list(range(4, 20))], x[[3, 1, 0, 2] + list(range(4, 20))])
+    for source in (tmp_path / "tt.ckpt", tmp_path / "pool.parquet"):
+        np.testing.assert_array_equal(item_embeddings(str(source), logs_ids), x[::-1])
+    with pytest.raises(PoolError, match=f"item {int(ids[5]) + 10**6} of the logs has no embedding"):
+        item_embeddings(str(tmp_path / "tt.ckpt"), np.r_[ids[:5], ids[5] + 10**6])
+    with pytest.raises(PoolError, match="does not exist"):
+        item_embeddings(str(tmp_path / "nope.ckpt"), ids)
+
+
+def test_popularity_rows_exclude_history():
+    train = [np.array([0, 0, 1]), np.array([0, 2]), np.array([2, 2])]
+    rows = popularity_rows(train, [np.array([0]), np.array([], np.int64)], n_items=5, k=3)
+    assert rows.tolist() == [[2, 1, 3], [0, 2, 1]]  # counts 0:3, 2:3, 1:1; ties to the lower row
 
 
 def test_left_pad_contract():
@@ -288,23 +377,57 @@ def test_left_pad_contract():
     ]
 
 
-def test_tiny_training_learns_a_sequential_pattern():
-    """Users walk the items in a fixed cyclic order: after a few seconds of training the
-    validation loss is far below uniform, and the beam decode ranks the true next item first."""
-    x, ids = _embeddings(n=40, seed=5)
-    sids = build_semantic_ids(x, ids, levels=2, codes=4, seed=0, niter=3)
-    g = np.random.default_rng(0)
-    cycle = g.permutation(40)
-    seqs = {u: ids[cycle[(np.arange(12) + g.integers(40)) % 40]] for u in range(64)}
-    split = split_sequences(seqs, sids.item_ids)
-    cfg = TrainConfig(minutes=2.0, max_steps=150, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64,
-                      max_history=4, batch_size=32, lr=1e-2, warmup_steps=10, eval_beam=10)
-    dec, metrics = train_decoder(sids, split, cfg)
-    assert metrics.steps == 150
-    uniform = np.log(sids.vocab_size)
-    assert metrics.valid_loss < 0.25 * uniform, (metrics.valid_loss, uniform)
-    module = build_generative(dec, sids, 10)
+# ------------------------------------------------------------------- bf16 weights, compute dtype
+
+
+def test_fp32_compute_of_bf16_weights_is_fp32_on_rounded_weights(setup):
+    """set_compute_dtype(float32) on bf16 weights computes exactly what float32 computes on the
+    bf16-rounded weights (the weights are cast per use, activations stay float32)."""
+    _, sids, dec, _ = setup
+    up = build_generative(dec, sids, W, 5, torch.bfloat16, torch.float32)
+    assert up.decoder.output.weight.dtype == torch.bfloat16 and up.decoder.compute_dtype == torch.float32
+    rounded_dec = copy.deepcopy(dec)  # float32 weights rounded to bf16 (RoPE tables untouched)
     with torch.no_grad():
-        found, _ = module(left_pad(split.test_history, torch.from_numpy(sids.tokens()), 4))
-    hit1 = np.mean(found[:, 0].numpy() == sids.item_ids[split.test_target])
-    assert hit1 > 0.9, hit1
+        for p in rounded_dec.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    rounded = build_generative(rounded_dec, sids, W, 5)
+    hist = left_pad([np.arange(i, i + 4) for i in range(6)], torch.from_numpy(sids.tokens()), MAX_HISTORY)
+    with torch.no_grad():
+        a, b = up(hist), rounded(hist)
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("faster", ["bf16", "fp32"])
+def test_bf16_weights_compute_in_the_measured_faster_dtype(setup, tmp_path, monkeypatch, capsys, faster):
+    """The publisher times bf16 vs float32 compute of the bf16 weights and exports the faster; the
+    manifest records both timings and the choice, the served program computes in that dtype (its
+    answers equal that eager module's), and `silverrec inspect` says which."""
+    import silverrec.publish.generative as gen
+
+    _, sids, dec, _ = setup
+    timings = {"bf16": 1.0, "fp32": 2.0} if faster == "bf16" else {"bf16": 3.0, "fp32": 1.0}
+    seen = []
+    monkeypatch.setattr(gen, "time_modules", lambda modules, history: seen.append(
+        {k: m.decoder.compute_dtype for k, m in modules.items()}) or timings)
+    out = publish_generative(dec, sids, tmp_path / "s", beam_width=W, top_k=5, max_history=MAX_HISTORY,
+                             weights="bf16", torchscript=False)
+    assert seen == [{"bf16": torch.bfloat16, "fp32": torch.float32}]
+    cfg = json.loads((out / "manifest.json").read_text())["config"]
+    assert (cfg["weights_dtype"], cfg["compute_dtype"]) == ("bf16", faster)
+    assert cfg["compute_timing"]["median_ms"] == timings and cfg["compute_timing"]["measured_on"]
+    histories = _histories(sids.item_ids, n=4, seed=9, lengths=(2, 5))
+    got = silverrec.load(out).recommend(histories)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[faster]
+    module = build_generative(dec, sids.subset(silverrec.load(out).generative_item_ids()), W, 5, torch.bfloat16, dtype)
+    ids, tokens, order = silverrec.load(out)._generative_items()
+    from silverrec.serving.predictor import history_tokens
+
+    with torch.no_grad():
+        ref_ids, ref_scores = module(history_tokens(histories, ids[order], tokens[order], MAX_HISTORY))
+    assert torch.equal(got.item_ids, ref_ids)
+    torch.testing.assert_close(got.scores, ref_scores)
+    from silverrec.publish.cli import main
+
+    assert main(["inspect", str(out)]) == 0
+    assert f"weights bf16, compute {faster} (measured at publish" in capsys.readouterr().out

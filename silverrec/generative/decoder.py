@@ -155,6 +155,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in x's dtype: the weight [out, in] is cast to it (a no-op when they match), so
+    bf16 stored weights can run float32 matmuls (`RecDecoder.set_compute_dtype`)."""
+    return F.linear(x, weight.to(x.dtype))
+
+
 def positions_from_tokens(tokens: torch.Tensor) -> torch.Tensor:
     """Position ids int64 [B, T] of a left-padded batch: cumsum(non-PAD) - 1, PADs clamped to 0."""
     return (torch.cumsum((tokens != 0).to(torch.int64), dim=1) - 1).clamp_min(0)  # 0 = PAD
@@ -177,7 +183,7 @@ class Attention(nn.Module):
         hd = self.head_dim
         q_size = self.n_heads * hd
         kv_size = self.n_kv_heads * hd
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = linear(x, self.wqkv.weight).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rope(q.view(B, S, self.n_heads, hd), cos, sin)
         k = apply_rope(k.view(B, S, self.n_kv_heads, hd), cos, sin)
         return q, k, v.view(B, S, self.n_kv_heads, hd)
@@ -200,7 +206,7 @@ class Attention(nn.Module):
         vx = v[:, :, None].expand(B, self.n_kv_heads, group, T, self.head_dim).reshape(B, self.n_heads, T, self.head_dim)
         y = F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        return self.wo(y), k, v
+        return linear(y, self.wo.weight), k, v
 
 
 class FeedForward(nn.Module):
@@ -213,8 +219,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split([self.hidden, self.hidden], dim=-1)
-        return self.w2(F.silu(gate) * up)
+        gate, up = linear(x, self.w13.weight).split([self.hidden, self.hidden], dim=-1)
+        return linear(F.silu(gate) * up, self.w2.weight)
 
 
 class Block(nn.Module):
@@ -234,7 +240,8 @@ class RecDecoder(nn.Module):
     weights; norm [dim]; output [V, dim]. Buffers (non-persistent): rope_cos, rope_sin float32
     [max_seq_len, head_dim].
 
-    Compute runs in the parameters' dtype (float32 on CPU; float64 in exactness tests).
+    Compute runs in the parameters' dtype (float32 on CPU; float64 in exactness tests), or in the
+    dtype given to `set_compute_dtype` (bf16 weights, float32 compute).
     """
 
     def __init__(self, cfg: DecoderConfig):
@@ -253,6 +260,7 @@ class RecDecoder(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("compute_marker", torch.zeros(0), persistent=False)  # see set_compute_dtype
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -262,6 +270,23 @@ class RecDecoder(nn.Module):
                 nn.init.ones_(p)
             else:
                 nn.init.normal_(p, mean=0.0, std=std)
+
+    def set_compute_dtype(self, dtype: torch.dtype | None) -> "RecDecoder":
+        """Run activations and matmuls in `dtype` whatever the weights' dtype (weights are cast per
+        use), or in the weights' dtype (None, the default). E.g. bf16 weights (half the snapshot)
+        with float32 compute where float32 measures faster (CPUs without bf16 matmul units).
+        Call after any `.to(dtype)` of the module (which casts this marker too)."""
+        dtype = self.output.weight.dtype if dtype is None else dtype
+        self.register_buffer("compute_marker", torch.zeros(0, dtype=dtype), persistent=False)
+        return self
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.compute_marker.dtype
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens int64 [...] -> embeddings [..., dim] in the compute dtype."""
+        return self.tok_embeddings(tokens).to(self.compute_marker.dtype)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [B, S] -> cos, sin [B, S, 1, hd] in `dtype`."""
@@ -274,7 +299,7 @@ class RecDecoder(nn.Module):
         T = tokens.shape[1]
         valid = tokens != 0  # [B, T], 0 = PAD
         positions = positions_from_tokens(tokens)
-        x = self.tok_embeddings(tokens)
+        x = self._embed(tokens)
         cos, sin = self._rope(positions, x.dtype)
         idx = torch.arange(T, device=tokens.device)
         causal = idx[None, :] <= idx[:, None]  # [T(query), T(key)]
@@ -294,7 +319,7 @@ class RecDecoder(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens int64 [B, T] (left-padded with PAD) -> logits [B, T, vocab] (parameter dtype)."""
         h, _, _ = self._trunk(tokens)
-        return self.output(h)
+        return linear(h, self.output.weight)
 
     def prefill(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the history once; keep its KV as the shared cache of a decode.
@@ -306,7 +331,7 @@ class RecDecoder(nn.Module):
             k, v [n_layers, B, KV, T, hd] (PAD keys are masked by `tokens != PAD` at decode time).
         """
         h, ks, vs = self._trunk(tokens)
-        return self.output(h[:, -1]), torch.stack(ks), torch.stack(vs)
+        return linear(h[:, -1], self.output.weight), torch.stack(ks), torch.stack(vs)
 
     def decode(
         self,
@@ -335,7 +360,7 @@ class RecDecoder(nn.Module):
             logits [B, W, vocab].
         """
         B, W = tokens.shape[0], tokens.shape[1]
-        x = self.tok_embeddings(tokens)  # [B, W, dim]
+        x = self._embed(tokens)  # [B, W, dim]
         cos, sin = self._rope(positions[:, None].expand(B, W), x.dtype)  # [B, W, 1, hd]
         i = 0
         for layer in self.layers:
@@ -346,10 +371,10 @@ class RecDecoder(nn.Module):
             y = torch.ops.silverrec.staged_attention(
                 q.to(shared_k.dtype), shared_k[i], shared_v[i], key_valid, unshared_k[i], unshared_v[i], slot + 1
             )  # [B, W, H, hd]
-            x = x + attn.wo(y.reshape(B, W, self.n_heads * self.head_dim).to(x.dtype))
+            x = x + linear(y.reshape(B, W, self.n_heads * self.head_dim).to(x.dtype), attn.wo.weight)
             x = x + layer.feed_forward(layer.ffn_norm(x))
             i += 1
-        return self.output(self.norm(x))
+        return linear(self.norm(x), self.output.weight)
 
 
 def llama_config(cfg: DecoderConfig):

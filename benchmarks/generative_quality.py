@@ -1,0 +1,87 @@
+"""Semantic-ID decoder vs the item-token reference (one token per item, full softmax), equal minutes.
+
+    python benchmarks/generative_quality.py [--minutes 2] [--seeds 0 1 2] [--two-tower out/demo/model.ckpt]
+
+Both are the same `RecDecoder` (publish/train_generative.py), trained for the same wall-clock budget
+on the same leave-one-out split of MovieLens ml-latest-small converted to generic logs
+(`movielens.write_logs`): the semantic-ID model on residual k-means codes (3 x 256 + the
+disambiguation level) of the two-tower item tower's embeddings (a `silverrec train` checkpoint,
+default out/demo/model.ckpt), the reference with one token per item (`embeddings = "items"`).
+Metrics: HR@10 and NDCG@10 of the test items (stage "test": trained on train + validation items),
+history items excluded in the decode; the reference's decode of beam 10 is the exact top 10 of its
+full softmax over items (full ranking), the semantic-ID model's is the top 10 of a beam of 20.
+Popularity is the same list for every user (history excluded). Mean and sample std over seeds
+(each seed: the timestamp tie-break of the logs, the initialisation and the batches).
+
+Target (issue 13): semantic-ID HR@10 >= 0.9 x the item-token decoder's at equal training minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import print_table, write_results  # noqa: E402
+
+from silverrec.publish import movielens  # noqa: E402
+from silverrec.publish.evaluate import mean_and_spread  # noqa: E402
+from silverrec.publish.train_generative import ITEM_TOKENS, TrainConfig, train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--minutes", type=float, default=2.0, help="training budget of each model (default 2)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--two-tower", dest="two_tower", default=str(ROOT / "out/demo/model.ckpt"),
+                   help="silverrec train checkpoint whose item embeddings give the semantic IDs")
+    p.add_argument("--logs", default="/tmp/silverrec_movielens_logs", help="where to write the converted logs")
+    p.add_argument("--name", default="generative_quality")
+    args = p.parse_args(argv)
+    os.environ.setdefault("SILVERREC_QUIET", "1")
+    if not Path(args.two_tower).is_file():
+        sys.exit(f"no two-tower checkpoint at {args.two_tower}: run `python -m silverrec.publish.demo` or "
+                 f"`silverrec train --config train.toml --out CKPT` and pass --two-tower CKPT")
+    inter, items = movielens.write_logs(args.logs)
+    models = {"semantic IDs": str(args.two_tower), "item tokens": ITEM_TOKENS}
+    rows, runs = [], {name: [] for name in [*models, "popularity"]}
+    for seed in args.seeds:
+        for name, source in models.items():  # alternated per seed: both see the same machine load
+            cfg = TrainConfig(interactions=str(inter), items=str(items), embeddings=source, minutes=args.minutes,
+                              seed=seed, eval_beam=20 if source != ITEM_TOKENS else 10)
+            load = os.getloadavg()[0]
+            t0 = time.perf_counter()
+            _, sids, metrics = train(cfg)
+            row = {"model": name, "seed": seed, "steps": metrics.steps, "train_s": round(metrics.train_seconds, 1),
+                   "heldout_loss": round(metrics.heldout_loss, 4), **metrics.model, "vocab": sids.vocab_size,
+                   "levels": sids.level_sizes if len(sids.level_sizes) > 1 else [len(sids.item_ids)],
+                   "wall_s": round(time.perf_counter() - t0, 1), "load_avg_1m": round(load, 2)}
+            rows.append(row)
+            runs[name].append(metrics.model)
+            print_table([row], ["model", "seed", "steps", "train_s", "HR@10", "NDCG@10", "heldout_loss", "load_avg_1m"])
+        runs["popularity"].append(metrics.popularity)
+    summary = {name: mean_and_spread(r) for name, r in runs.items()}
+    table = [{"model": name, **{k: f"{m:.4f} +- {s:.4f}" for k, (m, s) in v.items()}} for name, v in summary.items()]
+    print(f"\nmean +- std over seeds {args.seeds}, {args.minutes:g} min of training each")
+    print_table(table, ["model", "HR@10", "NDCG@10"])
+    ratio = summary["semantic IDs"]["HR@10"][0] / max(summary["item tokens"]["HR@10"][0], 1e-12)
+    verdict = f"semantic-ID HR@10 / item-token HR@10 = {ratio:.3f} (target >= 0.9: {'met' if ratio >= 0.9 else 'NOT met'})"
+    print(verdict)
+    config = {"minutes": args.minutes, "seeds": args.seeds, "two_tower": args.two_tower,
+              "train_config": {k: v for k, v in asdict(cfg).items() if k not in ("interactions", "items", "embeddings", "seed")},
+              "protocol": "leave-one-out, stage test, HR@10/NDCG@10 of the decode's top 10, history excluded in-decode"}
+    write_results(args.name, config, rows + [{"summary": {k: {m: list(v) for m, v in s.items()} for k, s in summary.items()},
+                                             "hr10_ratio": ratio, "verdict": verdict}])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
