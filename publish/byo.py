@@ -71,7 +71,7 @@ from silverrec.publish.config import ConfigError, read_toml
 from silverrec.publish.filtered_ivf import DYNAMIC as FILTER_DYNAMIC, build_filtered_ivf, pool_rows
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.logs import Logs, read_logs
-from silverrec.publish.pool import Pool, read_pool
+from silverrec.publish.pool import Pool, pool_from_table
 from silverrec.publish.progress import bar, step
 from silverrec.publish.rec import Built, PublishConfig, _bytes_per_item, choose_nprobe, serving_config, write_rec_files
 from silverrec.ranking.cache import EmbeddingCache
@@ -473,7 +473,15 @@ def run_item_tower(cfg: ByoConfig, logs: Logs, vocabs: dict) -> np.ndarray:
     """float32 [N, D] item embeddings in pool order: the item tower over the pool in batches, or the
     items file's `embedding` column."""
     if cfg.item is None:
-        pool = read_pool(cfg.items)
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        name = Path(cfg.items).name
+        try:
+            table = pq.read_table(cfg.items, columns=["item_id", "embedding"])
+        except (pa.ArrowInvalid, KeyError):
+            raise ConfigError(f"the config has no [item_tower] and {name} has no `embedding` column to use instead") from None
+        pool = pool_from_table(table, name)  # PoolError names a NaN, ragged or missing embedding
         if not np.array_equal(pool.item_ids, logs.item_ids):
             raise ConfigError(f"{Path(cfg.items).name}: the embedding column's ids are not in the items' order")
         return pool.embeddings.astype(np.float32)

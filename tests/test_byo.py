@@ -36,8 +36,14 @@ def world(tmp_path_factory):
     item_ids = 1000 + 7 * np.arange(N)
     genres = [sorted(set(rng.choice(GENRES, size=rng.integers(1, 3)).tolist())) for _ in range(N)]
     quality = (np.arange(N) % 4) * 0.25
+    user = models.UserTower(N, len(GENRES), dim=DIM, hidden=16).eval()
+    item = models.ItemTower(N, len(GENRES), dim=DIM, hidden=16).eval()
+    arch = models.ListwiseRanker(dim=DIM, feat_dim=1, width=16, heads=2).eval()
+    world = {"dir": d, "user": user, "item": item, "arch": arch, "item_ids": item_ids, "genres": genres, "quality": quality}
+    emb = item_embeddings(world)  # the `embedding` column: what a config without [item_tower] publishes
     pq.write_table(pa.table({"item_id": pa.array(item_ids, pa.int64()), "genre": pa.array(genres, pa.list_(pa.string())),
-                             "quality": pa.array(quality, pa.float32())}), d / "items.parquet")
+                             "quality": pa.array(quality, pa.float32()),
+                             "embedding": pa.array(list(emb.numpy()), pa.list_(pa.float32()))}), d / "items.parquet")
     users, items, ts = [], [], []
     for u in range(12):
         picks = rng.choice(N, size=int(rng.integers(3, 9)), replace=False)
@@ -46,9 +52,6 @@ def world(tmp_path_factory):
         ts += list(range(len(picks)))
     pq.write_table(pa.table({"user_id": pa.array(users, pa.int64()), "item_id": pa.array(items, pa.int64()),
                              "timestamp": pa.array(ts, pa.int64())}), d / "interactions.parquet")
-    user = models.UserTower(N, len(GENRES), dim=DIM, hidden=16).eval()
-    item = models.ItemTower(N, len(GENRES), dim=DIM, hidden=16).eval()
-    arch = models.ListwiseRanker(dim=DIM, feat_dim=1, width=16, heads=2).eval()
     batch = Dim("batch", min=1, max=1 << 16)
     example = encode_user([[1, 2, 3], [4]], genres)
     ep = torch.export.export(user, example, strict=False, dynamic_shapes={
@@ -58,8 +61,17 @@ def world(tmp_path_factory):
     torch.save(user.state_dict(), d / "user_state.pt")
     torch.jit.save(torch.jit.script(item), str(d / "item.ts"))
     torch.save(arch.state_dict(), d / "arch_state.pt")
-    return {"dir": d, "user": user, "item": item, "arch": arch, "item_ids": item_ids, "genres": genres,
-            "quality": quality}
+    return world
+
+
+@torch.no_grad()
+def item_embeddings(world) -> torch.Tensor:
+    """The item tower over the pool, inputs built by hand: float32 [N, D]."""
+    code = {g: i + 1 for i, g in enumerate(GENRES)}
+    genres = world["genres"]
+    vals = list(range(N)) + [code[g] for r in range(N) for g in genres[r]]
+    lens = [1] * N + [len(genres[r]) for r in range(N)]
+    return world["item"](torch.tensor(vals), torch.tensor(lens, dtype=torch.int32), torch.zeros(N, 0))
 
 
 def encode_user(histories, genres):
@@ -86,13 +98,8 @@ def config(world, user: dict, overarch: dict | None, **extra) -> ByoConfig:
 @torch.no_grad()
 def eager_top(world, history_rows: list[int], arch=True) -> tuple[np.ndarray, np.ndarray]:
     """The reference pipeline for one user: (item ids [K], scores [K])."""
-    code = {g: i + 1 for i, g in enumerate(GENRES)}
-    genres = world["genres"]
-    vals = list(range(N)) + [code[g] for r in range(N) for g in genres[r]]
-    lens = [1] * N + [len(genres[r]) for r in range(N)]
-    emb = world["item"](torch.tensor(vals), torch.tensor(lens, dtype=torch.int32), torch.zeros(N, 0))
-    emb = emb.to(torch.bfloat16).float()  # as the cache stores it
-    u = world["user"](*encode_user([history_rows], genres))  # [1, D]
+    emb = item_embeddings(world).to(torch.bfloat16).float()  # as the cache stores it
+    u = world["user"](*encode_user([history_rows], world["genres"]))  # [1, D]
     scores = (u @ emb.T)[0]
     scores[history_rows] = float("-inf")
     cand = torch.topk(scores, K0).indices
@@ -129,11 +136,28 @@ def test_published_export_program_equals_eager(world, tmp_path):
     check_against_eager(snap, world)
 
 
-def test_published_torchscript_and_entry_equal_eager(world, tmp_path):
-    """Entry-point user tower (state dict), no OverArch: both programs (model.pt2, model.ts)."""
-    cfg = config(world, {"entry": "models:UserTower", "args": {"num_items": N, "num_values": len(GENRES), "dim": DIM,
-                                                              "hidden": 16}, "path": "user_state.pt"}, None)
-    out = publish_byo(cfg, tmp_path / "snap")
+def test_cli_publish_entry_point_and_embedding_column_equal_eager(world, tmp_path):
+    """`silverrec publish --config` with an entry-point user tower (state dict), the items file's
+    `embedding` column instead of an item tower, no OverArch: both programs (model.pt2, model.ts)."""
+    from silverrec.publish.cli import main
+
+    d = world["dir"]
+    (d / "publish.toml").write_text(f"""
+items = "items.parquet"
+interactions = "interactions.parquet"
+item_dense = ["quality"]
+k0 = {K0}
+nlist = 4
+nprobe = 4
+[user_tower]
+entry = "models:UserTower"
+path = "user_state.pt"
+args = {{ num_items = {N}, num_values = {len(GENRES)}, dim = {DIM}, hidden = 16 }}
+item_features = ["genre"]
+item_ids = "pool_row"
+""")
+    assert main(["publish", "--config", str(d / "publish.toml"), "--out", str(tmp_path / "snap")]) == 0
+    out = tmp_path / "snap"
     assert (out / "model.ts").exists()
     for backend in ("export", "torchscript"):
         check_against_eager(silverrec.load(out, backend=backend), world, arch=False)
@@ -185,3 +209,37 @@ def test_wrong_output_shape_is_named(world, tmp_path):
     with pytest.raises(ByoError, match=r"user tower .* returned shape \(\d+, 9\): expected \[B, D\] or \[B, T, D\] with D = 8"):
         publish_byo(cfg, tmp_path / "snap")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_user_tower_adapter_maps_only_the_item_keys():
+    """Canonical rows of hist_item / recent_item go through item_input; feature codes pass unchanged."""
+    from silverrec.publish.byo import UserTowerAdapter
+
+    class Echo(torch.nn.Module):
+        def forward(self, values, lengths, dense):
+            return values.float()[None]  # [1, nnz] -> the adapter's [1, 1, nnz]
+
+    item_input = torch.tensor([50, 51, 52, 53, 54])
+    adapter = UserTowerAdapter(Echo(), item_input)
+    # B = 2, keys hist_item [3 | 1], recent_item [2 | 1], hist_genre [4 | 0] (key-major)
+    values = torch.tensor([0, 4, 2, 3, 4, 2, 3, 1, 2, 3, 4])
+    lengths = torch.tensor([3, 1, 2, 1, 4, 0], dtype=torch.int32)
+    got = adapter(values, lengths, torch.zeros(2, 1))[0, 0].long()
+    torch.testing.assert_close(got, torch.tensor([50, 54, 52, 53, 54, 52, 53, 1, 2, 3, 4]))
+
+
+def test_overarch_adapter_item_side_and_single_score_for_every_task():
+    from silverrec.publish.byo import OverArchAdapter
+
+    class Pointwise(torch.nn.Module):
+        def forward(self, user, cand, feats):
+            return (user[:, :1] * cand).sum(-1) + feats.sum(-1)  # [B, K]
+
+    B, K, T, D, F = 2, 5, 3, 4, 2
+    user, cand, feats = torch.randn(B, T, D), torch.randn(B, K, D), torch.randn(B, K, F)
+    arch = OverArchAdapter(Pointwise(), D, F, T)
+    item = arch.item_side(cand, feats)
+    assert arch.item_width == D + F and item.shape == (B, K, D + F)
+    got = arch.score(user, cand, item, torch.ones(B, K, dtype=torch.bool))
+    want = ((user[:, :1] * cand).sum(-1) + feats.sum(-1))[:, :, None].expand(B, K, T)
+    torch.testing.assert_close(got, want)

@@ -79,7 +79,7 @@ def main() -> None:
     item = ItemTower(n, len(vocab), dim=DIM)
 
     # --- two-tower: in-batch sampled softmax, temperature 0.05
-    opt = torch.optim.Adam([*user.parameters(), *item.parameters()], lr=3e-3)
+    opt = torch.optim.Adam([*user.parameters(), *item.parameters()], lr=1e-2)
     t0, steps = time.perf_counter(), 0
     while time.perf_counter() - t0 < args.seconds * 2 / 3:
         batch = pairs[rng.integers(0, len(pairs), 512)]
