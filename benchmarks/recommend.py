@@ -219,18 +219,20 @@ class Pipeline:
         for filt, bs in groups.items():
             qrows = (np.asarray(bs)[:, None] * T + np.arange(T)).reshape(-1)
             found[qrows] = self.retrieve(q[qrows], kk, filt, exact)
+        # each task's best K0 by its own exact re-score, best first: one batched re-score of every
+        # (request, task) list, missing and excluded rows at -inf (the exclusions are per request)
+        ok = found >= 0
+        for b in range(B):
+            ok[b * T:(b + 1) * T] &= ~np.isin(found[b * T:(b + 1) * T], excl[b])
+        s = np.matmul(self.emb[found.clip(min=0)], q[:, :, None])[:, :, 0]  # [B*T, kk]
+        s[~ok] = -np.inf
+        best = np.argsort(-s, axis=1, kind="stable")[:, :K0]
+        per_task = np.where(np.take_along_axis(ok, best, 1), np.take_along_axis(found, best, 1), -1).reshape(B, T, -1)
         cands = []
         for b in range(B):
-            per_task = np.full((T, K0), -1, dtype=np.int64)
-            for t in range(T):  # each task's best K0 by its own exact re-score, best first
-                r = found[b * T + t]
-                r = r[(r >= 0) & ~np.isin(r, excl[b])]
-                s = self.emb[r] @ un[b, t]
-                best = np.argsort(-s, kind="stable")[:K0]
-                per_task[t, : best.size] = r[best]
             # the union rank by rank (every task's first row, then every second, ...), each row once,
             # at most CANDIDATES: what silverrec's merge ranks
-            inter = per_task.T.reshape(-1)
+            inter = per_task[b].T.reshape(-1)
             inter = inter[inter >= 0]
             cands.append(inter[np.sort(np.unique(inter, return_index=True)[1])][:CANDIDATES])
         self.candidates.append(float(np.mean([c.size for c in cands])))
@@ -531,13 +533,111 @@ def _git_state() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "uncommitted_changes_in": dirty}
 
 
+# ------------------------------------------------------------------ retrieval sources (issue 13)
+
+SOURCE_BEAM = 64  # the decode's beam width in the hybrid benchmark (= its candidates per request)
+
+
+class _DecodeOnly(torch.nn.Module):
+    """The generative source alone, as the hybrid runs it: the filter program over the whole bank,
+    the exclusions, the beam decode (silverrec/generative/source.py), rows -> item ids."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.index, self.generative = model.index, model.generative
+
+    def forward(self, exclude: torch.Tensor, vops: torch.Tensor, vrows: torch.Tensor, history: torch.Tensor):
+        allowed = self.generative.allowed_rows(self.index.bits, vops, vrows, exclude)
+        rows, scores = self.generative(history, allowed)
+        return self.index.row_to_item[rows.clamp_min(0)], scores
+
+
+def sources_part(ckpt_path: Path, gen_ckpt_path: Path, users: list[list[int]], repeats: dict[int, int]) -> list[dict]:
+    """ANN only (the plain RecModel), generative only (filter + exclusions + decode) and hybrid (both,
+    merged and ranked: HybridRecModel) on the same requests, TorchScript, batch 1 and 16, without
+    and with FILTER, alternated call by call. Target: hybrid <= 1.1 x (ANN only + generative only)."""
+    from silverrec.filtering.filter_program import compile_request
+    from silverrec.generative.source import SOURCES, request_tensors
+    from silverrec.publish.rec import build_rec_model, scriptable
+    from silverrec.serving.recommend import RecHandler, RecRequest
+
+    pcfg = PublishConfig(checkpoint=str(ckpt_path), overarch=OVERARCH, value_model=VALUE_MODEL, k0=K0,
+                         candidates=CANDIDATES, sources=list(SOURCES), generative_checkpoint=str(gen_ckpt_path),
+                         beam_width=SOURCE_BEAM)
+    built = build_rec_model(pcfg)
+    hybrid = built.model
+    plain = RecModel(hybrid.user_tower, hybrid.index, hybrid.cache, hybrid.overarch if hybrid.has_overarch else None,
+                     hybrid.value_model if hybrid.has_value_model else None, tasks=hybrid.tasks, overfetch=hybrid.overfetch,
+                     candidates=hybrid.candidates).eval()
+    programs = {"ann": scriptable(plain), "generative": torch.jit.script(_DecodeOnly(hybrid).eval()), "hybrid": scriptable(hybrid)}
+    handler = RecHandler(built.manifest, hybrid, built.row_to_item, built.item_csr, built.users)
+    cfg = built.manifest
+    nprobe, max_probe = int(cfg["default_nprobe"]), max(int(cfg["default_nprobe"]), int(cfg["search"]["default_max_probe"]))
+    rows = []
+    for filt in (None, FILTER):
+        for batch in (1, 16):
+            reqs = [RecRequest(history=h, filter=filt) for h in users[:batch]]
+            values, lengths, dense, exclude = handler.encode(reqs, True, int(cfg["exclude_limit"]))
+            ops, prog, vops, vrows, lists = compile_request([filt] * batch, handler.plan)
+            modes = torch.full((batch,), 1 if filt is None else 0, dtype=torch.int64)  # probed / auto, as the predictor
+            history, flags = request_tensors([handler.rows(h, "history") for h in users[:batch]], [None] * batch, SOURCES)
+            base = (values, lengths, dense, exclude, ops, prog, vops, vrows, lists, modes)
+            ints = (K, K0, nprobe, max_probe)
+            calls = {
+                "ann": lambda: programs["ann"](*base, *ints),
+                "generative": lambda: programs["generative"](exclude, vops, vrows, history),
+                "hybrid": lambda: programs["hybrid"](*base, history, flags, *ints),
+            }
+            with torch.inference_mode():
+                found = programs["hybrid"](*base, history, flags, *ints)[4]
+                stats = alternate(list(calls.values()), repeats[batch], warmup=2)
+            by = {name: s for name, s in zip(calls, stats)}
+            both = by["ann"]["median_ms"] + by["generative"]["median_ms"]
+            row = {"part": "sources", "filter": "none" if filt is None else filt, "batch": batch,
+                   **{f"{name}_ms": round(s["median_ms"], 3) for name, s in by.items()},
+                   "hybrid_over_sum": round(by["hybrid"]["median_ms"] / both, 3),
+                   "found_by_in_top_k": {name: int(((found & bit) != 0).sum()) for name, bit in (("ann", 1), ("generative", 2))},
+                   "stats": by, "load_1min": os.getloadavg()[0]}
+            print(f"  {row['filter'][:20]:>20} batch {batch:>2}: ann {row['ann_ms']:.2f} ms, generative {row['generative_ms']:.2f} ms, "
+                  f"hybrid {row['hybrid_ms']:.2f} ms = {row['hybrid_over_sum']:.2f} x (ann + generative); top-{K} found by "
+                  f"{row['found_by_in_top_k']} (load {row['load_1min']:.1f})", flush=True)
+            rows.append(row)
+    return rows
+
+
+def sources_main(args) -> int:
+    """`--sources GEN_CKPT --checkpoint CKPT`: only the retrieval-source rows (`sources_part`)."""
+    if not args.checkpoint:
+        raise SystemExit("--sources needs --checkpoint (a two-tower checkpoint over the same items as GEN_CKPT)")
+    torch.set_num_threads(2)
+    t_start, load_start = time.perf_counter(), os.getloadavg()
+    ckpt = load_checkpoint(args.checkpoint)
+    off, hist_ids = ckpt["users"]["offsets"], ckpt["users"]["item_ids"]
+    order = np.random.default_rng(args.seed).permutation(len(off) - 1)
+    users = [hist_ids[off[u]:off[u + 1]].tolist() for u in order if off[u + 1] > off[u]]
+    repeats = {1: 10, 16: 4} if args.quick else {1: 30, 16: 10}
+    print("retrieval sources: ANN only, generative only, hybrid (TorchScript, latency per batch):", flush=True)
+    rows = sources_part(Path(args.checkpoint), Path(args.sources), users, repeats)
+    config = {"checkpoint": str(args.checkpoint), "generative_checkpoint": str(args.sources), "beam_width": SOURCE_BEAM,
+              "k": K, "k0": K0, "candidates": CANDIDATES, "filter": FILTER, "repeats": repeats, "threads": 2,
+              "backend": "torchscript", "target": "hybrid <= 1.1 x (ann + generative) at batch 1",
+              "seconds": round(time.perf_counter() - t_start, 1),
+              "load_average_1_5_15min": {"start": load_start, "end": os.getloadavg()}, "git": _git_state()}
+    write_results("recommend_sources_quick" if args.quick else "recommend_sources", config, rows)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small training (0.3 + 0.15 min), fewer repeats, ranking 1k / 10k items")
     ap.add_argument("--checkpoint", help="reuse a checkpoint from silverrec train (with a 'mol' OverArch) instead of training")
     ap.add_argument("--minutes", type=float, default=None, help="two-tower training budget (default 1.0, quick 0.3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sources", metavar="GEN_CKPT", help="only the retrieval-source rows (ANN only, generative only, "
+                    "hybrid) with this generative checkpoint and --checkpoint")
     args = ap.parse_args(argv)
+    if args.sources:
+        return sources_main(args)
     torch.set_num_threads(2)
     faiss.omp_set_num_threads(2)
     rng = np.random.default_rng(args.seed)

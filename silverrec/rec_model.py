@@ -117,9 +117,11 @@ class RecModel(nn.Module):
     def rank_rows(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
         """user float32 [B, T, D], rows int64 [B, C] (-1 = none) -> (value float32 [B, C] with -inf
         at padding, task scores float32 [B, C, T])."""
-        emb, feats, ranker, scores = self.cache(user, rows)
-        if self.has_overarch:
+        if self.has_overarch:  # the OverArch scores the pairs: no exact re-score to compute
+            emb, feats, ranker = self.cache.lookup(rows)
             scores = self.overarch.score(user, emb, ranker, rows >= 0)
+        else:
+            emb, feats, ranker, scores = self.cache(user, rows)
         if self.has_value_model:
             value = self.value_model(scores, feats)
         else:

@@ -90,6 +90,9 @@ def test_cache_rescore_is_exact_on_cached_values():
     torch.testing.assert_close(e[valid], cache.gather(rows)[0][valid], rtol=0, atol=0)
     torch.testing.assert_close(cache.embeddings(rows)[valid], e[valid], rtol=0, atol=0)
     assert f.shape == (3, 11, 0) and r.shape == (3, 11, 0)
+    for g, w in zip(cache.lookup(rows), (e, f, r)):  # the lookups alone, unmasked: padding reads row 0
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    torch.testing.assert_close(e[~valid], cache.emb[0].float().expand(int((~valid).sum()), D), rtol=0, atol=0)
 
 
 def test_cache_ranker_holds_the_item_side_by_row():
@@ -166,6 +169,8 @@ def test_cache_script_and_export_equal_eager():
         for g, w in zip(scripted.gather(rows), cache.gather(rows)):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
         torch.testing.assert_close(scripted.rescore(user, rows), cache.rescore(user, rows), rtol=0, atol=0)
+        for g, w in zip(scripted.lookup(rows), cache.lookup(rows)):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------ OverArch references

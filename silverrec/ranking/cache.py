@@ -143,9 +143,10 @@ class EmbeddingCache(nn.Module):
             emb   float32 [B, K, D]  (zeros at padding)
             feats float32 [B, K, F]  (zeros at padding)
         """
-        valid = (rows >= 0).unsqueeze(-1)  # [B, K, 1]
-        emb = torch.where(valid, _take(self.emb, rows).float(), 0.0)
-        feats = torch.where(valid, _take(self.feats, rows).float(), 0.0)
+        padding = (rows < 0).unsqueeze(-1)  # [B, K, 1]
+        # zeroed in place on the fresh gathered copies (index_select output; torch.where wrote a third tensor)
+        emb = _take(self.emb, rows).float().masked_fill_(padding, 0.0)
+        feats = _take(self.feats, rows).float().masked_fill_(padding, 0.0)
         return emb, feats
 
     @torch.jit.export
@@ -164,19 +165,25 @@ class EmbeddingCache(nn.Module):
         scores = torch.bmm(cand, user.float().transpose(1, 2))  # [B, K, T]
         return torch.where(valid, scores, float("-inf"))
 
+    @torch.jit.export
+    def lookup(self, rows: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """The ranking stage's lookups, unmasked: rows int64 [B, K] (-1 = padding) -> emb float32
+        [B, K, D], feats float32 [B, K, F], ranker [B, K, E] in its stored dtype; padding reads
+        row 0 (the caller masks what it computes from it)."""
+        return _take(self.emb, rows).float(), _take(self.feats, rows).float(), _take(self.ranker, rows)
+
     def forward(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Everything the ranking stage needs from the cache.
+        """Everything the ranking stage needs from the cache: `lookup` and the exact re-score.
 
         Args:
             user: float32 [B, T, D]; rows: int64 [B, K] (-1 = padding).
         Returns:
-            emb float32 [B, K, D], feats float32 [B, K, F], ranker [B, K, E] in its stored dtype (padding reads
-            row 0: the caller masks), scores float32 [B, K, T] (exact re-score, -inf at padding).
+            emb float32 [B, K, D], feats float32 [B, K, F], ranker [B, K, E] in its stored dtype (padding
+            reads row 0: the caller masks), scores float32 [B, K, T] (exact re-score, -inf at padding).
         """
-        emb = _take(self.emb, rows).float()
-        feats = _take(self.feats, rows).float()
+        emb, feats, ranker = self.lookup(rows)
         scores = torch.bmm(emb, user.float().transpose(1, 2))
-        return emb, feats, _take(self.ranker, rows), torch.where((rows >= 0).unsqueeze(-1), scores, float("-inf"))
+        return emb, feats, ranker, torch.where((rows >= 0).unsqueeze(-1), scores, float("-inf"))
 
 
 def _take(table: Tensor, rows: Tensor) -> Tensor:

@@ -189,17 +189,21 @@ class RecHandler:
         hist_rows, ex_rows = all_rows[:n_hist], all_rows[n_hist:]
         n = np.int64(len(self.row_to_item))
         # exclusions as keys request * n + row: sorted keys are sorted per request, requests in order
-        ex_keys = np.unique(np.repeat(np.arange(B, dtype=np.int64), counts[B:]) * n + ex_rows)
-        ex_count = np.bincount(ex_keys // n, minlength=B)
-        if (ex_count > exclude_limit).any():
-            self._raise_first_error(hist_ids, ex_ids, exclude_limit)
+        ex_keys, ex_count = ex_rows, np.zeros(B, dtype=np.int64)  # (no exclude ids: the common case)
+        if ex_rows.size:
+            ex_keys = np.unique(np.repeat(np.arange(B, dtype=np.int64), counts[B:]) * n + ex_rows)
+            ex_count = np.bincount(ex_keys // n, minlength=B)
+            if (ex_count > exclude_limit).any():
+                self._raise_first_error(hist_ids, ex_ids, exclude_limit)
         keys = ex_keys
         if exclude_history and n_hist:
             # each (request, row) once, at its newest position (the reversed batch: newest first)
             rev = (np.repeat(np.arange(B, dtype=np.int64), counts[:B]) * n + hist_rows)[::-1]
             hkeys, newest = np.unique(rev, return_index=True)
-            keep = ~np.isin(hkeys, ex_keys, assume_unique=True)
-            hkeys = hkeys[keep][np.argsort(newest[keep], kind="stable")]  # newest first, request B-1 first
+            if ex_keys.size:
+                keep = ~np.isin(hkeys, ex_keys, assume_unique=True)
+                hkeys, newest = hkeys[keep], newest[keep]
+            hkeys = hkeys[np.argsort(newest, kind="stable")]  # newest first, request B-1 first
             owner = hkeys // n
             per = np.bincount(owner, minlength=B)
             rank = np.arange(hkeys.size) - (np.cumsum(per[::-1])[::-1] - per)[owner]  # newest = 0
