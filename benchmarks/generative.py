@@ -2,13 +2,15 @@
 
     python benchmarks/generative.py [--model CKPT] [--quick] [--threads N]
 
-One process, the same weights everywhere: the trained MovieLens `RecDecoder` (checkpoint from
-`python -m silverrec.publish.train_generative`, or trained here for `--train-minutes`) and its
+One process, the same weights everywhere: a `RecDecoder` trained on MovieLens converted to generic
+logs (`movielens.write_logs`; checkpoint from `silverrec train --generative`, or trained here for
+`--train-minutes` on semantic IDs of the two-tower item embeddings of `--two-tower`) and its
 semantic IDs (9,742 real item paths, L = 4).
 
   silverrec   `GenerativeRetrieval` (prefill once into the shared KV, staged attention against
-              shared + per-beam unshared KV, trie mask, beam_topk), eager and as the exported
-              torch.export program that a snapshot serves;
+              shared + per-beam unshared KV, trie mask, beam_topk), eager, as the exported
+              torch.export program that a snapshot serves (batch 1, no padding) and as TorchScript;
+              bf16 weights computing in bf16 and in float32 (`set_compute_dtype`);
   reference   tests/reference_beam_search.py: every step recomputes every beam's full sequence
               (full KV per beam, no cache), dict trie, full sort;
   hf          transformers `LlamaForCausalLM.generate(num_beams=W, num_return_sequences=W,
@@ -26,7 +28,7 @@ prompts 257 and 513 for every W and at prompt 2049 only for W=64 (it prefills th
 beam: W x 2049 tokens); the reference (W x full recompute per step) runs only where item lists are
 compared. --quick: prompt 513, W in {64, 128}.
 
-Also: recall@10 / NDCG@10 on held-out MovieLens users (leave-last-out test items, history items
+Also: HR@10 / NDCG@10 on held-out MovieLens users (leave-one-out test items, history items
 excluded through the request bitmask) for fp32 and bf16 weights vs popularity.
 """
 
@@ -52,10 +54,12 @@ from common import print_table, write_results  # noqa: E402
 
 from silverrec.generative.decoder import BOS, RecDecoder, to_llama  # noqa: E402
 from silverrec.publish import movielens  # noqa: E402
+from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk  # noqa: E402
 from silverrec.publish.generative import all_items_bitmask, build_generative  # noqa: E402
+from silverrec.publish.logs import leave_one_out, read_logs  # noqa: E402
 from silverrec.publish.semantic_ids import SemanticIds  # noqa: E402
 from silverrec.publish.train_generative import (  # noqa: E402
-    TrainConfig, evaluate, load_checkpoint, popularity_metrics, save_checkpoint, split_sequences, train_movielens,
+    Sequences, TrainConfig, decode_rows, load_checkpoint, popularity_rows, save_checkpoint, train,
 )
 from silverrec.snapshot import export_program  # noqa: E402
 from tests.reference_beam_search import reference_beam_search  # noqa: E402
@@ -168,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: train one for --train-minutes)")
     p.add_argument("--train-minutes", type=float, default=3.0)
+    p.add_argument("--two-tower", dest="two_tower", default=str(Path(__file__).resolve().parents[1] / "out/demo/model.ckpt"),
+                   help="without --model: silverrec train checkpoint whose item embeddings give the semantic IDs")
+    p.add_argument("--logs", default="/tmp/silverrec_movielens_logs", help="where to write the converted logs")
     p.add_argument("--quick", action="store_true", help="prompt 513, W in {64, 128}; no quality eval")
     p.add_argument("--threads", type=int, default=1, help="torch threads for every system (default 1)")
     p.add_argument("--name", default=None, help="results name (default generative or generative_quick)")
@@ -175,28 +182,30 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("SILVERREC_QUIET", "1")
 
+    inter, items = movielens.write_logs(args.logs)
     if args.model:
         decoder, sids, info = load_checkpoint(args.model)
         train_info = {"checkpoint": args.model, **info}
     else:
-        cfg = TrainConfig(minutes=args.train_minutes)
-        decoder, sids, _, metrics = train_movielens(cfg)
+        cfg = TrainConfig(interactions=str(inter), items=str(items), embeddings=args.two_tower, minutes=args.train_minutes)
+        decoder, sids, metrics = train(cfg)
         save_checkpoint("/tmp/silverrec_bench_generative.ckpt", decoder, sids, cfg, metrics)
         train_info = {"checkpoint": None, "train_config": cfg.__dict__, "metrics": metrics.__dict__}
     L = sids.depth
     decoder = decoder.float().eval()
-    sequences = movielens.user_sequences()
-    split = split_sequences(sequences, sids.item_ids)
+    logs = read_logs(inter, items, seed=int(train_info["train_config"]["seed"]))
+    sids = sids.subset(logs.item_ids)  # rows = the logs' pool rows
+    split = Sequences.from_split(leave_one_out(logs), "test")
     tokens = sids.tokens()
-    longest = max(range(len(split.test_history)), key=lambda u: len(split.test_history[u]))
-    users = [longest] + [u for u in np.argsort([-len(h) for h in split.test_history])[1:3]]
+    longest = max(range(len(split.eval_history)), key=lambda u: len(split.eval_history[u]))
+    users = [longest] + [u for u in np.argsort([-len(h) for h in split.eval_history])[1:3]]
     hf = to_llama(decoder)
 
     prompts = [128] if args.quick else [64, 128, 512]  # items -> 257, 513, 2049 tokens
     widths = [64, 128] if args.quick else [64, 128, 256, 512]
     rows, checks = [], []
     for n_items in prompts:
-        prompt = prompt_for(split.test_history[longest], tokens, n_items)
+        prompt = prompt_for(split.eval_history[longest], tokens, n_items)
         P = prompt.shape[1]
         trie = HFTrie(sids, P)
         for W in widths:
@@ -207,25 +216,26 @@ def main(argv: list[str] | None = None) -> int:
             print_table(rows[-1:], list(rows[-1]))
             ours = ids[0].tolist()
             if n_items == 128 and (W == 128 or not args.quick):
-                # The served programs. The exported decode carries a batch != 1 guard, so the
-                # predictor pads a single request to 2 rows (twice the work); TorchScript takes 1.
+                # The served programs, both called with the single request (batch 1, no padding;
+                # the export example has 2 rows so batch is not specialised), calls alternated.
                 with torch.no_grad():
                     program = export_program(module, (prompt.expand(2, -1).contiguous(), mask.expand(2, -1).contiguous()),
                                              _dynamic(decoder, L)).module()
-                ms_e, runs_e, mem_e, (ids_e, _) = timed(lambda: _call(program, prompt.expand(2, -1), mask.expand(2, -1)))
-                rows.append(dict(system="silverrec exported (1 request padded to 2 rows)", prompt=P, W=W, median_ms=ms_e,
-                                 runs=runs_e, peak_rss_mb=mem_e))
-                checks.append(dict(prompt=P, W=W, pair="exported vs eager", result=compare(ids_e[0].tolist(), ours)))
-                m16 = build_generative(decoder, sids, W, W, torch.bfloat16)
-                ms_b, runs_b, mem_b, (ids_b, _) = timed(lambda: _call(m16, prompt, mask))
-                rows.append(dict(system="silverrec eager bf16", prompt=P, W=W, median_ms=ms_b, runs=runs_b, peak_rss_mb=mem_b))
-                top = len(set(ids_b[0, :10].tolist()) & set(ours[:10]))
-                checks.append(dict(prompt=P, W=W, pair="bf16 vs fp32 (eager)", result=f"top-10 overlap {top}/10, "
-                                   f"top-{W} overlap {len(set(ids_b[0].tolist()) & set(ours))}/{W}"))
                 scripted = torch.jit.script(module)
-                ms_s, runs_s, mem_s, (ids_s, _) = timed(lambda: _call(scripted, prompt, mask))
-                rows.append(dict(system="silverrec torchscript", prompt=P, W=W, median_ms=ms_s, runs=runs_s, peak_rss_mb=mem_s))
-                checks.append(dict(prompt=P, W=W, pair="torchscript vs eager", result=compare(ids_s[0].tolist(), ours)))
+                served = alternated({"silverrec exported (batch 1)": lambda: _call(program, prompt, mask),
+                                     "silverrec torchscript": lambda: _call(scripted, prompt, mask)})
+                for system, (ms_x, runs_x, mem_x, (ids_x, _)) in served.items():
+                    rows.append(dict(system=system, prompt=P, W=W, median_ms=ms_x, runs=runs_x, peak_rss_mb=mem_x))
+                    checks.append(dict(prompt=P, W=W, pair=f"{system} vs eager", result=compare(ids_x[0].tolist(), ours)))
+                bf16 = {"silverrec eager bf16 weights, bf16 compute": build_generative(decoder, sids, W, W, torch.bfloat16),
+                        "silverrec eager bf16 weights, fp32 compute": build_generative(decoder, sids, W, W, torch.bfloat16,
+                                                                                        torch.float32)}
+                timed_bf16 = alternated({k: (lambda m=m: _call(m, prompt, mask)) for k, m in bf16.items()})
+                for system, (ms_b, runs_b, mem_b, (ids_b, _)) in timed_bf16.items():
+                    rows.append(dict(system=system, prompt=P, W=W, median_ms=ms_b, runs=runs_b, peak_rss_mb=mem_b))
+                    top = len(set(ids_b[0, :10].tolist()) & set(ours[:10]))
+                    checks.append(dict(prompt=P, W=W, pair=f"{system} vs fp32 (eager)", result=f"top-10 overlap {top}/10, "
+                                       f"top-{W} overlap {len(set(ids_b[0].tolist()) & set(ours))}/{W}"))
             hf_here = n_items <= 128 or W == 64
             if hf_here:
                 ms_h, runs_h, mem_h, (hf_ids, _) = timed(lambda: hf_generate(hf, prompt, trie, W, L), max_seconds=30)
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             print_table(rows[-3:], ["system", "prompt", "W", "median_ms", "runs", "peak_rss_mb"])
     # more users for the identity check (several histories, batch of 3, P = 257)
     if not args.quick:
-        batch = torch.cat([_left(prompt_for(split.test_history[u], tokens, 64), 257) for u in users])
+        batch = torch.cat([_left(prompt_for(split.eval_history[u], tokens, 64), 257) for u in users])
         for W in (64, 256):
             module = build_generative(decoder, sids, W, W)
             with torch.no_grad():
@@ -265,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     quality = {} if args.quick else quality_eval(decoder, sids, split, int(train_info["train_config"]["max_history"]))
     if quality:
         print("\nheld-out MovieLens users (history excluded via the request bitmask)")
-        print_table([{"model": k, **v} for k, v in quality.items()], ["model", "recall@10", "ndcg@10"])
+        print_table([{"model": k, **v} for k, v in quality.items()], ["model", "HR@10", "NDCG@10"])
     config = {
         "threads": args.threads, "level_sizes": sids.level_sizes, "items": len(sids.item_ids),
         "decoder": decoder.config.to_dict(), "training": train_info, "quick": args.quick,
@@ -299,6 +309,23 @@ def identity(decoder, sids, history, W, ids, scores, ref_ids, ref_scores) -> lis
     return out
 
 
+def alternated(fns: dict, runs: int = 7) -> dict:
+    """`timed` for several systems with their calls alternated one by one (the same machine load):
+    {name: (median ms, runs, peak RSS delta MB, last result)}; one warm-up call each."""
+    out = {name: [[], [], None] for name in fns}
+    for r in range(runs + 1):
+        for name, fn in fns.items():
+            with PeakRSS() as mem:
+                t = time.perf_counter()
+                res = fn()
+                dt = time.perf_counter() - t
+            if r:
+                out[name][0].append(dt)
+                out[name][1].append(mem.delta)
+            out[name][2] = res
+    return {name: (statistics.median(t) * 1e3, len(t), max(m) / 2**20, res) for name, (t, m, res) in out.items()}
+
+
 def _call(module, prompt, mask):
     with torch.inference_mode():
         return module(prompt, mask)
@@ -322,7 +349,18 @@ def targets(rows, checks) -> dict:
 
     out: dict = {"lines": []}
     hf = get("transformers", 513, 128)
-    for system in ("silverrec exported (1 request padded to 2 rows)", "silverrec torchscript", "silverrec eager"):
+    ex, ts = get("silverrec exported (batch 1)", 513, 128), get("silverrec torchscript", 513, 128)
+    if ex and ts:
+        out["exported_over_torchscript_W128_P513"] = ex["median_ms"] / ts["median_ms"]
+        out["lines"].append(f"batch-1 exported decode / TorchScript at W=128, prompt 513: {ex['median_ms']:.1f} / "
+                            f"{ts['median_ms']:.1f} ms = {ex['median_ms'] / ts['median_ms']:.2f}x (target <= 1, "
+                            f"calls alternated)")
+    b16, b32 = (get(f"silverrec eager bf16 weights, {c} compute", 513, 128) for c in ("bf16", "fp32"))
+    if b16 and b32:
+        out["bf16_compute_over_fp32_compute_W128_P513"] = b16["median_ms"] / b32["median_ms"]
+        out["lines"].append(f"bf16 weights: bf16 compute {b16['median_ms']:.1f} ms vs fp32 compute {b32['median_ms']:.1f} ms "
+                            f"at W=128, prompt 513 (publish picks the faster)")
+    for system in ("silverrec exported (batch 1)", "silverrec torchscript", "silverrec eager"):
         ours = get(system, 513, 128)
         if ours and hf:
             speed = hf["median_ms"] / ours["median_ms"]
@@ -353,13 +391,19 @@ def targets(rows, checks) -> dict:
     return out
 
 
-def quality_eval(decoder: RecDecoder, sids: SemanticIds, split, max_history: int) -> dict:
+def quality_eval(decoder: RecDecoder, sids: SemanticIds, split: Sequences, max_history: int) -> dict:
+    """HR@10 / NDCG@10 of the top 10 of a beam of 20 (history excluded) vs popularity."""
     out = {}
+    targets = torch.from_numpy(split.eval_target)
+
+    def at10(rows: np.ndarray) -> dict:
+        m = metrics_from_ranks(ranks_from_topk(torch.from_numpy(rows[:, :10]), targets))
+        return {k: m[k] for k in ("HR@10", "NDCG@10")}
+
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         module = build_generative(decoder, sids, 20, 20, dtype)
-        out[f"generative {name} (beam 20)"] = evaluate(module, sids, split.test_history, split.test_target,
-                                                      max_history, exclude_seen=True)
-    out["popularity"] = popularity_metrics(split, split.test_history, split.test_target, len(sids.item_ids), True)
+        out[f"generative {name} (beam 20)"] = at10(decode_rows(module, sids, split.eval_history, max_history))
+    out["popularity"] = at10(popularity_rows(split.train, split.eval_history, len(sids.item_ids), 10))
     return out
 
 
