@@ -189,10 +189,33 @@ class DataDependentTower(torch.nn.Module):
         return -self.lin(dense)
 
 
-def test_unexportable_module_is_named_and_leaves_nothing(world, tmp_path):
-    cfg = config(world, {"entry": "tests.test_byo:DataDependentTower"}, None)
-    with pytest.raises(ByoError, match=r"user tower \(tests.test_byo:DataDependentTower.*cannot be exported.*"
-                                       r"test_byo.py:\d+ `if values.sum\(\) > 10:"):
+class NumpyTower(DataDependentTower):
+    """A user tower with an op torch.export cannot trace: a trip through numpy."""
+
+    def forward(self, values, lengths, dense):
+        return self.lin(torch.from_numpy(dense.numpy() * 2))
+
+
+class DataDependentArch(torch.nn.Module):
+    """An OverArch that branches on its scores."""
+
+    def forward(self, user, cand, feats):
+        scores = torch.bmm(cand, user.transpose(1, 2))
+        if scores.max() > 0:
+            return scores
+        return -scores
+
+
+@pytest.mark.parametrize("tower, arch, what, line", [
+    ("DataDependentTower", None, "user tower", r"if values.sum\(\) > 10:"),
+    ("NumpyTower", None, "user tower", r"return self.lin\(torch.from_numpy\(dense.numpy\(\) \* 2\)\)"),
+    (None, "DataDependentArch", "OverArch", r"if scores.max\(\) > 0:"),
+])
+def test_unexportable_module_is_named_and_leaves_nothing(world, tmp_path, tower, arch, what, line):
+    user = {"entry": f"tests.test_byo:{tower}"} if tower else {"path": "user.pt2"}
+    cfg = config(world, user, {"entry": f"tests.test_byo:{arch}"} if arch else None)
+    name = tower or arch
+    with pytest.raises(ByoError, match=rf"{what} \(tests.test_byo:{name}.*cannot be exported.*test_byo.py:\d+ `{line}"):
         publish_byo(cfg, tmp_path / "snap")
     assert list(tmp_path.iterdir()) == []
 
