@@ -40,7 +40,7 @@ gets its values sorted (strings) from the data, a numeric one the users' mean an
 
 Everything is checked at publish by running it (each module on a sample request built from the
 logs, named errors for a bad shape, dtype or NaN) and exported into the one program with the rest
-(`UserTowerAdapter` and `OverArchAdapter` give the user's modules RecModel's interfaces). A module
+(silverrec/adapters.py gives the user's modules RecModel's interfaces). A module
 torch.export cannot trace gets a `ByoError` naming the module and the first failing line of its
 code; nothing is written. TorchScript (model.ts) is written where every module scripts (a
 torch.export program cannot be scripted: the manifest's `torchscript` says why it was skipped).
@@ -76,6 +76,7 @@ from silverrec.publish.progress import bar, step
 from silverrec.publish.rec import Built, PublishConfig, _bytes_per_item, choose_nprobe, serving_config, write_rec_files
 from silverrec.ranking.cache import EmbeddingCache
 from silverrec.ranking.value_model import compile_value_model
+from silverrec.adapters import MaskedOverArchAdapter, OverArchAdapter, UserTowerAdapter
 from silverrec.rec_model import RecModel
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec, _csr, gather_csr
 from silverrec.snapshot import export_program, write_snapshot
@@ -150,89 +151,6 @@ class UserModule:
             raise
         except Exception as e:
             raise ByoError(f"cannot load {self.source} as {self.form}: {type(e).__name__}: {e}") from e
-
-
-class UserTowerAdapter(nn.Module):
-    """A user's tower behind RecModel's user-tower interface.
-
-    (values int64 [nnz], lengths int32 [F * B], dense float32 [B, Fd]) -> float32 [B, T, D]: the
-    request's item keys (the first two, hist_item and recent_item) hold canonical rows; they are
-    mapped through `item_input` int64 [N] (canonical row -> what the user's tower was trained on)
-    before the call, and a [B, D] output becomes [B, 1, D].
-    """
-
-    def __init__(self, module: nn.Module, item_input: Tensor):
-        super().__init__()
-        self.module = module
-        self.register_buffer("item_input", item_input.to(torch.int64))
-
-    script_directly = True  # publish/rec.py `scriptable`: torch.jit.script it as it is (no fx trace)
-
-    def train(self, mode: bool = True) -> "UserTowerAdapter":
-        """Sets this module's flag only: an unlifted torch.export program refuses `train()`, and the
-        user's module stays in the eval mode it was loaded in."""
-        self.training = mode
-        return self
-
-    def user_values(self, values: Tensor, lengths: Tensor, dense: Tensor) -> Tensor:
-        """values int64 [nnz] with the item keys' canonical rows mapped to the tower's item inputs."""
-        B = dense.shape[0]
-        item_values = lengths[: 2 * B].sum()  # item keys come first (key-major values)
-        is_item = torch.arange(values.shape[0], device=values.device) < item_values
-        n = self.item_input.shape[0]
-        return torch.where(is_item, self.item_input[values.clamp(0, n - 1)], values)
-
-    def forward(self, values: Tensor, lengths: Tensor, dense: Tensor) -> Tensor:
-        out = self.module(self.user_values(values, lengths, dense), lengths, dense)
-        if out.dim() == 2:
-            out = out.unsqueeze(1)
-        return out.float()
-
-
-class OverArchAdapter(nn.Module):
-    """A user's OverArch behind RecModel's OverArch interface (`item_side` / `score` / `item_width`).
-
-    It has no item-side split, so its item side is the identity: [cand, feats] [.., D + F], cached
-    per item (bf16, as the cache holds embeddings); `score` splits it again and calls the module
-    with (user [B, T, D], cand [B, K, D], feats [B, K, F]) -> [B, K] (every task) | [B, K, T].
-    """
-
-    def __init__(self, module: nn.Module, dim: int, feat_dim: int, tasks: int):
-        super().__init__()
-        self.module = module
-        self.dim, self.feat_dim, self.tasks = int(dim), int(feat_dim), int(tasks)
-
-    def train(self, mode: bool = True) -> "OverArchAdapter":
-        self.training = mode  # not recursive (UserTowerAdapter.train)
-        return self
-
-    @property
-    def item_width(self) -> int:
-        return self.dim + self.feat_dim
-
-    @torch.jit.export
-    def item_side(self, cand: Tensor, feats: Tensor) -> Tensor:
-        """cand [.., D], feats [.., F] -> [.., D + F]."""
-        return torch.cat([cand.float(), feats.float()], dim=-1)
-
-    def call(self, user: Tensor, cand: Tensor, feats: Tensor, valid: Tensor) -> Tensor:
-        return self.module(user, cand, feats)
-
-    def score(self, user: Tensor, cand: Tensor, item: Tensor, valid: Tensor) -> Tensor:
-        """user float32 [B, T, D], cand float32 [B, K, D], item [B, K, D + F], valid bool [B, K] ->
-        float32 [B, K, T]."""
-        feats = item[:, :, self.dim :].float()
-        out = self.call(user.float(), cand.float(), feats, valid)
-        if out.dim() == 2:
-            out = out.unsqueeze(2).expand(-1, -1, self.tasks)
-        return out.float()
-
-
-class MaskedOverArchAdapter(OverArchAdapter):
-    """`OverArchAdapter` for a module that also takes valid bool [B, K] (`mask = true`)."""
-
-    def call(self, user: Tensor, cand: Tensor, feats: Tensor, valid: Tensor) -> Tensor:
-        return self.module(user, cand, feats, valid)
 
 
 # ------------------------------------------------------------------------------------------------

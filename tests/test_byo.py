@@ -236,7 +236,7 @@ def test_wrong_output_shape_is_named(world, tmp_path):
 
 def test_user_tower_adapter_maps_only_the_item_keys():
     """Canonical rows of hist_item / recent_item go through item_input; feature codes pass unchanged."""
-    from silverrec.publish.byo import UserTowerAdapter
+    from silverrec.adapters import UserTowerAdapter
 
     class Echo(torch.nn.Module):
         def forward(self, values, lengths, dense):
@@ -252,7 +252,7 @@ def test_user_tower_adapter_maps_only_the_item_keys():
 
 
 def test_overarch_adapter_item_side_and_single_score_for_every_task():
-    from silverrec.publish.byo import OverArchAdapter
+    from silverrec.adapters import OverArchAdapter
 
     class Pointwise(torch.nn.Module):
         def forward(self, user, cand, feats):
