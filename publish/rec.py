@@ -36,6 +36,8 @@ from silverrec.publish.train import load_checkpoint, rebuild_item_tower, rebuild
 from silverrec.ranking.cache import EmbeddingCache
 from silverrec.ranking.overarch import overarch_from_config
 from silverrec.ranking.value_model import compile_value_model
+from silverrec.filtering.filter_program import FilterPlan
+from silverrec.filtering.template import compile_template
 from silverrec.rec_model import MERGES, RankEntry, RecModel
 from silverrec.generative import source as generative_source
 from silverrec.generative.source import SOURCES, HybridRecModel
@@ -67,6 +69,9 @@ class PublishConfig:
     quantize: str = "auto"  # user tower tables: "auto" (int8 where quality holds), "int8", "none"
     min_overlap: float = 0.95  # auto: mean top-100 overlap of int8 vs float user embeddings
     torchscript: bool = True
+    # filled per request from the user's features, ANDed with its filter (silverrec/filtering/template.py)
+    filter_template: Optional[str] = None
+    template_values: int = 8  # most values of a user feature bound with `IN $user.<feature>`
     # retrieval sources: "ann" (always), "generative" (the beam decode of `generative_checkpoint`, a
     # publish/train_generative.py checkpoint over the same pool; silverrec/generative/source.py)
     sources: list = field(default_factory=lambda: ["ann"])
@@ -249,13 +254,16 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
         arch.eval()
     formula = cfg.value_model if value_model == "config" else value_model
     vm = compile_value_model(formula, tasks, cache.feature_names) if formula is not None else None
+    template = None if cfg.filter_template is None else compile_template(
+        cfg.filter_template, FilterPlan.from_config(manifest["filter"]), spec, cfg.template_values)
     extra, kind_of_model = {}, RecModel
     if "generative" in cfg.sources:  # hybrid: the beam decode beside the IVF search
         extra["generative"], manifest["generative"] = load_generative_source(cfg, index.row_to_item)
         kind_of_model = HybridRecModel
     manifest["sources"] = list(cfg.sources)
     model = kind_of_model(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch,
-                          candidates=cfg.candidates, **extra).eval()
+                          candidates=cfg.candidates, template=template, **extra).eval()
+    manifest["filter_template"] = None if template is None else template.config()
     manifest.update({
         **serving_config(cfg, spec, tasks, cache, kind, vm),
         "quantization_user_tower": quant,

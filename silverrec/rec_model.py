@@ -31,6 +31,7 @@ from torch import Tensor, nn
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
 from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 from silverrec.ranking.cache import EmbeddingCache
+from silverrec.filtering.template import FilterTemplate
 
 MERGES = ("union", "intersection")
 
@@ -90,11 +91,14 @@ class RecModel(nn.Module):
             so that no answer depends on the other requests of its batch.
         candidates: K1, the most candidates the ranking stage scores per request (`merge_tasks`:
             the tasks' lists rank by rank); 0 = all T*k0 slots.
+        template: a FilterTemplate (silverrec/filtering/template.py) filled from the request's user
+            features and ANDed with its filter programs, or None.
     """
 
     def __init__(self, user_tower: nn.Module, index: FilteredIVFIndex, cache: EmbeddingCache,
                  overarch: Optional[nn.Module] = None, value_model: Optional[nn.Module] = None,
-                 tasks: int = 1, merge: str = "union", overfetch: int = 256, candidates: int = 0):
+                 tasks: int = 1, merge: str = "union", overfetch: int = 256, candidates: int = 0,
+                 template: Optional[FilterTemplate] = None):
         super().__init__()
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
@@ -113,6 +117,7 @@ class RecModel(nn.Module):
         self.overfetch = int(overfetch)  # extra rows per task searched so that exclusions leave k0
         self.candidates = int(candidates)  # K1 (0 = T*k0)
         self.register_buffer("row_ids", torch.arange(index.num_items, dtype=torch.int32))
+        self.filter_template = template if template is not None else FilterTemplate.empty()
 
     def rank_rows(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
         """user float32 [B, T, D], rows int64 [B, C] (-1 = none) -> (value float32 [B, C] with -inf
@@ -170,6 +175,8 @@ class RecModel(nn.Module):
             item_ids int64 [B, k] (-1 = none), scores float32 [B, k] (the value, -inf = none),
             task scores float32 [B, k, T], rows int64 [B, k] (canonical rows, -1 = none).
         """
+        ops, rows, vops, vrows, lists = self.filter_template(values, lengths, ops, rows, vops, vrows, lists,
+                                                             self.index.post_sizes)
         user = self.user_tower(values, lengths, dense)
         cand = self.retrieve(user, exclude, ops, rows, vops, vrows, lists, mode, k0, nprobe, max_probe)
         value, task_scores = self.rank_rows(user, cand)

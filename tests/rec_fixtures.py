@@ -151,12 +151,32 @@ class RecSetup:
 _CACHE: dict[str, RecSetup] = {}
 
 
+def publish_keeping_model(cfg, out: Path):
+    """publish_rec(cfg, out) -> (snapshot dir, the `Built` it composed): that very composition is
+    the eager reference (publish makes measured choices, so a second build need not be equal)."""
+    import silverrec.publish.rec as rec_module
+    from silverrec.publish.rec import build_rec_model, publish_rec
+
+    built = []
+
+    def capture(*args, **kwargs):
+        built.append(build_rec_model(*args, **kwargs))
+        return built[-1]
+
+    rec_module.build_rec_model = capture
+    try:
+        snap_dir = publish_rec(cfg, out)
+    finally:
+        rec_module.build_rec_model = build_rec_model
+    assert len(built) == 1
+    return snap_dir, built[0]
+
+
 def rec_setup(tmp_path_factory) -> RecSetup:
     if "setup" in _CACHE:
         return _CACHE["setup"]
     os.environ.setdefault("SILVERREC_QUIET", "1")
-    import silverrec.publish.rec as rec_module
-    from silverrec.publish.rec import PublishConfig, build_rec_model, publish_rec
+    from silverrec.publish.rec import PublishConfig
     from silverrec.publish.train import TrainConfig, train
 
     root = tmp_path_factory.mktemp("rec")
@@ -168,20 +188,6 @@ def rec_setup(tmp_path_factory) -> RecSetup:
     ckpt_path = root / "model.ckpt"
     ckpt = train(cfg, ckpt_path, max_steps=TRAIN_STEPS)
     pcfg = PublishConfig(checkpoint=str(ckpt_path), overarch="mol", value_model=FORMULA, k0=K0, nlist=NLIST)
-    # publish_rec composes the model with build_rec_model and writes it; keep that very composition
-    # as the eager reference (publish makes measured choices, so a second build need not be equal)
-    built = []
-
-    def capture(*args, **kwargs):
-        built.append(build_rec_model(*args, **kwargs))
-        return built[-1]
-
-    rec_module.build_rec_model = capture
-    try:
-        snap_dir = publish_rec(pcfg, root / "snap")
-    finally:
-        rec_module.build_rec_model = build_rec_model
-    assert len(built) == 1
-    built = built[0]
+    snap_dir, built = publish_keeping_model(pcfg, root / "snap")
     _CACHE["setup"] = RecSetup(root, logs, inter_path, items_path, toml, cfg, ckpt_path, ckpt, pcfg, snap_dir, built)
     return _CACHE["setup"]

@@ -171,6 +171,8 @@ class HybridRecModel(RecModel):
         -inf where that source did not find the item.
         """
         # (literal columns and bits: TorchScript does not read module globals; SOURCE_* and FOUND_* name them)
+        ops, rows, vops, vrows, lists = self.filter_template(values, lengths, ops, rows, vops, vrows, lists,
+                                                             self.index.post_sizes)
         user = self.user_tower(values, lengths, dense)
         ann = self.retrieve(user, exclude, ops, rows, vops, vrows, lists, mode, k0, nprobe, max_probe)
         ann = torch.where(sources[:, 0:1], ann, torch.full_like(ann, -1))

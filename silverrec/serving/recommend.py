@@ -28,6 +28,7 @@ import torch
 
 from silverrec.errors import QueryError
 from silverrec.filtering.filter_program import FilterPlan, compile_request
+from silverrec.filtering.template import check_request_features
 from silverrec.generative.source import request_tensors
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
@@ -106,6 +107,7 @@ class RecHandler:
         self.order = np.argsort(self.row_to_item, kind="stable")
         self.sorted_ids = self.row_to_item[self.order]
         self.plan = FilterPlan.from_config(config["filter"])
+        self.template = config.get("filter_template")  # filled in the model from the user's features
         self.users = users
         self._rank_module = rank_module  # a callable, or a function returning one (loaded lazily)
 
@@ -254,9 +256,13 @@ class RecHandler:
             raise QueryError(f"unknown search mode {mode!r}: use one of {sorted(MODES)}")
         limit = int(cfg.get("exclude_limit", DEFAULT_EXCLUDE_LIMIT)) if exclude_limit is None else \
             _check_int("exclude_limit", exclude_limit, 1, n)
+        if self.template:
+            check_request_features(self.template, [dict(r.features) for r in requests])
+            exclude_history = exclude_history or self.template["excludes_history"]
         values, lengths, dense, exclude = self.encode(requests, exclude_history, limit)
         filters = [r.filter for r in requests]
-        modes = torch.tensor([MODES["probed"] if f is None else MODES[mode] for f in filters], dtype=torch.int64)
+        modes = torch.tensor([MODES["probed"] if f is None and not self.template else MODES[mode] for f in filters],
+                             dtype=torch.int64)
         if beams:  # hybrid: + the histories (the decoder's input) and the source flags
             hist = [self.rows(self.history_ids(r.user_id, f"request {b}") if r.user_id is not None else r.history,
                               f"request {b} history") for b, r in enumerate(requests)]
