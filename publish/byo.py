@@ -77,6 +77,8 @@ from silverrec.publish.rec import Built, PublishConfig, _bytes_per_item, choose_
 from silverrec.ranking.cache import EmbeddingCache
 from silverrec.ranking.value_model import compile_value_model
 from silverrec.adapters import MaskedOverArchAdapter, OverArchAdapter, UserTowerAdapter
+from silverrec.filtering.filter_program import FilterPlan
+from silverrec.filtering.template import compile_template
 from silverrec.rec_model import RecModel
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec, _csr, gather_csr
 from silverrec.snapshot import export_program, write_snapshot
@@ -191,9 +193,8 @@ class ByoConfig(PublishConfig):
                 raise ConfigError(f"a bring-your-own-model config needs `{key}`")
         if self.checkpoint:
             raise ConfigError("give either `checkpoint` (silverrec's own towers) or [user_tower], not both")
-        for key, default in (("filter_template", None), ("sources", ["ann"])):  # PublishConfig's newer keys
-            if getattr(self, key, default) != default:
-                raise ConfigError(f"{key} is not supported with a user's towers yet (publish/byo.py)")
+        if self.sources != ["ann"]:
+            raise ConfigError("sources other than 'ann' are not supported with a user's towers yet (publish/byo.py)")
         if self.overarch is not None and not isinstance(self.overarch, dict):
             raise ConfigError(f"[overarch] must name a user's module (a table), got {self.overarch!r}")
         self.user = _module_spec("user tower", self.user_tower, self.base, USER_KEYS)
@@ -494,8 +495,11 @@ def build_byo_model(cfg: ByoConfig) -> Built:
             index, u.reshape(-1, dim), cache.emb.float(), cfg.k0, cfg.min_recall)
     manifest["search"]["default_max_probe"] = max(int(manifest["default_nprobe"]), manifest["search"]["default_max_probe"])
     vm = compile_value_model(cfg.value_model, tasks, cache.feature_names) if cfg.value_model is not None else None
+    template = None if cfg.filter_template is None else compile_template(
+        cfg.filter_template, FilterPlan.from_config(manifest["filter"]), spec, cfg.template_values)
+    manifest["filter_template"] = None if template is None else template.config()
     model = RecModel(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch,
-                     candidates=cfg.candidates).eval()
+                     candidates=cfg.candidates, template=template).eval()
     modules = [(cfg.user, user)] + ([(cfg.arch, arch)] if arch is not None else [])
     # a masked OverArch is list-wise: the predictor caps `rank` lists for it
     kind = "none" if arch is None else "listwise" if cfg.overarch.get("mask", False) else "user"

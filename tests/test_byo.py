@@ -112,11 +112,11 @@ def eager_top(world, history_rows: list[int], arch=True) -> tuple[np.ndarray, np
     return world["item_ids"][cand[top.indices].numpy()], top.values.numpy()
 
 
-def check_against_eager(snap, world, arch=True):
+def check_against_eager(snap, world, arch=True, exclude_history=True):
     rng = np.random.default_rng(1)
     for _ in range(3):
         rows = rng.choice(N, size=int(rng.integers(1, 7)), replace=False).tolist()
-        got = snap.recommend({"history": world["item_ids"][rows].tolist()}, k=K)
+        got = snap.recommend({"history": world["item_ids"][rows].tolist()}, k=K, exclude_history=exclude_history)
         ids, scores = eager_top(world, rows, arch)
         np.testing.assert_array_equal(got.item_ids[0].numpy(), ids)
         np.testing.assert_allclose(got.scores[0].numpy(), scores, rtol=1e-4, atol=1e-4)
@@ -138,7 +138,9 @@ def test_published_export_program_equals_eager(world, tmp_path):
 
 def test_cli_publish_entry_point_and_embedding_column_equal_eager(world, tmp_path):
     """`silverrec publish --config` with an entry-point user tower (state dict), the items file's
-    `embedding` column instead of an item tower, no OverArch: both programs (model.pt2, model.ts)."""
+    `embedding` column instead of an item tower, no OverArch, a filter template that excludes the
+    history (so requests sent with exclude_history=False still match the reference, which
+    excludes it): both programs (model.pt2, model.ts)."""
     from silverrec.publish.cli import main
 
     d = world["dir"]
@@ -149,6 +151,7 @@ item_dense = ["quality"]
 k0 = {K0}
 nlist = 4
 nprobe = 4
+filter_template = "NOT item_id IN $history"
 [user_tower]
 entry = "models:UserTower"
 path = "user_state.pt"
@@ -160,7 +163,7 @@ item_ids = "pool_row"
     out = tmp_path / "snap"
     assert (out / "model.ts").exists()
     for backend in ("export", "torchscript"):
-        check_against_eager(silverrec.load(out, backend=backend), world, arch=False)
+        check_against_eager(silverrec.load(out, backend=backend), world, arch=False, exclude_history=False)
 
 
 @pytest.mark.parametrize("form", ["pt2", "ts", "entry"])
