@@ -337,7 +337,7 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
     alternated call by call, each filter evaluated per call on every side."""
     from types import SimpleNamespace
 
-    from silverrec.retrieval.filtered_search import search_filtered_ivf
+    from silverrec.retrieval.filtered_search import search_index
 
     rows = []
     x = gaussian_mixture(n, d, rng)
@@ -394,7 +394,7 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
 
             def ours():
                 with torch.inference_mode():
-                    return search_filtered_ivf(snap, qt, k, nprobe=nprobe, filter=f)[1]
+                    return search_index(snap, qt, k, nprobe=nprobe, filter=f)[1]
 
             truth = exact_scan()
             best = None

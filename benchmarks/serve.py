@@ -48,7 +48,7 @@ RAY_PYTHON = ROOT / ".venv" / "ray" / "bin" / "python"
 
 def snapshots() -> tuple[Path, Path]:
     """Two versions of the exact snapshot (built once, cached under out/bench_serve)."""
-    from silverrec.publish.build import publish_exact
+    from silverrec.publish.filtered_ivf import publish_index
     from silverrec.publish.pool import read_pool, write_pool
 
     WORK.mkdir(parents=True, exist_ok=True)
@@ -61,7 +61,7 @@ def snapshots() -> tuple[Path, Path]:
             pool = WORK / "pool.parquet"
             if not pool.is_file():
                 write_pool(pool, np.arange(N_ITEMS, dtype=np.int64) * 3 + 1, emb)
-            publish_exact(read_pool(pool), path, torchscript=False, overwrite=True)
+            publish_index(read_pool(pool), path, exact=True, torchscript=False, overwrite=True)
         out.append(path)
     return out[0], out[1]
 

@@ -127,7 +127,7 @@ def main() -> None:
     for shards in counts:
         for by in (("items",) if shards == 1 else splits):
             t = time.perf_counter()
-            path = publish_sharded(pool, root / f"s{shards}_{by}", kind="filtered_ivf", spec=ShardSpec(shards, by),
+            path = publish_sharded(pool, root / f"s{shards}_{by}", spec=ShardSpec(shards, by),
                                    config=cfg, torchscript=False)
             publish_s = time.perf_counter() - t
             snap = silverrec.load(path)
@@ -143,7 +143,7 @@ def main() -> None:
                    "publish_s": publish_s}
             if by == "clusters":  # shards a batch-16 request reaches / a single query reaches
                 from silverrec.serving.sharded import routed_rows
-                reach = torch.stack([routed_rows("ivf", snap.centroids, snap.owned_clusters(i), torch.from_numpy(queries), {}, nprobe)
+                reach = torch.stack([routed_rows(snap.centroids, snap.owned_clusters(i), torch.from_numpy(queries), {}, nprobe)
                                      for i in range(shards)])  # [S, B]
                 row["shards_per_query"] = float(reach.sum(0).float().mean())
                 row["shards_per_batch"] = int(reach.any(1).sum())

@@ -30,7 +30,7 @@ from common import RESULTS, write_results  # noqa: E402
 from publish_scale import mixture, queries, recall, truth  # noqa: E402
 
 import silverrec  # noqa: E402
-from silverrec.publish.ivf import publish_ivf  # noqa: E402
+from silverrec.publish.filtered_ivf import publish_index  # noqa: E402
 from silverrec.publish.pool import Pool  # noqa: E402
 from silverrec.publish.update import update_snapshot  # noqa: E402
 
@@ -63,7 +63,7 @@ def main() -> None:
     rows = []
 
     t0 = time.perf_counter()
-    v0 = publish_ivf(Pool(ids, x), work / "v0")
+    v0 = publish_index(Pool(ids, x), work / "v0")
     full_s = time.perf_counter() - t0
     rows.append({"what": "full publish", "fraction": 1.0, "seconds": round(full_s, 2)})
     print(rows[-1], flush=True)
@@ -102,7 +102,7 @@ def main() -> None:
             shutil.rmtree(parent)
         parent = out
     t0 = time.perf_counter()
-    rebuilt = publish_ivf(Pool(cur_ids, cur_x), work / "rebuilt")
+    rebuilt = publish_index(Pool(cur_ids, cur_x), work / "rebuilt")
     rebuild_s = time.perf_counter() - t0
     gt = cur_ids[truth(cur_x, q, 100)]
     r_full = recall(silverrec.load(rebuilt).search(torch.from_numpy(q), 100, nprobe=args.nprobe).item_ids.numpy(), gt)

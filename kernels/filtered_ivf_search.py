@@ -54,7 +54,7 @@ def filtered_ivf_search_torch(
         folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k, posting_limit
     )
     scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
-    from silverrec.retrieval.exact_index import rows_to_items  # (silverrec.retrieval.exact_index imports this package)
+    from silverrec.retrieval.item_ids import rows_to_items
 
     return scores, rows_to_items(row_to_item, torch.where(exact[:, None], r_ex, r_ivf))
 

@@ -73,38 +73,26 @@ def _publish(args: argparse.Namespace) -> int:
 
     pool = read_pool(args.pool)
     print(f"pool: {pool.size} items, dim {pool.dim}, features {sorted(pool.features) or 'none'}", file=sys.stderr)
-    kind = "generative" if getattr(args, "generative", False) else "exact" if args.exact else DEFAULT_KIND
-    if kind == "ivf" and pool.features and "filtered_ivf" in PUBLISHERS:
-        kind = "filtered_ivf"  # categorical columns become filterable features
     if args.shard_by is not None and args.shards is None:
         raise SilverrecError("--shard-by needs --shards S")
-    publisher = PUBLISHERS[kind] if args.shards is None else _publish_sharded(kind)
-    out = publisher(pool, args)
+    if getattr(args, "generative", False):
+        out = _publish_generative(pool, args)
+    elif args.shards is not None:
+        out = _publish_sharded(pool, args)
+    else:
+        out = _publish_index(pool, args)
     print(f"published {out}")
     return 0
 
 
-def _publish_exact(pool, args) -> Path:
-    from silverrec.publish.build import publish_exact
-
-    return publish_exact(pool, args.out, overwrite=args.overwrite)
-
-
-def _publish_ivf(pool, args) -> Path:
-    from silverrec.publish.ivf import IVFConfig, publish_ivf
-
-    config = IVFConfig(nlist=args.nlist, seed=args.seed)
-    return publish_ivf(pool, args.out, config=config, overwrite=args.overwrite)
-
-
-def _publish_filtered_ivf(pool, args) -> Path:
-    from silverrec.publish.filtered_ivf import publish_filtered_ivf
+def _publish_index(pool, args) -> Path:
+    """A pure-ANN snapshot: int8 IVF (one cluster with --exact) + the filter bank of the pool's
+    categorical columns, in the root module's retrieval-only configuration."""
+    from silverrec.publish.filtered_ivf import publish_index
     from silverrec.publish.ivf import IVFConfig
 
-    config = IVFConfig(nlist=args.nlist, seed=args.seed)
-    return publish_filtered_ivf(
-        pool, args.out, config=config, bloom_bits=args.bloom_bits, bloom_hashes=args.bloom_hashes, overwrite=args.overwrite
-    )
+    return publish_index(pool, args.out, config=IVFConfig(nlist=args.nlist, seed=args.seed), exact=args.exact,
+                         bloom_bits=args.bloom_bits, bloom_hashes=args.bloom_hashes, overwrite=args.overwrite)
 
 
 def _publish_generative(pool, args) -> Path:
@@ -116,23 +104,14 @@ def _publish_generative(pool, args) -> Path:
     )
 
 
-def _publish_sharded(kind: str):
+def _publish_sharded(pool, args) -> Path:
     from silverrec.publish.ivf import IVFConfig
     from silverrec.publish.shards import DEFAULT_SHARD_BY, ShardSpec, publish_sharded
 
-    def publish(pool, args) -> Path:
-        spec = ShardSpec(args.shards, args.shard_by or DEFAULT_SHARD_BY)
-        config = None if kind == "exact" else IVFConfig(nlist=args.nlist, seed=args.seed)
-        return publish_sharded(pool, args.out, kind=kind, spec=spec, config=config, bloom_bits=args.bloom_bits,
-                               bloom_hashes=args.bloom_hashes, overwrite=args.overwrite)
-
-    return publish
-
-
-# Index kind -> publisher(pool, args).
-PUBLISHERS = {"exact": _publish_exact, "ivf": _publish_ivf, "filtered_ivf": _publish_filtered_ivf}
-PUBLISHERS["generative"] = _publish_generative
-DEFAULT_KIND = "ivf"
+    spec = ShardSpec(args.shards, args.shard_by or DEFAULT_SHARD_BY)
+    config = IVFConfig(nlist=1 if args.exact else args.nlist, seed=args.seed)
+    return publish_sharded(pool, args.out, spec=spec, config=config, bloom_bits=args.bloom_bits,
+                           bloom_hashes=args.bloom_hashes, overwrite=args.overwrite)
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -142,7 +121,7 @@ def _query(args: argparse.Namespace) -> int:
     if snap.kind == "generative":
         return _query_generative(snap, args)
     if args.queries is None:
-        raise silverrec.QueryError(f"a {snap.kind} snapshot needs --queries Q.npy")
+        raise silverrec.QueryError("a pure-ANN snapshot needs --queries Q.npy")
     try:
         queries = np.load(args.queries)
     except (OSError, ValueError) as e:
@@ -223,8 +202,9 @@ def _rec_snapshot(args: argparse.Namespace):
     import silverrec
 
     snap = silverrec.load(args.snapshot, backend=args.backend)
-    if snap.kind != "rec":
-        raise SilverrecError(f"{args.snapshot} is a {snap.kind!r} snapshot; {args.command} needs a recommendation model "
+    if snap.kind != "rec" or snap.spec.answers_search:
+        what = f"a {snap.kind!r} snapshot" if snap.kind != "rec" else "a pure-ANN snapshot (published from a pool)"
+        raise SilverrecError(f"{args.snapshot} is {what}; {args.command} needs a recommendation model "
                              "(silverrec publish --config)")
     return snap
 
@@ -266,13 +246,10 @@ def _print_rec(result, args: argparse.Namespace) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    import silverrec
     from silverrec.publish.logs import leave_one_out, read_logs
     from silverrec.publish.quality import evaluate_handler
 
-    snap = silverrec.load(args.snapshot, backend=args.backend)
-    if snap.kind != "rec":
-        raise SilverrecError(f"{args.snapshot} is a {snap.kind!r} snapshot: evaluate needs a recommendation model")
+    snap = _rec_snapshot(args)
     split = leave_one_out(read_logs(args.interactions, args.items, args.users, seed=args.seed))
     metrics = evaluate_handler(snap.rec_handler(), split, args.stage)
     metrics["users"] = int(len(split.eval_users))
@@ -329,6 +306,10 @@ def _inspect(args: argparse.Namespace) -> int:
     m = read_manifest(args.snapshot)
     print(f"snapshot      {Path(args.snapshot).resolve()}")
     print(f"kind          {m['kind']}")
+    if "spec" in m["config"]:
+        sp = m["config"]["spec"]
+        print(f"model         tower {sp['tower']}, nlist {sp['nlist']}{' (exact)' if sp['nlist'] == 1 else ''}, "
+              f"tasks {sp['tasks']}, cache {sp['cache']}, overarch {sp['overarch']}, value model {sp['value_model']}")
     print(f"format        {m['format_version']} (silverrec {m['silverrec_version']}, torch {m['torch_version']})")
     print(f"created       {m['created']}")
     print(f"items         {m['item_count']:,}")
@@ -365,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--config", default=None, help="publish.toml naming a checkpoint (recommendation model)")
     pub.add_argument("--pool", default=None, help="Parquet: item_id, embedding, categorical features")
     pub.add_argument("--out", required=True, help="snapshot directory to create")
-    pub.add_argument("--exact", action="store_true", help="exact int8 index instead of IVF")
+    pub.add_argument("--exact", action="store_true", help="exact int8 index: IVF with one cluster, every search scans every row")
     pub.add_argument("--overwrite", action="store_true", help="replace an existing snapshot atomically")
     pub.add_argument("--nlist", type=int, default=None, help="IVF clusters (default about 4*sqrt(N))")
     pub.add_argument("--seed", type=int, default=0, help="IVF k-means seed")
@@ -431,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_evaluate)
 
     up = sub.add_parser("update", help="new snapshot version: upsert and delete items without a full rebuild")
-    up.add_argument("snapshot", help="parent snapshot (kind exact, ivf or filtered_ivf)")
+    up.add_argument("snapshot", help="parent snapshot (a pure-ANN snapshot, published from a pool)")
     up.add_argument("--upsert", default=None, help="Parquet of new or changed items (the pool's schema)")
     up.add_argument("--delete", default=None, help="ids to delete: text (one per line) or Parquet with item_id")
     up.add_argument("--out", required=True, help="snapshot directory to create")

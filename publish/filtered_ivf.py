@@ -1,4 +1,5 @@
-"""Publish a filtered IVF snapshot (kind "filtered_ivf"): the IVF index plus the Bloom row bank.
+"""Publish a pure-ANN snapshot (`silverrec publish --pool`): the int8 IVF index plus the Bloom row bank,
+inside the root module (`RecModel`) in its retrieval-only configuration (`publish_index`).
 
 The pool's categorical columns become the filterable features. The row bank and the posting lists
 are built in the IVF's cluster-major row order, and the manifest's config gets a "filter" section (Bloom M, K, seed,
@@ -10,15 +11,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from dataclasses import asdict
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 from torch.export import Dim
 
-from silverrec.errors import PoolError
 from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
+from silverrec.retrieval.query_tower import QueryTower
+from silverrec.rec_model import RecModel
+from silverrec.spec import ModelSpec
 from silverrec.filtering.forward_index import ForwardIndex
+from silverrec.kernels.bloom_filter import OP_PUSH, OP_TRUE
 from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config
 from silverrec.publish.ivf import TORCHSCRIPT_MAX_BYTES, IVFConfig, build_ivf, ivf_manifest_config, tensor_bytes
@@ -123,29 +128,46 @@ def build_filtered_ivf_forward(
     bloom_bits: Optional[int] = None,
     bloom_hashes: Optional[int] = None,
     clock: Optional[StageClock] = None,
-) -> tuple[FilteredIVFIndex, dict, ForwardIndex]:
-    """`build_filtered_ivf`, also returning the forward index in the module's row order (stages
-    timed on `clock`)."""
-    if not pool.features:
-        raise PoolError("the pool has no categorical feature columns: nothing to filter on (publish plain IVF)")
+) -> tuple[FilteredIVFIndex, dict, Optional[ForwardIndex]]:
+    """`build_filtered_ivf`, also returning the forward index in the module's row order (None for a
+    pool without categorical features: its filter bank is empty and any filter names an unknown
+    feature); stages timed on `clock`."""
     config = config or IVFConfig()
     clock = clock or StageClock()
     ivf, km = build_ivf(pool, config, clock)
-    with clock("Bloom signatures, exact value planes and posting lists"):
-        fwd = ForwardIndex.from_lists(pool.features).permute(pool_rows(pool, ivf.row_to_item))
-        module, filter_config = filter_index(ivf, fwd, choose_config(fwd, bloom_bits, bloom_hashes))
+    fwd = None
+    if pool.features:
+        with clock("Bloom signatures, exact value planes and posting lists"):
+            fwd = ForwardIndex.from_lists(pool.features).permute(pool_rows(pool, ivf.row_to_item))
+            module, filter_config = filter_index(ivf, fwd, choose_config(fwd, bloom_bits, bloom_hashes))
+    else:
+        module = FilteredIVFIndex.from_ivf(ivf, torch.zeros(0, (pool.size + 63) // 64, dtype=torch.int64))
+        filter_config = empty_filter_config(pool.size)
     manifest = ivf_manifest_config(pool, ivf, config, km)
     nprobe = int(manifest["default_nprobe"])
     manifest["index"] = "filtered_ivf_int8"
     manifest["filter"] = filter_config
-    manifest["search"] = {
+    manifest["search"] = search_section(module, nprobe)
+    return module, manifest, fwd
+
+
+def search_section(module: FilteredIVFIndex, nprobe: int) -> dict:
+    """The manifest's "search" section: what the predictor plans a filtered search with."""
+    return {
         "default_max_probe": default_max_probe(module.nlist, nprobe),
         "match_factor": module.match_factor,
         "exact_cost_ratio": module.exact_cost_ratio,
         "posting_limit": module.posting_limit,
         "modes": ["auto", "probed", "unprobed"],
     }
-    return module, manifest, fwd
+
+
+def empty_filter_config(n: int) -> dict:
+    """The manifest's "filter" section of a pool without categorical features (no bank rows)."""
+    return {"bloom": {"bits": 0, "hashes": 0, "seed": 0}, "features": {}, "rows": 0, "items": int(n),
+            "postings": {"limit": 0, "lists": 0, "entries": 0},
+            "stats": {"bank_bytes": 0, "estimated_fp_rate": 0.0, "value_planes": 0, "value_planes_bytes": 0,
+                      "postings_bytes": 8}}
 
 
 def example_inputs(module: FilteredIVFIndex, dim: int) -> tuple:
@@ -157,6 +179,8 @@ def example_inputs(module: FilteredIVFIndex, dim: int) -> tuple:
     vrows = torch.zeros(2, 5, 6, dtype=torch.int64)
     lists = torch.tensor([[-2, -1, -1, -1, -1, -1, -1], [0, -1, -1, -1, -1, -1, -1]], dtype=torch.int64)
     lists = lists.clamp_max(module.post_offsets.numel() - 2)  # -1 when there are no lists
+    if module.bits.shape[0] == 0:  # no filter bank (a pool without features): programs that push no row
+        ops, vops = torch.where(ops == OP_PUSH, OP_TRUE, ops), torch.where(vops == OP_PUSH, OP_TRUE, vops)
     return (torch.zeros(2, dim), 5, min(8, nlist), ops, rows, vops, vrows, lists, min(9, nlist), torch.zeros(2, dtype=torch.int64))
 
 
@@ -174,34 +198,93 @@ DYNAMIC = {
 }
 
 
-def publish_filtered_ivf(
+def search_model(index: FilteredIVFIndex) -> RecModel:
+    """The pure-ANN configuration of the root module: the query embedding is the user (one task), no
+    embedding cache, no ranking stages (rec_model.py)."""
+    return RecModel(QueryTower(index.codes.shape[1]), index, None, overfetch=0).eval()
+
+
+def search_example(model: RecModel) -> tuple:
+    """RecModel export example for the pure-ANN configuration (distinct ints: separate symbols)."""
+    queries, k, nprobe, ops, rows, vops, vrows, lists, max_probe, mode = example_inputs(model.index, model.index.codes.shape[1])
+    n = model.index.num_items
+    exclude = torch.tensor([[-1, 0, 1], [-1, -1, 2]], dtype=torch.int64).clamp_max(n - 1)
+    values, lengths = torch.zeros(3, dtype=torch.int64), torch.zeros(4, dtype=torch.int32)
+    return (values, lengths, queries, exclude, ops, rows, vops, vrows, lists, mode, k, 6, nprobe, max_probe)
+
+
+SEARCH_DYNAMIC = {
+    "values": {0: Dim.DYNAMIC},
+    "lengths": {0: Dim.DYNAMIC},
+    "dense": {0: BATCH},
+    "exclude": {0: BATCH, 1: Dim.DYNAMIC},
+    **{k: DYNAMIC[k] for k in ("ops", "rows", "vops", "vrows", "lists", "mode", "k", "nprobe", "max_probe")},
+    "k0": Dim.DYNAMIC,
+}
+
+
+def publish_index(
     pool: Pool,
     out: str | os.PathLike,
     *,
     config: Optional[IVFConfig] = None,
+    exact: bool = False,
     bloom_bits: Optional[int] = None,
     bloom_hashes: Optional[int] = None,
     torchscript: Optional[bool] = None,
     overwrite: bool = False,
 ) -> Path:
-    """Build a filtered int8 IVF snapshot of `pool` at `out` (kind "filtered_ivf"); torchscript
-    None = as `publish_ivf` (model.ts only up to TORCHSCRIPT_MAX_BYTES of tensors)."""
+    """Publish `pool` as a pure-ANN snapshot at `out`: the root module (`RecModel`, kind "rec") in its
+    retrieval-only configuration over the int8 IVF + filter bank of the pool's categorical features.
+
+    exact: one cluster (nlist 1), so every search scans every row (exact int8 top-k).
+    torchscript: also write model.ts; None = only up to TORCHSCRIPT_MAX_BYTES of tensors.
+    The manifest's "build_report" gives time and peak resident memory per stage.
+    """
+    if exact:
+        config = IVFConfig(**{**(asdict(config) if config else {}), "nlist": 1})
     clock = StageClock()
-    module, manifest, fwd = build_filtered_ivf_forward(pool, config, bloom_bits, bloom_hashes, clock)
+    index, manifest, fwd = build_filtered_ivf_forward(pool, config, bloom_bits, bloom_hashes, clock)
+    if fwd is not None:
+        bloom, stats = manifest["filter"]["bloom"], manifest["filter"]["stats"]
+        with step(
+            f"Bloom M={bloom['bits']} K={bloom['hashes']}: estimated FP rate {stats['estimated_fp_rate']:.2e}, "
+            f"{stats['bank_bytes'] / 2**20:.1f} MiB"
+        ):
+            pass
+    return write_index(index, manifest, out, fwd=fwd, torchscript=torchscript, overwrite=overwrite, clock=clock)
+
+
+def write_index(
+    index: FilteredIVFIndex,
+    manifest: dict,
+    out: str | os.PathLike,
+    *,
+    fwd: Optional[ForwardIndex] = None,
+    torchscript: Optional[bool] = None,
+    overwrite: bool = False,
+    clock: Optional[StageClock] = None,
+    report: Optional[Callable[[dict], None]] = None,
+) -> Path:
+    """Write `index` (with its manifest config) as a pure-ANN snapshot at `out`, atomically: the root
+    module in its retrieval-only configuration (model.pt2, model.ts when `torchscript`, the faster
+    of the two recorded as config.backend), `forward.npz` when `fwd` is given (for updates), and
+    config.spec. `report` receives the stage report (default: config.build_report).
+    torchscript None = only up to TORCHSCRIPT_MAX_BYTES of tensors."""
+    clock = clock or StageClock()
+    model = search_model(index)
+    manifest["spec"] = ModelSpec.search(index.codes.shape[1], index.nlist).to_json()
     if torchscript is None:
-        torchscript = tensor_bytes(module) <= TORCHSCRIPT_MAX_BYTES
-    stats = manifest["filter"]["stats"]
-    bloom = manifest["filter"]["bloom"]
-    with step(
-        f"Bloom M={bloom['bits']} K={bloom['hashes']}: estimated FP rate {stats['estimated_fp_rate']:.2e}, "
-        f"{stats['bank_bytes'] / 2**20:.1f} MiB"
-    ):
-        pass
+        torchscript = tensor_bytes(index) <= TORCHSCRIPT_MAX_BYTES
 
     def write(tmp: Path) -> None:
         with clock("exporting model (torch.export" + (" + TorchScript)" if torchscript else ")")):
-            export_module(module, example_inputs(module, pool.dim), DYNAMIC, tmp, torchscript=torchscript)
-        save_forward(fwd, tmp)  # for incremental updates (publish/update.py)
-        manifest["build_report"] = clock.report()
+            backend = export_module(model, search_example(model), SEARCH_DYNAMIC, tmp, torchscript=torchscript)
+        if backend is not None:
+            manifest["backend"] = backend  # load(backend="auto") runs the faster program
+        if fwd is not None:
+            save_forward(fwd, tmp)  # for incremental updates (publish/update.py)
+        (report or (lambda r: manifest.__setitem__("build_report", r)))(clock.report())
 
-    return write_snapshot(out, kind="filtered_ivf", config=manifest, item_count=pool.size, write_files=write, overwrite=overwrite)
+    n = int(index.codes.shape[0])
+    return write_snapshot(out, kind="rec", config=manifest, item_count=n, write_files=write, overwrite=overwrite)

@@ -1,25 +1,20 @@
-"""Build and publish the int8 IVF index: k-means, global int8 quantisation, cluster-major layout."""
+"""Build the int8 IVF index: k-means, per-dimension int8 quantisation, cluster-major layout
+(published inside the root module by publish/filtered_ivf.py `publish_index`)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch.export import Dim
 
 from silverrec.errors import PoolError
 from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.kernels.ivf_scan import bitmask_words
 from silverrec.publish.kmeans import KMeansResult, default_nlist, kmeans
 from silverrec.publish.pool import Pool
-from silverrec.publish.progress import step
 from silverrec.publish.stages import StageClock
-from silverrec.snapshot import export_module, write_snapshot
 
-BATCH = Dim("batch", min=1, max=1 << 16)
 LAYOUT_CHUNK = 1 << 17  # rows quantised per step of the cluster-major layout
 TORCHSCRIPT_MAX_BYTES = 256 << 20  # auto: no model.ts beside model.pt2 above this many tensor bytes
 
@@ -117,45 +112,6 @@ def ivf_manifest_config(pool: Pool, index: Int8IVFIndex, config: IVFConfig, km: 
         },
         "features": sorted(pool.features),
     }
-
-
-def ivf_example(module: Int8IVFIndex, dim: int, n: int) -> tuple[tuple, dict]:
-    """Export example and dynamic shapes; distinct values for k and nprobe so that export keeps
-    them as separate symbols."""
-    example = (torch.zeros(2, dim), min(3, n), min(2, module.nlist))
-    return example, {"queries": {0: BATCH}, "k": Dim.DYNAMIC, "nprobe": Dim.DYNAMIC}
-
-
-def publish_ivf(
-    pool: Pool,
-    out: str | os.PathLike,
-    *,
-    config: IVFConfig | None = None,
-    torchscript: bool | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Build an int8 IVF snapshot of `pool` at `out` (kind "ivf"; forward(queries, k, nprobe)).
-
-    torchscript: also write model.ts; None (default) = only when the index holds at most
-    TORCHSCRIPT_MAX_BYTES of tensors (model.pt2 alone serves; model.ts would double the snapshot).
-    The manifest's "build_report" gives time and peak resident memory per stage.
-    """
-    config = config or IVFConfig()
-    clock = StageClock()
-    module, km = build_ivf(pool, config, clock)
-    manifest_config = ivf_manifest_config(pool, module, config, km)
-    example, dynamic = ivf_example(module, pool.dim, pool.size)
-    if torchscript is None:
-        torchscript = tensor_bytes(module) <= TORCHSCRIPT_MAX_BYTES
-
-    def write(tmp: Path) -> None:
-        with clock("exporting model (torch.export" + (" + TorchScript)" if torchscript else ")")):
-            export_module(module, example, dynamic, tmp, torchscript=torchscript)
-        manifest_config["build_report"] = clock.report()
-
-    return write_snapshot(
-        out, kind="ivf", config=manifest_config, item_count=pool.size, write_files=write, overwrite=overwrite
-    )
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:

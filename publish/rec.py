@@ -41,7 +41,8 @@ from silverrec.filtering.template import compile_template
 from silverrec.rec_model import MERGES, RankEntry, RecModel
 from silverrec.generative import source as generative_source
 from silverrec.generative.source import SOURCES, HybridRecModel
-from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, export_program, write_snapshot
+from silverrec.spec import ModelSpec
+from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, export_program, preferred_backend, write_snapshot
 from silverrec.retrieval.user_tower import UserFeatureSpec, _csr
 
 RANK_FILE = "rank.pt2"
@@ -370,28 +371,20 @@ def scriptable(model: RecModel) -> torch.jit.ScriptModule:
     return torch.jit.script(clone)
 
 
-def preferred_backend(programs: dict[str, Any], example: tuple, repeat: int = 20) -> dict[str, Any]:
-    """Time each program on the export example (batch 2, best of `repeat`): the predictor's
-    `load(backend="auto")` runs the faster one. TorchScript was measured 2.3x faster than the
-    exported program's Python wrapper at batch 1 on MovieLens (3.4 vs 7.9 ms)."""
-    import time
+def rec_spec(model: RecModel, manifest: dict) -> ModelSpec:
+    """The configuration (silverrec/spec.py) of a recommendation snapshot: silverrec's towers or a
+    user's (publish/byo.py), the OverArch and value model it holds, its retrieval sources."""
+    from silverrec.adapters import UserTowerAdapter
 
-    best = {}
-    with torch.inference_mode():
-        for name, fn in programs.items():
-            fn(*example)
-            times = []
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                fn(*example)
-                times.append(time.perf_counter() - t0)
-            best[name] = min(times)
-    preferred = min(best, key=best.get)
-    return {"preferred": preferred, **{f"{k}_ms": round(v * 1e3, 3) for k, v in best.items()}}
+    return ModelSpec("byo" if isinstance(model.user_tower, UserTowerAdapter) else "two_tower", model.cache.dim,
+                     model.index.nlist, tuple(manifest["tasks"]), cache=True,
+                     overarch=manifest["overarch"] if model.has_overarch else None,
+                     value_model=model.has_value_model, sources=tuple(manifest.get("sources", ["ann"])))
 
 
 def write_rec_files(built: Built, tmp: Path, torchscript: bool = True) -> None:
     model = built.model
+    built.manifest["spec"] = rec_spec(model, built.manifest).to_json()
     spec = UserFeatureSpec.from_json(built.manifest["user_features"])
     example = example_request(model, spec, model.cache.dim)
     shapes = dynamic_shapes(len(spec.keys))

@@ -1,14 +1,14 @@
 """Sharded publish: one logical index split into S ordinary snapshots plus a top manifest.
 
-    DIR/manifest.json        kind "sharded": base kind, shard count, shard_by, one version id,
+    DIR/manifest.json        kind "sharded": base kind ("rec"), shard count, shard_by, one version id,
                              {shard-i/manifest.json: {sha256, bytes}} and per-shard item counts
-    DIR/centroids.npy        float32 [nlist, D] the global coarse quantiser (IVF kinds; routing)
-    DIR/shard-00000/ ...     an ordinary snapshot of the shard's rows (loads and verifies alone)
+    DIR/centroids.npy        float32 [nlist, D] the global coarse quantiser (routing)
+    DIR/shard-00000/ ...     an ordinary pure-ANN snapshot of the shard's rows (loads and verifies alone)
 
 Every shard is built from one global state, so the union of the shards answers like the unsharded
 index: one global k-means (on a sample: `kmeans` trains on at most max_points_per_centroid * nlist
-points) gives the centroids every shard keeps, one global quantisation range (exact: global
-min/max; IVF: per-dimension ranges) gives the codes, one global vocabulary and Bloom configuration
+points; an exact index is one cluster) gives the centroids every shard keeps, one set of
+per-dimension quantisation ranges gives the codes, one global vocabulary and Bloom configuration
 gives the filter rows. A shard holds some rows of the global cluster-major layout, in the same
 order, with their Bloom bank words, exact value planes and posting lists rebuilt on its rows.
 
@@ -16,9 +16,9 @@ Two ways to split the rows (`shard_by`):
     items     item id hashed (splitmix64) to a shard: every shard holds part of every cluster;
               balanced; every query reaches every shard.
     clusters  whole clusters to shards, largest first to the lightest shard (LPT): a query scans
-              only the shards owning one of its probed clusters (IVF kinds only).
+              only the shards owning one of its probed clusters (nlist > 1 only).
 
-    >>> publish_sharded(pool, "snapshots/v1", kind="ivf", shards=4, shard_by="items")
+    >>> publish_sharded(pool, "snapshots/v1", spec=ShardSpec(4, "items"))
     >>> silverrec.load("snapshots/v1").search(queries, k=100)    # exact merge of the 4 shards
 """
 
@@ -36,26 +36,22 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from torch.export import Dim
 
 from silverrec.errors import PoolError
 from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.kernels.ivf_scan import bitmask_words
-from silverrec.retrieval.exact_index import ExactInt8Index
+from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.publish.bloom import choose_config
-from silverrec.publish.build import BATCH, build_exact
-from silverrec.publish.filtered_ivf import DYNAMIC as FILTERED_DYNAMIC
-from silverrec.publish.filtered_ivf import default_max_probe, example_inputs, filter_index, pool_rows
+from silverrec.publish.filtered_ivf import empty_filter_config, filter_index, pool_rows, search_section, write_index
 from silverrec.publish.ivf import IVFConfig, build_ivf, ivf_manifest_config
 from silverrec.publish.pool import Pool
 from silverrec.publish.postings import default_limit
 from silverrec.publish.progress import step
 from silverrec.serving.sharded import CENTROIDS_FILE, SHARDED_KIND
-from silverrec.snapshot import FORMAT_VERSION, MANIFEST, export_module, move_into_place, sha256_file, write_snapshot
+from silverrec.snapshot import FORMAT_VERSION, MANIFEST, move_into_place, sha256_file
 
 SHARD_BY = ("items", "clusters")
-KINDS = ("exact", "ivf", "filtered_ivf")
 # Chosen from benchmarks/results/shards.json (see README "Scale-out"): at batch 16 a request probes
 # clusters on every shard anyway, so cluster ownership saves no fan-out and costs imbalance.
 DEFAULT_SHARD_BY = "items"
@@ -130,7 +126,6 @@ def publish_sharded(
     pool: Pool,
     out: str | os.PathLike,
     *,
-    kind: str = "ivf",
     spec: ShardSpec,
     config: Optional[IVFConfig] = None,
     bloom_bits: Optional[int] = None,
@@ -141,23 +136,19 @@ def publish_sharded(
     """Publish `pool` as a sharded snapshot at `out` (atomically: a temporary sibling, then rename).
 
     Args:
-        kind: "exact" | "ivf" | "filtered_ivf" (the kind every shard has).
-        spec: shard count and split; "clusters" needs an IVF kind.
-        config / bloom_bits / bloom_hashes: as for the unsharded publishers.
+        spec: shard count and split; "clusters" needs nlist > 1.
+        config / bloom_bits / bloom_hashes: as for `publish_index` (config.nlist 1: an exact index).
     Raises:
-        PoolError: unknown kind, clusters split of an exact index, a shard with no items.
+        PoolError: clusters split of an exact index, a shard with no items.
     """
-    if kind not in KINDS:
-        raise PoolError(f"sharded publish supports kinds {KINDS}, got {kind!r}")
-    if kind == "exact" and spec.shard_by == "clusters":
-        raise PoolError("--shard-by clusters needs an IVF index (an exact index has no clusters): use --shard-by items")
+    if config is not None and config.nlist == 1 and spec.shard_by == "clusters":
+        raise PoolError("--shard-by clusters needs an IVF index (an exact index has one cluster): use --shard-by items")
     if spec.shards > pool.size:
         raise PoolError(f"{spec.shards} shards exceed the {pool.size} items in the pool")
     out = Path(out).resolve()
     if out.exists() and not overwrite:
         raise PoolError(f"{out} already exists; choose a new version directory or pass overwrite")
-    builders = {"exact": _exact_shards, "ivf": _ivf_shards, "filtered_ivf": _filtered_shards}
-    shard_modules, base_config, centroids, owner = builders[kind](pool, spec, config, bloom_bits, bloom_hashes)
+    shard_modules, base_config, centroids, owner = _index_shards(pool, spec, config, bloom_bits, bloom_hashes)
     empty = [i for i, (m, _) in enumerate(shard_modules) if m.codes.shape[0] == 0]
     if empty:
         raise PoolError(f"shard {empty[0]} of {spec.shards} would hold no items: publish fewer shards")
@@ -171,10 +162,8 @@ def publish_sharded(
             n_i = int(module.codes.shape[0])
             cfg = dict(base_config, **shard_cfg)
             cfg["shard"] = {"index": i, "count": spec.shards, "shard_by": spec.shard_by, "version": version}
-            example, dynamic = _export_example(kind, module, pool.dim)
             with step(f"shard {i}/{spec.shards}: {n_i} items, exporting"):
-                write_snapshot(tmp / shard_dir_name(i), kind=kind, config=cfg, item_count=n_i,
-                               write_files=lambda d, m=module, e=example, dy=dynamic: export_module(m, e, dy, d, torchscript=torchscript))
+                write_index(module, cfg, tmp / shard_dir_name(i), torchscript=torchscript)
             shard_meta.append({"dir": shard_dir_name(i), "item_count": n_i,
                                "clusters": None if owner is None else np.flatnonzero(owner == i).tolist()})
         files = {}
@@ -187,7 +176,7 @@ def publish_sharded(
             p = tmp / CENTROIDS_FILE
             files[CENTROIDS_FILE] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
         top_cfg = {k: v for k, v in base_config.items() if k != "filter"}
-        top_cfg.update({"base_kind": kind, "shards": shard_meta, "shard_by": spec.shard_by, "version": version})
+        top_cfg.update({"base_kind": "rec", "shards": shard_meta, "shard_by": spec.shard_by, "version": version})
         manifest = _top_manifest(top_cfg, pool.size, files)
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
@@ -215,30 +204,6 @@ def _top_manifest(config: dict[str, Any], item_count: int, files: dict[str, Any]
     }
 
 
-def _export_example(kind: str, module: torch.nn.Module, dim: int) -> tuple[tuple, dict]:
-    if kind == "exact":
-        return (torch.zeros(2, dim), min(2, int(module.codes.shape[0]))), {"queries": {0: BATCH}, "k": Dim.DYNAMIC}
-    if kind == "ivf":
-        return ((torch.zeros(2, dim), min(3, int(module.codes.shape[0])), min(2, module.nlist)),
-                {"queries": {0: BATCH}, "k": Dim.DYNAMIC, "nprobe": Dim.DYNAMIC})
-    return example_inputs(module, dim), FILTERED_DYNAMIC
-
-
-def _exact_shards(pool: Pool, spec: ShardSpec, config, bloom_bits, bloom_hashes):
-    if config is not None or bloom_bits is not None or bloom_hashes is not None:
-        raise PoolError("an exact index takes no nlist / Bloom options")
-    with step("quantising embeddings to int8 (one global range)"):
-        full = build_exact(pool)
-    shard = hash_items(pool.item_ids, spec.shards)
-    base = {"dim": pool.dim, "index": "exact_int8", "features": sorted(pool.features),
-            "quantization": {"scale": float(full.scale), "offset": float(full.offset)}}
-    mods = []
-    for i in range(spec.shards):
-        rows = torch.from_numpy(np.flatnonzero(shard == i))
-        mods.append((ExactInt8Index(full.codes[rows], full.scale.clone(), full.offset.clone(), full.row_to_item[rows]), {}))
-    return mods, base, None, None
-
-
 def _global_ivf(pool: Pool, spec: ShardSpec, config: Optional[IVFConfig]):
     config = config or IVFConfig()
     ivf, km = build_ivf(pool, config)
@@ -249,39 +214,32 @@ def _global_ivf(pool: Pool, spec: ShardSpec, config: Optional[IVFConfig]):
     return ivf, shard, owner, base
 
 
-def _ivf_shards(pool: Pool, spec: ShardSpec, config, bloom_bits, bloom_hashes):
-    if bloom_bits is not None or bloom_hashes is not None:
-        raise PoolError("Bloom options need a pool with categorical features (a filtered_ivf index)")
-    ivf, shard, owner, base = _global_ivf(pool, spec, config)
-    mods = []
-    for i in range(spec.shards):
-        sub = _sub_ivf(ivf, torch.from_numpy(np.flatnonzero(shard == i)))
-        mods.append((sub, {"bitmask_words": bitmask_words(sub.cluster_offsets)}))
-    return mods, base, ivf.centroids, owner
-
-
-def _filtered_shards(pool: Pool, spec: ShardSpec, config, bloom_bits, bloom_hashes):
-    if not pool.features:
-        raise PoolError("the pool has no categorical feature columns: nothing to filter on (publish plain IVF)")
+def _index_shards(pool: Pool, spec: ShardSpec, config, bloom_bits, bloom_hashes):
+    """Per shard: its rows of the global layout as a FilteredIVFIndex (an empty filter bank when the
+    pool has no categorical features) and its manifest additions."""
     ivf, shard, owner, base = _global_ivf(pool, spec, config)
     nprobe = int(base["default_nprobe"])
-    with step("global vocabulary and Bloom configuration"):
-        fwd = ForwardIndex.from_lists(pool.features).permute(pool_rows(pool, ivf.row_to_item))
-        bloom_cfg = choose_config(fwd, bloom_bits, bloom_hashes)
-        limit = default_limit(pool.size)  # one posting limit: a filter takes the same route everywhere
+    fwd = None
+    if pool.features:
+        with step("global vocabulary and Bloom configuration"):
+            fwd = ForwardIndex.from_lists(pool.features).permute(pool_rows(pool, ivf.row_to_item))
+            bloom_cfg = choose_config(fwd, bloom_bits, bloom_hashes)
+            limit = default_limit(pool.size)  # one posting limit: a filter takes the same route everywhere
+    elif bloom_bits is not None or bloom_hashes is not None:
+        raise PoolError("Bloom options need a pool with categorical features")
     base["index"] = "filtered_ivf_int8"
     mods = []
     for i in range(spec.shards):
         rows = torch.from_numpy(np.flatnonzero(shard == i))
-        with step(f"shard {i}: Bloom bank, exact planes and posting lists of {rows.numel()} rows"):
-            sub = _sub_ivf(ivf, rows)
-            module, filter_config = filter_index(sub, fwd.permute(rows), bloom_cfg, posting_limit=limit)
-        search = {
-            "default_max_probe": default_max_probe(module.nlist, nprobe),
-            "match_factor": module.match_factor,
-            "exact_cost_ratio": module.exact_cost_ratio,
-            "posting_limit": module.posting_limit,
-            "modes": ["auto", "probed", "unprobed"],
-        }
-        mods.append((module, {"filter": filter_config, "search": search, "bitmask_words": bitmask_words(sub.cluster_offsets)}))
+        sub = _sub_ivf(ivf, rows)
+        if fwd is None:
+            module = FilteredIVFIndex.from_ivf(sub, torch.zeros(0, (rows.numel() + 63) // 64, dtype=torch.int64))
+            filter_config = empty_filter_config(rows.numel())
+        else:
+            with step(f"shard {i}: Bloom bank, exact planes and posting lists of {rows.numel()} rows"):
+                module, filter_config = filter_index(sub, fwd.permute(rows), bloom_cfg, posting_limit=limit)
+        mods.append((module, {"filter": filter_config, "search": search_section(module, nprobe),
+                              "bitmask_words": bitmask_words(sub.cluster_offsets)}))
     return mods, base, ivf.centroids, owner
+
+

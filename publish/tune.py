@@ -41,17 +41,17 @@ def default_tune_path(snapshot: str | os.PathLike) -> Path:
 
 def sample_bodies(served, n: int, seed: int = 0) -> list[Any]:
     """n valid one-row request bodies for the served snapshot (search: random queries; rec: histories)."""
-    from silverrec.serving.server import SEARCH_KINDS, _models
+    from silverrec.serving.server import _models
 
     SearchBody, _, RecommendBody, _, _ = _models()
     rng = np.random.default_rng(seed)
-    if served.kind in SEARCH_KINDS:
+    if served.answers == "search":
         q = rng.standard_normal((n, int(served.snap.config["dim"]))).astype(np.float32)
         return [SearchBody(queries=[row.tolist()], k=10) for row in q]
-    if served.kind == "rec":
+    if served.answers == "recommend":
         ids = served.handler.row_to_item
         return [RecommendBody(history=[int(x) for x in rng.choice(ids, 10)], k=10) for _ in range(n)]
-    if served.kind == "generative":
+    if served.answers == "generative":
         ids = served.snap.generative_item_ids()
         return [RecommendBody(history=[int(x) for x in rng.choice(ids, 5)], k=10) for _ in range(n)]
     raise SilverrecError(f"cannot tune a {served.kind!r} snapshot")
@@ -84,10 +84,10 @@ def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, s
          workers: tuple[int, ...] = (1, 2), threads: tuple[int, ...] = (1, 2), levels: tuple[int, ...] = LEVELS,
          max_batch: int = 32, max_wait_ms: float = 2.0, log=print) -> dict[str, Any]:
     """Measure every (workers, threads) at every concurrency level; write and return the table."""
-    from silverrec.serving.server import SEARCH_KINDS, ServeConfig, Server, load_served
+    from silverrec.serving.server import ServeConfig, Server, load_served
 
     served = load_served(snapshot)
-    prepare = "prepare_search" if served.kind in SEARCH_KINDS else "prepare_recommend"
+    prepare = "prepare_search" if served.answers == "search" else "prepare_recommend"
     bodies = sample_bodies(served, 512)
     results = []
 

@@ -18,7 +18,8 @@ the forward index (`forward.npz`, which filtered snapshots carry for this purpos
 The manifest's "update" section records the parent (path, created, manifest sha256), generation,
 counts, timings and drift signals; `advice(manifest)` says when a full rebuild is advised.
 
-Kinds: exact, ivf, filtered_ivf. A "rec" or "generative" snapshot is refused (its item
+Parents: pure-ANN snapshots (`silverrec publish --pool`: the root module with a query tower; an
+exact one has one cluster). A recommendation model or a generative snapshot is refused (its item
 embeddings come from a trained item tower and its pool carries ranking caches: re-publish it).
 """
 
@@ -38,12 +39,10 @@ from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.publish.bloom import BloomConfig, _pack_columns, bloom_rows, exact_planes, estimate_fp_rate
 from silverrec.publish.kmeans import assign
 from silverrec.publish.pool import Pool, read_pool
-from silverrec.publish.postings import build_postings
 from silverrec.publish.stages import StageClock
-from silverrec.snapshot import EXPORT_FILE, MANIFEST, read_manifest, write_snapshot
+from silverrec.snapshot import EXPORT_FILE, MANIFEST, read_manifest
 
 FORWARD_FILE = "forward.npz"  # filtered snapshots: token_ids int32 [nnz], offsets int64 [N + 1], row order
-KINDS = ("exact", "ivf", "filtered_ivf")
 
 # Drift thresholds past which `advice` recommends a full rebuild.
 MAX_IMBALANCE_RATIO = 1.25  # cluster-size imbalance / imbalance of the last full build
@@ -114,8 +113,9 @@ def _check_delta(parent_ids: np.ndarray, upsert: Optional[Pool], delete: np.ndar
 
 
 def _parent_tensors(root: Path) -> dict[str, torch.Tensor]:
+    """The parent's index buffers by name (codes, dim_scale, centroids, row_to_item, bits, ...)."""
     ep = torch.export.load(str(root / EXPORT_FILE))
-    return {k: v.detach() for k, v in ep.state_dict.items()}
+    return {k[len("index."):]: v.detach() for k, v in ep.state_dict.items() if k.startswith("index.")}
 
 
 def _parent_forward(root: Path, manifest: dict) -> ForwardIndex:
@@ -221,15 +221,15 @@ def update_snapshot(
     root = Path(parent).resolve()
     with clock("reading parent snapshot and delta"):
         manifest = read_manifest(root)
-        kind = manifest["kind"]
-        if kind not in KINDS:
-            raise SnapshotError(
-                f"snapshot {root} is of kind {kind!r}: incremental updates support {list(KINDS)}; "
-                "a recommendation or generative snapshot derives its items from trained models: re-publish it"
-            )
         cfg = manifest["config"]
+        if manifest["kind"] != "rec" or cfg.get("spec", {}).get("tower") != "query":
+            raise SnapshotError(
+                f"snapshot {root} is a {manifest['kind']!r} snapshot with a trained user tower or decoder: incremental "
+                "updates take pure-ANN snapshots (published from a pool); a recommendation or generative snapshot "
+                "derives its items from trained models: re-publish it"
+            )
         dim = int(cfg["dim"])
-        features = sorted(cfg.get("filter", {}).get("features", {})) if kind == "filtered_ivf" else sorted(cfg.get("features", []))
+        features = sorted(cfg["filter"]["features"])
         pool = upsert if isinstance(upsert, Pool) or upsert is None else read_pool(upsert)
         if delete is None:
             del_ids = np.zeros(0, dtype=np.int64)
@@ -251,67 +251,61 @@ def update_snapshot(
     clamped = 0
     new_x = torch.from_numpy(pool.embeddings) if pool is not None else torch.zeros(0, dim)
     with clock(f"quantising {up_ids.size} upserted items with the parent's ranges"):
-        if kind == "exact":
-            new_codes, clamped = quantize_with(new_x, t["scale"], t["offset"])
-        else:
-            new_codes, clamped = quantize_with(new_x, t["dim_scale"], t["dim_offset"])
+        new_codes, clamped = quantize_with(new_x, t["dim_scale"], t["dim_offset"])
 
     info: dict[str, Any] = {}
-    if kind == "exact":
-        with clock("copying kept rows"):
-            codes = torch.cat([t["codes"][torch.from_numpy(keep_rows)], new_codes])
-            ids = torch.cat([torch.from_numpy(parent_ids[keep_rows]), torch.from_numpy(up_ids)])
-            from silverrec.retrieval.exact_index import ExactInt8Index
+    # one cluster (an exact parent) or many: the same cluster-by-cluster copy
+    centroids = t["centroids"]
+    nlist = centroids.shape[0]
+    with clock(f"assigning {up_ids.size} upserted items to {nlist} parent centroids"):
+        labels = assign(new_x, centroids)[0] if up_ids.size else torch.zeros(0, dtype=torch.int64)
+    with clock("copying kept rows cluster by cluster"):
+        offsets = t["cluster_offsets"]
+        parent_sizes = (offsets[1:] - offsets[:-1]).numpy()
+        row_cluster = np.repeat(np.arange(nlist), parent_sizes)
+        kept_sizes = np.bincount(row_cluster[keep_rows], minlength=nlist)
+        new_sizes = np.bincount(labels.numpy(), minlength=nlist)
+        sizes = kept_sizes + new_sizes
+        new_off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        kept_start = np.concatenate([[0], np.cumsum(kept_sizes)])[:-1]
+        # kept rows keep their order; a cluster's upserted items follow its kept rows
+        dest_kept = np.arange(keep_rows.size) - np.repeat(kept_start, kept_sizes) + np.repeat(new_off[:-1], kept_sizes)
+        order_new = np.argsort(labels.numpy(), kind="stable")
+        lab_sorted = labels.numpy()[order_new]
+        new_start = np.concatenate([[0], np.cumsum(new_sizes)])[:-1]
+        dest_new = np.empty(up_ids.size, dtype=np.int64)
+        dest_new[order_new] = (
+            np.arange(up_ids.size) - new_start[lab_sorted] + new_off[:-1][lab_sorted] + kept_sizes[lab_sorted]
+        )
+        codes = torch.empty(n_final, dim, dtype=torch.int8)
+        codes[torch.from_numpy(dest_kept)] = t["codes"][torch.from_numpy(keep_rows)]
+        codes[torch.from_numpy(dest_new)] = new_codes
+        ids = np.empty(n_final, dtype=np.int64)
+        ids[dest_kept] = parent_ids[keep_rows]
+        ids[dest_new] = up_ids
+        # source of every final row: parent row r, or n_parent + upserted item j
+        src = np.empty(n_final, dtype=np.int64)
+        src[dest_kept] = keep_rows
+        src[dest_new] = parent_ids.size + np.arange(up_ids.size)
+        from silverrec.retrieval.ivf_index import Int8IVFIndex
 
-            module = ExactInt8Index(codes, t["scale"], t["offset"], ids)
-        config = dict(cfg)
+        ivf = Int8IVFIndex(codes, t["dim_scale"], t["dim_offset"], torch.from_numpy(new_off), centroids, torch.from_numpy(ids))
+    config = dict(cfg)
+    config["clusters"] = dict(cfg["clusters"]) | _cluster_stats(sizes)
+    from silverrec.kernels.ivf_scan import bitmask_words
+
+    config["bitmask_words"] = bitmask_words(ivf.cluster_offsets)
+    if features:
+        with clock("filter: Bloom rows, exact planes, posting lists"):
+            module, config["filter"], fwd_final = _update_filter(root, manifest, t, ivf, keep_rows, src, pool)
+            config["search"] = dict(cfg["search"]) | {"posting_limit": module.posting_limit}
+        info["forward"] = fwd_final
     else:
-        centroids = t["centroids"]
-        nlist = centroids.shape[0]
-        with clock(f"assigning {up_ids.size} upserted items to {nlist} parent centroids"):
-            labels = assign(new_x, centroids)[0] if up_ids.size else torch.zeros(0, dtype=torch.int64)
-        with clock("copying kept rows cluster by cluster"):
-            offsets = t["cluster_offsets"]
-            parent_sizes = (offsets[1:] - offsets[:-1]).numpy()
-            row_cluster = np.repeat(np.arange(nlist), parent_sizes)
-            kept_sizes = np.bincount(row_cluster[keep_rows], minlength=nlist)
-            new_sizes = np.bincount(labels.numpy(), minlength=nlist)
-            sizes = kept_sizes + new_sizes
-            new_off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-            kept_start = np.concatenate([[0], np.cumsum(kept_sizes)])[:-1]
-            # kept rows keep their order; a cluster's upserted items follow its kept rows
-            dest_kept = np.arange(keep_rows.size) - np.repeat(kept_start, kept_sizes) + np.repeat(new_off[:-1], kept_sizes)
-            order_new = np.argsort(labels.numpy(), kind="stable")
-            lab_sorted = labels.numpy()[order_new]
-            new_start = np.concatenate([[0], np.cumsum(new_sizes)])[:-1]
-            dest_new = np.empty(up_ids.size, dtype=np.int64)
-            dest_new[order_new] = (
-                np.arange(up_ids.size) - new_start[lab_sorted] + new_off[:-1][lab_sorted] + kept_sizes[lab_sorted]
-            )
-            codes = torch.empty(n_final, dim, dtype=torch.int8)
-            codes[torch.from_numpy(dest_kept)] = t["codes"][torch.from_numpy(keep_rows)]
-            codes[torch.from_numpy(dest_new)] = new_codes
-            ids = np.empty(n_final, dtype=np.int64)
-            ids[dest_kept] = parent_ids[keep_rows]
-            ids[dest_new] = up_ids
-            # source of every final row: parent row r, or n_parent + upserted item j
-            src = np.empty(n_final, dtype=np.int64)
-            src[dest_kept] = keep_rows
-            src[dest_new] = parent_ids.size + np.arange(up_ids.size)
-            from silverrec.retrieval.ivf_index import Int8IVFIndex
+        from silverrec.publish.filtered_ivf import empty_filter_config
+        from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 
-            ivf = Int8IVFIndex(codes, t["dim_scale"], t["dim_offset"], torch.from_numpy(new_off), centroids, torch.from_numpy(ids))
-        config = dict(cfg)
-        config["clusters"] = dict(cfg["clusters"]) | _cluster_stats(sizes)
-        from silverrec.kernels.ivf_scan import bitmask_words
-
-        config["bitmask_words"] = bitmask_words(ivf.cluster_offsets)
-        module = ivf
-        if kind == "filtered_ivf":
-            with clock("filter: Bloom rows, exact planes, posting lists"):
-                module, config["filter"], fwd_final = _update_filter(root, manifest, t, ivf, keep_rows, src, pool)
-                config["search"] = dict(cfg["search"]) | {"posting_limit": module.posting_limit}
-            info["forward"] = fwd_final
+        module = FilteredIVFIndex.from_ivf(ivf, torch.zeros(0, (n_final + 63) // 64, dtype=torch.int64))
+        config["filter"] = empty_filter_config(n_final)
 
     config.pop("build_report", None)  # the parent's; this version's stages are in update.timings
     counts = {
@@ -337,14 +331,13 @@ def update_snapshot(
         "clamped_share_since_build": since["clamped_values"] / max(1, since["quantised_values"]),
         "changed_share_since_build": since["upserted"] / n_final,
     }
-    if kind != "exact":
-        imb = config["clusters"]["imbalance"]
-        drift |= {
-            "imbalance": imb,
-            "parent_imbalance": cfg["clusters"]["imbalance"],
-            "base_imbalance": base["imbalance"],
-            "imbalance_ratio": imb / base["imbalance"] if base["imbalance"] else 1.0,
-        }
+    imb = config["clusters"]["imbalance"]
+    drift |= {
+        "imbalance": imb,
+        "parent_imbalance": cfg["clusters"]["imbalance"],
+        "base_imbalance": base["imbalance"],
+        "imbalance_ratio": imb / base["imbalance"] if base["imbalance"] else 1.0,
+    }
     config["update"] = {
         "parent": {"path": str(root), "created": manifest["created"], "manifest_sha256": _manifest_digest(root), "item_count": manifest["item_count"]},
         "generation": int(prev.get("generation", 0)) + 1,
@@ -355,7 +348,7 @@ def update_snapshot(
     }
     config["update"]["rebuild_advised"] = advice(config)
     ts = "model.ts" in manifest["files"] if torchscript is None else torchscript
-    return _write(kind, module, config, dim, n_final, out, ts, overwrite, clock, info)
+    return _write(module, config, out, ts, overwrite, clock, info)
 
 
 def _cluster_stats(sizes: np.ndarray) -> dict[str, Any]:
@@ -453,30 +446,11 @@ def advice(config: dict) -> list[str]:
     return out
 
 
-def _write(kind, module, config, dim, n, out, torchscript, overwrite, clock: StageClock, info) -> Path:
-    from torch.export import Dim
+def _write(index, config, out, torchscript, overwrite, clock: StageClock, info) -> Path:
+    from silverrec.publish.filtered_ivf import write_index
 
-    batch = Dim("batch", min=1, max=1 << 16)
-    if kind == "exact":
-        example, dynamic = (torch.zeros(2, dim), min(2, n)), {"queries": {0: batch}, "k": Dim.DYNAMIC}
-    elif kind == "ivf":
-        from silverrec.publish.ivf import ivf_example
-
-        example, dynamic = ivf_example(module, dim, n)
-    else:
-        from silverrec.publish.filtered_ivf import DYNAMIC, example_inputs
-
-        example, dynamic = example_inputs(module, dim), DYNAMIC
-    from silverrec.snapshot import export_module
-
-    def write(tmp: Path) -> None:
-        with clock("exporting model"):
-            export_module(module, example, dynamic, tmp, torchscript=torchscript)
-        if "forward" in info:
-            save_forward(info["forward"], tmp)
-        config["update"]["timings"] = clock.report()
-
-    return write_snapshot(out, kind=kind, config=config, item_count=n, write_files=write, overwrite=overwrite)
+    return write_index(index, config, out, fwd=info.get("forward"), torchscript=torchscript, overwrite=overwrite,
+                       clock=clock, report=lambda r: config["update"].__setitem__("timings", r))
 
 
 def save_forward(fwd: ForwardIndex, directory: Path) -> None:

@@ -9,6 +9,11 @@
       -> value model (compiled formula)                       -> value [B, C]
       -> top-k rows -> item ids
 
+A pure-ANN snapshot (`silverrec publish --pool`) is the same module without ranking stages: its
+user tower is `QueryTower` (the request's dense tensor is the query embedding, one task) and it
+has no embedding cache, so the search op's int8 scores rank the rows (`search_rows`); an exact
+index is the configuration with one cluster (nlist 1).
+
 Every stage passes **rows** of one canonical row space (the IVF's cluster-major order); item ids
 appear only at the end (`row_to_item`). The search returns rows because it is handed the identity
 map (`row_ids`) where it would map rows to ids. Without an OverArch the task scores are the exact
@@ -83,7 +88,8 @@ class RecModel(nn.Module):
     Args:
         user_tower: (values, lengths, dense) -> float32 [B, T, D] (silverrec.retrieval.user_tower.UserTower).
         index: FilteredIVFIndex over the item embeddings (rows cluster-major).
-        cache: EmbeddingCache in the same row order.
+        cache: EmbeddingCache in the same row order, or None (retrieval only: the search op's
+            int8 scores rank the rows; one task, no OverArch, no value model).
         overarch: (user [B,T,D], cand [B,C,D], feats [B,C,F]) -> [B,C,T], or None.
         value_model: (task scores [B,C,T], feats [B,C,F]) -> [B,C], or None.
         merge: "union" or "intersection" of the tasks' candidates.
@@ -95,14 +101,22 @@ class RecModel(nn.Module):
             features and ANDed with its filter programs, or None.
     """
 
-    def __init__(self, user_tower: nn.Module, index: FilteredIVFIndex, cache: EmbeddingCache,
+    # constants to TorchScript, so that it compiles only the stages a configuration has
+    __constants__ = ["has_cache", "has_overarch", "has_value_model"]
+
+    def __init__(self, user_tower: nn.Module, index: FilteredIVFIndex, cache: Optional[EmbeddingCache],
                  overarch: Optional[nn.Module] = None, value_model: Optional[nn.Module] = None,
                  tasks: int = 1, merge: str = "union", overfetch: int = 256, candidates: int = 0,
                  template: Optional[FilterTemplate] = None):
         super().__init__()
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
-        if cache.num_items != index.num_items:
+        self.has_cache = cache is not None
+        if cache is None:  # retrieval only; a one-row placeholder keeps the module's attributes typed
+            if overarch is not None or value_model is not None or tasks != 1:
+                raise ValueError("a model without an embedding cache has one task and no OverArch or value model")
+            cache = EmbeddingCache(torch.zeros(1, index.codes.shape[1]))
+        if self.has_cache and cache.num_items != index.num_items:
             raise ValueError(f"cache holds {cache.num_items} rows, the index {index.num_items}")
         self.user_tower = user_tower
         self.index = index
@@ -118,6 +132,23 @@ class RecModel(nn.Module):
         self.candidates = int(candidates)  # K1 (0 = T*k0)
         self.register_buffer("row_ids", torch.arange(index.num_items, dtype=torch.int32))
         self.filter_template = template if template is not None else FilterTemplate.empty()
+
+    def search_rows(self, user: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor, vops: Tensor, vrows: Tensor,
+                    lists: Tensor, mode: Tensor, k: int, nprobe: int, max_probe: int) -> Tuple[Tensor, Tensor]:
+        """Retrieval alone (no cache): user float32 [B, 1, D] -> (int8 scores float32 [B, k], -inf =
+        none; rows int64 [B, k], -1 = none), excluded rows dropped when `overfetch` > 0."""
+        idx = self.index
+        scores, found = torch.ops.silverrec.filtered_ivf_search(
+            user[:, 0], idx.codes, idx.dim_scale, idx.dim_offset, idx.cluster_offsets, idx.centroids, self.row_ids,
+            idx.bits, idx.post_rows, idx.post_offsets, idx.post_sizes, ops, rows, vops, vrows, lists, mode,
+            k + self.overfetch, nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
+            idx.num_items, idx.exact_cost_ratio, idx.posting_limit,
+        )
+        if self.overfetch > 0:
+            found = exclude_rows(found, exclude, idx.num_items)
+            scores, top = torch.topk(torch.where(found >= 0, scores, float("-inf")), k, dim=1)
+            found = found.gather(1, top)
+        return scores, found
 
     def rank_rows(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
         """user float32 [B, T, D], rows int64 [B, C] (-1 = none) -> (value float32 [B, C] with -inf
@@ -178,6 +209,11 @@ class RecModel(nn.Module):
         ops, rows, vops, vrows, lists = self.filter_template(values, lengths, ops, rows, vops, vrows, lists,
                                                              self.index.post_sizes)
         user = self.user_tower(values, lengths, dense)
+        if not self.has_cache:  # retrieval only (a pure-ANN snapshot): k results straight from the search
+            top_scores, top_rows = self.search_rows(user, exclude, ops, rows, vops, vrows, lists, mode, k, nprobe,
+                                                    max_probe)
+            ids = self.index.row_to_item[top_rows.clamp_min(0)].to(torch.int64)
+            return torch.where(top_rows >= 0, ids, -1), top_scores, top_scores.unsqueeze(2), top_rows
         cand = self.retrieve(user, exclude, ops, rows, vops, vrows, lists, mode, k0, nprobe, max_probe)
         value, task_scores = self.rank_rows(user, cand)
         top_scores, top = torch.topk(value, k, dim=1)

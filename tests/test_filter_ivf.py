@@ -12,7 +12,7 @@ import silverrec
 from silverrec.filtering.filter_program import FilterPlan, compile_request
 from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED
 from silverrec.kernels.common import quantize_queries
-from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows, publish_filtered_ivf
+from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows, publish_index
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
 from silverrec.filtering.forward_index import ForwardIndex
@@ -152,9 +152,9 @@ def test_per_query_filters_in_one_batch_equal_single_queries(built):
 def test_snapshot_export_round_trip_and_cli(built, tmp_path):
     pool, *_ = built
     small = Pool(pool.item_ids[:3000], pool.embeddings[:3000], {f: v[:3000] for f, v in pool.features.items()})
-    out = publish_filtered_ivf(small, tmp_path / "snap", config=IVFConfig(nlist=30))
+    out = publish_index(small, tmp_path / "snap", config=IVFConfig(nlist=30))
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["kind"] == "filtered_ivf" and manifest["config"]["filter"]["bloom"]["hashes"] == 7
+    assert manifest["kind"] == "rec" and manifest["config"]["filter"]["bloom"]["hashes"] == 7
     q = torch.from_numpy(small.embeddings[:5] + 0.1)
     filters = ["country IN (c0, c2)", "NOT lang = l3 AND tag = t1", None, "rare = r1", "country = c1"]
     eager = None
@@ -190,7 +190,7 @@ def test_pool_without_posting_lists_publishes_and_searches_exactly(tmp_path):
     x = rng.normal(size=(n, D)).astype(np.float32)
     feats = {f: [[f"{f}{v}"] for v in rng.integers(0, 4, n)] for f in ("a", "b", "c")}
     pool = Pool(np.arange(n, dtype=np.int64) * 7 + 2, x, feats)
-    out = publish_filtered_ivf(pool, tmp_path / "snap", config=IVFConfig(nlist=30, seed=0))
+    out = publish_index(pool, tmp_path / "snap", config=IVFConfig(nlist=30, seed=0))
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["config"]["filter"]["postings"]["lists"] == 0
     module, _ = build_filtered_ivf(pool, IVFConfig(nlist=30, seed=0))  # the published module (seeded)

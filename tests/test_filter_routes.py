@@ -12,11 +12,11 @@ import torch
 from silverrec.filtering.filter_lang import parse
 from silverrec.filtering.filter_program import FilterPlan, compile_estimates, compile_request
 from silverrec.filtering.forward_index import ForwardIndex
-from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows
+from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows, search_model
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
 from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_UNPROBED
-from silverrec.retrieval.filtered_search import search_filtered_ivf, whole_pool_by_estimate
+from silverrec.retrieval.filtered_search import search_index, whole_pool_by_estimate
 from tests.test_filter_ivf import _exact_filtered
 
 N, D, NLIST = 20000, 24, 80
@@ -44,7 +44,7 @@ def built():
     module, manifest = build_filtered_ivf(pool, IVFConfig(nlist=NLIST, seed=0))
     module.eval()
     fwd = ForwardIndex.from_lists(pool.features).permute(pool_rows(pool, module.row_to_item))
-    snap = SimpleNamespace(config=manifest, module=module, path="test")
+    snap = SimpleNamespace(config=manifest, module=search_model(module), path="test")
     q = torch.from_numpy(x[rng.integers(0, N, len(CONJUNCTIONS))] + 0.2 * rng.normal(size=(len(CONJUNCTIONS), D)).astype(np.float32))
     return snap, module, manifest, FilterPlan.from_config(manifest["filter"]), fwd, q
 
@@ -67,7 +67,7 @@ def test_conjunctions_equal_exact_filtered_brute_force(built, k):
     want = _exact_filtered(module, fwd, q, CONJUNCTIONS, k)
     for mode in ("auto", "unprobed"):
         with torch.inference_mode():
-            got = search_filtered_ivf(snap, q, k, nprobe=4, filter=CONJUNCTIONS, mode=mode)[1]
+            got = search_index(snap, q, k, nprobe=4, filter=CONJUNCTIONS, mode=mode)[1]
         for b, f in enumerate(CONJUNCTIONS):
             if mode == "unprobed" or _route(built, k, 4)[b] != 0:  # exact routes: equal lists
                 assert got[b][got[b] >= 0].tolist() == want[b], (mode, f)

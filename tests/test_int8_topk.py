@@ -82,11 +82,20 @@ def test_bad_arguments():
 def test_export_keeps_one_opaque_node():
     from torch.export import Dim
 
-    from silverrec.retrieval.exact_index import ExactInt8Index
+    from silverrec.retrieval.item_ids import rows_to_items
     from silverrec.snapshot import export_program
 
-    index = ExactInt8Index(torch.randint(-128, 128, (100, 8), dtype=torch.int8), torch.tensor(0.1),
-                           torch.tensor(0.0), torch.arange(100) * 10)
+    class ExactTopK(torch.nn.Module):  # the op over one int8 matrix, ids mapped at the end
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("codes", torch.randint(-128, 128, (100, 8), dtype=torch.int8))
+            self.register_buffer("row_to_item", torch.arange(100) * 10)
+
+        def forward(self, queries, k: int):
+            scores, rows = torch.ops.silverrec.int8_topk(queries, self.codes, torch.tensor(0.1), torch.tensor(0.0), k)
+            return scores, rows_to_items(self.row_to_item, rows)
+
+    index = ExactTopK()
     ep = export_program(index, (torch.randn(2, 8), 3),
                         {"queries": {0: Dim("b", min=1, max=64)}, "k": Dim.DYNAMIC})
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]

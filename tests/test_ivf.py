@@ -10,7 +10,8 @@ from silverrec.errors import QueryError
 from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.kernels.common import quantize_queries, split_keys
 from silverrec.kernels.ivf_scan import bitmask_words, canonical_probes, ivf_scan_reference, scan_keys_cpu
-from silverrec.publish.ivf import IVFConfig, build_ivf, publish_ivf
+from silverrec.publish.filtered_ivf import publish_index
+from silverrec.publish.ivf import IVFConfig, build_ivf
 from silverrec.publish.pool import Pool, write_pool
 from tests.helpers import inner_product_topk, load_ann, run_cli
 
@@ -266,7 +267,7 @@ def test_export_round_trip_and_cli(tmp_path, capsys):
     run_cli("publish", "--pool", str(tmp_path / "pool.parquet"), "--out", str(tmp_path / "snap"),
             "--nlist", "24", "--seed", "3")
     manifest = json.loads((tmp_path / "snap" / "manifest.json").read_text())
-    assert manifest["kind"] == "ivf" and manifest["config"]["nlist"] == 24
+    assert manifest["kind"] == "rec" and manifest["config"]["nlist"] == 24
     assert manifest["config"]["build"]["seed"] == 3
     assert manifest["config"]["bitmask_words"] >= 1
     # in-process reference with the same build settings
@@ -293,7 +294,7 @@ def test_export_round_trip_and_cli(tmp_path, capsys):
 
 def test_predictor_nprobe_validation(tmp_path):
     x, q = _gmm(500, 8, 4, seed=8)
-    snap_dir = publish_ivf(Pool(np.arange(500, dtype=np.int64), x.numpy()), tmp_path / "s",
+    snap_dir = publish_index(Pool(np.arange(500, dtype=np.int64), x.numpy()), tmp_path / "s",
                            config=IVFConfig(nlist=10), torchscript=False)
     snap = silverrec.load(snap_dir)
     assert snap.search(q[:2], 5).item_ids.shape == (2, 5)  # default nprobe

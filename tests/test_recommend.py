@@ -322,12 +322,12 @@ def test_cli_evaluate_prints_hr_at_10(rec, capsys):
 @pytest.fixture(scope="module")
 def index_snapshot(tmp_path_factory):
     """A tiny non-recommendation (exact index) snapshot."""
-    from silverrec.publish.build import publish_exact
+    from silverrec.publish.filtered_ivf import publish_index
     from silverrec.publish.pool import Pool
 
     rng = np.random.default_rng(0)
     pool = Pool(np.arange(20, dtype=np.int64), rng.standard_normal((20, 4)).astype(np.float32))
-    return publish_exact(pool, tmp_path_factory.mktemp("exact") / "snap", torchscript=False)
+    return publish_index(pool, tmp_path_factory.mktemp("exact") / "snap", exact=True, torchscript=False)
 
 
 @pytest.mark.parametrize("command", ["recommend", "rank", "evaluate"])

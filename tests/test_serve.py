@@ -37,8 +37,8 @@ TOKEN = "s3cret-token"
 @pytest.fixture(scope="module")
 def snaps(tmp_path_factory):
     """Two small IVF snapshots of different pools (two versions) and an exact one."""
-    from silverrec.publish.build import publish_exact
-    from silverrec.publish.ivf import IVFConfig, publish_ivf
+    from silverrec.publish.filtered_ivf import publish_index
+    from silverrec.publish.ivf import IVFConfig
     from silverrec.publish.pool import read_pool, write_pool
 
     d = tmp_path_factory.mktemp("serve")
@@ -47,8 +47,8 @@ def snaps(tmp_path_factory):
     for name, seed in (("v1", 1), ("v2", 2)):
         emb = np.random.default_rng(seed).standard_normal((N, D)).astype(np.float32)
         write_pool(d / f"{name}.parquet", np.arange(N, dtype=np.int64) * 3 + seed, emb)
-        out[name] = publish_ivf(read_pool(d / f"{name}.parquet"), d / name, config=IVFConfig(nlist=8))
-    out["exact"] = publish_exact(read_pool(d / "v1.parquet"), d / "exact", torchscript=False)
+        out[name] = publish_index(read_pool(d / f"{name}.parquet"), d / name, config=IVFConfig(nlist=8))
+    out["exact"] = publish_index(read_pool(d / "v1.parquet"), d / "exact", exact=True, torchscript=False)
     out["queries"] = rng.standard_normal((64, D)).astype(np.float32)
     out["dir"] = d
     return out
@@ -133,7 +133,7 @@ def test_exact_snapshot_answers_like_search(snaps):
         r = post(run.url, "/v1/search", {"queries": q.tolist(), "k": 4})
         assert r.status_code == 200 and r.json()["item_ids"] == silverrec.load(snaps["exact"]).search(q, 4).item_ids.tolist()
         r = post(run.url, "/v1/search", {"queries": q.tolist(), "k": 4, "nprobe": 2})
-        assert r.status_code == 400 and "exact snapshot takes no search options" in r.json()["detail"]
+        assert r.status_code == 400 and "nprobe must be an int in [1, 1]" in r.json()["detail"]
         r = post(run.url, "/v1/recommend", {"history": [1, 2]})
         assert r.status_code == 400 and "does not answer /v1/recommend" in r.json()["detail"]
     finally:
@@ -145,7 +145,7 @@ def test_service_routes(ivf_server):
         assert c.get("/healthz").json()["status"] == "ok"
         assert c.get("/readyz").status_code == 200
         model = c.get("/v1/model").json()
-        assert model["kind"] == "ivf" and model["version"].startswith("v1@") and "admin_token" not in model["serving"]
+        assert model["kind"] == "rec" and model["version"].startswith("v1@") and "admin_token" not in model["serving"]
         assert "/v1/search" in c.get("/openapi.json").json()["paths"]
         text = c.get("/metrics").text
         for name in ("silverrec_requests_total", "silverrec_request_latency_seconds_bucket", "silverrec_queue_depth",
@@ -165,7 +165,7 @@ BAD = [  # body, status, message pattern
     ({"queries": [[0.5] * D], "k": N + 1}, 400, rf"k={N + 1} exceeds the {N} items"),
     ({"queries": [[0.5] * D], "k": 2.5}, 422, r"k: Input should be a valid integer"),
     ({"queries": [[0.5] * D], "k": 5, "nprobe": 99}, 400, r"nprobe must be an int in \[1, 8\], got 99"),
-    ({"queries": [[0.5] * D], "k": 5, "filter": "a = b"}, 400, r"ivf snapshot takes only the search option nprobe"),
+    ({"queries": [[0.5] * D], "k": 5, "filter": "a = b"}, 400, r"unknown feature .a. in filter at position 0; this snapshot can filter on no features"),
     ({"queries": [[0.5] * D], "k": 5, "colour": 1}, 422, r"colour: Extra inputs are not permitted"),
     ({"queries": [], "k": 5}, 400, r"at least one row"),
     ({"k": 5}, 422, r"queries: Field required"),

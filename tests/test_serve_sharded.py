@@ -58,7 +58,7 @@ def built(tmp_path_factory):
     out = {}
     for name, seed in (("v1", 0), ("v2", 1)):
         pool = make_pool(seed)
-        path = publish_sharded(pool, root / name, kind="filtered_ivf", spec=ShardSpec(2, "items"), config=cfg,
+        path = publish_sharded(pool, root / name, spec=ShardSpec(2, "items"), config=cfg,
                                torchscript=False)
         out[name] = (pool, path, silverrec.load(path))
     out["bad1"] = corrupt(out["v2"][1], root / "bad1", 1)  # only rank 1's shard is bad
@@ -131,7 +131,7 @@ def test_one_process_sharded_snapshot_behind_the_app(built):
         version = check_answers(run.url, pool, one)
         assert version == f"v1@{one.config['version'][:12]}"
         model = httpx.get(run.url + "/v1/model").json()
-        assert model["kind"] == "filtered_ivf" and model["manifest"]["kind"] == "sharded"
+        assert model["kind"] == "rec" and model["manifest"]["kind"] == "sharded"
         r = httpx.post(run.url + "/v1/search", json={"queries": [[0.0] * D], "k": 3, "filter": "colour = red"})
         assert r.status_code == 400 and "colour" in r.json()["detail"]
     finally:

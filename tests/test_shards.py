@@ -15,9 +15,8 @@ import pytest
 
 import silverrec
 from silverrec.errors import PoolError, SilverrecError
-from silverrec.publish.build import publish_exact
-from silverrec.publish.filtered_ivf import publish_filtered_ivf
-from silverrec.publish.ivf import IVFConfig, publish_ivf
+from silverrec.publish.filtered_ivf import publish_index
+from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool, write_pool
 from silverrec.publish.shards import ShardSpec, clusters_to_shards, hash_items, publish_sharded
 from silverrec.serving.sharded import ShardedSnapshot, ShardVerificationError
@@ -101,25 +100,25 @@ def snaps(tmp_path_factory):
     pool = make_pool()
     cfg = IVFConfig(nlist=NLIST, seed=0)
     out = {"pool": pool, "root": root}
-    out["exact"] = silverrec.load(publish_exact(pool, root / "exact"))
-    out["exact2"] = silverrec.load(publish_sharded(pool, root / "exact2", kind="exact", spec=ShardSpec(2, "items")))
-    out["fivf"] = silverrec.load(publish_filtered_ivf(pool, root / "fivf", config=cfg))
+    out["exact"] = silverrec.load(publish_index(pool, root / "exact", exact=True))
+    out["exact2"] = silverrec.load(publish_sharded(pool, root / "exact2", spec=ShardSpec(2, "items"), config=IVFConfig(nlist=1)))
+    out["fivf"] = silverrec.load(publish_index(pool, root / "fivf", config=cfg))
     for by in ("items", "clusters"):
         out[f"fivf2_{by}"] = silverrec.load(
-            publish_sharded(pool, root / f"fivf2_{by}", kind="filtered_ivf", spec=ShardSpec(2, by), config=cfg))
+            publish_sharded(pool, root / f"fivf2_{by}", spec=ShardSpec(2, by), config=cfg))
     return out
 
 
 def test_top_manifest_and_shards_load_alone(snaps):
     s = snaps["fivf2_items"]
-    assert isinstance(s, ShardedSnapshot) and s.kind == "filtered_ivf"
+    assert isinstance(s, ShardedSnapshot) and s.kind == "rec"
     top = json.loads((s.path / "manifest.json").read_text())
     assert top["kind"] == "sharded" and top["item_count"] == N
     assert sum(m["item_count"] for m in top["config"]["shards"]) == N
     seen = []
     for meta in top["config"]["shards"]:
         alone = silverrec.load(s.path / meta["dir"])  # an ordinary snapshot, verified alone
-        assert alone.kind == "filtered_ivf" and alone.config["shard"]["version"] == top["config"]["version"]
+        assert alone.kind == "rec" and alone.config["shard"]["version"] == top["config"]["version"]
         q = np.zeros((1, D), np.float32)
         seen += alone.search(q, alone.manifest["item_count"], mode="unprobed", filter="genre IN (a, b, c, d)").item_ids[0].tolist()
     # every item on exactly one shard (ids map back to the pool's ids)
@@ -131,7 +130,7 @@ def test_top_manifest_and_shards_load_alone(snaps):
 def test_sharded_exact_equals_brute_force_and_unsharded(snaps, k):
     pool = snaps["pool"]
     q = np.random.default_rng(k).standard_normal((7, D)).astype(np.float32)
-    ref = reference_scores(q, pool.embeddings, per_dim=False)
+    ref = reference_scores(q, pool.embeddings, per_dim=True)
     allowed = np.ones((7, N), dtype=bool)
     sharded = snaps["exact2"].search(q, k)
     check_topk(sharded.item_ids.numpy(), sharded.scores.numpy(), ref, pool.item_ids, allowed, k)
@@ -172,8 +171,8 @@ def test_ivf_recall_within_0005_of_unsharded(tmp_path, by):
     base, queries = base[:6000] / 100.0, queries[:60] / 100.0
     pool = Pool(np.arange(6000, dtype=np.int64) * 3 + 1, base)
     cfg = IVFConfig(nlist=64, seed=0)
-    plain = silverrec.load(publish_ivf(pool, tmp_path / "u", config=cfg, torchscript=False))
-    sharded = silverrec.load(publish_sharded(pool, tmp_path / "s", kind="ivf", spec=ShardSpec(2, by), config=cfg,
+    plain = silverrec.load(publish_index(pool, tmp_path / "u", config=cfg, torchscript=False))
+    sharded = silverrec.load(publish_sharded(pool, tmp_path / "s", spec=ShardSpec(2, by), config=cfg,
                                              torchscript=False))
     truth = pool.item_ids[inner_product_topk(base, queries, 10)]
     for nprobe in (2, 8):
@@ -217,12 +216,12 @@ def test_named_errors(snaps, tmp_path):
         ShardSpec(0)
     with pytest.raises(PoolError, match="shard_by must be one of"):
         ShardSpec(2, "rows")
-    with pytest.raises(PoolError, match="exact index has no clusters"):
-        publish_sharded(pool, tmp_path / "x", kind="exact", spec=ShardSpec(2, "clusters"))
+    with pytest.raises(PoolError, match="exact index has one cluster"):
+        publish_sharded(pool, tmp_path / "x", spec=ShardSpec(2, "clusters"), config=IVFConfig(nlist=1))
     with pytest.raises(PoolError, match="at least one cluster per shard"):
-        publish_sharded(pool, tmp_path / "x", kind="ivf", spec=ShardSpec(5, "clusters"), config=IVFConfig(nlist=4))
+        publish_sharded(pool, tmp_path / "x", spec=ShardSpec(5, "clusters"), config=IVFConfig(nlist=4))
     with pytest.raises(PoolError, match="already exists"):
-        publish_sharded(pool, snaps["exact2"].path, kind="exact", spec=ShardSpec(2))
+        publish_sharded(pool, snaps["exact2"].path, spec=ShardSpec(2), config=IVFConfig(nlist=1))
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.tmp-*"))
     with pytest.raises(SilverrecError, match="k=3002 exceeds"):
         snaps["exact2"].search(np.zeros((1, D), np.float32), N + 1)

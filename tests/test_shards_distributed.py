@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import silverrec
-from silverrec.publish.filtered_ivf import publish_filtered_ivf
+from silverrec.publish.filtered_ivf import publish_index
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.shards import ShardSpec, publish_sharded
 from silverrec.serving.distributed import ShardedRuntime, ShardUnavailableError
@@ -76,8 +76,8 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     pool = make_pool()
     cfg = IVFConfig(nlist=40, seed=0)
-    plain = silverrec.load(publish_filtered_ivf(pool, root / "plain", config=cfg, torchscript=False))
-    path = publish_sharded(pool, root / "s2", kind="filtered_ivf", spec=ShardSpec(2, "items"), config=cfg, torchscript=False)
+    plain = silverrec.load(publish_index(pool, root / "plain", config=cfg, torchscript=False))
+    path = publish_sharded(pool, root / "s2", spec=ShardSpec(2, "items"), config=cfg, torchscript=False)
     return pool, plain, path
 
 

@@ -38,7 +38,7 @@ def exact_snapshot(real_pool):
 def test_publish_writes_manifest_with_checksums(exact_snapshot, real_pool):
     m = read_manifest(exact_snapshot)
     assert m["format_version"] == silverrec.FORMAT_VERSION
-    assert m["item_count"] == 2000 and m["kind"] == "exact" and m["config"]["dim"] == 128
+    assert m["item_count"] == 2000 and m["kind"] == "rec" and m["config"]["spec"]["tower"] == "query" and m["config"]["nlist"] == 1 and m["config"]["dim"] == 128
     assert {"model.pt2", "model.ts"} <= set(m["files"])
     assert sorted(p.name for p in exact_snapshot.parent.iterdir() if p.name.startswith(".")) == []
 
@@ -68,7 +68,7 @@ def test_torchscript_and_export_agree(exact_snapshot, real_pool):
 
 def test_inspect(exact_snapshot):
     out = run_cli("inspect", str(exact_snapshot)).stdout
-    assert "kind          exact" in out and "items         2,000" in out and "model.pt2" in out
+    assert "kind          rec" in out and "nlist 1 (exact)" in out and "items         2,000" in out and "model.pt2" in out
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -197,7 +197,7 @@ def test_missing_columns_and_files(tmp_path):
 
 def test_failed_export_leaves_no_partial_directory(tmp_path, monkeypatch):
     """A crash in the middle of writing (here: export raises) removes the temporary directory."""
-    from silverrec.publish import build
+    from silverrec.publish import filtered_ivf as build
     from silverrec.publish.pool import Pool
 
     pool = Pool(np.arange(10, dtype=np.int64), np.random.rand(10, 4).astype(np.float32), {})
@@ -207,7 +207,7 @@ def test_failed_export_leaves_no_partial_directory(tmp_path, monkeypatch):
 
     monkeypatch.setattr(build, "export_module", boom)
     with pytest.raises(RuntimeError, match="disk full"):
-        build.publish_exact(pool, tmp_path / "snap")
+        build.publish_index(pool, tmp_path / "snap", exact=True)
     assert list(tmp_path.iterdir()) == []
 
 

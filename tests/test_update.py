@@ -10,9 +10,8 @@ import torch
 import silverrec
 from silverrec.errors import PoolError, SnapshotError
 from silverrec.filtering.forward_index import ForwardIndex
-from silverrec.publish.build import publish_exact
-from silverrec.publish.filtered_ivf import publish_filtered_ivf
-from silverrec.publish.ivf import IVFConfig, publish_ivf
+from silverrec.publish.filtered_ivf import publish_index
+from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool, write_pool
 from silverrec.publish.quantize import quantize_global, quantize_per_dim
 from silverrec.publish.update import DeltaError, update_snapshot
@@ -110,7 +109,7 @@ FILTERS = [None, "color = violet", "color = red", "NOT color = red AND tag IN (t
 
 
 def test_filtered_update_equals_brute_force_with_filters(world, tmp_path):
-    parent = publish_filtered_ivf(world["parent"], tmp_path / "v1", config=IVFConfig(nlist=NLIST), torchscript=False)
+    parent = publish_index(world["parent"], tmp_path / "v1", config=IVFConfig(nlist=NLIST), torchscript=False)
     v2 = update_snapshot(parent, tmp_path / "v2", upsert=world["dir"] / "up.parquet", delete=world["dir"] / "delete.txt")
     snap = silverrec.load(v2)
     final = world["final"]
@@ -148,7 +147,7 @@ def test_filtered_update_equals_brute_force_with_filters(world, tmp_path):
 
 def test_ivf_update_equals_brute_force(world, tmp_path):
     plain = Pool(world["parent"].item_ids, world["parent"].embeddings)
-    parent = publish_ivf(plain, tmp_path / "v1", config=IVFConfig(nlist=NLIST), torchscript=False)
+    parent = publish_index(plain, tmp_path / "v1", config=IVFConfig(nlist=NLIST), torchscript=False)
     up = Pool(world["up"].item_ids, world["up"].embeddings)
     v2 = update_snapshot(parent, tmp_path / "v2", upsert=up, delete=world["deleted"])
     snap = silverrec.load(v2)
@@ -157,7 +156,7 @@ def test_ivf_update_equals_brute_force(world, tmp_path):
     _assert_same(snap.search(torch.from_numpy(q), 30, nprobe=NLIST), _reference(final, _per_dim(plain.embeddings), q, 30), final)
     # upserted items sit in their nearest parent centroid's cluster: a 1-probe search of an item's
     # own embedding along its nearest centroid finds it
-    centroids = torch.export.load(str(Path(parent) / "model.pt2")).state_dict["centroids"]
+    centroids = torch.export.load(str(Path(parent) / "model.pt2")).state_dict["index.centroids"]
     x = torch.from_numpy(up.embeddings[:20])
     res = snap.search(x, 50, nprobe=1)
     best = (x @ centroids.t()).argmax(1)
@@ -168,13 +167,13 @@ def test_ivf_update_equals_brute_force(world, tmp_path):
 
 def test_exact_update_equals_brute_force(world, tmp_path):
     plain = Pool(world["parent"].item_ids, world["parent"].embeddings)
-    parent = publish_exact(plain, tmp_path / "v1", torchscript=False)
+    parent = publish_index(plain, tmp_path / "v1", exact=True, torchscript=False)
     v2 = update_snapshot(parent, tmp_path / "v2", upsert=Pool(world["up"].item_ids, world["up"].embeddings),
                          delete=world["deleted"].tolist())
     snap = silverrec.load(v2)
     final = Pool(world["final"].item_ids, world["final"].embeddings)
     q = world["rng"].standard_normal((5, D)).astype(np.float32)
-    _assert_same(snap.search(torch.from_numpy(q), 40), _reference(final, _global(plain.embeddings), q, 40), final)
+    _assert_same(snap.search(torch.from_numpy(q), 40), _reference(final, _per_dim(plain.embeddings), q, 40), final)
     assert snap.config["quantization"] == silverrec.load(parent).config["quantization"]
 
 
@@ -184,7 +183,7 @@ def _leftovers(d: Path, name: str):
 
 def test_bad_deltas_get_named_errors_and_leave_nothing(world, tmp_path):
     plain = Pool(world["parent"].item_ids, world["parent"].embeddings)
-    parent = publish_ivf(plain, tmp_path / "v1", config=IVFConfig(nlist=NLIST), torchscript=False)
+    parent = publish_index(plain, tmp_path / "v1", config=IVFConfig(nlist=NLIST), torchscript=False)
     ids = world["parent"].item_ids
     cases = [
         (dict(delete=[123_456_789]), DeltaError, "cannot delete item_id 123456789"),
@@ -208,7 +207,7 @@ def test_bad_deltas_get_named_errors_and_leave_nothing(world, tmp_path):
 def test_rec_snapshot_refused(tmp_path):
     rec = write_snapshot(tmp_path / "rec", kind="rec", config={"dim": 4}, item_count=1,
                          write_files=lambda d: (d / "model.pt2").write_bytes(b"x"))
-    with pytest.raises(SnapshotError, match="kind 'rec'.*re-publish"):
+    with pytest.raises(SnapshotError, match="'rec' snapshot with a trained user tower.*re-publish"):
         update_snapshot(rec, tmp_path / "v2", delete=[1])
 
 

@@ -60,15 +60,6 @@ MODES = {"auto": MODE_AUTO, "probed": MODE_PROBED, "unprobed": MODE_UNPROBED}
 DEFAULT_MATCH_FACTOR = 8  # probe until the probed clusters hold >= this many matches per result
 
 
-def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or a fresh empty tensor when `t` has no elements. An empty tensor made from numpy
-    (`torch.from_numpy(np.empty(0))`, as publish/postings.py returns when no token is rare enough
-    for a list) has data_ptr 0 over a non-null storage; torch.export.save then takes it for a slice
-    of that storage and computes its extent as 0 - storage_ptr ("numel: integer multiplication
-    overflow"). A fresh empty tensor has a null storage, which export saves as a complete tensor."""
-    return t.clone() if t.numel() == 0 else t
-
-
 class FilteredIVFIndex(Int8IVFIndex):
     """Filtered int8 IVF search (see module docstring).
 
@@ -106,7 +97,7 @@ class FilteredIVFIndex(Int8IVFIndex):
             post_rows, post_offsets = torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
         if post_offsets.dim() != 1 or post_offsets.numel() < 1 or int(post_offsets[-1]) != post_rows.numel():
             raise ValueError(f"post_offsets must be int64 [V + 1] ending at len(post_rows) = {post_rows.numel()}")
-        self.register_buffer("post_rows", _own_storage(post_rows.to(torch.int32).contiguous()))
+        self.register_buffer("post_rows", post_rows.to(torch.int32).contiguous())
         self.register_buffer("post_offsets", post_offsets.to(torch.int64).contiguous())
         # list lengths with a trailing 0 for unused slots (lists = -1)
         self.register_buffer("post_sizes", torch.cat([post_offsets[1:] - post_offsets[:-1], post_offsets.new_zeros(1)]))

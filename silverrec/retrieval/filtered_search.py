@@ -1,6 +1,6 @@
 """Predictor side of filtered search: validate options, compile filters (the "plan"), one forward call.
 
-    >>> snap = silverrec.load("snapshots/v1")                    # kind "filtered_ivf"
+    >>> snap = silverrec.load("snapshots/v1")                    # a pure-ANN snapshot
     >>> snap.search(queries, k=100, filter="genre = Drama AND NOT decade = 1990s")
     >>> snap.search(queries, k=100, filter=["genre = Drama", None], nprobe=16, mode="probed")
 
@@ -32,8 +32,7 @@ def filter_plan(snap) -> FilterPlan:
         if cfg is None:
             raise QueryError(f"snapshot {snap.path} has no filter index (its pool had no categorical features)")
         if "postings" not in cfg:
-            raise QueryError(f"snapshot {snap.path} is a filtered_ivf snapshot of format 1, which this silverrec "
-                             "cannot query (the model gained posting lists in format 2): re-publish it")
+            raise QueryError(f"snapshot {snap.path} has no posting-list section: re-publish it")
         plan = FilterPlan.from_config(cfg)
         snap._filter_plan = plan
     return plan
@@ -67,7 +66,7 @@ def whole_pool_by_estimate(estimates, k: int, nprobe: int, num_items: int, nlist
     return estimates * estimates * exact_cost_ratio <= float(target) * float(num_items)
 
 
-def search_filtered_ivf(
+def search_index(
     snap,
     queries: torch.Tensor,
     k: int,
@@ -77,9 +76,10 @@ def search_filtered_ivf(
     mode: Union[str, Sequence[str]] = "auto",
     **options: Any,
 ):
-    """SEARCH_HANDLERS["filtered_ivf"]: (scores float32 [B, k], item_ids int64 [B, k])."""
+    """A pure-ANN snapshot's search (the root module with a query tower): (scores float32 [B, k],
+    item_ids int64 [B, k])."""
     if options:
-        raise QueryError(f"unknown search options {sorted(options)}: a filtered_ivf snapshot takes filter, nprobe, max_probe, mode")
+        raise QueryError(f"unknown search options {sorted(options)}: search takes filter, nprobe, max_probe, mode")
     cfg = snap.config
     nlist = int(cfg["nlist"])
     batch = queries.shape[0]
@@ -97,4 +97,12 @@ def search_filtered_ivf(
             whole = whole_pool_by_estimate(compile_estimates(filters, plan), k, nprobe, plan.num_items, nlist,
                                            int(cfg["search"]["match_factor"]), float(cfg["search"]["exact_cost_ratio"]))
             modes = torch.where((modes == MODE_AUTO) & torch.from_numpy(whole), MODE_UNPROBED, modes)
-    return snap.module(queries, k, nprobe, *compile_request(filters, plan), max_probe, modes)
+    values, lengths, exclude = _NO_USER_FEATURES
+    item_ids, scores, _, _ = snap.module(values, lengths, queries, exclude.expand(batch, 1), *compile_request(filters, plan),
+                                         modes, k, k, nprobe, max_probe)
+    return scores, item_ids
+
+
+# a query-tower model reads no KJT and excludes nothing: the same constant inputs every call
+_NO_USER_FEATURES = (torch.zeros(3, dtype=torch.int64), torch.zeros(4, dtype=torch.int32),
+                     torch.full((1, 1), -1, dtype=torch.int64))

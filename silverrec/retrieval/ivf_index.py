@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
-from silverrec.retrieval.exact_index import compact_item_ids, rows_to_items
+from silverrec.retrieval.item_ids import compact_item_ids, rows_to_items
 
 
 def fold_queries(queries: torch.Tensor, dim_scale: torch.Tensor, dim_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,9 +19,10 @@ import torch
 
 import silverrec.kernels  # noqa: F401  (ops must be registered before deserialising)
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
-from silverrec.retrieval.filtered_search import search_filtered_ivf
+from silverrec.retrieval.filtered_search import search_index
 from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, check_build, read_manifest
 from silverrec.bitmask import pack_bits, unpack_bits
+from silverrec.spec import ModelSpec
 
 
 @dataclass
@@ -63,13 +64,16 @@ class Snapshot:
         `recommend(history_item_ids, filter_bitmask=None, exclude_history=False)` -> SearchResult.
         """
         if self.kind == "rec":
+            if self.spec.answers_search:
+                raise QueryError("this snapshot is a pure-ANN index (published from a pool): it answers search "
+                                 "requests by query embedding, not recommend requests")
             return self.rec_handler().recommend(requests, *args, **options)
         return self._recommend_generative(requests, *args, **options)
 
     def rank(self, request, item_ids):
         """Early-stage ranking (a "rec" snapshot): scores of `item_ids` for one user, in their order."""
-        if self.kind != "rec":
-            raise QueryError(f"snapshot kind {self.kind!r} does not rank items (publish a recommendation model)")
+        if self.kind != "rec" or self.spec.answers_search:
+            raise QueryError("only a recommendation model (silverrec publish --config) ranks items for a user")
         return self.rec_handler().rank(request, item_ids)
 
     def rec_handler(self):
@@ -128,41 +132,29 @@ class Snapshot:
             self._items = (ids, tokens, np.argsort(ids, kind="stable"))
         return self._items
 
+    @property
+    def spec(self) -> ModelSpec | None:
+        """The root module's configuration (a "rec" snapshot), None for other kinds."""
+        if self.kind != "rec":
+            return None
+        if getattr(self, "_spec", None) is None:
+            self._spec = ModelSpec.from_json(self.config.get("spec"))
+        return self._spec
+
     def search(self, queries: torch.Tensor | np.ndarray, k: int, **options: Any) -> SearchResult:
-        """Top-k items for each query row. `options` are kind-specific (e.g. nprobe for "ivf")."""
+        """Top-k items for each query embedding (a pure-ANN snapshot: `silverrec publish --pool`).
+        Options: filter, nprobe, max_probe, mode (silverrec/retrieval/filtered_search.py)."""
+        spec = self.spec
+        if spec is None or not spec.answers_search:
+            what = f"kind {self.kind!r}" if spec is None else "a recommendation model (its user is computed in-model)"
+            raise QueryError(f"snapshot {what} does not answer search requests by query embedding (use recommend)")
         if isinstance(queries, np.ndarray):
             queries = torch.from_numpy(queries)
         queries = check_queries(queries, self.config["dim"])
         check_k(k, self.manifest["item_count"])
-        handler = SEARCH_HANDLERS.get(self.kind)
-        if handler is None:
-            raise QueryError(f"snapshot kind {self.kind!r} does not answer search requests")
         with torch.inference_mode():
-            scores, item_ids = handler(self, queries, k, **options)
+            scores, item_ids = search_index(self, queries, k, **options)
         return SearchResult(item_ids=item_ids, scores=scores)
-
-
-def _search_exact(snap: Snapshot, queries: torch.Tensor, k: int, **options: Any):
-    if options:
-        raise QueryError(f"an exact snapshot takes no search options, got {sorted(options)}")
-    return snap.module(queries, k)
-
-
-def _search_ivf(snap: Snapshot, queries: torch.Tensor, k: int, nprobe: int | None = None, **options: Any):
-    """IVF search; nprobe defaults to the manifest's default_nprobe and must be in [1, nlist]."""
-    if options:
-        raise QueryError(f"an ivf snapshot takes only the search option nprobe, got {sorted(options)}")
-    nlist = int(snap.config["nlist"])
-    if nprobe is None:
-        nprobe = int(snap.config["default_nprobe"])
-    if isinstance(nprobe, bool) or not isinstance(nprobe, int) or not 1 <= nprobe <= nlist:
-        raise QueryError(f"nprobe must be an int in [1, {nlist}] (the cluster count), got {nprobe!r}")
-    return snap.module(queries, k, nprobe)
-
-
-# kind -> callable(snapshot, queries, k, **options) -> (scores, item_ids). Runtime modules of other
-# kinds register here.
-SEARCH_HANDLERS = {"exact": _search_exact, "ivf": _search_ivf, "filtered_ivf": search_filtered_ivf}
 
 
 ITEMS_FILE = "items.npz"  # generative snapshots: item_ids [N], tokens [N, L] in trie leaf order
@@ -220,7 +212,8 @@ def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True) ->
     check_build(manifest, root)  # the versions that built it against this process's, before deserialising
     if backend == "auto":
         backend = manifest.get("config", {}).get("backend", {}).get("preferred", "export")
-    if manifest.get("kind") == "rec":  # the user tower's program holds fbgemm / torchrec ops
+    if manifest.get("kind") == "rec" and manifest["config"].get("spec", {}).get("tower") != "query":
+        # the trained user tower's program holds fbgemm / torchrec ops (a query tower has none)
         import fbgemm_gpu  # noqa: F401
         import torchrec  # noqa: F401
     try:

@@ -6,7 +6,7 @@ metrics and load-before-swap reloads.
     {"item_ids": [[...]], "scores": [[...]], "version": "v1@3f9c2a1b7d0e"}
 
 Routes (the OpenAPI schema is at /openapi.json, the interactive page at /docs):
-    POST /v1/search      kinds exact, ivf, filtered_ivf: {"queries": [[...]], "k", "filter", "nprobe", "max_probe", "mode"}
+    POST /v1/search      pure-ANN snapshots (published from a pool): {"queries": [[...]], "k", "filter", "nprobe", "max_probe", "mode"}
     POST /v1/recommend   kind rec: one user (user_id | history, features, numeric, filter, exclude) or
                          {"requests": [...]}, with k, k0, nprobe, max_probe, mode, exclude_history;
                          kind generative: {"history": [...]} or {"requests": [{"history": [...]}, ...]}, k
@@ -44,7 +44,6 @@ import torch
 from silverrec.errors import QueryError, SilverrecError, SnapshotError, check_k, check_queries
 from silverrec.serving.batcher import Batcher, DeadlineExceeded, QueueFull, ShuttingDown
 
-SEARCH_KINDS = ("exact", "ivf", "filtered_ivf")
 TOKEN_ENV = "SILVERREC_ADMIN_TOKEN"
 MAX_QUERY_ROWS = 1024  # rows per search request
 
@@ -195,6 +194,14 @@ USER_FIELDS = ("user_id", "history", "features", "numeric", "filter", "exclude")
 
 # ----------------------------------------------------------------------------------- served model
 
+def answers(kind: str, config: dict[str, Any]) -> str:
+    """What a snapshot answers: "search" (a pure-ANN index: the root module with a query tower),
+    "recommend" (a recommendation model) or "generative"; "" = nothing servable."""
+    if kind == "rec":
+        return "search" if config.get("spec", {}).get("tower") == "query" else "recommend"
+    return "generative" if kind == "generative" else ""
+
+
 class Served:
     """One loaded snapshot version: validates requests into (group key, payload) and runs groups.
 
@@ -208,14 +215,15 @@ class Served:
         self.template = getattr(snap, "template", snap)
         self.version = snapshot_version(snap)
         self.kind = snap.kind
-        if self.kind == "rec":
+        self.answers = answers(snap.kind, self.template.config)
+        if self.answers == "recommend":
             self.handler = snap.rec_handler()
 
     # -------------------------------------------------------------- search
     def prepare_search(self, body) -> tuple[tuple, dict]:
         snap, cfg = self.snap, self.template.config
-        if self.kind not in SEARCH_KINDS:
-            raise QueryError(f"snapshot kind {self.kind!r} does not answer /v1/search (use /v1/recommend)")
+        if self.answers != "search":
+            raise QueryError("this snapshot is not a pure-ANN index: it does not answer /v1/search (use /v1/recommend)")
         if not body.queries:
             raise QueryError("queries must hold at least one row")
         if len(body.queries) > MAX_QUERY_ROWS:
@@ -227,18 +235,8 @@ class Served:
         queries = check_queries(torch.tensor(body.queries, dtype=torch.float32), dim)
         k = check_k(body.k, snap.manifest["item_count"])
         B = queries.shape[0]
-        if self.kind == "exact":
-            given = [n for n in ("filter", "nprobe", "max_probe", "mode") if getattr(body, n) is not None]
-            if given:
-                raise QueryError(f"an exact snapshot takes no search options, got {given}")
-            return (self, "search"), {"queries": queries, "k": k}
         nlist = int(cfg["nlist"])
         nprobe = _check_int("nprobe", int(cfg["default_nprobe"]) if body.nprobe is None else body.nprobe, 1, nlist)
-        if self.kind == "ivf":
-            given = [n for n in ("filter", "max_probe", "mode") if getattr(body, n) is not None]
-            if given:
-                raise QueryError(f"an ivf snapshot takes only the search option nprobe, got {given}")
-            return (self, "search", nprobe), {"queries": queries, "k": k}
         from silverrec.filtering.filter_program import compile_request, normalize_filters
         from silverrec.retrieval.filtered_search import _modes, filter_plan
 
@@ -266,10 +264,8 @@ class Served:
     def run_search(self, key: tuple, payloads: list[dict]) -> list[dict]:
         queries = torch.cat([p["queries"] for p in payloads]) if len(payloads) > 1 else payloads[0]["queries"]
         k = max(p["k"] for p in payloads)  # the largest request's k; the others take their prefix
-        options: dict[str, Any] = {}
-        if self.kind != "exact":
-            options["nprobe"] = key[2]
-        if self.kind == "filtered_ivf" and key[3] is not None:
+        options: dict[str, Any] = {"nprobe": key[2]}
+        if key[3] is not None:
             options["max_probe"] = key[3]
             options["filter"] = [f for p in payloads for f in p["filters"]]
             options["mode"] = [m for p in payloads for m in p["modes"]]
@@ -299,10 +295,10 @@ class Served:
 
     def prepare_recommend(self, body) -> tuple[tuple, dict]:
         users = self._user_requests(body)
-        if self.kind == "generative":
+        if self.answers == "generative":
             return self._prepare_generative(body, users)
-        if self.kind != "rec":
-            raise QueryError(f"snapshot kind {self.kind!r} does not answer /v1/recommend (use /v1/search)")
+        if self.answers != "recommend":
+            raise QueryError("this snapshot is a pure-ANN index: it answers /v1/search, not /v1/recommend")
         from silverrec.filtering.filter_program import compile_request
         from silverrec.retrieval.filtered_ivf import MODES
         from silverrec.serving.recommend import DEFAULT_EXCLUDE_LIMIT, RecRequest
@@ -375,8 +371,8 @@ class Served:
 
     # -------------------------------------------------------------- rank
     def prepare_rank(self, body) -> tuple[tuple, dict]:
-        if self.kind != "rec":
-            raise QueryError(f"snapshot kind {self.kind!r} does not rank items (publish a recommendation model)")
+        if self.answers != "recommend":
+            raise QueryError("only a recommendation model (silverrec publish --config) ranks items for a user")
         from silverrec.serving.recommend import MAX_RANK_ITEMS, RecRequest
 
         r = RecRequest(**{f: getattr(body, f) for f in USER_FIELDS if getattr(body, f) is not None})
@@ -400,16 +396,16 @@ class Served:
 
     def smoke(self) -> None:
         """One tiny request through the program: a snapshot that loads but cannot answer is refused."""
-        if self.kind in SEARCH_KINDS:
+        if self.answers == "search":
             res = self.snap.search(torch.full((1, int(self.snap.config["dim"])), 0.1), 1)
             if tuple(res.item_ids.shape) != (1, 1):
                 raise SnapshotError(f"search answered shape {tuple(res.item_ids.shape)}, expected (1, 1)")
-        elif self.kind == "rec":
+        elif self.answers == "recommend":
             first = int(self.handler.row_to_item[0])
             res = self.handler.recommend([{"history": [first]}], k=1)
             if tuple(res.item_ids.shape) != (1, 1):
                 raise SnapshotError(f"recommend answered shape {tuple(res.item_ids.shape)}, expected (1, 1)")
-        elif self.kind == "generative":
+        elif self.answers == "generative":
             self.snap.recommend([[int(self.snap.generative_item_ids()[0])]])
         else:
             raise SnapshotError(f"snapshot kind {self.kind!r} cannot be served")
@@ -682,7 +678,7 @@ def create_app(path: str | os.PathLike, config: Optional[ServeConfig] = None, se
     async def _query_error(request: Request, exc: QueryError):
         return _error(400, str(exc), server.version)
 
-    @app.post("/v1/search", summary="top-k items for each query row (exact / ivf / filtered_ivf snapshots)")
+    @app.post("/v1/search", summary="top-k items for each query row (pure-ANN snapshots, published from a pool)")
     async def search(body: SearchBody, request: Request):
         return await server.submit(request, body, "prepare_search")
 

@@ -81,13 +81,13 @@ def load_shard(path: str | Path, manifest: dict[str, Any], i: int, backend: str 
     return snap
 
 
-def routed_rows(kind: str, centroids: Optional[torch.Tensor], owned: Optional[Sequence[int]], queries: torch.Tensor,
+def routed_rows(centroids: Optional[torch.Tensor], owned: Optional[Sequence[int]], queries: torch.Tensor,
                 options: dict[str, Any], default_nprobe: int) -> Optional[torch.Tensor]:
     """bool [B]: the query rows whose probed clusters include one the shard owns (clusters split),
-    or None = every row (items split, exact kind, or a filtered request that may widen its probe)."""
+    or None = every row (items split, or a filtered request that may widen its probe)."""
     if owned is None or centroids is None:
         return None
-    if kind == "filtered_ivf" and options.get("filter") is not None:
+    if options.get("filter") is not None:
         return None
     nprobe = options.get("nprobe") or default_nprobe
     if isinstance(nprobe, bool) or not isinstance(nprobe, int) or not 1 <= nprobe <= centroids.shape[0]:
@@ -104,7 +104,7 @@ def shard_topk(snap, queries: torch.Tensor, k: int, options: dict[str, Any],
 
     Asks the shard for min(k, its items); `rows` bool [B] limits the search to those query rows
     (the others get padding only)."""
-    from silverrec.serving.predictor import SEARCH_HANDLERS
+    from silverrec.retrieval.filtered_search import search_index
 
     B = queries.shape[0]
     scores = torch.full((B, k), float("-inf"), dtype=torch.float32)
@@ -117,7 +117,7 @@ def shard_topk(snap, queries: torch.Tensor, k: int, options: dict[str, Any],
             rows = None
     q = queries if rows is None else queries[rows]
     with torch.inference_mode():
-        s, i = SEARCH_HANDLERS[snap.kind](snap, q, k_s, **options)
+        s, i = search_index(snap, q, k_s, **options)
     if rows is None:
         scores[:, :k_s], ids[:, :k_s] = s, i
     else:
@@ -150,7 +150,7 @@ class ShardedSnapshot:
 
     @property
     def kind(self) -> str:
-        """The kind every shard has ("exact", "ivf", "filtered_ivf")."""
+        """The kind every shard has ("rec": the root module in its pure-ANN configuration)."""
         return self.manifest["config"]["base_kind"]
 
     @property
@@ -180,7 +180,7 @@ class ShardedSnapshot:
         check_k(k, self.manifest["item_count"])
         parts_s, parts_i = [], []
         for i, shard in enumerate(self.shards):
-            rows = routed_rows(self.kind, self.centroids, self.owned_clusters(i), queries, options,
+            rows = routed_rows(self.centroids, self.owned_clusters(i), queries, options,
                                int(self.config.get("default_nprobe", 1)))
             s, ids = shard_topk(shard, queries, k, options, rows)
             parts_s.append(s)
