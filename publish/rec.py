@@ -305,7 +305,8 @@ def load_generative_source(cfg: PublishConfig, row_to_item: torch.Tensor):
     decoder, sids, info = load_generative(cfg.generative_checkpoint)
     top_k = int(cfg.beam_top_k) or int(cfg.beam_width)
     try:
-        source = generative_source.GenerativeSource(build_generative(decoder, sids, int(cfg.beam_width), top_k), row_to_item)
+        source = generative_source.GenerativeSource(build_generative(decoder, sids, int(cfg.beam_width), top_k), row_to_item,
+                                                    (info.get("train_config") or {}).get("max_history"))
     except ValueError as e:
         raise ConfigError(f"generative_checkpoint {cfg.generative_checkpoint}: {e}") from None
     return source, {"beam_width": int(cfg.beam_width), "top_k": top_k, "level_sizes": list(sids.level_sizes),

@@ -67,7 +67,12 @@ def test_allowed_rows_equal_the_exact_evaluator(rec, source):
     assert not allowed[1].any() and allowed[0].sum() == n - len(excluded[0])
 
 
-def test_history_tokens_equal_the_predictors_encoding(rec, source):
+@pytest.mark.parametrize("max_items", [None, 3])
+def test_history_tokens_equal_the_predictors_encoding(rec, source, max_items):
+    """Canonical history rows -> decoder tokens as the host encoder makes them, the newest
+    `max_items` items (the decoder's training history length) or as many as its RoPE table holds."""
+    if max_items is not None:
+        source = GenerativeSource(source.retrieval, rec.built.model.index.row_to_item, max_items=max_items)
     m = rec.built.model
     row_to_item = m.index.row_to_item.to(torch.int64)
     tokens = source.canon_tokens  # checked below against the semantic paths directly
@@ -121,3 +126,17 @@ def test_filtered_decode_equals_the_reference_beam_search(rec, source):
     torch.testing.assert_close(scores[some], ref_scores, atol=2e-5, rtol=2e-5)
     assert bool((ids[~some] < 0).all()) and bool((scores[~some] == float("-inf")).all())
     assert bool((ids[0] >= 0).all()) and not bool(some[1])  # no filter: W items; "cat = c99": none
+
+
+def test_max_items_beyond_the_rope_table_is_an_error(rec, source):
+    with pytest.raises(ValueError, match="max_items must be in"):
+        GenerativeSource(source.retrieval, rec.built.model.index.row_to_item, max_items=10**6)
+
+
+def test_semantic_ids_must_cover_the_pool(rec, source):
+    ids = rec.built.model.index.row_to_item.to(torch.int64).clone()
+    ids[5] = -77
+    with pytest.raises(ValueError, match="item -77 of the pool has no semantic ID"):
+        GenerativeSource(source.retrieval, ids)
+    with pytest.raises(ValueError, match="semantic IDs must cover exactly the snapshot's pool"):
+        GenerativeSource(source.retrieval, ids[:-1])

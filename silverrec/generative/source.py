@@ -48,14 +48,14 @@ class GenerativeSource(nn.Module):
         retrieval: the decode (rows in trie-leaf order; `retrieval.row_to_item` their item ids).
         row_to_item: int64 [N] item id of each canonical row (the index's `row_to_item`); the same
             set of items as the decode's, else ValueError naming a missing item.
+        max_items: the most history items fed to the decoder, the newest (its training history
+            length; None: as many as its RoPE table holds). The prefill costs grow with it.
     Buffers:
         trie_to_canon int64 [N], canon_to_trie int64 [N]: the row permutations;
         canon_tokens int64 [N, L]: each canonical row's L decoder tokens.
-    Attributes:
-        max_items: the most history items fed to the decoder (the newest; its RoPE table bounds it).
     """
 
-    def __init__(self, retrieval: GenerativeRetrieval, row_to_item: Tensor):
+    def __init__(self, retrieval: GenerativeRetrieval, row_to_item: Tensor, max_items: Optional[int] = None):
         super().__init__()
         gen_ids = retrieval.row_to_item.to(torch.int64)
         canon_ids = torch.as_tensor(row_to_item).to(torch.int64)
@@ -81,7 +81,10 @@ class GenerativeSource(nn.Module):
         self.pad, self.bos = PAD, BOS  # (attributes: TorchScript does not read imported globals)
         self.num_items = int(n)
         # BOS + items * L tokens, then L - 1 generated ones, within the RoPE table
-        self.max_items = max(1, (int(retrieval.decoder.max_seq_len) - self.n_levels) // self.n_levels)
+        limit = max(1, (int(retrieval.decoder.max_seq_len) - self.n_levels) // self.n_levels)
+        if max_items is not None and not 1 <= int(max_items) <= limit:
+            raise ValueError(f"max_items must be in [1, {limit}] (the decoder's RoPE table), got {max_items}")
+        self.max_items = limit if max_items is None else int(max_items)
 
     def history_tokens(self, history: Tensor) -> Tensor:
         """history int64 [B, H] canonical rows, oldest first, left-padded with -1 -> decoder tokens
