@@ -303,8 +303,11 @@ def test_generic_trainer_learns_the_next_item(tmp_path, capsys):
     assert meta["train_config"]["max_history"] == 4 and meta["train_config"]["embeddings"] == str(items)
     assert sorted(sids.item_ids.tolist()) == sorted(ids.tolist()) and sids.depth == 3
     # served: the next item of the cycle after a 4-item walk
-    run_cli("publish", "--generative", "--pool", str(items), "--out", str(tmp_path / "snap"),
-            "--model", str(tmp_path / "g.ckpt"), "--beam-width", "10", "--weights", "fp32")
+    from silverrec.publish.generative import publish_from_pool
+    from silverrec.publish.pool import read_pool
+
+    publish_from_pool(read_pool(items), tmp_path / "snap", model=tmp_path / "g.ckpt", beam_width=10, weights="fp32",
+                      torchscript=False)  # the CLI path of --model is the `setup` fixture's
     snap = silverrec.load(tmp_path / "snap")
     walks = [cycle[np.arange(s, s + 4) % len(cycle)] for s in range(0, 40, 3)]
     got = snap.recommend([w.tolist() for w in walks]).item_ids[:, 0].numpy()
@@ -411,16 +414,17 @@ def test_bf16_weights_compute_in_the_measured_faster_dtype(setup, tmp_path, monk
     monkeypatch.setattr(gen, "time_modules", lambda modules, history: seen.append(
         {k: m.decoder.compute_dtype for k, m in modules.items()}) or timings)
     out = publish_generative(dec, sids, tmp_path / "s", beam_width=W, top_k=5, max_history=MAX_HISTORY,
-                             weights="bf16", torchscript=False)
+                             weights="bf16", probe=_histories(sids.item_ids, n=8), torchscript=False)
     assert seen == [{"bf16": torch.bfloat16, "fp32": torch.float32}]
     cfg = json.loads((out / "manifest.json").read_text())["config"]
     assert (cfg["weights_dtype"], cfg["compute_dtype"]) == ("bf16", faster)
     assert cfg["compute_timing"]["median_ms"] == timings and cfg["compute_timing"]["measured_on"]
     histories = _histories(sids.item_ids, n=4, seed=9, lengths=(2, 5))
-    got = silverrec.load(out).recommend(histories)
+    snap = silverrec.load(out)
+    got = snap.recommend(histories)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[faster]
-    module = build_generative(dec, sids.subset(silverrec.load(out).generative_item_ids()), W, 5, torch.bfloat16, dtype)
-    ids, tokens, order = silverrec.load(out)._generative_items()
+    module = build_generative(dec, sids.subset(snap.generative_item_ids()), W, 5, torch.bfloat16, dtype)
+    ids, tokens, order = snap._generative_items()
     from silverrec.serving.predictor import history_tokens
 
     with torch.no_grad():
