@@ -605,6 +605,36 @@ def sources_part(ckpt_path: Path, gen_ckpt_path: Path, users: list[list[int]], r
     return rows
 
 
+def sources_quality(ckpt_path: Path, gen_ckpt_path: Path, logs: Path) -> dict[str, dict]:
+    """Leave-one-out HR / NDCG (stage test, full ranking, every known item excluded) of the hybrid
+    model asked for ANN only, generative only and both (RecRequest.sources), one request per eval
+    user as publish/quality.py serves them, on the logs the two checkpoints were trained on."""
+    from silverrec.generative.source import SOURCES
+    from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk
+    from silverrec.publish.logs import leave_one_out, read_logs
+    from silverrec.publish.quality import K_EVAL, handler_for
+    from silverrec.publish.rec import build_rec_model
+
+    pcfg = PublishConfig(checkpoint=str(ckpt_path), overarch=OVERARCH, value_model=VALUE_MODEL, k0=K0,
+                         candidates=CANDIDATES, sources=list(SOURCES), generative_checkpoint=str(gen_ckpt_path),
+                         beam_width=SOURCE_BEAM)
+    handler = handler_for(build_rec_model(pcfg))
+    split = leave_one_out(read_logs(logs / "interactions.parquet", logs / "items.parquet", None, seed=0))
+    ids = split.logs.item_ids
+    targets, hists = ids[split.targets("test")], split.histories(split.eval_users, "test")
+    out = {}
+    for name, src in (("ann", ["ann"]), ("generative", ["generative"]), ("hybrid", list(SOURCES))):
+        t, ranks, from_gen = time.perf_counter(), [], 0
+        for h, tgt in zip(hists, targets):
+            res = handler.recommend([{"history": ids[h], "sources": src}], k=K_EVAL, exclude_limit=max(1, len(np.unique(h))))
+            ranks.append(ranks_from_topk(res.item_ids, torch.tensor([tgt])))
+            from_gen += int(((res.found_by[0, :10] & 2) != 0).sum())
+        out[name] = metrics_from_ranks(torch.cat(ranks)) | {"top10_from_generative": from_gen / (10 * len(targets)),
+                                                            "seconds": round(time.perf_counter() - t, 1)}
+        print(f"  {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in out[name].items()), flush=True)
+    return out
+
+
 def sources_main(args) -> int:
     """`--sources GEN_CKPT --checkpoint CKPT`: only the retrieval-source rows (`sources_part`)."""
     if not args.checkpoint:
@@ -618,6 +648,10 @@ def sources_main(args) -> int:
     repeats = {1: 10, 16: 4} if args.quick else {1: 30, 16: 10}
     print("retrieval sources: ANN only, generative only, hybrid (TorchScript, latency per batch):", flush=True)
     rows = sources_part(Path(args.checkpoint), Path(args.sources), users, repeats)
+    if args.sources_quality:
+        print(f"quality (leave-one-out on {args.sources_quality}):", flush=True)
+        rows.append({"part": "sources_quality", **sources_quality(Path(args.checkpoint), Path(args.sources),
+                                                                  Path(args.sources_quality))})
     config = {"checkpoint": str(args.checkpoint), "generative_checkpoint": str(args.sources), "beam_width": SOURCE_BEAM,
               "k": K, "k0": K0, "candidates": CANDIDATES, "filter": FILTER, "repeats": repeats, "threads": 2,
               "backend": "torchscript", "target": "hybrid <= 1.1 x (ann + generative) at batch 1",
@@ -635,6 +669,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sources", metavar="GEN_CKPT", help="only the retrieval-source rows (ANN only, generative only, "
                     "hybrid) with this generative checkpoint and --checkpoint")
+    ap.add_argument("--sources-quality", metavar="LOGS", help="with --sources: also HR / NDCG of each source on the "
+                    "interactions.parquet / items.parquet in LOGS (the logs both checkpoints were trained on)")
     args = ap.parse_args(argv)
     if args.sources:
         return sources_main(args)
