@@ -82,7 +82,6 @@ from silverrec.filtering.template import compile_template
 from silverrec.rec_model import RecModel
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec, _csr, gather_csr
 from silverrec.snapshot import export_program, write_snapshot
-from silverrec.spec import ModelSpec
 
 ITEM_INPUTS = ("item_id", "pool_row")
 SAMPLE_USERS = 64
@@ -509,8 +508,6 @@ def build_byo_model(cfg: ByoConfig) -> Built:
         "torchscript": torchscript_problem(modules) if cfg.torchscript else "not requested",
         "bytes_per_item": _bytes_per_item(model, n),
     })
-    manifest["spec"] = ModelSpec("two_tower", dim, index.nlist, tuple(tasks), cache=True,
-                                 overarch=None if arch is None else kind, value_model=vm is not None).to_json()
     users = {"user_ids": logs.user_ids.copy(), "offsets": logs.offsets.copy(), "item_ids": logs.item_ids[logs.items]}
     return Built(model, manifest, index.row_to_item.to(torch.int64).numpy(), item_csr, users)
 

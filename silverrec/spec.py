@@ -7,6 +7,7 @@ configuration, and the predictor answers from it:
                        `silverrec publish --pool`): answers `search`; nlist 1 is the exact index
     tower "two_tower"  a trained user tower (`silverrec publish --config`): answers `recommend`
                        and `rank`
+    tower "byo"        a user's own tower (publish/byo.py, a config with [user_tower]): the same
 
 Stored as manifest["config"]["spec"]; `from_json` names the first bad field.
 """
@@ -18,7 +19,7 @@ from typing import Any, Optional
 
 from silverrec.errors import SnapshotError
 
-TOWERS = ("query", "two_tower")
+TOWERS = ("query", "two_tower", "byo")
 
 
 @dataclass(frozen=True)
