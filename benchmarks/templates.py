@@ -14,17 +14,19 @@ the `plain` side also sends the filter string `genre = <fav_genre>` (its history
 request's default `exclude_history`). Batches rotate through every user so that no batch of
 filter strings repeats (each string is still an LRU hit after its first use, as in a server).
 
-Timing: `snap.recommend(batch, k=10)` on each snapshot's preferred backend, the two sides
-alternating call by call (benchmarks/common.py `measure` per call), batch 1 / 16 / 64; `ratio` =
+Timing: `snap.recommend(batch, k=10)`, both snapshots loaded with the same backend (TorchScript,
+then torch.export), 10 warm-up calls per side, then the two sides alternating call by call
+(benchmarks/common.py `alternate`), batch 1 / 16 / 64; `ratio` =
 string median / template median (> 1: the template is faster). `agree` = share of top-10 lists
-that are identical on both sides. Writes benchmarks/results/templates.json (templates_quick.json).
+that are identical on both sides. Then each side's own extra work alone (`fill_rows`): the
+template's fill (its module scripted) against compile_request of the batch's strings.
+Writes benchmarks/results/templates.json (templates_quick.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from collections import Counter
@@ -39,7 +41,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 import silverrec  # noqa: E402
-from common import measure, print_table, write_results  # noqa: E402
+from common import alternate, print_table, write_results  # noqa: E402
 from silverrec.publish.movielens import write_logs  # noqa: E402
 from silverrec.publish.rec import PublishConfig, publish_rec  # noqa: E402
 from silverrec.publish.train import TrainConfig, train  # noqa: E402
@@ -76,6 +78,47 @@ def favourite_genres(inter: Path, items: Path, out: Path) -> dict[int, str]:
     return fav
 
 
+def fill_rows(snap, reqs: dict, users: list, repeat: int) -> list[dict]:
+    """The two sides' own extra work, alternated call by call: the template's fill (its module
+    scripted, on the request tensors the predictor built) against compile_request of the same
+    batch's filter strings (per-string LRU hits after the first use; batches rotate, so the
+    batch-level LRU misses as in a server)."""
+    from silverrec.filtering.filter_program import FilterPlan, compile_request
+    from silverrec.filtering.template import compile_template
+    from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
+
+    plan = FilterPlan.from_config(snap.config["filter"])
+    spec = UserFeatureSpec.from_json(snap.config["user_features"])
+    module = torch.jit.script(compile_template(TEMPLATE, plan, spec))
+    csr = {f: (np.zeros(spec.num_items + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)) for f in spec.item_vocabs}
+    enc = FeatureEncoder.from_arrays(spec, csr)
+    post_sizes = torch.zeros(1, dtype=torch.int64)
+    out = []
+    for batch in (1, 16, 64):
+        starts = [(i * batch) % max(1, len(users) - batch) for i in range(repeat)]
+        inputs = []
+        for i in starts:
+            feats = [r["features"] for r in reqs["template"][i:i + batch]]
+            values, lengths, _ = enc.encode([np.arange(20)] * len(feats), feats)
+            inputs.append((values, lengths, [r["filter"] for r in reqs["plain"][i:i + batch]]))
+        at = {"fill": 0, "compile": 0}
+
+        def fill() -> None:
+            values, lengths, filters = inputs[at["fill"] % len(inputs)]
+            at["fill"] += 1
+            module(values, lengths, *compile_request([None] * len(filters), plan), post_sizes)
+
+        def compile_strings() -> None:
+            compile_request(inputs[at["compile"] % len(inputs)][2], plan)
+            at["compile"] += 1
+
+        t_fill, t_comp = alternate([fill, compile_strings], repeat, warmup=5)
+        f, c = t_fill["median_ms"] * 1e3, t_comp["median_ms"] * 1e3
+        out.append({"part": "fill vs compile", "batch": batch, "fill_us": f, "compile_us": c, "ratio": c / f,
+                    "load_average": os.getloadavg()[0]})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -90,54 +133,46 @@ def main(argv: list[str] | None = None) -> int:
         toml = out / "train.toml"
         toml.write_text(TRAIN_TOML.format(minutes=0.3 if args.quick else 1.0))
         train(TrainConfig.from_toml(toml), ckpt, max_steps=150 if args.quick else None)
-    snaps = {}
+    dirs = {}
     for name, template in (("template", TEMPLATE), ("plain", None)):
         t = time.perf_counter()
         cfg = PublishConfig(checkpoint=str(ckpt), overarch="mlp", k0=200, candidates=256, filter_template=template)
-        d = publish_rec(cfg, out / f"snap_{name}", overwrite=True)
-        snaps[name] = silverrec.load(d)
-        print(f"published {name} in {time.perf_counter() - t:.0f}s (backend {snaps[name].backend})")
+        dirs[name] = publish_rec(cfg, out / f"snap_{name}", overwrite=True)
+        print(f"published {name} in {time.perf_counter() - t:.0f}s")
 
     users = sorted(fav)
     reqs = {"template": [{"user_id": u, "features": {"fav_genre": fav[u]}} for u in users],
             "plain": [{"user_id": u, "features": {"fav_genre": fav[u]}, "filter": f"genre = '{fav[u]}'"} for u in users]}
-    agree = np.mean([torch.equal(a, b) for i in range(0, len(users), 64)
-                     for a, b in zip(snaps["template"].recommend(reqs["template"][i:i + 64], k=10).item_ids,
-                                     snaps["plain"].recommend(reqs["plain"][i:i + 64], k=10).item_ids)])
-    print(f"identical top-10 lists: {agree:.3f} of {len(users)} users")
     repeat = args.repeat or (15 if args.quick else 41)
-    rows = []
-    for batch in (1, 16, 64):
+    rows, agreement = [], {}
+    for backend, batch in [(b, n) for b in ("torchscript", "export") for n in (1, 16, 64)]:
+        if batch == 1:  # both sides on the same backend (publish prefers the one it measured faster)
+            snaps = {name: silverrec.load(d, backend=backend) for name, d in dirs.items()}
+            agreement[backend] = float(np.mean([
+                torch.equal(a, b) for i in range(0, len(users), 64)
+                for a, b in zip(snaps["template"].recommend(reqs["template"][i:i + 64], k=10).item_ids,
+                                snaps["plain"].recommend(reqs["plain"][i:i + 64], k=10).item_ids)]))
+            print(f"{backend}: identical top-10 lists on both sides for {agreement[backend]:.3f} of {len(users)} users")
         starts = {"template": 0, "plain": 0}
-        times: dict[str, list[float]] = {"template": [], "plain": []}
 
         def call(side: str) -> None:
             i = starts[side]
             starts[side] = (i + batch) % max(1, len(users) - batch)
             snaps[side].recommend(reqs[side][i:i + batch], k=10)
 
-        for side in ("template", "plain"):  # warm-up, then the sides alternate call by call
-            for _ in range(3):
-                call(side)
-        order = ("template", "plain")
-        for r in range(repeat):
-            for side in (order if r % 2 == 0 else order[::-1]):
-                times[side].append(measure(lambda: call(side), repeat=1, warmup=0)["median_ms"])
-        row = {"batch": batch}
-        for side in order:
-            ts = sorted(times[side])
-            row[f"{side}_ms"] = statistics.median(ts)
-            row[f"{side}_p20_ms"] = ts[len(ts) // 5]
-            row[f"{side}_p80_ms"] = ts[(4 * len(ts)) // 5]
-        row["ratio"] = row["plain_ms"] / row["template_ms"]
-        row["paired_ratio"] = statistics.median(p / t for t, p in zip(times["template"], times["plain"]))
-        row["load_average"] = os.getloadavg()[0]
+        tpl, plain = alternate([lambda: call("template"), lambda: call("plain")], repeat, warmup=10)
+        row = {"backend": backend, "batch": batch, "template_ms": tpl["median_ms"], "template_p20_ms": tpl["p20_ms"],
+               "template_p80_ms": tpl["p80_ms"], "plain_ms": plain["median_ms"], "plain_p20_ms": plain["p20_ms"],
+               "plain_p80_ms": plain["p80_ms"], "ratio": plain["median_ms"] / tpl["median_ms"],
+               "paired_ratio": plain["paired_ratio_median"], "load_average": plain["load_1min"]}
         rows.append(row)
-    print_table(rows, ["batch", "template_ms", "plain_ms", "ratio", "paired_ratio", "load_average"])
+    fill = fill_rows(snaps["template"], reqs, users, repeat * 5)
+    print_table(fill, ["batch", "fill_us", "compile_us", "ratio", "load_average"])
+    print_table(rows, ["backend", "batch", "template_ms", "plain_ms", "ratio", "paired_ratio", "load_average"])
     config = {"template": TEMPLATE, "string": "genre = '<fav_genre>'", "users": len(users), "repeat": repeat,
-              "k": 10, "backend": snaps["template"].backend, "identical_top10": float(agree),
+              "k": 10, "identical_top10": agreement,
               "checkpoint": str(ckpt), "quick": args.quick}
-    write_results("templates_quick" if args.quick else "templates", config, rows)
+    write_results("templates_quick" if args.quick else "templates", config, rows + fill)
     return 0
 
 
