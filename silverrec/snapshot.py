@@ -226,7 +226,7 @@ def export_program(module: torch.nn.Module, example_args: tuple, dynamic_shapes:
 
 
 def own_empty_buffers(module: torch.nn.Module) -> None:
-    """Give every empty buffer of `module` a fresh empty tensor, in place. An empty tensor made from
+    """Give every empty buffer and parameter of `module` a fresh empty tensor, in place. An empty tensor made from
     numpy (or sliced from a larger one) has data_ptr 0 over a non-null storage; torch.export.save
     takes it for a view of that storage and computes its extent as 0 - storage_ptr ("numel:
     integer multiplication overflow"). A fresh empty tensor has a null storage and saves whole."""
@@ -234,6 +234,11 @@ def own_empty_buffers(module: torch.nn.Module) -> None:
         if buf.numel() == 0 and buf.untyped_storage().data_ptr() != 0:
             owner, _, leaf = name.rpartition(".")
             module.get_submodule(owner)._buffers[leaf] = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
+    for name, p in list(module.named_parameters()):
+        if p.numel() == 0 and p.untyped_storage().data_ptr() != 0:
+            owner, _, leaf = name.rpartition(".")
+            fresh = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            module.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(fresh, requires_grad=p.requires_grad)
 
 
 def export_module(

@@ -152,17 +152,3 @@ def test_fused_search_equals_the_composition_of_its_ops(built, k, nprobe, max_pr
         assert torch.equal(fused[1], other[1])
         assert torch.equal(fused[0], other[0])
     assert (fused[1] >= 0).any()
-
-
-def test_format_1_filtered_snapshots_are_refused_with_a_clear_error(built):
-    """A filtered_ivf snapshot from before posting lists (format 1) cannot feed this model signature."""
-    from types import SimpleNamespace
-
-    from silverrec.errors import QueryError
-    from silverrec.retrieval.filtered_search import filter_plan
-
-    _, manifest, _, _, _ = built
-    old = {k: v for k, v in manifest["filter"].items() if k != "postings"}
-    snap = SimpleNamespace(config={"filter": old}, path="snapshots/v1")
-    with pytest.raises(QueryError, match="format 1.*re-publish"):
-        filter_plan(snap)

@@ -135,7 +135,7 @@ def test_exact_snapshot_answers_like_search(snaps):
         r = post(run.url, "/v1/search", {"queries": q.tolist(), "k": 4, "nprobe": 2})
         assert r.status_code == 400 and "nprobe must be an int in [1, 1]" in r.json()["detail"]
         r = post(run.url, "/v1/recommend", {"history": [1, 2]})
-        assert r.status_code == 400 and "does not answer /v1/recommend" in r.json()["detail"]
+        assert r.status_code == 400 and "it answers /v1/search, not /v1/recommend" in r.json()["detail"]
     finally:
         run.stop()
 

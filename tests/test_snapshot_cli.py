@@ -106,6 +106,20 @@ def test_newer_format_version_is_rejected(exact_snapshot, tmp_path):
     assert proc.returncode == 2 and "format version" in proc.stderr
 
 
+@pytest.mark.parametrize("kind", ["exact", "ivf", "filtered_ivf", "rec"])
+def test_older_format_is_refused_naming_format_and_kind(exact_snapshot, tmp_path, kind):
+    """Format 4 folded the kinds exact / ivf / filtered_ivf into the recommendation model: a snapshot of
+    an older format holds modules this silverrec cannot call, so load refuses it before deserialising."""
+    from silverrec.snapshot import MIN_FORMAT_VERSION
+
+    snap = _copy(exact_snapshot, tmp_path / "s")
+    m = json.loads((snap / MANIFEST).read_text())
+    m["format_version"], m["kind"] = MIN_FORMAT_VERSION - 1, kind
+    (snap / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(silverrec.SnapshotError, match=f"format version {MIN_FORMAT_VERSION - 1} .kind '{kind}'.*re-publish"):
+        silverrec.load(snap)
+
+
 def test_manifest_records_the_build_versions(exact_snapshot):
     import platform
     from importlib import metadata
