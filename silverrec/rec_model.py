@@ -36,6 +36,7 @@ from torch import Tensor, nn
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
 from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 from silverrec.ranking.cache import EmbeddingCache
+from silverrec.retrieval.item_ids import rows_to_items
 from silverrec.filtering.template import FilterTemplate
 
 MERGES = ("union", "intersection")
@@ -206,24 +207,33 @@ class RecModel(nn.Module):
             item_ids int64 [B, k] (-1 = none), scores float32 [B, k] (the value, -inf = none),
             task scores float32 [B, k, T], rows int64 [B, k] (canonical rows, -1 = none).
         """
-        ops, rows, vops, vrows, lists = self.filter_template(values, lengths, ops, rows, vops, vrows, lists,
-                                                             self.index.post_sizes)
-        user = self.user_tower(values, lengths, dense)
+        user, ops, rows, vops, vrows, lists = self.request(values, lengths, dense, ops, rows, vops, vrows, lists)
         if not self.has_cache:  # retrieval only (a pure-ANN snapshot): k results straight from the search
             top_scores, top_rows = self.search_rows(user, exclude, ops, rows, vops, vrows, lists, mode, k, nprobe,
                                                     max_probe)
-            ids = self.index.row_to_item[top_rows.clamp_min(0)].to(torch.int64)
-            return torch.where(top_rows >= 0, ids, -1), top_scores, top_scores.unsqueeze(2), top_rows
+            return rows_to_items(self.index.row_to_item, top_rows), top_scores, top_scores.unsqueeze(2), top_rows
         cand = self.retrieve(user, exclude, ops, rows, vops, vrows, lists, mode, k0, nprobe, max_probe)
         value, task_scores = self.rank_rows(user, cand)
-        top_scores, top = torch.topk(value, k, dim=1)
-        top_rows = cand.gather(1, top)
-        ids = self.index.row_to_item[top_rows.clamp_min(0)].to(torch.int64)
-        found = top_scores > float("-inf")
-        top_rows = torch.where(found, top_rows, torch.full_like(top_rows, -1))
-        ids = torch.where(found, ids, torch.full_like(ids, -1))
-        tasks_out = task_scores.gather(1, top[:, :, None].expand(-1, -1, task_scores.shape[2]))
+        ids, top_scores, tasks_out, top_rows, _ = self.best(cand, value, task_scores, k)
         return ids, top_scores, tasks_out, top_rows
+
+    def request(self, values: Tensor, lengths: Tensor, dense: Tensor, ops: Tensor, rows: Tensor, vops: Tensor,
+                vrows: Tensor, lists: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The first stage of every forward: (user embeddings float32 [B, T, D], the request's filter
+        programs with the snapshot's filter template filled in and ANDed: ops, rows, vops, vrows, lists)."""
+        ops, rows, vops, vrows, lists = self.filter_template(values, lengths, ops, rows, vops, vrows, lists,
+                                                             self.index.post_sizes)
+        return self.user_tower(values, lengths, dense), ops, rows, vops, vrows, lists
+
+    def best(self, cand: Tensor, value: Tensor, task_scores: Tensor, k: int
+             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The last stage: the k best candidates int64 [B, C] by value float32 [B, C] -> (item ids int64
+        [B, k], value [B, k], task scores [B, k, T], rows [B, k], their positions in `cand` [B, k]);
+        -1 / -inf where fewer than k candidates have a value."""
+        top_scores, top = torch.topk(value, k, dim=1)
+        top_rows = torch.where(top_scores > float("-inf"), cand.gather(1, top), -1)
+        tasks_out = task_scores.gather(1, top[:, :, None].expand(-1, -1, task_scores.shape[2]))
+        return rows_to_items(self.index.row_to_item, top_rows), top_scores, tasks_out, top_rows, top
 
     @torch.jit.export
     def rank(self, values: Tensor, lengths: Tensor, dense: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:

@@ -174,9 +174,7 @@ class HybridRecModel(RecModel):
         -inf where that source did not find the item.
         """
         # (literal columns and bits: TorchScript does not read module globals; SOURCE_* and FOUND_* name them)
-        ops, rows, vops, vrows, lists = self.filter_template(values, lengths, ops, rows, vops, vrows, lists,
-                                                             self.index.post_sizes)
-        user = self.user_tower(values, lengths, dense)
+        user, ops, rows, vops, vrows, lists = self.request(values, lengths, dense, ops, rows, vops, vrows, lists)
         ann = self.retrieve(user, exclude, ops, rows, vops, vrows, lists, mode, k0, nprobe, max_probe)
         ann = torch.where(sources[:, 0:1], ann, torch.full_like(ann, -1))
         allowed = self.generative.allowed_rows(self.index.bits, vops, vrows, exclude)
@@ -184,12 +182,8 @@ class HybridRecModel(RecModel):
         gen, gen_scores = self.generative(history, allowed)
         cand, found_by, gen_feature = merge_sources(ann, gen, gen_scores)
         value, task_scores = self.rank_rows(user, cand)
-        top_scores, top = torch.topk(value, k, dim=1)
-        top_rows = cand.gather(1, top)
-        found = top_scores > float("-inf")
-        top_rows = torch.where(found, top_rows, torch.full_like(top_rows, -1))
-        ids = torch.where(found, self.index.row_to_item[top_rows.clamp_min(0)].to(torch.int64), torch.full_like(top_rows, -1))
-        tasks_out = task_scores.gather(1, top[:, :, None].expand(-1, -1, task_scores.shape[2]))
+        ids, top_scores, tasks_out, top_rows, top = self.best(cand, value, task_scores, k)
+        found = top_rows >= 0
         by = torch.where(found, found_by.gather(1, top), torch.zeros_like(top))
         ann_score = (self.cache.embeddings(top_rows) * user[:, :1, :]).sum(dim=2)  # task 0's exact re-score
         ann_score = torch.where((by & 1) != 0, ann_score, float("-inf"))
