@@ -84,8 +84,6 @@ def value_planes(fwd: ForwardIndex, limit: int) -> tuple[np.ndarray, np.ndarray]
     frequent = np.flatnonzero(np.bincount(tokens, minlength=total) > limit)
     w = (fwd.size + 63) // 64
     planes = np.zeros((frequent.size, w * 8), dtype=np.uint8)
-    index = np.full(total, -1, dtype=np.int64)
-    index[frequent] = np.arange(frequent.size)
     for i, t in enumerate(frequent):
         mask = np.zeros(w * 64, dtype=bool)
         mask[rows[tokens == t]] = True

@@ -34,17 +34,10 @@ def check_queries(queries, dim: int, name: str = "queries"):
         raise QueryError(f"{name} has dimension {queries.shape[1]}, the index holds {dim}-d items")
     if not queries.dtype.is_floating_point:
         raise QueryError(f"{name} must be floating point, got {queries.dtype}")
-    out = queries.float().contiguous()
-    if out.device.type == "cpu":  # numpy's check costs ~7 us here, torch's isfinite + all ~27 us
-        import numpy as np
-
-        finite = bool(np.isfinite(out.detach().numpy()).all())
-    else:
-        finite = bool(torch.isfinite(out).all())
-    if not finite:
-        bad = int((~torch.isfinite(out)).any(dim=1).nonzero()[0, 0])
+    if not bool(torch.isfinite(queries).all()):
+        bad = int((~torch.isfinite(queries)).any(dim=1).nonzero()[0, 0])
         raise QueryError(f"{name} row {bad} contains NaN or Inf")
-    return out
+    return queries.float().contiguous()
 
 
 def check_k(k: int, limit: int | None = None, what: str = "items") -> int:
