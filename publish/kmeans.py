@@ -36,7 +36,7 @@ from silverrec.errors import PoolError
 from silverrec.publish.progress import bar
 
 ASSIGN_CHUNK = 16384  # rows per assignment matmul: memory O(ASSIGN_CHUNK * nlist)
-GROUPED_CHUNK = 1 << 16  # rows per grouped-assignment batch (sorted by group inside)
+GROUPED_CHUNK = 1 << 18  # rows per grouped-assignment batch (sorted by group inside)
 TWO_LEVEL_MIN_NLIST = 1024  # method="auto" switches to two_level from this many clusters
 DEFAULT_REACH = 8  # nearest groups whose centroids a row is compared with in assign_grouped
 
@@ -240,36 +240,44 @@ def assign_grouped(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Approximate nearest centroid, searched like an IVF over the centroids: each row is compared
     with the centroids of its `groups.reach` nearest group centres only. Same outputs as `assign`:
-    (assignment int64 [N], squared distance float32 [N])."""
+    (assignment int64 [N], squared distance float32 [N]).
+
+    Per chunk of rows, the (row, group) pairs are sorted by group so that each group is one matmul
+    over its rows (index_select) against its members; results are written into contiguous slices in
+    that order and put back in row order once (no per-group scatter)."""
     c_sq = (centroids * centroids).sum(dim=1)
     mem_c = [centroids[m].t().contiguous() for m in groups.members]  # [D, |group|] each
-    mem_sq = [c_sq[m] for m in groups.members]
-    g_sq = (groups.group_centroids * groups.group_centroids).sum(dim=1)
+    mem_sq = [c_sq[m][None, :] for m in groups.members]
+    member_ids = torch.cat(groups.members)  # centroid ids, group by group
+    member_base = torch.zeros(len(groups.members), dtype=torch.int64)
+    member_base[1:] = torch.cumsum(torch.tensor([m.numel() for m in groups.members[:-1]], dtype=torch.int64), 0)
+    g_t = groups.group_centroids.t().contiguous()
+    g_sq = (groups.group_centroids * groups.group_centroids).sum(dim=1)[None, :]
     labels = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     dist = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     n_groups, t = len(groups.members), groups.reach
     for start in range(0, x.shape[0], chunk):
-        xs = x[start : start + chunk].float()
+        xs = x[start : start + chunk]
         c = xs.shape[0]
-        gd = torch.addmm(g_sq[None, :], xs, groups.group_centroids.t(), alpha=-2.0)  # [c, G]
-        near = gd.topk(t, dim=1, largest=False).indices.reshape(-1)  # [c * t] pairs (row, group)
-        order = torch.sort(near, stable=True).indices
-        bounds = torch.zeros(n_groups + 1, dtype=torch.int64)
-        bounds[1:] = torch.cumsum(torch.bincount(near, minlength=n_groups), 0)
-        pair_best = torch.full((c * t,), math.inf)
-        pair_lab = torch.zeros(c * t, dtype=torch.int64)
+        near = torch.addmm(g_sq, xs, g_t, alpha=-2.0).topk(t, dim=1, largest=False).indices.reshape(-1)  # [c * t]
+        order = torch.sort(near, stable=True).indices  # pairs (row, group) sorted by group
+        counts = torch.bincount(near, minlength=n_groups)
+        bounds = [0] + torch.cumsum(counts, 0).tolist()
+        rows = order // t
+        best = torch.full((c * t,), math.inf)
+        local = torch.zeros(c * t, dtype=torch.int64)
         for gi in range(n_groups):
-            a, b = int(bounds[gi]), int(bounds[gi + 1])
+            a, b = bounds[gi], bounds[gi + 1]
             if a == b or mem_c[gi].shape[1] == 0:
                 continue
-            pairs = order[a:b]
-            part = torch.addmm(mem_sq[gi][None, :], xs[pairs // t], mem_c[gi], alpha=-2.0)
-            bv, bl = part.min(dim=1)
-            pair_best[pairs] = bv
-            pair_lab[pairs] = groups.members[gi][bl]
-        best, which = pair_best.reshape(c, t).min(dim=1)
-        labels[start : start + c] = pair_lab.reshape(c, t).gather(1, which[:, None]).squeeze(1)
-        dist[start : start + c] = (best + (xs * xs).sum(dim=1)).clamp_min_(0.0)
+            part = torch.addmm(mem_sq[gi], xs.index_select(0, rows[a:b]), mem_c[gi], alpha=-2.0)
+            torch.min(part, dim=1, out=(best[a:b], local[a:b]))
+        lab_sorted = member_ids[(member_base.repeat_interleave(counts) + local).clamp_max_(member_ids.numel() - 1)]
+        pair_best = torch.empty_like(best).index_copy_(0, order, best).reshape(c, t)
+        pair_lab = torch.empty_like(lab_sorted).index_copy_(0, order, lab_sorted).reshape(c, t)
+        bv, which = pair_best.min(dim=1)
+        labels[start : start + c] = pair_lab.gather(1, which[:, None]).squeeze(1)
+        dist[start : start + c] = (bv + (xs * xs).sum(dim=1)).clamp_min_(0.0)
     return labels, dist
 
 

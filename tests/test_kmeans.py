@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from silverrec.errors import PoolError
-from silverrec.publish.kmeans import assign, default_nlist, kmeans, kmeanspp_init, lloyd_step
+from silverrec.publish.kmeans import Groups, assign, assign_grouped, default_nlist, kmeans, kmeanspp_init, lloyd_step
 from tests.helpers import load_ann
 
 
@@ -142,3 +142,40 @@ def test_kmeans_sampling_budget_still_assigns_every_point():
 def test_kmeans_bad_input(x, nlist, match):
     with pytest.raises(PoolError, match=match):
         kmeans(x, nlist)
+
+
+def _grouped_reference(x, c, groups):
+    """float64 brute force: nearest centroid among the members of each row's `reach` nearest groups."""
+    xd, cd = x.double(), c.double()
+    near = torch.cdist(xd, groups.group_centroids.double()).topk(groups.reach, dim=1, largest=False).indices
+    allowed = (groups.group[None, None, :] == near[:, :, None]).any(dim=1)  # [N, K]
+    d = torch.cdist(xd, cd) ** 2
+    return d.masked_fill(~allowed, float("inf")).argmin(dim=1)
+
+
+@pytest.mark.parametrize("reach", [1, 3, 7])
+def test_assign_grouped_is_nearest_within_reach_groups(reach):
+    g = torch.Generator().manual_seed(1)
+    x, c = torch.randn(5000, 12, generator=g), torch.randn(90, 12, generator=g)
+    top = torch.randn(7, 12, generator=g)
+    top[6] = 1e4  # a group centre without members (no centroid is nearest to it)
+    groups = Groups.build(c, top, reach=reach)
+    assert groups.members[6].numel() == 0
+    labels, dist = assign_grouped(x, c, groups, chunk=1024)
+    assert torch.equal(labels, _grouped_reference(x, c, groups))
+    torch.testing.assert_close(dist.double(), ((x.double() - c.double()[labels]) ** 2).sum(1), rtol=1e-4, atol=1e-3)
+    if reach == 7:  # every group reached: the exact nearest centroid
+        assert torch.equal(labels, assign(x, c)[0])
+
+
+def test_two_level_matches_flat_kmeans_on_blobs():
+    # 64 separated blobs into 64 clusters (method two_level: 8 groups): like flat k-means, every
+    # cluster is one blob, and the final assignment equals the exact nearest centroid
+    x, labels, _ = _blobs(64, 60, 8, spread=1.0)
+    flat = kmeans(x, 64, niter=8, seed=0, method="flat")
+    two = kmeans(x, 64, niter=8, seed=0, method="two_level")
+    for result in (flat, two):
+        purity = sum(int(torch.bincount(labels[result.assignment == k]).max()) for k in range(64) if (result.assignment == k).any())
+        assert purity >= 0.97 * len(x)
+    assert two.stats[-1].objective <= 1.05 * flat.stats[-1].objective
+    assert torch.equal(two.assignment, assign(x, two.centroids)[0])
