@@ -228,26 +228,31 @@ class MoLOverArch(nn.Module):
 
     def score(self, user: Tensor, cand: Tensor, item: Tensor, valid: Tensor) -> Tensor:
         """user float32 [B, T, D], cand [B, K, D], item [B, K, E] (`item_side`), valid (unused) ->
-        float32 [B, K, T]."""
+        float32 [B, K, T].
+
+        The gate runs task-major, [T, B*K, .]: its hidden layer accumulates the logit columns onto
+        (user part + item part) in place (one baddbmm_) and its T output layers are one batched
+        matmul [T, B*K, H] x [T, H, P] (no block-diagonal [T*P, T*H] map that multiplies T-1 zero
+        blocks, no copy of the hidden layer). Measured on MovieLens' MoL (B 16, K 256, 1 thread,
+        TorchScript, alternated): 0.87x the block-diagonal version's time (0.82x at B 64, 0.89x at B 1).
+        """
         w = self.gate_in.weight  # [H, 2D + F + P]
         d, f = self.dim, self.feat_dim
         user = user.to(w.dtype)
         cand = cand.to(w.dtype)
         item = item.to(w.dtype)
+        b, k = item.shape[0], item.shape[1]
+        t_count, n_p, hid = self.tasks, self.p_q * self.p_x, self.gate_hidden
         nx = self.p_x * self.comp_dim
         logits = self.component_logits(user, item[:, :, :nx])  # [B, K, T, P]
-        hu = F.linear(user, w[:, :d])  # [B, T, H]
-        base = hu.unsqueeze(1) + item[:, :, nx:].unsqueeze(2)  # [B, K, T, H]
-        # the gate's logit columns added onto base in the matmul (addmm: one pass, no extra add)
-        h = F.silu(torch.addmm(base.flatten(0, 2), logits.flatten(0, 2), w[:, 2 * d + f :].t()))  # [B*K*T, H]
-        # the T per-task output layers as one block-diagonal linear map [T*P, T*H] with the biases
-        # fused: a broadcast matmul here materialised [B, K, T, H, P], and a per-task slice, or a
-        # permute + bmm, guarded export on K != 1
-        eye = torch.eye(self.tasks, dtype=h.dtype, device=h.device)
-        blocks = (self.gate_weight.to(h.dtype)[:, :, None, :] * eye[:, None, :, None]).flatten(2).flatten(0, 1)
-        g = F.linear(h.reshape(logits.shape[0], logits.shape[1], -1), blocks, self.gate_bias.to(h.dtype).flatten())
-        gates = torch.softmax(g.unflatten(2, [self.tasks, -1]), dim=-1)  # [B, K, T, P]
-        mixed = (gates * logits).sum(-1)  # [B, K, T]
+        lg = logits.reshape(b * k, t_count, n_p).transpose(0, 1)  # [T, B*K, P] (a strided view)
+        # the user part per task, stacked task-major: [T, B, H] contiguous, so that the sum below is
+        # [T, B, K, H] contiguous (`.contiguous()` of a transpose guarded export on B != 1)
+        hu = torch.stack([F.linear(user[:, t], w[:, :d]) for t in range(t_count)])
+        h = (hu.unsqueeze(2) + item[:, :, nx:].unsqueeze(0)).reshape(t_count, b * k, hid)
+        h = F.silu(h.baddbmm_(lg, w[:, 2 * d + f :].t().unsqueeze(0).expand(t_count, n_p, hid)))  # [T, B*K, H]
+        g = torch.baddbmm(self.gate_bias.to(h.dtype).unsqueeze(1), h, self.gate_weight.to(h.dtype).transpose(1, 2))
+        mixed = (torch.softmax(g, dim=-1) * lg).sum(-1).reshape(t_count, b, k).permute(1, 2, 0)  # [B, K, T]
         dot = torch.bmm(cand, user.transpose(1, 2)) * self.dot_scale.to(w.dtype)  # [B, K, T]
         return (mixed * self.log_scale.exp().clamp(max=100.0) + dot).float()
 
