@@ -184,8 +184,10 @@ class RecModel(nn.Module):
         # per task: drop the excluded rows, keep the best k0 by exact re-score, then merge the tasks
         K = found.shape[1]
         flat = exclude_rows(found.reshape(-1, T * K), exclude, idx.num_items)  # [B, T*K], task-major
-        emb = self.cache.embeddings(flat).reshape(-1, T, K, user.shape[-1])  # [B, T, K, D]
-        own = torch.matmul(emb, user.unsqueeze(-1)).squeeze(-1)  # [B, T, K]: task t's rows by task t only
+        emb = self.cache.embeddings(flat).reshape(-1, K, user.shape[-1])  # [B*T, K, D]
+        # task t's rows by task t only: [B*T, 1, D] x [B*T, D, K] (the row-vector form: as [B*T, K, D] x
+        # [B*T, D, 1] the batched matmul took 7x longer, 1.03 vs 0.15 ms at B 16, K 456, 1 thread)
+        own = torch.bmm(q.unsqueeze(1), emb.transpose(1, 2)).reshape(-1, T, K)  # [B, T, K]
         own = torch.where(flat.reshape(-1, T, K) >= 0, own, float("-inf"))
         top = torch.topk(own, k0, dim=2)  # [B, T, k0]
         rows_t = flat.reshape(-1, T, K).gather(2, top.indices)
