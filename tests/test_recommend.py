@@ -160,12 +160,15 @@ def _bad_requests(rec):
         "filter feature": ([{"user_id": u, "filter": "cat = c1 OR colour = red"}], {}, QueryError,
                            "unknown feature 'colour' in filter at position 12"),
         "search mode": ([{"user_id": u}], {"mode": "fast"}, QueryError, "unknown search mode 'fast'"),
+        "threads = 0": ([{"user_id": u}], {"threads": 0}, QueryError, r"threads must be an int in \[1, 1024\], got 0"),
+        "threads word": ([{"user_id": u}], {"threads": "many"}, QueryError, "threads must be an int .*, got 'many'"),
     }
 
 
 BAD_REQUESTS = ["history unknown id", "exclude unknown id", "unknown user_id", "both user and history",
                 "neither user nor history", "unknown field", "unknown user feature", "k = 0", "k < 0", "k > pool",
-                "nprobe = 0", "nprobe > nlist", "filter syntax", "filter syntax 2", "filter feature", "search mode"]
+                "nprobe = 0", "nprobe > nlist", "filter syntax", "filter syntax 2", "filter feature", "search mode",
+                "threads = 0", "threads word"]
 
 
 @pytest.mark.parametrize("case", BAD_REQUESTS)
@@ -173,6 +176,41 @@ def test_bad_request_gets_its_named_error(rec, case):
     requests, options, error, message = _bad_requests(rec)[case]
     with pytest.raises(error, match=message):
         rec.snap().recommend(requests, **options)
+
+
+def test_threads_policy_and_the_process_setting(rec):
+    """threads="auto" runs a small batch's forward on one thread and a larger one on the process's
+    threads, an int on that many; the process's setting is back after every call, and the answer
+    does not depend on the thread count."""
+    from silverrec.serving.recommend import ONE_THREAD_MAX_BATCH
+
+    handler = rec.snap().rec_handler()
+    seen = []
+    module = handler.module
+
+    def recording(*args):
+        seen.append(torch.get_num_threads())
+        return module(*args)
+
+    users = [int(u) for u in rec.logs.user_ids]
+    small = [{"user_id": u} for u in users[:3]]
+    large = [{"user_id": users[i % len(users)]} for i in range(ONE_THREAD_MAX_BATCH + 1)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    handler.module = recording
+    try:
+        want = handler.recommend(small, k=5, threads=None)
+        got = {t: handler.recommend(small, k=5, threads=t) for t in ("auto", 1, 3)}
+        assert torch.get_num_threads() == 2
+        handler.recommend(large, k=5)
+        assert torch.get_num_threads() == 2
+    finally:
+        handler.module = module
+        torch.set_num_threads(before)
+    assert seen == [2, 1, 1, 3, 2]
+    for res in got.values():
+        assert torch.equal(res.item_ids, want.item_ids)
+        torch.testing.assert_close(res.scores, want.scores)
 
 
 def test_unknown_numeric_user_feature_is_an_error(rec):

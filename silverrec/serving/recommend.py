@@ -20,6 +20,7 @@ forward.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -39,6 +40,11 @@ RANK_FILE = "rank.pt2"
 MAX_RANK_ITEMS = 1 << 20
 MAX_LISTWISE_RANK_ITEMS = 4096  # a list-wise OverArch attends over the whole list: quadratic in its length
 DEFAULT_EXCLUDE_LIMIT = 4096  # exclusion slots per request (snapshots record their own)
+# threads="auto": a batch of at most this many requests runs its forward on one thread. A forward of
+# a small batch is ~200 small ops, and every op that OpenMP splits over 2 threads pays a wake-up and a
+# join (more with OMP_WAIT_POLICY=PASSIVE): MovieLens snapshot, TorchScript, alternated in one process,
+# 2-thread / 1-thread time 1.17 (batch 1), 1.09 (16), 1.04 (64) at load 4; 1.22 / 1.23 at load 6.
+ONE_THREAD_MAX_BATCH = 16
 
 
 @dataclass
@@ -235,9 +241,12 @@ class RecHandler:
 
     def recommend(self, requests, k: int = 10, k0: Optional[int] = None, nprobe: Optional[int] = None,
                   max_probe: Optional[int] = None, mode: str = "auto", exclude_history: bool = True,
-                  exclude_limit: Optional[int] = None) -> Recommendations:
+                  exclude_limit: Optional[int] = None, threads: Union[str, int, None] = "auto") -> Recommendations:
         """Top-k items per request, one forward call (module docstring). `exclude_limit` (default:
-        the snapshot's) is the number of exclusion slots every request gets (`encode`)."""
+        the snapshot's) is the number of exclusion slots every request gets (`encode`). `threads`:
+        the forward's intra-op threads: "auto" (one thread for at most ONE_THREAD_MAX_BATCH
+        requests, else the process's setting), an int, or None (the process's setting); the
+        process's setting is restored after the call."""
         if isinstance(requests, (RecRequest, Mapping)):
             requests = [requests]
         requests = [RecRequest.coerce(r, f"request {b}") for b, r in enumerate(requests)]
@@ -271,7 +280,11 @@ class RecHandler:
             raise QueryError("this snapshot has one retrieval source, 'ann' (publish with sources = ['ann', 'generative'])")
         else:
             extra = ()
-        with torch.inference_mode():
+        if threads == "auto":
+            threads = 1 if len(requests) <= ONE_THREAD_MAX_BATCH else None
+        elif threads is not None:
+            threads = _check_int("threads", threads, 1, 1 << 10)
+        with torch.inference_mode(), _num_threads(threads):
             out = self.module(values, lengths, dense, exclude, *compile_request(filters, self.plan), modes, *extra,
                               k, k0, nprobe, max_probe)
         return Recommendations(out[0], out[1], out[2][:, :, :T], self.tasks, *out[4:])
@@ -295,6 +308,20 @@ class RecHandler:
         if getattr(self._rank_module, "lazy", False):
             self._rank_module = self._rank_module()
         return self._rank_module
+
+
+@contextmanager
+def _num_threads(n: Optional[int]):
+    """torch's intra-op threads set to `n` inside the block and restored after it (None: unchanged)."""
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
