@@ -1,6 +1,8 @@
-"""Semantic-ID decoder vs the item-token reference (one token per item, full softmax), equal minutes.
+"""Semantic-ID decoder vs the item-token reference (one token per item, full softmax), equal budgets.
 
-    python benchmarks/generative_quality.py [--minutes 2] [--seeds 0 1 2] [--two-tower out/demo/model.ckpt]
+    python benchmarks/generative_quality.py [--minutes 2 | --steps 400] [--seeds 0 1 2]
+        [--two-tower out/demo/model.ckpt | --embeddings svd] [--levels 3] [--codes 256] [--beam 100]
+        [--save DIR]
 
 Both are the same `RecDecoder` (publish/train_generative.py), trained for the same wall-clock budget
 on the same leave-one-out split of MovieLens ml-latest-small converted to generic logs
@@ -9,7 +11,12 @@ disambiguation level) of the two-tower item tower's embeddings (a `silverrec tra
 default out/demo/model.ckpt), the reference with one token per item (`embeddings = "items"`).
 Metrics: HR@10 and NDCG@10 of the test items (stage "test": trained on train + validation items),
 history items excluded in the decode; the reference's decode of beam 10 is the exact top 10 of its
-full softmax over items (full ranking), the semantic-ID model's is the top 10 of a beam of 20.
+full softmax over items (full ranking), the semantic-ID model's is the top 10 of a beam of `--beam`.
+Budget: `--minutes` (wall clock each) or `--steps` (the same optimiser steps for both; on a shared
+machine the step count of a wall-clock budget follows the load, so equal steps is the fair, repeatable
+comparison; each row records its training seconds and seconds per step, and the summary the ratio
+of the two models' seconds per step, run back to back per seed). `--save DIR` keeps each seed's
+semantic-ID checkpoint (DIR/generative_seed{S}.ckpt, e.g. for benchmarks/recommend.py --sources).
 Popularity is the same list for every user (history excluded). Mean and sample std over seeds
 (each seed: the timestamp tie-break of the logs, the initialisation and the batches).
 
@@ -40,46 +47,61 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=2.0, help="training budget of each model (default 2)")
+    p.add_argument("--steps", type=int, default=None, help="train each model for exactly this many steps instead")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--two-tower", dest="two_tower", default=str(ROOT / "out/demo/model.ckpt"),
                    help="silverrec train checkpoint whose item embeddings give the semantic IDs")
+    p.add_argument("--embeddings", default=None, help="semantic-ID source instead of --two-tower (e.g. svd)")
+    p.add_argument("--levels", type=int, default=3, help="residual k-means levels of the semantic IDs")
+    p.add_argument("--codes", type=int, default=256, help="codes per level")
+    p.add_argument("--beam", type=int, default=100, help="beam width of the semantic-ID decode (top 10 of it)")
+    p.add_argument("--save", default=None, help="directory for each seed's semantic-ID checkpoint")
     p.add_argument("--logs", default="/tmp/silverrec_movielens_logs", help="where to write the converted logs")
     p.add_argument("--name", default="generative_quality")
     args = p.parse_args(argv)
     os.environ.setdefault("SILVERREC_QUIET", "1")
-    if not Path(args.two_tower).is_file():
+    if args.embeddings is None and not Path(args.two_tower).is_file():
         sys.exit(f"no two-tower checkpoint at {args.two_tower}: run `python -m silverrec.publish.demo` or "
                  f"`silverrec train --config train.toml --out CKPT` and pass --two-tower CKPT")
     inter, items = movielens.write_logs(args.logs)
-    models = {"semantic IDs": str(args.two_tower), "item tokens": ITEM_TOKENS}
+    models = {"semantic IDs": args.embeddings or str(args.two_tower), "item tokens": ITEM_TOKENS}
+    budget = {"minutes": 1e6, "max_steps": args.steps} if args.steps else {"minutes": args.minutes}
     rows, runs = [], {name: [] for name in [*models, "popularity"]}
     for seed in args.seeds:
         for name, source in models.items():  # alternated per seed: both see the same machine load
-            cfg = TrainConfig(interactions=str(inter), items=str(items), embeddings=source, minutes=args.minutes,
-                              seed=seed, eval_beam=20 if source != ITEM_TOKENS else 10)
+            cfg = TrainConfig(interactions=str(inter), items=str(items), embeddings=source, seed=seed, **budget,
+                              levels=args.levels, codes=args.codes, eval_beam=args.beam if source != ITEM_TOKENS else 10)
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
-            _, sids, metrics = train(cfg)
+            out = Path(args.save) / f"generative_seed{seed}.ckpt" if args.save and source != ITEM_TOKENS else None
+            _, sids, metrics = train(cfg, out)
             row = {"model": name, "seed": seed, "steps": metrics.steps, "train_s": round(metrics.train_seconds, 1),
+                   "s_per_step": round(metrics.train_seconds / max(metrics.steps, 1), 3),
                    "heldout_loss": round(metrics.heldout_loss, 4), **metrics.model, "vocab": sids.vocab_size,
                    "levels": sids.level_sizes if len(sids.level_sizes) > 1 else [len(sids.item_ids)],
                    "wall_s": round(time.perf_counter() - t0, 1), "load_avg_1m": round(load, 2)}
             rows.append(row)
             runs[name].append(metrics.model)
-            print_table([row], ["model", "seed", "steps", "train_s", "HR@10", "NDCG@10", "heldout_loss", "load_avg_1m"])
+            print_table([row], ["model", "seed", "steps", "s_per_step", "HR@10", "NDCG@10", "heldout_loss", "load_avg_1m"])
         runs["popularity"].append(metrics.popularity)
     summary = {name: mean_and_spread(r) for name, r in runs.items()}
     table = [{"model": name, **{k: f"{m:.4f} +- {s:.4f}" for k, (m, s) in v.items()}} for name, v in summary.items()]
-    print(f"\nmean +- std over seeds {args.seeds}, {args.minutes:g} min of training each")
+    what = f"{args.steps} steps" if args.steps else f"{args.minutes:g} min"
+    print(f"\nmean +- std over seeds {args.seeds}, {what} of training each")
     print_table(table, ["model", "HR@10", "NDCG@10"])
     ratio = summary["semantic IDs"]["HR@10"][0] / max(summary["item tokens"]["HR@10"][0], 1e-12)
-    verdict = f"semantic-ID HR@10 / item-token HR@10 = {ratio:.3f} (target >= 0.9: {'met' if ratio >= 0.9 else 'NOT met'})"
+    per_step = [s["s_per_step"] / t["s_per_step"] for s, t in zip(rows[0::2], rows[1::2])]  # same seed, back to back
+    verdict = (f"semantic-ID HR@10 / item-token HR@10 = {ratio:.3f} at {what} (target >= 0.9: "
+               f"{'met' if ratio >= 0.9 else 'NOT met'}); seconds per step semantic / item-token per seed "
+               f"{[round(r, 2) for r in per_step]}")
     print(verdict)
-    config = {"minutes": args.minutes, "seeds": args.seeds, "two_tower": args.two_tower,
+    config = {"minutes": None if args.steps else args.minutes, "steps": args.steps, "seeds": args.seeds,
+              "semantic_ids": models["semantic IDs"], "beam": args.beam,
               "train_config": {k: v for k, v in asdict(cfg).items() if k not in ("interactions", "items", "embeddings", "seed")},
               "protocol": "leave-one-out, stage test, HR@10/NDCG@10 of the decode's top 10, history excluded in-decode"}
     write_results(args.name, config, rows + [{"summary": {k: {m: list(v) for m, v in s.items()} for k, s in summary.items()},
-                                             "hr10_ratio": ratio, "verdict": verdict}])
+                                             "hr10_ratio": ratio, "seconds_per_step_ratio": per_step,
+                                             "verdict": verdict}])
     return 0
 
 

@@ -14,13 +14,18 @@ by the config's `embeddings`:
   * a `silverrec train` checkpoint (the default in a config: its two-tower item tower's embedding of
     every pool item, `ckpt["item_embeddings"]`, computed by the item tower at the end of training);
   * a Parquet file with `item_id` and `embedding` columns (e.g. items.parquet itself);
+  * "svd": collaborative item factors computed here, V * S of the rank-`svd_dim` truncated SVD of the
+    binary user x item matrix of the stage's training histories (PureSVD; nothing held out is seen);
   * "items": one token per item instead of semantic IDs (the SASRec-style reference: a full softmax
     over items, `semantic_ids.item_token_ids`).
 Every pool item needs an embedding (a named PoolError otherwise).
 
-Training: causal next-token cross-entropy (full vocabulary) over windows of at most
-`max_history + 1` items, BOS + their L tokens each, left-padded; every item token of the window is a
-target, so one window trains every history length up to `max_history`. AdamW, linear warm-up then
+Training: causal next-token cross-entropy over windows of at most `max_history + 1` items, BOS +
+their L tokens each, left-padded; every item token of the window is a target, so one window trains
+every history length up to `max_history`. The softmax of each target runs over the valid next
+tokens only (`ValidNext`: the children of the item's prefix in the trie the decode walks), so the
+model spends no steps learning which code paths exist (with one token per item: every item, i.e.
+the full softmax). AdamW, linear warm-up then
 cosine decay over the wall-clock budget (`minutes`, or `max_steps` for reproducible runs).
 
 Evaluation (the project's protocol, publish/evaluate.py): HR@10 and NDCG@10 of the beam decode's
@@ -52,7 +57,7 @@ import torch.nn.functional as F
 
 from silverrec.bitmask import pack_bits
 from silverrec.errors import PoolError
-from silverrec.generative.decoder import PAD, DecoderConfig, RecDecoder
+from silverrec.generative.decoder import N_SPECIAL, PAD, DecoderConfig, RecDecoder
 from silverrec.generative.generative import GenerativeRetrieval
 from silverrec.generative.trie import ValidPathTrie
 from silverrec.publish.config import ConfigError, read_toml
@@ -64,6 +69,7 @@ from silverrec.publish.semantic_ids import SemanticIds, SemanticIdStats, build_s
 from silverrec.serving.predictor import history_tokens
 
 ITEM_TOKENS = "items"  # `embeddings` value: one token per item (the reference), no semantic IDs
+SVD = "svd"  # `embeddings` value: item factors of a truncated SVD of the training interactions
 
 
 @dataclass
@@ -71,8 +77,9 @@ class TrainConfig:
     """One generative training run (a TOML file, `TrainConfig.from_toml`, or keyword arguments).
 
     interactions, items: the generic logs (publish/logs.py). embeddings: a `silverrec train`
-        checkpoint, a Parquet file with item_id + embedding, or "items" (see module docstring).
+        checkpoint, a Parquet file with item_id + embedding, "svd" or "items" (module docstring).
     levels, codes: residual k-means levels and codes per level of the semantic IDs.
+    svd_dim: rank of the "svd" item factors.
     minutes: wall-clock budget of the optimisation loop; max_steps: optional step cap.
     max_history: items of history the model sees (training windows and serving truncation).
     eval_beam: beam width (and per-beam top_k) of the evaluation decode, >= 10.
@@ -87,6 +94,7 @@ class TrainConfig:
     embeddings: Optional[str] = None
     levels: int = 3
     codes: int = 256
+    svd_dim: int = 64
     minutes: float = 3.0
     max_steps: Optional[int] = None
     dim: int = 128
@@ -120,8 +128,8 @@ class TrainConfig:
     def from_toml(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
         cfg = read_toml(cls, path, path_keys=("interactions", "items", "embeddings"),
                         required=("interactions", "items", "embeddings"), **overrides)
-        if Path(cfg.embeddings).name == ITEM_TOKENS and not Path(cfg.embeddings).exists():
-            cfg.embeddings = ITEM_TOKENS  # the keyword, not a file next to the config
+        if Path(cfg.embeddings).name in (ITEM_TOKENS, SVD) and not Path(cfg.embeddings).exists():
+            cfg.embeddings = Path(cfg.embeddings).name  # the keyword, not a file next to the config
         return cfg
 
 
@@ -132,7 +140,7 @@ class Metrics:
     steps: int = 0
     train_seconds: float = 0.0
     train_loss: float = float("nan")
-    heldout_loss: float = float("nan")  # mean cross-entropy per token of the stage's target items
+    heldout_loss: float = float("nan")  # mean NLL (nats) per target item of the stage (`target_loss`)
     users: int = 0
     eval_beam: int = 0
     model: dict[str, float] = field(default_factory=dict)
@@ -198,14 +206,36 @@ def item_embeddings(source: str, item_ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(emb[order[pos]], dtype=np.float32)
 
 
-def semantic_ids_for(cfg: TrainConfig, item_ids: np.ndarray) -> SemanticIds:
-    """The item vocabulary of a run: semantic IDs of `cfg.embeddings`, or one token per item."""
+def svd_item_embeddings(train: list[np.ndarray], n_items: int, dim: int, seed: int = 0) -> np.ndarray:
+    """float32 [n_items, dim]: V * S of the rank-`dim` truncated SVD of the binary user x item matrix
+    of `train` (per user, pool rows int64), by `torch.svd_lowrank` (randomised, 16 extra columns of
+    oversampling). Items no user has get zero rows; columns past min(users, items) are zero."""
+    users = np.repeat(np.arange(len(train)), [len(t) for t in train])
+    cells = np.unique(users * n_items + np.concatenate(train).astype(np.int64)) if users.size else np.zeros(0, np.int64)
+    index = torch.from_numpy(np.stack([cells // n_items, cells % n_items]))
+    matrix = torch.sparse_coo_tensor(index, torch.ones(cells.size), (len(train), n_items), check_invariants=True)
+    rank = min(dim, len(train), n_items)
+    torch.manual_seed(seed)
+    _, s, v = torch.svd_lowrank(matrix.coalesce(), q=min(rank + 16, len(train), n_items), niter=6)
+    out = np.zeros((n_items, dim), np.float32)
+    out[:, :rank] = (v[:, :rank] * s[:rank]).numpy()
+    return out
+
+
+def semantic_ids_for(cfg: TrainConfig, item_ids: np.ndarray, train: list[np.ndarray] | None = None) -> SemanticIds:
+    """The item vocabulary of a run: semantic IDs of `cfg.embeddings`, or one token per item.
+    train: the training histories (pool rows), needed by embeddings "svd"."""
     if cfg.embeddings == ITEM_TOKENS:
         return item_token_ids(item_ids)
     if cfg.embeddings is None:
         raise ConfigError("embeddings is not set: a silverrec train checkpoint, a Parquet file with item_id and "
-                          f"embedding, or {ITEM_TOKENS!r}")
-    emb = item_embeddings(cfg.embeddings, item_ids)
+                          f"embedding, {SVD!r} or {ITEM_TOKENS!r}")
+    if cfg.embeddings == SVD:
+        if train is None:
+            raise ConfigError(f"embeddings {SVD!r} needs the training histories (semantic_ids_for(..., train=))")
+        emb = svd_item_embeddings(train, len(item_ids), cfg.svd_dim, cfg.seed)
+    else:
+        emb = item_embeddings(cfg.embeddings, item_ids)
     with step(f"semantic IDs (residual k-means, {cfg.levels} x {cfg.codes}, over {emb.shape[1]}-d embeddings)"):
         return build_semantic_ids(emb, item_ids, levels=cfg.levels, codes=cfg.codes, seed=cfg.seed)
 
@@ -246,11 +276,36 @@ def decoder_config(sids: SemanticIds, cfg: TrainConfig, serve_tokens: int = 2048
     )
 
 
-def lm_loss(model: RecDecoder, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the non-PAD targets of tokens int64 [B, T]."""
-    logits = model(tokens[:, :-1])
-    target = tokens[:, 1:].masked_fill(tokens[:, 1:] == PAD, -100)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=-100)
+class ValidNext:
+    """The valid next tokens of every item token: the children of its prefix in the trie of `sids`.
+
+    parents: int64 [N, L], the trie node of each pool row's level-l prefix (column 0: the root);
+    allowed: bool [n_internal, vocab], the decoder tokens of each internal node's children
+    (`ValidPathTrie.child_tokens`). With one token per item: every item token after any history.
+    """
+
+    def __init__(self, sids: SemanticIds):
+        trie = ValidPathTrie(torch.from_numpy(sids.paths), sids.level_sizes)
+        self.parents = torch.empty(len(sids.item_ids), sids.depth, dtype=torch.int64)
+        self.parents[trie.row_order] = trie.path_nodes()[:, : sids.depth]
+        self.allowed = trie.child_tokens(sids.level_offsets, sids.vocab_size)
+
+    def mask(self, histories: list[np.ndarray], max_items: int) -> torch.Tensor:
+        """bool [B, T, vocab] for the tokens `left_pad(histories, ., max_items)` builds: row t allows
+        the valid values of token t; every token at BOS / PAD columns (not targets)."""
+        item = left_pad(histories, torch.full_like(self.parents, 2), max_items) == 2  # not BOS (1) / PAD (0)
+        nodes = left_pad(histories, self.parents, max_items).masked_fill(~item, 0)  # the tokens' layout
+        return self.allowed[nodes] | ~item[:, :, None]
+
+
+def lm_loss(model: RecDecoder, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy over the item-token targets (not PAD / BOS) of tokens int64
+    [B, T]; valid: bool [B, T, vocab] (`ValidNext.mask`) restricts each target's softmax, or None."""
+    logits = model(tokens[:, :-1]).float()
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, 1:], float("-inf"))
+    target = tokens[:, 1:].masked_fill(tokens[:, 1:] < N_SPECIAL, -100)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
 
 
 def train_decoder(sids: SemanticIds, data: Sequences, cfg: TrainConfig) -> tuple[RecDecoder, Metrics]:
@@ -263,6 +318,7 @@ def train_decoder(sids: SemanticIds, data: Sequences, cfg: TrainConfig) -> tuple
 
 def _train(sids: SemanticIds, data: Sequences, cfg: TrainConfig, rng: np.random.Generator) -> tuple[RecDecoder, Metrics]:
     item_tokens = torch.from_numpy(sids.tokens())
+    valid_next = ValidNext(sids)
     model = RecDecoder(decoder_config(sids, cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     windows = training_windows(data.train, cfg.max_history)
@@ -281,12 +337,13 @@ def _train(sids: SemanticIds, data: Sequences, cfg: TrainConfig, rng: np.random.
             perm, cursor = rng.permutation(len(windows)), 0
         batch = [windows[i] for i in perm[cursor : cursor + cfg.batch_size]]
         cursor += cfg.batch_size
-        tokens = left_pad([data.train[u][a:e] for u, a, e in batch], item_tokens, cfg.max_history + 1)
+        windows_b = [data.train[u][a:e] for u, a, e in batch]
+        tokens = left_pad(windows_b, item_tokens, cfg.max_history + 1)
         frac = elapsed / budget if cfg.max_steps is None else max(elapsed / budget, steps / cfg.max_steps)
         lr = cfg.lr * min(1.0, (steps + 1) / cfg.warmup_steps) * 0.5 * (1.0 + math.cos(math.pi * min(frac, 1.0)))
         for group in opt.param_groups:
             group["lr"] = lr
-        loss = lm_loss(model, tokens)
+        loss = lm_loss(model, tokens, valid_next.mask(windows_b, cfg.max_history + 1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -298,23 +355,25 @@ def _train(sids: SemanticIds, data: Sequences, cfg: TrainConfig, rng: np.random.
             print(f"[silverrec] step {steps} loss {ema:.3f} lr {lr:.2e} ({elapsed:.0f}s)", file=sys.stderr, flush=True)
     metrics.steps, metrics.train_seconds, metrics.train_loss = steps, time.perf_counter() - t0, float(ema or "nan")
     model.eval()
-    metrics.heldout_loss = target_loss(model, data.eval_history, data.eval_target, item_tokens, cfg.max_history)
+    metrics.heldout_loss = target_loss(model, data.eval_history, data.eval_target, item_tokens, cfg.max_history, valid_next)
     return model, metrics
 
 
 @torch.no_grad()
 def target_loss(model: RecDecoder, histories: list[np.ndarray], targets: np.ndarray, item_tokens: torch.Tensor,
-                max_items: int, batch: int = 64) -> float:
-    """Mean cross-entropy per token of each target item's L tokens given its history."""
-    total, count = 0.0, 0
+                max_items: int, valid_next: ValidNext, batch: int = 64) -> float:
+    """Mean negative log-likelihood (nats) of each target item given its history: the sum of its L
+    tokens' cross-entropies, each over its valid next tokens, so comparable across vocabularies."""
+    total = 0.0
     L = item_tokens.shape[1]
     for s in range(0, len(histories), batch):
+        rows = torch.from_numpy(targets[s : s + batch])
         hist = left_pad(histories[s : s + batch], item_tokens, max_items)
-        tokens = torch.cat([hist, item_tokens[torch.from_numpy(targets[s : s + batch])]], dim=1)
+        tokens = torch.cat([hist, item_tokens[rows]], dim=1)
         logits = model(tokens[:, :-1])[:, -L:].float()
+        logits = logits.masked_fill(~valid_next.allowed[valid_next.parents[rows]], float("-inf"))
         total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, -L:].reshape(-1), reduction="sum"))
-        count += tokens.shape[0] * L
-    return total / max(count, 1)
+    return total / max(len(histories), 1)
 
 
 # ---------------------------------------------------------------------------------- evaluation
@@ -390,7 +449,7 @@ def train(cfg: TrainConfig, out: str | Path | None = None) -> tuple[RecDecoder, 
     with step("reading logs"):
         logs = read_logs(cfg.interactions, cfg.items, seed=cfg.seed)
     data = Sequences.from_split(leave_one_out(logs), cfg.stage)
-    sids = semantic_ids_for(cfg, logs.item_ids)
+    sids = semantic_ids_for(cfg, logs.item_ids, data.train)
     if not quiet():
         print(f"[silverrec] {logs.num_items:,} items, {logs.num_users:,} users, {len(data.eval_target):,} eval users "
               f"(stage {cfg.stage}); {sids.stats.summary()}", file=sys.stderr)

@@ -92,3 +92,24 @@ def test_bad_paths():
         ValidPathTrie(torch.tensor([[0, 1, 2]]), SIZES)
     with pytest.raises(ValueError, match="non-empty"):
         ValidPathTrie(torch.zeros(0, 4, dtype=torch.int64), SIZES)
+
+
+def test_path_nodes_and_child_tokens_vs_brute_force():
+    """path_nodes: each row's node at every depth (the ids child_table hands out); child_tokens: the
+    decoder tokens (level offset + code) of each internal node's children, nothing else."""
+    from silverrec.generative.decoder import level_offsets, vocab_size
+
+    paths = _pool(seed=4)
+    trie = ValidPathTrie(paths, SIZES)
+    nodes = trie.path_nodes()
+    assert nodes.shape == (trie.n_items, len(SIZES) + 1)
+    for d in range(len(SIZES) + 1):
+        ids = {p: trie.level_base[d] + i for i, p in enumerate(_prefixes(paths, d))}
+        assert nodes[:, d].tolist() == [ids[tuple(p[:d])] for p in trie.leaf_paths.tolist()], d
+    offsets = level_offsets(SIZES)
+    allowed = trie.child_tokens(offsets, vocab_size(SIZES))
+    assert allowed.shape == (trie.leaf_base, vocab_size(SIZES))
+    for d in range(len(SIZES)):
+        for i, p in enumerate(_prefixes(paths, d)):
+            expect = {offsets[d] + q[d] for q in paths.tolist() if tuple(q[:d]) == p}
+            assert set(allowed[trie.level_base[d] + i].nonzero().flatten().tolist()) == expect, (d, p)

@@ -78,9 +78,7 @@ class ValidPathTrie(nn.Module):
         codes_per_depth = []  # child codes of depth-(d+1) nodes, in node order
         n_nodes = [1]
         for d in range(1, L + 1):
-            is_new = torch.ones(N, dtype=torch.bool)
-            if N > 1:
-                is_new[1:] = (sorted_paths[1:, :d] != sorted_paths[:-1, :d]).any(dim=1)
+            is_new = _new_prefix(sorted_paths, d)
             local = torch.cumsum(is_new.to(torch.int64), 0) - 1
             first = is_new.nonzero().squeeze(1)
             parent = node_of_row[d - 1][first]
@@ -177,6 +175,28 @@ class ValidPathTrie(nn.Module):
         return prefixes
 
     @torch.jit.unused
+    def path_nodes(self) -> torch.Tensor:
+        """Node ids int64 [N, L + 1] along every row's path (trie leaf order): column d is the row's
+        depth-d node (column 0 the root, column L its leaf)."""
+        N, L = self.leaf_paths.shape
+        out = torch.zeros(N, L + 1, dtype=torch.int64, device=self.leaf_paths.device)
+        for d in range(1, L + 1):
+            out[:, d] = self.level_base[d] + torch.cumsum(_new_prefix(self.leaf_paths, d).to(torch.int64), 0) - 1
+        return out
+
+    @torch.jit.unused
+    def child_tokens(self, level_offsets: List[int], vocab: int) -> torch.Tensor:
+        """bool [n_internal, vocab]: row n marks the decoder tokens (level_offsets[depth] + code) of
+        node n's children, the valid next tokens after the prefix n (n < leaf_base)."""
+        counts = self.offsets[1:] - self.offsets[:-1]  # children per internal node
+        parent = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+        depth = torch.bucketize(parent, torch.tensor(self.level_base[1:], device=counts.device), right=True)
+        token = torch.tensor(level_offsets, device=counts.device)[depth] + self.child_codes
+        out = torch.zeros(counts.numel(), vocab, dtype=torch.bool, device=counts.device)
+        out[parent, token] = True
+        return out
+
+    @torch.jit.unused
     def accepts(self, paths: torch.Tensor) -> torch.Tensor:
         """bool [M]: which of paths int64 [M, L] walk from the root to a leaf."""
         M = paths.shape[0]
@@ -206,6 +226,14 @@ def _check_paths(paths: torch.Tensor, level_sizes: list[int]) -> None:
         if bool(bad.any()):
             r = int(bad.nonzero()[0, 0])
             raise ValueError(f"item {r} has code {int(col[r])} at level {level}, outside [0, {size})")
+
+
+def _new_prefix(sorted_paths: torch.Tensor, d: int) -> torch.Tensor:
+    """bool [N]: row r of lexicographically sorted paths [N, L] starts a new length-d prefix."""
+    is_new = torch.ones(sorted_paths.shape[0], dtype=torch.bool, device=sorted_paths.device)
+    if sorted_paths.shape[0] > 1:
+        is_new[1:] = (sorted_paths[1:, :d] != sorted_paths[:-1, :d]).any(dim=1)
+    return is_new
 
 
 def _lexsort_rows(paths: torch.Tensor, level_sizes: list[int]) -> torch.Tensor:
