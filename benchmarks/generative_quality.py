@@ -16,7 +16,14 @@ Budget: `--minutes` (wall clock each) or `--steps` (the same optimiser steps for
 machine the step count of a wall-clock budget follows the load, so equal steps is the fair, repeatable
 comparison; each row records its training seconds and seconds per step, and the summary the ratio
 of the two models' seconds per step, run back to back per seed). `--save DIR` keeps each seed's
-semantic-ID checkpoint (DIR/generative_seed{S}.ckpt, e.g. for benchmarks/recommend.py --sources).
+semantic-ID checkpoint (DIR/generative_seed{S}.ckpt).
+
+    python benchmarks/generative_quality.py --hybrid DIR --two-tower 'tt_seed{seed}.ckpt' [--seeds 0 1 2]
+
+measures the hybrid instead (issue 13: hybrid NDCG@10 >= the better of ANN only and generative
+only): per seed, benchmarks/recommend.py's `sources_quality` (one hybrid RecModel asked for each
+source per request) over that seed's two-tower checkpoint and DIR/generative_seed{S}.ckpt, on the
+seed's split; mean and std over seeds -> benchmarks/results/generative_quality_hybrid.json.
 Popularity is the same list for every user (history excluded). Mean and sample std over seeds
 (each seed: the timestamp tie-break of the logs, the initialisation and the batches).
 
@@ -50,24 +57,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="train each model for exactly this many steps instead")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--two-tower", dest="two_tower", default=str(ROOT / "out/demo/model.ckpt"),
-                   help="silverrec train checkpoint whose item embeddings give the semantic IDs")
+                   help="silverrec train checkpoint whose item embeddings give the semantic IDs; '{seed}' in the "
+                   "path is replaced by each seed (a tower trained on the same split: the seed also breaks the "
+                   "logs' timestamp ties, so another seed's tower may have trained on this split's test items)")
     p.add_argument("--embeddings", default=None, help="semantic-ID source instead of --two-tower (e.g. svd)")
     p.add_argument("--levels", type=int, default=3, help="residual k-means levels of the semantic IDs")
     p.add_argument("--codes", type=int, default=256, help="codes per level")
     p.add_argument("--beam", type=int, default=100, help="beam width of the semantic-ID decode (top 10 of it)")
     p.add_argument("--save", default=None, help="directory for each seed's semantic-ID checkpoint")
+    p.add_argument("--hybrid", default=None, metavar="DIR", help="measure the hybrid with DIR/generative_seed{S}.ckpt")
     p.add_argument("--logs", default="/tmp/silverrec_movielens_logs", help="where to write the converted logs")
     p.add_argument("--name", default="generative_quality")
     args = p.parse_args(argv)
     os.environ.setdefault("SILVERREC_QUIET", "1")
-    if args.embeddings is None and not Path(args.two_tower).is_file():
-        sys.exit(f"no two-tower checkpoint at {args.two_tower}: run `python -m silverrec.publish.demo` or "
+    towers = [args.two_tower.replace("{seed}", str(seed)) for seed in args.seeds]
+    if args.embeddings is None and not all(Path(t).is_file() for t in towers):
+        sys.exit(f"no two-tower checkpoint at {[t for t in towers if not Path(t).is_file()]}: run `python -m silverrec.publish.demo` or "
                  f"`silverrec train --config train.toml --out CKPT` and pass --two-tower CKPT")
     inter, items = movielens.write_logs(args.logs)
+    if args.hybrid:
+        return hybrid_main(args, towers)
     models = {"semantic IDs": args.embeddings or str(args.two_tower), "item tokens": ITEM_TOKENS}
     budget = {"minutes": 1e6, "max_steps": args.steps} if args.steps else {"minutes": args.minutes}
     rows, runs = [], {name: [] for name in [*models, "popularity"]}
     for seed in args.seeds:
+        models["semantic IDs"] = (args.embeddings or args.two_tower).replace("{seed}", str(seed))
         for name, source in models.items():  # alternated per seed: both see the same machine load
             cfg = TrainConfig(interactions=str(inter), items=str(items), embeddings=source, seed=seed, **budget,
                               levels=args.levels, codes=args.codes, eval_beam=args.beam if source != ITEM_TOKENS else 10)
@@ -96,12 +110,45 @@ def main(argv: list[str] | None = None) -> int:
                f"{[round(r, 2) for r in per_step]}")
     print(verdict)
     config = {"minutes": None if args.steps else args.minutes, "steps": args.steps, "seeds": args.seeds,
-              "semantic_ids": models["semantic IDs"], "beam": args.beam,
+              "semantic_ids": args.embeddings or args.two_tower, "beam": args.beam,
               "train_config": {k: v for k, v in asdict(cfg).items() if k not in ("interactions", "items", "embeddings", "seed")},
               "protocol": "leave-one-out, stage test, HR@10/NDCG@10 of the decode's top 10, history excluded in-decode"}
     write_results(args.name, config, rows + [{"summary": {k: {m: list(v) for m, v in s.items()} for k, s in summary.items()},
                                              "hr10_ratio": ratio, "seconds_per_step_ratio": per_step,
                                              "verdict": verdict}])
+    return 0
+
+
+def hybrid_main(args, towers: list[str]) -> int:
+    """HR / NDCG of ANN only, generative only and hybrid per seed (benchmarks/recommend.py
+    `sources_quality`), mean and std over seeds, and the issue-13 verdict on NDCG@10."""
+    from recommend import sources_quality
+
+    rows, runs = [], {name: [] for name in ("ann", "generative", "hybrid")}
+    for seed, tower in zip(args.seeds, towers):
+        gen = Path(args.hybrid) / f"generative_seed{seed}.ckpt"
+        load, t0 = os.getloadavg()[0], time.perf_counter()
+        print(f"seed {seed}: {tower} + {gen}", flush=True)
+        quality = sources_quality(Path(tower), gen, Path(args.logs), seed)
+        for name, r in runs.items():
+            r.append({k: quality[name][k] for k in ("HR@10", "NDCG@10", "HR@100")})
+        rows.append({"seed": seed, "two_tower": tower, "generative": str(gen), **quality,
+                     "wall_s": round(time.perf_counter() - t0, 1), "load_avg_1m": round(load, 2)})
+    summary = {name: mean_and_spread(r) for name, r in runs.items()}
+    print_table([{"source": n, **{k: f"{m:.4f} +- {s:.4f}" for k, (m, s) in v.items()}} for n, v in summary.items()],
+                ["source", "HR@10", "NDCG@10", "HR@100"])
+    best = max(summary["ann"]["NDCG@10"][0], summary["generative"]["NDCG@10"][0])
+    hybrid = summary["hybrid"]["NDCG@10"][0]
+    verdict = (f"hybrid NDCG@10 {hybrid:.4f} vs the better source {best:.4f} (mean of seeds {args.seeds}): "
+               f"target hybrid >= better source {'met' if hybrid >= best else 'NOT met'}")
+    print(verdict)
+    config = {"seeds": args.seeds, "two_tower": args.two_tower, "generative": args.hybrid,
+              "protocol": "benchmarks/recommend.py sources_quality: leave-one-out stage test on each seed's split, "
+                          "610 users, full ranking, known items excluded, one hybrid RecModel asked per request for "
+                          "ANN only / generative only / both"}
+    write_results(args.name if args.name != "generative_quality" else "generative_quality_hybrid", config,
+                  rows + [{"summary": {k: {m: list(v) for m, v in s.items()} for k, s in summary.items()},
+                           "verdict": verdict}])
     return 0
 
 
