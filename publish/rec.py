@@ -359,7 +359,11 @@ def dynamic_shapes(num_keys: int) -> dict[str, Any]:
 
 
 def scriptable(model: RecModel) -> torch.jit.ScriptModule:
-    """TorchScript of the model: the TorchRec user tower is fx-traced first (torchrec's recipe)."""
+    """TorchScript of the model, frozen: the TorchRec user tower is fx-traced first (torchrec's recipe);
+    `torch.jit.freeze` (keeping the `rank` entry point) makes parameters and attributes constants, so
+    the slices, transposes and casts of weights fold away at publish (MovieLens snapshot, 1 thread,
+    alternated, load 10: 0.95x the unfrozen program's time at batch 1, 0.97x at 16; equal answers;
+    optimize_for_inference on top measured no better)."""
     import copy
 
     import torchrec.fx
@@ -369,7 +373,7 @@ def scriptable(model: RecModel) -> torch.jit.ScriptModule:
     tower = model.user_tower  # a user's tower (publish/byo.py) scripts as it is
     clone._modules["user_tower"] = torch.jit.script(tower if getattr(tower, "script_directly", False)
                                                     else torchrec.fx.symbolic_trace(tower))
-    return torch.jit.script(clone)
+    return torch.jit.freeze(torch.jit.script(clone).eval(), preserved_attrs=["rank"])
 
 
 def rec_spec(model: RecModel, manifest: dict) -> ModelSpec:
