@@ -2,6 +2,7 @@
 
     python benchmarks/generative_quality.py [--minutes 2 | --steps 400] [--seeds 0 1 2]
         [--two-tower out/demo/model.ckpt | --embeddings svd] [--levels 3] [--codes 256] [--beam 100]
+        [--disambiguation nearest|popular]
         [--save DIR]
 
 Both are the same `RecDecoder` (publish/train_generative.py), trained for the same wall-clock budget
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--embeddings", default=None, help="semantic-ID source instead of --two-tower (e.g. svd)")
     p.add_argument("--levels", type=int, default=3, help="residual k-means levels of the semantic IDs")
     p.add_argument("--codes", type=int, default=256, help="codes per level")
+    p.add_argument("--disambiguation", default="nearest", choices=["nearest", "popular"],
+                   help="order of the items sharing a code path in the last level")
     p.add_argument("--beam", type=int, default=100, help="beam width of the semantic-ID decode (top 10 of it)")
     p.add_argument("--save", default=None, help="directory for each seed's semantic-ID checkpoint")
     p.add_argument("--hybrid", default=None, metavar="DIR", help="measure the hybrid with DIR/generative_seed{S}.ckpt")
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         models["semantic IDs"] = (args.embeddings or args.two_tower).replace("{seed}", str(seed))
         for name, source in models.items():  # alternated per seed: both see the same machine load
             cfg = TrainConfig(interactions=str(inter), items=str(items), embeddings=source, seed=seed, **budget,
-                              levels=args.levels, codes=args.codes, eval_beam=args.beam if source != ITEM_TOKENS else 10)
+                              levels=args.levels, codes=args.codes, disambiguation=args.disambiguation, eval_beam=args.beam if source != ITEM_TOKENS else 10)
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
             out = Path(args.save) / f"generative_seed{seed}.ckpt" if args.save and source != ITEM_TOKENS else None

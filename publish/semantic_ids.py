@@ -5,7 +5,9 @@ Every item gets a path of L = levels + 1 codes (DESIGN.md, "Generative beam deco
     level 0..levels-1  residual k-means: level l clusters what levels < l left unexplained
                        (x - sum of the chosen centroids so far) into `codes` centroids;
     last level         disambiguation: 0 when no other item shares the item's code path, else the
-                       item's rank (0, 1, ...) among the items sharing it, nearest-to-the-path first.
+                       item's rank (0, 1, ...) among the items sharing it, nearest-to-the-path first
+                       (or by any key: `order`, e.g. most popular first, so that the last token
+                       means the same thing under every path).
 
     level_sizes = [C_0, ..., C_{levels-1}, Cd] with Cd = max items sharing one code path, so paths
     int64 [N, L] are unique per item and `silverrec.generative.decoder.paths_to_tokens(paths, level_sizes)`
@@ -212,6 +214,7 @@ def build_semantic_ids(
     codes: int = 256,
     seed: int = 0,
     niter: int = 20,
+    order: np.ndarray | None = None,
 ) -> SemanticIds:
     """Residual k-means + disambiguation token for every item of a pool.
 
@@ -220,6 +223,9 @@ def build_semantic_ids(
         item_ids: int64 [N] unique external ids.
         levels, codes: k-means levels and codes per level (defaults 3 x 256).
         seed, niter: k-means seed (deterministic) and Lloyd iterations per level.
+        order: float [N] or None: items sharing a code path get disambiguation codes by ascending
+            `order` (e.g. minus the training count: most popular first), ties by row; None: by the
+            residual norm, nearest to the path first.
     Returns:
         SemanticIds with paths int64 [N, levels + 1] (unique rows) and level_sizes
         [C_0, ..., C_{levels-1}, Cd].
@@ -235,7 +241,9 @@ def build_semantic_ids(
         raise PoolError(f"embedding of item {int(ids[row])} (row {row}) contains NaN or Inf")
     km_codes, books, errors = residual_kmeans(x, levels, codes, seed=seed, niter=niter)
     recon = sum(book[km_codes[:, l]] for l, book in enumerate(books))
-    dis = disambiguate(km_codes, (x - recon).norm(dim=1))
+    if order is not None and np.shape(order) != (x.shape[0],):
+        raise PoolError(f"order must be [{x.shape[0]}] (one key per item), got {np.shape(order)}")
+    dis = disambiguate(km_codes, (x - recon).norm(dim=1) if order is None else torch.as_tensor(np.asarray(order, np.float64)))
     paths = torch.cat([km_codes, dis[:, None]], dim=1).numpy()
     level_sizes = [int(b.shape[0]) for b in books] + [int(dis.max()) + 1]
     stats = collision_stats(km_codes.numpy(), level_sizes, errors)

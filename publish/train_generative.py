@@ -79,6 +79,9 @@ class TrainConfig:
     interactions, items: the generic logs (publish/logs.py). embeddings: a `silverrec train`
         checkpoint, a Parquet file with item_id + embedding, "svd" or "items" (module docstring).
     levels, codes: residual k-means levels and codes per level of the semantic IDs.
+    disambiguation: order of the items sharing a code path in the last level: "nearest" (to the
+        path's reconstruction first) or "popular" (most training interactions first: the last token
+        then means "the k-th most popular item of this path" under every path).
     svd_dim: rank of the "svd" item factors.
     minutes: wall-clock budget of the optimisation loop; max_steps: optional step cap.
     max_history: items of history the model sees (training windows and serving truncation).
@@ -94,6 +97,7 @@ class TrainConfig:
     embeddings: Optional[str] = None
     levels: int = 3
     codes: int = 256
+    disambiguation: str = "nearest"
     svd_dim: int = 64
     minutes: float = 3.0
     max_steps: Optional[int] = None
@@ -121,6 +125,8 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_beam < 10:
             raise ConfigError(f"eval_beam must be >= 10 (HR@10), got {self.eval_beam}")
+        if self.disambiguation not in ("nearest", "popular"):
+            raise ConfigError(f"disambiguation must be 'nearest' or 'popular', got {self.disambiguation!r}")
         if self.stage not in ("test", "valid"):
             raise ConfigError(f"stage must be 'test' or 'valid', got {self.stage!r}")
 
@@ -224,7 +230,7 @@ def svd_item_embeddings(train: list[np.ndarray], n_items: int, dim: int, seed: i
 
 def semantic_ids_for(cfg: TrainConfig, item_ids: np.ndarray, train: list[np.ndarray] | None = None) -> SemanticIds:
     """The item vocabulary of a run: semantic IDs of `cfg.embeddings`, or one token per item.
-    train: the training histories (pool rows), needed by embeddings "svd"."""
+    train: the training histories (pool rows), needed by embeddings "svd" and disambiguation "popular"."""
     if cfg.embeddings == ITEM_TOKENS:
         return item_token_ids(item_ids)
     if cfg.embeddings is None:
@@ -236,8 +242,13 @@ def semantic_ids_for(cfg: TrainConfig, item_ids: np.ndarray, train: list[np.ndar
         emb = svd_item_embeddings(train, len(item_ids), cfg.svd_dim, cfg.seed)
     else:
         emb = item_embeddings(cfg.embeddings, item_ids)
+    order = None
+    if cfg.disambiguation == "popular":
+        if train is None:
+            raise ConfigError("disambiguation 'popular' needs the training histories (semantic_ids_for(..., train=))")
+        order = -np.bincount(np.concatenate(train), minlength=len(item_ids)).astype(np.float64)
     with step(f"semantic IDs (residual k-means, {cfg.levels} x {cfg.codes}, over {emb.shape[1]}-d embeddings)"):
-        return build_semantic_ids(emb, item_ids, levels=cfg.levels, codes=cfg.codes, seed=cfg.seed)
+        return build_semantic_ids(emb, item_ids, levels=cfg.levels, codes=cfg.codes, seed=cfg.seed, order=order)
 
 
 # ------------------------------------------------------------------------------------ training

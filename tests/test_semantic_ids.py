@@ -149,3 +149,23 @@ def test_subset_keeps_vocabulary_and_names_missing_items(sids):
     np.testing.assert_array_equal(sub.paths, s.paths[[5, 1, 9]])
     with pytest.raises(PoolError, match="item 7 has no semantic ID"):
         s.subset(np.array([ids[0], 7]))
+
+
+def test_order_sets_the_disambiguation_ranks():
+    """order (e.g. minus popularity): the items of each shared code path get last codes 0, 1, ... by
+    ascending key (ties by row), checked by grouping the k-means codes by hand; a wrong shape is named."""
+    g = np.random.default_rng(3)
+    x = g.normal(size=(300, 6)).astype(np.float32)
+    ids = np.arange(300, dtype=np.int64) * 7
+    key = g.integers(0, 5, 300).astype(np.float64)  # many ties: broken by row
+    sids = build_semantic_ids(x, ids, levels=1, codes=8, seed=0, niter=5, order=key)
+    groups = {}
+    for row, p in enumerate(sids.paths.tolist()):
+        groups.setdefault(p[0], []).append(row)
+    assert max(len(r) for r in groups.values()) > 10
+    for rows in groups.values():
+        ranked = sorted(rows, key=lambda r: (key[r], r))
+        assert [int(sids.paths[r, 1]) for r in ranked] == list(range(len(rows)))
+    assert sids.level_sizes[-1] == max(len(r) for r in groups.values())
+    with pytest.raises(PoolError, match=r"order must be \[300\]"):
+        build_semantic_ids(x, ids, levels=1, codes=8, order=key[:5])
