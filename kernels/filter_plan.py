@@ -14,10 +14,11 @@
 The decisions, per query (the module docstring of silverrec/retrieval/filtered_ivf.py explains why):
 posting route when the lists hold <= posting_limit rows (not in probed mode); otherwise the
 `max_probe` best centroids by inner product (ties to the lower cluster), the filter and its match
-count on each, the shortest prefix holding max(nprobe x avg_cluster, k x match_factor) matches (at
-least nprobe; exactly nprobe in probed mode), and the whole-pool route when even all candidates
-hold fewer, or when the prefix would scan more rows than the pool's estimated matches x
-exact_cost_ratio.
+count on each, the shortest prefix holding target = k x match_factor / sqrt(d) matches, d = the
+candidates' match density (matches / rows; at least nprobe clusters, exactly nprobe in probed
+mode), and the whole-pool route when even all candidates hold fewer, or when the prefix would scan
+more rows than the pool's estimated matches x exact_cost_ratio. (avg_cluster is no longer read: it
+stays in the schema that published snapshots call.)
 
 CPU: one fused C++ call (kernels/csrc/plan.cpp), same float32 arithmetic; a batch routed to posting
 lists or unprobed by its mode computes no centroid scores (on every path, an unprobed query's
@@ -42,23 +43,25 @@ def filter_plan_torch(
     n_lists = post_sizes.shape[0] - 1
     sizes_l = post_sizes[torch.where(lists >= 0, lists, torch.full_like(lists, n_lists))].sum(dim=1)
     posting = (lists[:, 0] != -2) & (sizes_l <= posting_limit) & (mode_t != 1)
-    scores = queries @ centroids.t()
+    scores = (centroids @ queries.t()).t()  # [B, C]; this form runs on every MKL thread (plan.cpp: the same call)
     cand = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :max_probe]  # ties: lower cluster
     skip = posting | (mode_t == 2)  # posting route, or whole pool by the caller's choice: no candidates
     lo = torch.where(skip[:, None], torch.full_like(cand, -1), cluster_offsets[cand])  # -1: not evaluated
     hi = cluster_offsets[cand + 1]
     bitmask, matches = torch.ops.silverrec.bloom_filter_counts(bits, ops, rows, lo, hi, window_words)
     cum = torch.cumsum(matches, dim=1)
-    target = max(nprobe * avg_cluster, k * match_factor)
-    need = (cum < target).sum(dim=1) + 1  # probes to reach the target (P + 1 if never)
+    sizes = hi - cluster_offsets[cand]
+    cand_rows = sizes.sum(dim=1).clamp_min(1)
+    total = cum[:, -1].to(torch.float32)
+    # matches to collect: k x match_factor / sqrt(the candidates' match density) (float32, as plan.cpp)
+    target = torch.full_like(total, float(k * match_factor)) / torch.sqrt(total / cand_rows.to(torch.float32))
+    need = (cum < target[:, None]).sum(dim=1) + 1  # probes to reach the target (P + 1 if never)
     use = torch.where(mode_t == 1, torch.full_like(need, nprobe), need.clamp(min=nprobe, max=max_probe))
     slot = torch.arange(cand.shape[1], device=queries.device)[None, :]
     chosen = slot < use[:, None]
-    sizes = hi - cluster_offsets[cand]
     scanned = torch.where(chosen, sizes, torch.zeros_like(sizes)).sum(dim=1)
-    cand_rows = sizes.sum(dim=1).clamp_min(1)
-    est_total = cum[:, -1].to(torch.float32) * (num_items / cand_rows.to(torch.float32))
-    auto = (cum[:, -1] < target) | (scanned.to(torch.float32) > est_total * exact_cost_ratio)
+    est_total = total * (num_items / cand_rows.to(torch.float32))
+    auto = (total < target) | (scanned.to(torch.float32) > est_total * exact_cost_ratio)
     unprobed = torch.where(mode_t == 0, auto, mode_t == 2) & ~posting
     probes = torch.where(chosen & ~unprobed[:, None] & ~posting[:, None], cand, torch.full_like(cand, -1))
     route = torch.where(posting, torch.full_like(mode_t, 2), unprobed.to(torch.int64))

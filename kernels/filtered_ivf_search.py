@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from silverrec.kernels.cpu_ext import cpu_ext
+from silverrec.kernels.rows_to_items import register_cpu_fallback
 
 
 def filtered_ivf_search_torch(
@@ -72,6 +73,8 @@ _ext = cpu_ext()  # loading the extension registers the op's C++ CPU kernel (ker
 if _ext is None or not hasattr(_ext, "filtered_ivf_search"):  # no extension: the composition on CPU
     torch.library.impl("silverrec::filtered_ivf_search", "CPU", filtered_ivf_search_torch)
 torch.library.impl("silverrec::filtered_ivf_search", "CUDA", filtered_ivf_search_torch)
+if _ext is None or not hasattr(_ext, "rows_to_items"):  # the extension registers the C++ one
+    register_cpu_fallback()
 
 
 @torch.library.register_fake("silverrec::filtered_ivf_search")

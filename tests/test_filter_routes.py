@@ -90,8 +90,8 @@ def _route(built, k, nprobe):
 def _cost_model_route(f, fwd, manifest, k, nprobe):
     """Independent model of the documented rules, with exact counts from the pool: "posting" when a
     conjunct is a rare value (its list, <= limit rows, bounds the filter); "whole" when the filter's
-    matches m satisfy m^2 x ratio <= target x N (filtering the pool and scanning m rows costs less
-    than probing target x N / m rows), target = max(nprobe x N / nlist, k x match_factor); else "probe"."""
+    matches m satisfy m x ratio <= the rows a probe would scan: nprobe clusters of N / nlist rows, or
+    more to hold k x match_factor / sqrt(m / N) matches at the pool's density m / N; else "probe"."""
     limit = manifest["filter"]["postings"]["limit"]
     search = manifest["search"]
     node = parse(f)
@@ -100,16 +100,29 @@ def _cost_model_route(f, fwd, manifest, k, nprobe):
     if rare:
         return "posting"
     m = int(fwd.evaluate(f).sum())
-    target = max(nprobe * (N // NLIST), k * search["match_factor"])
-    return "whole" if m * m * search["exact_cost_ratio"] <= target * N else "probe"
+    return "whole" if m * search["exact_cost_ratio"] <= _probe_rows(m, search, k, nprobe) else "probe"
+
+
+def _probe_rows(m, search, k, nprobe):
+    density = max(m, 1e-9) / N
+    return max(nprobe * (N // NLIST), k * search["match_factor"] / math.sqrt(density) / density)
+
+
+def _boundary(manifest, k, nprobe):
+    """The m at which m x ratio equals the probe's rows (the model's switch point), by bisection."""
+    search = manifest["search"]
+    lo, hi = 1.0, float(N)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mid * search["exact_cost_ratio"] <= _probe_rows(mid, search, k, nprobe) else (lo, mid)
+    return lo
 
 
 @pytest.mark.parametrize("k,nprobe", [(10, 4), (100, 8), (400, 2)])
 def test_route_choice_matches_an_independent_cost_model(built, k, nprobe):
     _, _, manifest, plan, fwd, _ = built
     routes = _route(built, k, nprobe)
-    target = max(nprobe * (N // NLIST), k * manifest["search"]["match_factor"])
-    boundary = math.sqrt(target * N / manifest["search"]["exact_cost_ratio"])
+    boundary = _boundary(manifest, k, nprobe)
     for f, r in zip(CONJUNCTIONS, routes):
         want = _cost_model_route(f, fwd, manifest, k, nprobe)
         m = int(fwd.evaluate(f).sum())

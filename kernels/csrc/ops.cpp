@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "program.h"
 #include "scan.h"
 #include "topk_state.h"
 
@@ -197,6 +198,35 @@ std::tuple<at::Tensor, at::Tensor> keys_to_results(const at::Tensor& keys, const
   return {scores, rows};
 }
 
+// True when no program of the batch (int64 [B, L] opcodes) pushes a bank row: every one is TRUE / NOP.
+bool pushes_nothing(const at::Tensor& ops) {
+  const int64_t* op = ops.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ops.numel(); ++i)
+    if (op[i] != program::kTrue && op[i] != program::kNop) return false;
+  return true;
+}
+
+// silverrec::rows_to_items (kernels/rows_to_items.py): row_to_item int32/int64 [N], rows int64 (any
+// shape, -1 = none) -> item ids int64, -1 kept; one pass instead of clamp / index / cast / where.
+at::Tensor rows_to_items(const at::Tensor& row_to_item_in, const at::Tensor& rows_in) {
+  const at::Tensor map = row_to_item_in.contiguous(), rows = rows_in.contiguous();
+  TORCH_CHECK(map.dim() == 1 && (map.scalar_type() == at::kInt || map.scalar_type() == at::kLong),
+              "rows_to_items: row_to_item must be int32 or int64 [N], got ", map.scalar_type(), " ", map.sizes());
+  TORCH_CHECK(rows.scalar_type() == at::kLong, "rows_to_items: rows must be int64, got ", rows.scalar_type());
+  at::Tensor out = at::empty(rows.sizes(), at::kLong);
+  const int64_t n = map.size(0), m = rows.numel();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const int32_t* id32 = map.scalar_type() == at::kInt ? map.data_ptr<int32_t>() : nullptr;
+  const int64_t* id64 = id32 ? nullptr : map.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t row = r[i];
+    TORCH_CHECK_INDEX(row < n, "rows_to_items: row ", row, " out of range for ", n, " rows");
+    o[i] = row < 0 ? -1 : (id32 ? int64_t(id32[row]) : id64[row]);
+  }
+  return out;
+}
+
 // silverrec::filtered_ivf_search (kernels/filtered_ivf_search.py): filter_plan, fold, ivf_scan,
 // verify_topk, filtered_topk, merge and item ids, with the same ATen calls and kernels as the
 // composition `filtered_ivf_search_torch` (bit-identical results), without per-op dispatch.
@@ -242,8 +272,11 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   std::tie(qcodes, qscale) = quantize_queries(folded);
   const at::Tensor qsum = folded.sum(1);
   const int64_t* rt = route.data_ptr<int64_t>();
-  // probed route: scan with a margin for Bloom false positives, keep the best k that verify
-  const int64_t k2 = k + k / 4 + 16;
+  // probed route: scan with a margin for Bloom false positives, keep the best k that verify. Programs
+  // that push no bank row (no filter: TRUE) have no false positives: scan k, nothing to verify (the
+  // composition's verify_topk would keep the first k of the k2 ranked rows: the same k rows).
+  const bool unfiltered = pushes_nothing(ops) && pushes_nothing(vops);
+  const int64_t k2 = unfiltered ? k : k + k / 4 + 16;
   const int64_t* pr = probes.data_ptr<int64_t>();
   bool any_probe = false, any_exact = false;
   for (int64_t i = 0; i < probes.numel(); ++i) any_probe |= pr[i] >= 0;
@@ -252,7 +285,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   if (any_probe) {
     const at::Tensor keys = ivf_scan_keys(qcodes, codes, cluster_offsets, probes, bitmask, k2);
     std::tie(s_ivf, r_ivf) = keys_to_results(keys, qscale, qsum, one, zero);
-    std::tie(s_ivf, r_ivf) = verify_topk(bits, vops, vrows, s_ivf, r_ivf, k);
+    if (!unfiltered) std::tie(s_ivf, r_ivf) = verify_topk(bits, vops, vrows, s_ivf, r_ivf, k);
   }
   // whole-pool (route 1) and posting-list (route 2) queries: filter, then exact scan
   if (any_exact) {
@@ -295,7 +328,10 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
 // goes straight to C++ (no Python between the predictor and the search). The op itself (schema,
 // fake, CUDA kernel, and a CPU kernel when this extension is not built) is defined in
 // kernels/filtered_ivf_search.py, which is imported before this library is loaded.
-TORCH_LIBRARY_IMPL(silverrec, CPU, m) { m.impl("filtered_ivf_search", &silverrec::filtered_ivf_search); }
+TORCH_LIBRARY_IMPL(silverrec, CPU, m) {
+  m.impl("filtered_ivf_search", &silverrec::filtered_ivf_search);
+  m.impl("rows_to_items", &silverrec::rows_to_items);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -336,6 +372,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lists"), py::arg("post_sizes"), py::arg("mode"), py::arg("k"), py::arg("nprobe"), py::arg("max_probe"),
         py::arg("window_words"), py::arg("match_factor"), py::arg("avg_cluster"), py::arg("num_items"),
         py::arg("exact_cost_ratio"), py::arg("posting_limit"), nogil);
+  m.def("rows_to_items", &silverrec::rows_to_items, "rows -> item ids int64 (-1 kept)", py::arg("row_to_item"), py::arg("rows"), nogil);
   m.def("filtered_ivf_search", &filtered_ivf_search, "the filtered IVF search in one call", py::arg("queries"),
         py::arg("codes"), py::arg("dim_scale"), py::arg("dim_offset"), py::arg("cluster_offsets"), py::arg("centroids"),
         py::arg("row_to_item"), py::arg("bits"), py::arg("post_rows"), py::arg("post_offsets"), py::arg("post_sizes"),

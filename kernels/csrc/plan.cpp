@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <tuple>
 #include <vector>
@@ -55,7 +56,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
   at::Tensor lo_t = at::full({B, P}, -1, at::kLong), hi_t = at::zeros({B, P}, at::kLong);
   std::vector<int64_t> cand(B * P, -1);
   if (!probing.empty()) {
-    const at::Tensor scores = at::mm(queries, centroids.t()).contiguous();  // [B, C], as the reference
+    // [B, C], as the reference: centroids @ queries^T (MKL splits this form across threads; the
+    // queries @ centroids^T form ran on one) then transposed
+    const at::Tensor scores = at::mm(centroids, queries.t()).t().contiguous();
     const float* sc = scores.data_ptr<float>();
     int64_t *lo = lo_t.data_ptr<int64_t>(), *hi = hi_t.data_ptr<int64_t>();
     std::vector<int64_t> idx(C);
@@ -77,22 +80,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
   std::tie(bitmask, counts) = bloom_filter_counts(bits, ops, rows, lo_t, hi_t, window_words);
   const int64_t* cnt = counts.data_ptr<int64_t>();
   int64_t* pr = probes.data_ptr<int64_t>();
-  const int64_t target = std::max(nprobe * avg_cluster, k * match_factor);
+  const float base = float(k * match_factor);
   const float ratio = float(exact_cost_ratio);
   for (int64_t b : probing) {
-    int64_t cum = 0, need = 1, scanned = 0, cand_rows = 0;
+    int64_t total = 0, cand_rows = 0, cum = 0, need = 1, scanned = 0;
+    for (int64_t j = 0; j < P; ++j) {
+      const int64_t c = cand[b * P + j];
+      total += cnt[b * P + j];
+      cand_rows += off[c + 1] - off[c];
+    }
+    // matches to collect: k x match_factor / sqrt(the candidates' match density)
+    const float density = float(total) / float(std::max<int64_t>(cand_rows, 1));
+    const float target = base / std::sqrt(density);
     for (int64_t j = 0; j < P; ++j) {
       cum += cnt[b * P + j];
-      need += cum < target;
+      need += float(cum) < target;
     }
     const int64_t use = md[b] == kModeProbed ? nprobe : std::min(std::max(need, nprobe), P);
-    for (int64_t j = 0; j < P; ++j) {
-      const int64_t c = cand[b * P + j], size = off[c + 1] - off[c];
-      cand_rows += size;
-      if (j < use) scanned += size;
-    }
-    const float est_total = float(cum) * (float(num_items) / float(std::max<int64_t>(cand_rows, 1)));
-    const bool autosw = cum < target || float(scanned) > est_total * ratio;
+    for (int64_t j = 0; j < use; ++j) scanned += off[cand[b * P + j] + 1] - off[cand[b * P + j]];
+    const float est_total = float(total) * (float(num_items) / float(std::max<int64_t>(cand_rows, 1)));
+    const bool autosw = float(total) < target || float(scanned) > est_total * ratio;
     const bool unprobed = md[b] == kModeAuto ? autosw : md[b] == kModeUnprobed;
     rt[b] = unprobed ? 1 : 0;
     if (!unprobed)

@@ -39,7 +39,7 @@ namespace {
 
 constexpr int64_t kPieceRows = 8192;  // rows per work item (a multiple of 64)
 constexpr int kLaneMin = 4;           // members sharing a segment from which LaneKernel is used
-constexpr int64_t kMinParallelWork = 1 << 16;  // (row, query) pairs below which one thread scans
+constexpr int64_t kMinParallelWork = 1 << 13;  // (row, query) pairs below which one thread scans
 
 struct Piece {
   int64_t segment, start, end;

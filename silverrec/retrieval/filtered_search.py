@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from silverrec.errors import QueryError
@@ -57,13 +58,16 @@ def _modes(mode: Union[str, Sequence[str]], batch: int) -> torch.Tensor:
 def whole_pool_by_estimate(estimates, k: int, nprobe: int, num_items: int, nlist: int, match_factor: int,
                            exact_cost_ratio: float):
     """bool per query: the estimated matches m (`compile_estimates`, from the manifest's counts) are
-    few enough that filtering the whole pool and scanning its m passing rows costs less than the
-    probed search, which scans about target x N / m rows to collect its target = max(nprobe x
-    avg_cluster, k x match_factor) matches: m^2 x exact_cost_ratio <= target x N. The same switch
-    filter_plan applies with the candidates' counts (silverrec/retrieval/filtered_ivf.py, step 5),
-    decided here before any centroid is scored or cluster filtered."""
-    target = max(nprobe * max(1, num_items // nlist), k * match_factor)
-    return estimates * estimates * exact_cost_ratio <= float(target) * float(num_items)
+    few enough that filtering the whole pool and scanning its m passing rows costs no more than the
+    probed search, which scans at least nprobe clusters and as many as it takes to collect
+    target = k x match_factor / sqrt(m / N) matches: about max(nprobe x N / nlist, target x N / m)
+    rows. Whole pool iff m x exact_cost_ratio <= that. The same switch filter_plan applies with the
+    candidates' counts (silverrec/retrieval/filtered_ivf.py, steps 4-5), decided here before any
+    centroid is scored or cluster filtered."""
+    m = np.maximum(np.asarray(estimates, dtype=np.float64), 1e-9)
+    target = k * match_factor / np.sqrt(m / num_items)
+    probed_rows = np.maximum(float(nprobe * max(1, num_items // nlist)), target * num_items / m)
+    return m * exact_cost_ratio <= probed_rows
 
 
 def search_index(

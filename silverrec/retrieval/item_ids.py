@@ -2,6 +2,8 @@
 
 import torch
 
+import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.rows_to_items)
+
 
 def compact_item_ids(item_ids: torch.Tensor) -> torch.Tensor:
     """The row -> item id map as int32 when every id fits (half the memory of int64), else int64.
@@ -17,6 +19,6 @@ def compact_item_ids(item_ids: torch.Tensor) -> torch.Tensor:
 
 
 def rows_to_items(row_to_item: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Map internal rows int64 [B, k] to external item ids int64; row -1 (padding) stays -1."""
-    ids = row_to_item[rows.clamp_min(0)].to(torch.int64)
-    return torch.where(rows >= 0, ids, torch.full_like(ids, -1))
+    """Map internal rows int64 [B, k] to external item ids int64; row -1 (padding) stays -1
+    (`silverrec::rows_to_items`, kernels/rows_to_items.py: one pass on CPU)."""
+    return torch.ops.silverrec.rows_to_items(row_to_item, rows)

@@ -76,8 +76,9 @@ class Int8IVFIndex(nn.Module):
         return fold_queries(queries, self.dim_scale, self.dim_offset)
 
     def probe(self, queries: torch.Tensor, nprobe: int) -> torch.Tensor:
-        """queries float [B, D] -> probes int64 [B, nprobe]: cluster ids by descending dot product."""
-        return torch.topk(queries.float() @ self.centroids.t(), nprobe, dim=1).indices
+        """queries float [B, D] -> probes int64 [B, nprobe]: cluster ids by descending dot product
+        (scores as centroids @ queries^T, the same call as silverrec::filter_plan's)."""
+        return torch.topk((self.centroids @ queries.float().t()).t(), nprobe, dim=1).indices
 
     def scan(
         self, queries: torch.Tensor, probes: torch.Tensor, k: int, bitmask: Optional[torch.Tensor] = None
