@@ -1,5 +1,6 @@
 """Publishing at catalogue scale: time and peak memory per stage of `silverrec publish`, and the
-IVF recall of the two-level k-means against flat ("today's full") k-means at equal nprobe.
+IVF recall of the two-level k-means against flat ("today's full") k-means at equal nprobe (and the
+rows scanned at each nprobe, to compare at equal work).
 
     python benchmarks/publish_scale.py --n 1000000 --compare-flat     # recall: two-level vs flat
     python benchmarks/publish_scale.py --n 10000000                   # the 10M x 96 target (heavy)
@@ -71,23 +72,31 @@ def recall(found: np.ndarray, want: np.ndarray) -> float:
 
 
 def compare_flat(x: np.ndarray, q: np.ndarray, gt: np.ndarray, nprobes, k: int = 100) -> list[dict]:
-    """Recall@k of IVF built with flat vs two-level k-means, same nlist, seed and layout."""
+    """Recall@k of IVF built with two-level vs flat k-means, same nlist, seed and layout, at equal
+    nprobe; with the rows each query scanned (the sizes of its probed clusters) and the cluster-size
+    imbalance, so that recall can also be read at equal scanned rows."""
     from silverrec.publish.ivf import cluster_major_layout
     from silverrec.publish.kmeans import default_nlist, kmeans
 
     xt = torch.from_numpy(x)
+    nlist = default_nlist(len(x))
     rows = []
-    variants = [("two_level", {}), ("two_level reach=4 refine=1", {"reach": 4, "refine": 1}), ("flat", {"method": "flat"})]
-    for method, kwargs in variants:
+    for method in ("two_level", "flat"):
+        load = os.getloadavg()[0]
         t0 = time.perf_counter()
-        km = kmeans(xt, default_nlist(len(x)), seed=0, **({"method": "two_level"} | kwargs))
+        km = kmeans(xt, nlist, seed=0, method=method)
         secs = time.perf_counter() - t0
         index = cluster_major_layout(xt, torch.arange(len(x)), km.centroids, km.assignment).eval()
+        sizes = torch.bincount(km.assignment, minlength=nlist)
+        imbalance = float(nlist * (sizes.double() ** 2).sum() / len(x) ** 2)
+        probe_order = (torch.from_numpy(q) @ km.centroids.t()).argsort(dim=1, descending=True)
         for p in nprobes:
             with torch.no_grad():
                 _, ids = index(torch.from_numpy(q), k, p)
-            rows.append({"method": method, "kmeans_seconds": round(secs, 1), "nprobe": p,
-                         "recall@100": recall(ids.numpy(), gt), "objective": km.stats[-1].objective})
+            rows.append({"method": method, "kmeans_seconds": round(secs, 1), "load_1min": [round(load, 2), round(os.getloadavg()[0], 2)],
+                         "nprobe": p, "recall@100": recall(ids.numpy(), gt),
+                         "scanned_rows": float(sizes[probe_order[:, :p]].sum(1).double().mean()),
+                         "imbalance": round(imbalance, 4), "objective": km.stats[-1].objective})
             print(rows[-1], flush=True)
     return rows
 
@@ -123,6 +132,7 @@ def main() -> None:
     if args.compare_only:
         return compare_only(args, pool)
     subprocess.run(["rm", "-rf", str(out)], check=True)
+    load_before = os.getloadavg()
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "silverrec.publish.cli", "publish", "--pool", str(pool), "--out", str(out)],
                    check=True, env=dict(os.environ, SILVERREC_QUIET="1"))
@@ -133,6 +143,7 @@ def main() -> None:
     float_bytes = args.n * args.dim * 4
     result = {"n": args.n, "dim": args.dim, "nlist": manifest["config"]["nlist"], "publish_wall_s": round(wall, 1),
               "peak_rss_bytes": peak, "peak_over_float32_pool": round(peak / float_bytes, 3),
+              "load_avg_before": [round(v, 2) for v in load_before], "load_avg_after": [round(v, 2) for v in os.getloadavg()],
               "stages": report["stages"], "snapshot_files": {k: v["bytes"] for k, v in manifest["files"].items()}}
     print(json.dumps(result, indent=1), flush=True)
     rows = [result]

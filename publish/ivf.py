@@ -31,7 +31,7 @@ class IVFConfig:
     nlist: int | None = None
     seed: int = 0
     niter: int = 10
-    max_points_per_centroid: int = 256
+    max_points_per_centroid: int | None = None  # None: kmeans' default for its method (256 flat, 64 two-level)
     seed_points_per_centroid: int = 32
 
     def __post_init__(self):

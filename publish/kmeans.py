@@ -16,12 +16,16 @@ become empty are re-seeded with the points worst served by their current centroi
 Catalogue scale (`method="two_level"`, the automatic choice from nlist >= TWO_LEVEL_MIN_NLIST):
 flat Lloyd costs sample x nlist x D per iteration (10M x 96 at nlist 12,649: 3.2M sample rows,
 7.8 TFLOP an iteration, minutes on this 2-core CPU) and k-means++ seeding loops nlist times. The
-two-level build clusters the sample into G ~ sqrt(nlist) groups, then each group's members into a
-share of nlist proportional to its size, then runs `refine` global Lloyd steps; every assignment
+two-level build trains on TWO_LEVEL_POINTS_PER_CENTROID (64) points per cluster: it clusters the
+sample into G ~ sqrt(nlist) groups, then each group's members into a share of nlist proportional to
+its size (one thread: small matrices), then runs `refine` global Lloyd steps; every assignment
 (the refine steps and the final one over all N rows) is `assign_grouped`, an IVF search over the
-centroids: a row is compared only with the centroids of its `reach` nearest group centres (about
-reach / G of them). Measured on a 100k x 96 Gaussian mixture (nlist 1265): recall@100 0.403 / 0.480
-at nprobe 16 / 32 vs 0.406 / 0.466 for flat k-means (benchmarks/publish_scale.py).
+centroids: a row is compared only with the centroids of its `reach` nearest group centres (default
+a quarter of the groups). Measured on the 1M x 96 pool of benchmarks/update.py after its ten
+drifting updates (nlist 4000, load 5-8): the approximate final assignment was what cost recall
+(reach 8: 95% of rows on their nearest centroid, recall@100 0.904 / 0.919 / 0.926 at nprobe
+16 / 32 / 64; reach 16: 99%, 0.928 / 0.943 / 0.949; exact: 0.935 / 0.950 / 0.956), flat k-means
+0.935 / 0.945 / 0.966 (and 5-6x the time).
 """
 
 from __future__ import annotations
@@ -34,11 +38,14 @@ import torch
 
 from silverrec.errors import PoolError
 from silverrec.publish.progress import bar
+from silverrec.serving.recommend import _num_threads
 
 ASSIGN_CHUNK = 16384  # rows per assignment matmul: memory O(ASSIGN_CHUNK * nlist)
-GROUPED_CHUNK = 1 << 18  # rows per grouped-assignment batch (sorted by group inside)
+ASSIGN_SCORES = 1 << 25  # at most this many scores (128 MiB) per assignment matmul
+GROUPED_CHUNK = 1 << 19  # rows per grouped-assignment batch (sorted by group inside): big per-group matmuls
 TWO_LEVEL_MIN_NLIST = 1024  # method="auto" switches to two_level from this many clusters
-DEFAULT_REACH = 8  # nearest groups whose centroids a row is compared with in assign_grouped
+REACH_SHARE = 4  # assign_grouped compares a row with the centroids of its ceil(G / REACH_SHARE) nearest groups
+TWO_LEVEL_POINTS_PER_CENTROID = 64  # two_level trains on at most this many points per cluster (flat: 256)
 
 
 def default_nlist(n: int) -> int:
@@ -70,14 +77,16 @@ class KMeansResult:
     stats: list[IterationStats] = field(default_factory=list)
 
 
-def assign(x: torch.Tensor, centroids: torch.Tensor, chunk: int = ASSIGN_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def assign(x: torch.Tensor, centroids: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Nearest centroid by squared L2 for every row, in chunks.
 
     Args:
-        x: float32 [N, D]; centroids: float32 [K, D].
+        x: float32 [N, D]; centroids: float32 [K, D]; chunk: rows per matmul (default: ASSIGN_CHUNK,
+            fewer when K is large, so that a chunk's scores stay within ASSIGN_SCORES floats).
     Returns:
         (assignment int64 [N], squared distance float32 [N]); ties go to the lower centroid id.
     """
+    chunk = chunk or max(1, min(ASSIGN_CHUNK, ASSIGN_SCORES // max(1, centroids.shape[0])))
     c_sq = (centroids * centroids).sum(dim=1)  # [K]
     labels = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     dist = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
@@ -89,6 +98,15 @@ def assign(x: torch.Tensor, centroids: torch.Tensor, chunk: int = ASSIGN_CHUNK) 
         labels[start : start + chunk] = lab
         dist[start : start + chunk] = (best + (xs * xs).sum(dim=1)).clamp_min_(0.0)
     return labels, dist
+
+
+def cluster_sums(x: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Sum of the rows of each cluster: float32 [N, D], labels int64 [N] -> float32 [k, D].
+
+    index_add_ runs on one thread: with two on this 2-core machine under load it took 275 ms for
+    256k x 96 rows into 63 clusters and 205 ms for 4k rows (one thread: 124 ms and 0.1 ms)."""
+    with _num_threads(1):
+        return torch.zeros(k, x.shape[1], dtype=x.dtype, device=x.device).index_add_(0, labels, x)
 
 
 def kmeanspp_init(x: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
@@ -139,7 +157,7 @@ def lloyd_step(
     k = centroids.shape[0]
     labels, dist = assign(x, centroids)
     counts = torch.bincount(labels, minlength=k)
-    sums = torch.zeros_like(centroids).index_add_(0, labels, x)
+    sums = cluster_sums(x, labels, k)
     new = sums / counts.clamp_min(1).to(sums.dtype)[:, None]
     empty = (counts == 0).nonzero().flatten()
     if empty.numel():
@@ -225,18 +243,23 @@ class Groups:
     reach: int
 
     @classmethod
-    def build(cls, centroids: torch.Tensor, group_centroids: torch.Tensor, reach: int = DEFAULT_REACH) -> "Groups":
+    def build(cls, centroids: torch.Tensor, group_centroids: torch.Tensor, reach: int | None = None) -> "Groups":
+        """reach None: a quarter of the groups (REACH_SHARE), rounded up."""
         group, _ = assign(centroids, group_centroids)
         n_groups = group_centroids.shape[0]
         order = torch.sort(group, stable=True).indices
         bounds = torch.zeros(n_groups + 1, dtype=torch.int64)
         bounds[1:] = torch.cumsum(torch.bincount(group, minlength=n_groups), 0)
         members = [order[bounds[h] : bounds[h + 1]] for h in range(n_groups)]
-        return cls(group_centroids.contiguous(), group, members, max(1, min(int(reach), n_groups)))
+        reach = -(-n_groups // REACH_SHARE) if reach is None else int(reach)
+        return cls(group_centroids.contiguous(), group, members, max(1, min(reach, n_groups)))
 
 
 def assign_grouped(
-    x: torch.Tensor, centroids: torch.Tensor, groups: Groups, chunk: int = GROUPED_CHUNK
+    x: torch.Tensor,
+    centroids: torch.Tensor,
+    groups: Groups,
+    chunk: int = GROUPED_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Approximate nearest centroid, searched like an IVF over the centroids: each row is compared
     with the centroids of its `groups.reach` nearest group centres only. Same outputs as `assign`:
@@ -287,12 +310,12 @@ def kmeans(
     *,
     niter: int = 10,
     seed: int = 0,
-    max_points_per_centroid: int = 256,
+    max_points_per_centroid: int | None = None,
     seed_points_per_centroid: int = 32,
     spherical: bool = False,
     method: str = "auto",
     refine: int = 2,
-    reach: int = DEFAULT_REACH,
+    reach: int | None = None,
 ) -> KMeansResult:
     """Cluster `x` into `nlist` groups (progress bar on stderr unless SILVERREC_QUIET=1).
 
@@ -301,13 +324,14 @@ def kmeans(
         nlist: number of clusters (default `default_nlist(N)`).
         niter: Lloyd iterations.
         seed: RNG seed; the result is a deterministic function of (x, arguments).
-        max_points_per_centroid: Lloyd iterations run on at most this many points per cluster.
+        max_points_per_centroid: Lloyd iterations run on at most this many points per cluster
+            (default 256 for flat, TWO_LEVEL_POINTS_PER_CENTROID for two_level).
         seed_points_per_centroid: k-means++ seeding runs on at most this many points per cluster.
         spherical: normalise centroids to unit norm after each update.
         method: "flat" (Lloyd over all nlist centroids), "two_level" (module docstring), or "auto"
             (two_level from nlist >= TWO_LEVEL_MIN_NLIST unless spherical, else flat).
         refine, reach: two_level only: global Lloyd steps after the per-group build; groups an
-            item is compared with in `assign_grouped`.
+            item is compared with in `assign_grouped` (None: a quarter of them, `Groups.build`).
     Returns:
         KMeansResult with centroids float32 [nlist, D], assignment int64 [N], per-iteration stats
         (two_level: the group-level iterations, then the refine steps).
@@ -327,6 +351,8 @@ def kmeans(
         method = "two_level" if nlist >= TWO_LEVEL_MIN_NLIST and not spherical else "flat"
     g = torch.Generator(device=x.device).manual_seed(int(seed))
 
+    if max_points_per_centroid is None:
+        max_points_per_centroid = 256 if method == "flat" else TWO_LEVEL_POINTS_PER_CENTROID
     train = x[_sample(n, max_points_per_centroid * nlist, g, x.device)]
     stats: list[IterationStats] = []
     if method == "flat":
@@ -342,7 +368,7 @@ def kmeans(
             t0 = time.perf_counter()
             labels, dist = assign_grouped(train, centroids, groups)
             counts = torch.bincount(labels, minlength=nlist)
-            sums = torch.zeros_like(centroids).index_add_(0, labels, train)
+            sums = cluster_sums(train, labels, nlist)
             new = sums / counts.clamp_min(1).to(sums.dtype)[:, None]
             empty = counts == 0
             centroids = torch.where(empty[:, None], centroids, new)  # an emptied cluster keeps its centroid
@@ -361,7 +387,7 @@ def _two_level(
     seed_points_per_centroid: int,
     spherical: bool,
     stats: list,
-    reach: int,
+    reach: int | None,
 ) -> tuple[Groups, torch.Tensor]:
     """G ~ sqrt(nlist) groups on the sample, then each group's members into its share of nlist."""
     n_groups = max(2, min(nlist, int(round(math.sqrt(nlist)))))
@@ -379,7 +405,8 @@ def _two_level(
             k = int(share[gi])
             if k:
                 members = train[order[bounds[gi] : bounds[gi + 1]]]
-                parts.append(_lloyd(members, k, niter, g, seed_points_per_centroid, spherical))
+                with _num_threads(1):  # small matrices: one thread (see cluster_sums)
+                    parts.append(_lloyd(members, k, niter, g, seed_points_per_centroid, spherical))
             pbar.update(1)
     centroids = torch.cat(parts).contiguous()
     return Groups.build(centroids, top, reach), centroids
