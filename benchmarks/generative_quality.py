@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="order of the items sharing a code path in the last level")
     p.add_argument("--beam", type=int, default=100, help="beam width of the semantic-ID decode (top 10 of it)")
     p.add_argument("--save", default=None, help="directory for each seed's semantic-ID checkpoint")
+    p.add_argument("--reference", default=None, metavar="JSON",
+                   help="take the item-token rows from this earlier result (same --steps and seeds; item-token "
+                   "training is deterministic for a seed and step count) instead of training them again")
     p.add_argument("--hybrid", default=None, metavar="DIR", help="measure the hybrid with DIR/generative_seed{S}.ckpt")
     p.add_argument("--logs", default="/tmp/silverrec_movielens_logs", help="where to write the converted logs")
     p.add_argument("--name", default="generative_quality")
@@ -83,9 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     models = {"semantic IDs": args.embeddings or str(args.two_tower), "item tokens": ITEM_TOKENS}
     budget = {"minutes": 1e6, "max_steps": args.steps} if args.steps else {"minutes": args.minutes}
     rows, runs = [], {name: [] for name in [*models, "popularity"]}
+    reference = reference_rows(args) if args.reference else {}
     for seed in args.seeds:
         models["semantic IDs"] = (args.embeddings or args.two_tower).replace("{seed}", str(seed))
         for name, source in models.items():  # alternated per seed: both see the same machine load
+            if name == "item tokens" and seed in reference:
+                rows.append(reference[seed])
+                runs[name].append({k: v for k, v in reference[seed].items() if "@" in k})
+                continue
             cfg = TrainConfig(interactions=str(inter), items=str(items), embeddings=source, seed=seed, **budget,
                               levels=args.levels, codes=args.codes, disambiguation=args.disambiguation, eval_beam=args.beam if source != ITEM_TOKENS else 10)
             load = os.getloadavg()[0]
@@ -120,6 +128,19 @@ def main(argv: list[str] | None = None) -> int:
                                              "hr10_ratio": ratio, "seconds_per_step_ratio": per_step,
                                              "verdict": verdict}])
     return 0
+
+
+def reference_rows(args) -> dict[int, dict]:
+    """Item-token rows per seed of an earlier result (--reference), checked to match --steps and --seeds."""
+    import json
+
+    data = json.loads(Path(args.reference).read_text())
+    if data["config"].get("steps") != args.steps or args.steps is None:
+        sys.exit(f"--reference {args.reference} ran {data['config'].get('steps')} steps, not --steps {args.steps}")
+    rows = {r["seed"]: r | {"from": args.reference} for r in data["rows"] if r.get("model") == "item tokens"}
+    if set(args.seeds) - set(rows):
+        sys.exit(f"--reference {args.reference} has no item-token row for seeds {sorted(set(args.seeds) - set(rows))}")
+    return rows
 
 
 def hybrid_main(args, towers: list[str]) -> int:
