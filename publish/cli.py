@@ -92,7 +92,8 @@ def _publish_index(pool, args) -> Path:
     from silverrec.publish.ivf import IVFConfig
 
     return publish_index(pool, args.out, config=IVFConfig(nlist=args.nlist, seed=args.seed), exact=args.exact,
-                         bloom_bits=args.bloom_bits, bloom_hashes=args.bloom_hashes, overwrite=args.overwrite)
+                         bloom_bits=args.bloom_bits, bloom_hashes=args.bloom_hashes, overwrite=args.overwrite,
+                         release_embeddings=True)
 
 
 def _publish_generative(pool, args) -> Path:

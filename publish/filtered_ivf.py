@@ -231,18 +231,23 @@ def publish_index(
     bloom_hashes: Optional[int] = None,
     torchscript: Optional[bool] = None,
     overwrite: bool = False,
+    release_embeddings: bool = False,
 ) -> Path:
     """Publish `pool` as a pure-ANN snapshot at `out`: the root module (`RecModel`, kind "rec") in its
     retrieval-only configuration over the int8 IVF + filter bank of the pool's categorical features.
 
     exact: one cluster (nlist 1), so every search scans every row (exact int8 top-k).
     torchscript: also write model.ts; None = only up to TORCHSCRIPT_MAX_BYTES of tensors.
+    release_embeddings: once quantised, replace pool.embeddings by an empty [0, D] array (the CLI,
+    whose pool is not used again), so that the export's peak holds the int8 pool but not the float32 one.
     The manifest's "build_report" gives time and peak resident memory per stage.
     """
     if exact:
         config = IVFConfig(**{**(asdict(config) if config else {}), "nlist": 1})
     clock = StageClock()
     index, manifest, fwd = build_filtered_ivf_forward(pool, config, bloom_bits, bloom_hashes, clock)
+    if release_embeddings:
+        pool.embeddings = np.empty((0, pool.dim), dtype=np.float32)
     if fwd is not None:
         bloom, stats = manifest["filter"]["bloom"], manifest["filter"]["stats"]
         with step(
