@@ -164,6 +164,18 @@ std::tuple<at::Tensor, at::Tensor> quantize_queries(const at::Tensor& queries) {
   return {codes, scale};
 }
 
+// One sort key -> (score, row): float(score) * mul + add, one rounding per operation; padding -> (-inf, -1).
+inline void decode_key(int64_t key, float mul, float add, float& score, int64_t& row) {
+  if (key == kEmptyKey) {
+    score = -std::numeric_limits<float>::infinity();
+    row = -1;
+  } else {
+    const float prod = float(key >> 32) * mul;
+    score = prod + add;
+    row = int64_t{0xFFFFFFFF} - (key & int64_t{0xFFFFFFFF});
+  }
+}
+
 // Sort keys -> (scores float32 [B, k], rows int64 [B, k]), exactly like kernels/common.py
 // split_keys + dequantize_scores: float(score) * (scale * qscale[b]) + offset * qsum[b] with one
 // rounding per operation (built with -ffp-contract=off: no FMA); padding -> (-inf, -1).
@@ -183,17 +195,7 @@ std::tuple<at::Tensor, at::Tensor> keys_to_results(const at::Tensor& keys, const
   int64_t* rp = rows.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     const float mul = sc * qs[b], add = of * qm[b];
-    for (int64_t i = b * k; i < (b + 1) * k; ++i) {
-      const int64_t key = kp[i];
-      if (key == kEmptyKey) {
-        sp[i] = -std::numeric_limits<float>::infinity();
-        rp[i] = -1;
-      } else {
-        const float prod = float(key >> 32) * mul;
-        sp[i] = prod + add;
-        rp[i] = int64_t{0xFFFFFFFF} - (key & int64_t{0xFFFFFFFF});
-      }
-    }
+    for (int64_t i = b * k; i < (b + 1) * k; ++i) decode_key(kp[i], mul, add, sp[i], rp[i]);
   }
   return {scores, rows};
 }
@@ -281,7 +283,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   bool any_probe = false, any_exact = false;
   for (int64_t i = 0; i < probes.numel(); ++i) any_probe |= pr[i] >= 0;
   for (int64_t b = 0; b < B; ++b) any_exact |= rt[b] > 0;
-  at::Tensor s_ivf, r_ivf, s_ex, r_ex;
+  at::Tensor s_ivf, r_ivf, keys_ex;
   if (any_probe) {
     const at::Tensor keys = ivf_scan_keys(qcodes, codes, cluster_offsets, probes, bitmask, k2);
     std::tie(s_ivf, r_ivf) = keys_to_results(keys, qscale, qsum, one, zero);
@@ -296,8 +298,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
       ep[b] = rt[b] > 0;
       if (rt[b] == 1) std::fill(sp + b * src.size(1), sp + (b + 1) * src.size(1), int64_t{-2});
     }
-    const at::Tensor keys = filtered_topk_keys(qcodes, codes, bits, vops, vrows, post_rows, post_offsets, src, exact, k);
-    std::tie(s_ex, r_ex) = keys_to_results(keys, qscale, qsum, one, zero);
+    keys_ex = filtered_topk_keys(qcodes, codes, bits, vops, vrows, post_rows, post_offsets, src, exact, k);
   }
   at::Tensor scores = at::empty({B, k}, at::kFloat), ids = at::empty({B, k}, at::kLong);
   float* so = scores.data_ptr<float>();
@@ -305,15 +306,32 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   const float* cst = constant.data_ptr<float>();
   const bool ids32 = row_to_item.scalar_type() == at::kInt;
   TORCH_CHECK(ids32 || row_to_item.scalar_type() == at::kLong, "row_to_item must be int32 or int64");
-  const float* sp[2] = {s_ivf.defined() ? s_ivf.data_ptr<float>() : nullptr, s_ex.defined() ? s_ex.data_ptr<float>() : nullptr};
-  const int64_t* rp[2] = {r_ivf.defined() ? r_ivf.data_ptr<int64_t>() : nullptr, r_ex.defined() ? r_ex.data_ptr<int64_t>() : nullptr};
+  const float* s_pr = s_ivf.defined() ? s_ivf.data_ptr<float>() : nullptr;
+  const int64_t* r_pr = r_ivf.defined() ? r_ivf.data_ptr<int64_t>() : nullptr;
+  const int64_t* k_ex = keys_ex.defined() ? keys_ex.data_ptr<int64_t>() : nullptr;
+  const float *qs = qscale.data_ptr<float>(), *qm = qsum.data_ptr<float>();
   const int32_t* id32 = ids32 ? row_to_item.data_ptr<int32_t>() : nullptr;
   const int64_t* id64 = ids32 ? nullptr : row_to_item.data_ptr<int64_t>();
+  const float none = -std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < B; ++b) {
-    const int src = rt[b] > 0 ? 1 : 0;
+    // the exact routes' keys decode here (keys_to_results with scale 1, offset 0), sorted: the
+    // first padding key ends the row's results
+    const bool from_keys = rt[b] > 0;
+    const float mul = 1.0f * qs[b], add = 0.0f * qm[b];
     for (int64_t i = 0; i < k; ++i) {
-      const int64_t r = sp[src] ? rp[src][b * k + i] : -1;
-      const float sc = sp[src] ? sp[src][b * k + i] : -std::numeric_limits<float>::infinity();
+      float sc = none;
+      int64_t r = -1;
+      if (from_keys) {
+        if (!k_ex || k_ex[b * k + i] == kEmptyKey) {
+          std::fill(so + b * k + i, so + (b + 1) * k, none + cst[b]);
+          std::fill(io + b * k + i, io + (b + 1) * k, int64_t{-1});
+          break;
+        }
+        decode_key(k_ex[b * k + i], mul, add, sc, r);
+      } else if (s_pr) {
+        sc = s_pr[b * k + i];
+        r = r_pr[b * k + i];
+      }
       so[b * k + i] = sc + cst[b];
       io[b * k + i] = r < 0 ? -1 : (id32 ? int64_t(id32[r]) : id64[r]);
     }
