@@ -642,10 +642,11 @@ def sources_part(ckpt_path: Path, gen_ckpt_path: Path, users: list[list[int]], r
     return rows
 
 
-def sources_quality(ckpt_path: Path, gen_ckpt_path: Path, logs: Path) -> dict[str, dict]:
+def sources_quality(ckpt_path: Path, gen_ckpt_path: Path, logs: Path, seed: int = 0, batch: int = 32) -> dict[str, dict]:
     """Leave-one-out HR / NDCG (stage test, full ranking, every known item excluded) of the hybrid
     model asked for ANN only, generative only and both (RecRequest.sources), one request per eval
-    user as publish/quality.py serves them, on the logs the two checkpoints were trained on."""
+    user as publish/quality.py serves them (`batch` per call, exclusion slots = the batch's longest
+    history), on the logs and split (`seed`: the timestamp tie-break) both checkpoints trained on."""
     from silverrec.generative.source import SOURCES
     from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk
     from silverrec.publish.logs import leave_one_out, read_logs
@@ -656,16 +657,18 @@ def sources_quality(ckpt_path: Path, gen_ckpt_path: Path, logs: Path) -> dict[st
                          candidates=CANDIDATES, sources=list(SOURCES), generative_checkpoint=str(gen_ckpt_path),
                          beam_width=SOURCE_BEAM)
     handler = handler_for(build_rec_model(pcfg))
-    split = leave_one_out(read_logs(logs / "interactions.parquet", logs / "items.parquet", None, seed=0))
+    split = leave_one_out(read_logs(logs / "interactions.parquet", logs / "items.parquet", None, seed=seed))
     ids = split.logs.item_ids
     targets, hists = ids[split.targets("test")], split.histories(split.eval_users, "test")
     out = {}
     for name, src in (("ann", ["ann"]), ("generative", ["generative"]), ("hybrid", list(SOURCES))):
         t, ranks, from_gen = time.perf_counter(), [], 0
-        for h, tgt in zip(hists, targets):
-            res = handler.recommend([{"history": ids[h], "sources": src}], k=K_EVAL, exclude_limit=max(1, len(np.unique(h))))
-            ranks.append(ranks_from_topk(res.item_ids, torch.tensor([tgt])))
-            from_gen += int(((res.found_by[0, :10] & 2) != 0).sum())
+        for s in range(0, len(hists), batch):
+            hs = hists[s:s + batch]
+            res = handler.recommend([{"history": ids[h], "sources": src} for h in hs], k=K_EVAL,
+                                    exclude_limit=max(1, max(len(np.unique(h)) for h in hs)))
+            ranks.append(ranks_from_topk(res.item_ids, torch.from_numpy(targets[s:s + batch])))
+            from_gen += int(((res.found_by[:, :10] & 2) != 0).sum())
         out[name] = metrics_from_ranks(torch.cat(ranks)) | {"top10_from_generative": from_gen / (10 * len(targets)),
                                                             "seconds": round(time.perf_counter() - t, 1)}
         print(f"  {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in out[name].items()), flush=True)
@@ -688,7 +691,7 @@ def sources_main(args) -> int:
     if args.sources_quality:
         print(f"quality (leave-one-out on {args.sources_quality}):", flush=True)
         rows.append({"part": "sources_quality", **sources_quality(Path(args.checkpoint), Path(args.sources),
-                                                                  Path(args.sources_quality))})
+                                                                  Path(args.sources_quality), args.seed)})
     config = {"checkpoint": str(args.checkpoint), "generative_checkpoint": str(args.sources), "beam_width": SOURCE_BEAM,
               "k": K, "k0": K0, "candidates": CANDIDATES, "filter": FILTER, "repeats": repeats, "threads": 2,
               "backend": "torchscript", "target": "hybrid <= 1.1 x (ann + generative) at batch 1",
