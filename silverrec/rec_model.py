@@ -68,13 +68,25 @@ def merge_tasks(rows: Tensor, intersection: bool, limit: int) -> Tensor:
     return torch.where(kept.gather(1, front), order.gather(1, front), torch.full_like(front, -1))
 
 
-def exclude_rows(rows: Tensor, exclude: Tensor, num_rows: int) -> Tensor:
+DENSE_EXCLUDE_MAX_ROWS = 1 << 16  # pools up to this many rows: exclusions by a [B, N + 1] bool table
+
+
+def exclude_rows(rows: Tensor, exclude: Tensor, num_rows: int, dense_max_rows: int = DENSE_EXCLUDE_MAX_ROWS) -> Tensor:
     """rows int64 [B, M] (-1 = none), exclude int64 [B, E >= 1] sorted ascending, -1 padded (first)
     -> rows with every excluded row set to -1.
 
-    One 1-D search over every request's exclusions: row b's values are shifted by b * (N + 2) so
-    that the flattened exclusions stay sorted (a batched searchsorted would guard the batch size).
+    A pool of at most `dense_max_rows` rows: one bool table [B, N + 1] per batch (column 0 is
+    row -1), the exclusions scattered in, the rows gathered (MovieLens, B 16, M 912, E 500, 1 thread:
+    about 0.1 ms against 0.8 ms for the search below). A larger pool: one 1-D search over every
+    request's exclusions: row b's values are shifted by b * (N + 2) so that the flattened
+    exclusions stay sorted (a batched searchsorted would guard the batch size). `num_rows` is the
+    snapshot's constant, so the choice is fixed at publish (no shape guard).
     """
+    if num_rows <= dense_max_rows:
+        table = torch.zeros(rows.shape[0], num_rows + 1, dtype=torch.bool, device=rows.device)
+        table.scatter_(1, exclude + 1, torch.ones_like(exclude, dtype=torch.bool))
+        hit = table.gather(1, rows + 1)
+        return torch.where(hit | (rows < 0), torch.full_like(rows, -1), rows)
     base = torch.arange(rows.shape[0], device=rows.device)[:, None] * (num_rows + 2)
     ex = (exclude + 1 + base).reshape(-1)
     q = rows + 1 + base

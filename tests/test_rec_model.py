@@ -127,7 +127,9 @@ def test_merge_tasks_all_padding():
     assert bool((merge_tasks(disjoint, True, 4) == -1).all())
 
 
-def test_exclude_rows_matches_python_sets():
+@pytest.mark.parametrize("dense", [True, False])
+def test_exclude_rows_matches_python_sets(dense):
+    """Both ways (the bool table of a small pool, the shifted 1-D search of a large one) against sets."""
     rng = np.random.default_rng(3)
     B, M, E, n = 6, 11, 5, 23
     rows = np.where(rng.random((B, M)) < 0.2, -1, rng.integers(0, n, (B, M)))
@@ -138,7 +140,7 @@ def test_exclude_rows_matches_python_sets():
     exclude[1, :] = -1  # nothing excluded
     exclude[2, :] = np.arange(n - E, n)  # the largest rows excluded (the shifted search's edge)
     exclude[3, :] = np.arange(E)  # the smallest
-    got = exclude_rows(torch.from_numpy(rows), torch.from_numpy(exclude), n).numpy()
+    got = exclude_rows(torch.from_numpy(rows), torch.from_numpy(exclude), n, n if dense else n - 1).numpy()
     for b in range(B):
         ex = set(exclude[b][exclude[b] >= 0].tolist())
         want = [-1 if (x < 0 or x in ex) else x for x in rows[b].tolist()]
