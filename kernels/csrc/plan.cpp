@@ -21,6 +21,7 @@ namespace silverrec {
 
 namespace {
 constexpr int64_t kModeAuto = 0, kModeProbed = 1, kModeUnprobed = 2;
+constexpr int64_t kInsertMax = 64;  // candidates up to which the top-P is kept by insertion
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
@@ -56,17 +57,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
   at::Tensor lo_t = at::full({B, P}, -1, at::kLong), hi_t = at::zeros({B, P}, at::kLong);
   std::vector<int64_t> cand(B * P, -1);
   if (!probing.empty()) {
-    // [B, C], as the reference: centroids @ queries^T (MKL splits this form across threads; the
-    // queries @ centroids^T form ran on one) then transposed
-    const at::Tensor scores = at::mm(centroids, queries.t()).t().contiguous();
+    // the reference's scores: centroids @ queries^T (MKL splits this form across threads; the
+    // queries @ centroids^T form ran on one), [C, B], read per query (no transposed copy)
+    const at::Tensor scores = at::mm(centroids, queries.t()).contiguous();
     const float* sc = scores.data_ptr<float>();
     int64_t *lo = lo_t.data_ptr<int64_t>(), *hi = hi_t.data_ptr<int64_t>();
     std::vector<int64_t> idx(C);
+    std::vector<float> col(C), best_s(P);
     for (int64_t b : probing) {
-      const float* s = sc + b * C;
-      std::iota(idx.begin(), idx.end(), 0);
-      std::partial_sort(idx.begin(), idx.begin() + P, idx.end(),
-                        [s](int64_t x, int64_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); });
+      for (int64_t c = 0; c < C; ++c) col[c] = sc[c * B + b];
+      const float* s = col.data();
+      if (P <= kInsertMax) {  // one compare per centroid against the P-th best, rare insertions
+        int64_t n = 0;
+        for (int64_t c = 0; c < C; ++c) {
+          if (n == P && !(s[c] > best_s[P - 1])) continue;  // equal scores: the lower cluster stays
+          int64_t j = n < P ? n++ : P - 1;
+          for (; j > 0 && best_s[j - 1] < s[c]; --j) {
+            best_s[j] = best_s[j - 1];
+            idx[j] = idx[j - 1];
+          }
+          best_s[j] = s[c];
+          idx[j] = c;
+        }
+      } else {
+        std::iota(idx.begin(), idx.end(), 0);
+        std::partial_sort(idx.begin(), idx.begin() + P, idx.end(),
+                          [s](int64_t x, int64_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); });
+      }
       for (int64_t j = 0; j < P; ++j) {
         const int64_t c = idx[j];
         cand[b * P + j] = c;
