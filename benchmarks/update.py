@@ -1,13 +1,15 @@
 """Incremental updates (`silverrec update`) against full publishes, on a 1M x 96 IVF pool.
 
     python benchmarks/update.py            # 1M items; --n for another size
+    python benchmarks/update.py --compare-flat   # + flat vs two-level k-means on the final pool (slow)
 
 1. Update time for 0.1%, 1% and 10% of the pool (half changed embeddings, a quarter new items, a
    quarter deleted), each applied to the same parent, against a full publish of the same pool.
 2. Ten successive 1% updates whose new embeddings drift (a shift of +--drift per step on every
    dimension, default 0.3, so values leave the parent's ranges): recall@100 after each against brute force, and
    after the tenth against a full rebuild of the final pool at the same nprobe; the drift signals
-   and where they advise a rebuild.
+   and where they advise a rebuild. --compare-flat: the final pool's IVF built with flat and with
+   two-level k-means (publish_scale.compare_flat: recall at equal nprobe, rows scanned, imbalance).
 Writes benchmarks/results/update.json and update.png.
 """
 
@@ -27,7 +29,7 @@ import torch
 os.environ.setdefault("SILVERREC_QUIET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, write_results  # noqa: E402
-from publish_scale import mixture, queries, recall, truth  # noqa: E402
+from publish_scale import compare_flat, mixture, queries, recall, truth  # noqa: E402
 
 import silverrec  # noqa: E402
 from silverrec.publish.filtered_ivf import publish_index  # noqa: E402
@@ -53,6 +55,7 @@ def main() -> None:
     ap.add_argument("--nprobe", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--drift", type=float, default=0.3, help="shift of the upserted embeddings per step")
+    ap.add_argument("--compare-flat", action="store_true", help="also flat vs two-level k-means on the final pool")
     args = ap.parse_args()
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -65,7 +68,7 @@ def main() -> None:
     t0 = time.perf_counter()
     v0 = publish_index(Pool(ids, x), work / "v0")
     full_s = time.perf_counter() - t0
-    rows.append({"what": "full publish", "fraction": 1.0, "seconds": round(full_s, 2)})
+    rows.append({"what": "full publish", "fraction": 1.0, "seconds": round(full_s, 2), "load_avg": [round(v, 2) for v in os.getloadavg()]})
     print(rows[-1], flush=True)
     for frac in (0.001, 0.01, 0.1):
         up, deleted = delta(rng, ids, frac, args.dim, args.n, 0, 0.0)
@@ -107,8 +110,11 @@ def main() -> None:
     gt = cur_ids[truth(cur_x, q, 100)]
     r_full = recall(silverrec.load(rebuilt).search(torch.from_numpy(q), 100, nprobe=args.nprobe).item_ids.numpy(), gt)
     rows.append({"what": "full rebuild after the updates", "seconds": round(rebuild_s, 2), "recall@100": r_full,
-                 "nprobe": args.nprobe, "gap_after_updates": round(r_full - rows[-1]["recall@100"], 4)})
+                 "nprobe": args.nprobe, "gap_after_updates": round(r_full - rows[-1]["recall@100"], 4),
+                 "load_avg": [round(v, 2) for v in os.getloadavg()]})
     print(rows[-1], flush=True)
+    if args.compare_flat:
+        rows += [{"what": "final pool, k-means method"} | r for r in compare_flat(cur_x, q, truth(cur_x, q, 100), [16, 32, 64])]
     write_results("update", vars(args), rows)
     plot(rows, RESULTS / "update.png")
 
@@ -128,12 +134,13 @@ def plot(rows, path: Path) -> None:
     a.set_title("1M x 96 IVF: update vs full publish")
     steps = [r for r in rows if r["what"] == "successive 1% update"]
     b.plot([r["step"] for r in steps], [r["recall@100"] for r in steps], "o-", label="after k successive 1% updates")
-    b.axhline(rows[-1]["recall@100"], color="grey", ls="--", label="full rebuild of the final pool")
+    rebuild = next(r for r in rows if r["what"] == "full rebuild after the updates")
+    b.axhline(rebuild["recall@100"], color="grey", ls="--", label="full rebuild of the final pool")
     adv = [r["step"] for r in steps if r["rebuild_advised"]]
     if adv:
         b.axvline(adv[0], color="tab:red", ls=":", label=f"rebuild first advised (step {adv[0]})")
     b.set_xlabel("update step")
-    b.set_ylabel(f"recall@100 (nprobe {rows[-1]['nprobe']})")
+    b.set_ylabel(f"recall@100 (nprobe {rebuild['nprobe']})")
     b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

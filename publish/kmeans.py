@@ -42,8 +42,9 @@ from silverrec.serving.recommend import _num_threads
 
 ASSIGN_CHUNK = 16384  # rows per assignment matmul: memory O(ASSIGN_CHUNK * nlist)
 ASSIGN_SCORES = 1 << 25  # at most this many scores (128 MiB) per assignment matmul
-GROUPED_CHUNK = 1 << 19  # rows per grouped-assignment batch (sorted by group inside): big per-group matmuls
+GROUPED_PAIRS = 1 << 22  # (row, group) pairs per grouped-assignment batch, ~80 bytes of temporaries each
 TWO_LEVEL_MIN_NLIST = 1024  # method="auto" switches to two_level from this many clusters
+GROUPS_PER_SQRT = 1.0  # two_level: G = GROUPS_PER_SQRT * sqrt(nlist) groups
 REACH_SHARE = 4  # assign_grouped compares a row with the centroids of its ceil(G / REACH_SHARE) nearest groups
 TWO_LEVEL_POINTS_PER_CENTROID = 64  # two_level trains on at most this many points per cluster (flat: 256)
 
@@ -251,7 +252,7 @@ class Groups:
         bounds = torch.zeros(n_groups + 1, dtype=torch.int64)
         bounds[1:] = torch.cumsum(torch.bincount(group, minlength=n_groups), 0)
         members = [order[bounds[h] : bounds[h + 1]] for h in range(n_groups)]
-        reach = -(-n_groups // REACH_SHARE) if reach is None else int(reach)
+        reach = math.ceil(n_groups / REACH_SHARE) if reach is None else int(reach)
         return cls(group_centroids.contiguous(), group, members, max(1, min(reach, n_groups)))
 
 
@@ -259,7 +260,7 @@ def assign_grouped(
     x: torch.Tensor,
     centroids: torch.Tensor,
     groups: Groups,
-    chunk: int = GROUPED_CHUNK,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Approximate nearest centroid, searched like an IVF over the centroids: each row is compared
     with the centroids of its `groups.reach` nearest group centres only. Same outputs as `assign`:
@@ -279,6 +280,7 @@ def assign_grouped(
     labels = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     dist = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     n_groups, t = len(groups.members), groups.reach
+    chunk = chunk or max(1, GROUPED_PAIRS // t)
     for start in range(0, x.shape[0], chunk):
         xs = x[start : start + chunk]
         c = xs.shape[0]
@@ -341,7 +343,7 @@ def kmeans(
     if method not in ("auto", "flat", "two_level"):
         raise PoolError(f"k-means method must be 'auto', 'flat' or 'two_level', got {method!r}")
     x = x.float().contiguous()
-    if not all(bool(torch.isfinite(x[i : i + GROUPED_CHUNK]).all()) for i in range(0, x.shape[0], GROUPED_CHUNK)):
+    if not all(bool(torch.isfinite(x[i : i + ASSIGN_CHUNK]).all()) for i in range(0, x.shape[0], ASSIGN_CHUNK)):
         raise PoolError("k-means input contains NaN or Inf")  # (chunked: a whole bool mask is N x D bytes)
     n = x.shape[0]
     nlist = default_nlist(n) if nlist is None else int(nlist)
@@ -390,7 +392,7 @@ def _two_level(
     reach: int | None,
 ) -> tuple[Groups, torch.Tensor]:
     """G ~ sqrt(nlist) groups on the sample, then each group's members into its share of nlist."""
-    n_groups = max(2, min(nlist, int(round(math.sqrt(nlist)))))
+    n_groups = max(2, min(nlist, int(round(GROUPS_PER_SQRT * math.sqrt(nlist)))))
     with bar(niter, f"k-means groups G={n_groups}") as pbar:
         top = _lloyd(train, n_groups, niter, g, seed_points_per_centroid, spherical, stats, pbar)
     lab, _ = assign(train, top)

@@ -147,7 +147,9 @@ def test_filtered_update_equals_brute_force_with_filters(world, tmp_path):
 
 def test_ivf_update_equals_brute_force(world, tmp_path):
     plain = Pool(world["parent"].item_ids, world["parent"].embeddings)
-    parent = publish_index(plain, tmp_path / "v1", config=IVFConfig(nlist=NLIST), torchscript=False)
+    published = Pool(plain.item_ids, plain.embeddings)  # released by the publish, as the CLI's pool is
+    parent = publish_index(published, tmp_path / "v1", config=IVFConfig(nlist=NLIST), torchscript=False, release_embeddings=True)
+    assert published.embeddings.shape == (0, D) and plain.embeddings.shape == (N, D)
     up = Pool(world["up"].item_ids, world["up"].embeddings)
     v2 = update_snapshot(parent, tmp_path / "v2", upsert=up, delete=world["deleted"])
     snap = silverrec.load(v2)
