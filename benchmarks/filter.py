@@ -23,6 +23,11 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("SILVERREC_QUIET", "1")
+# numpy's OpenBLAS pool spin-waits between calls: on this shared 2-core machine the exact baseline's
+# small float GEMMs ran 10-80x slower with 2 threads than with one (629 survivors x 16 queries: 40 vs
+# 0.49 ms at load 9), so the baseline gets one BLAS thread (override with OPENBLAS_NUM_THREADS).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as benchmarks/ann.py: torch's and Faiss's pools sleep-wait
 
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
@@ -36,7 +41,7 @@ from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED  # noqa: E40
 from silverrec.bitmask import unpack_bits  # noqa: E402
 from silverrec.filtering.forward_index import ForwardIndex  # noqa: E402
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config  # noqa: E402
-from silverrec.publish.filtered_ivf import filter_index  # noqa: E402
+from silverrec.publish.filtered_ivf import filter_index, search_model  # noqa: E402
 from silverrec.publish.ivf import cluster_major_layout  # noqa: E402
 from silverrec.publish.postings import build_postings, default_limit  # noqa: E402
 
@@ -334,7 +339,13 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
     """silverrec (public search path: compile LRU + estimate + one forward) vs roaring AND + exact
     float scan of the survivors (timed together) vs Faiss IVF-SQ8 + IDSelectorBitmap fed by the
     roaring AND (bitmap built per call, the lowest nprobe reaching recall 0.95), batch 16, sides
-    alternated call by call, each filter evaluated per call on every side."""
+    alternated in blocks (an untimed call at each switch, then two timed), same repeat count, each
+    filter evaluated per call on every side and
+    parsed once on every side (silverrec's compile LRU; the roaring side gets the parsed tree).
+
+    silverrec's nprobe is fixed per k, not per filter: the unfiltered nprobe that reaches recall
+    0.95 at that k on this pool (16 for k = 100; 256 for k = 4096, where nprobe 16 reaches 0.81),
+    as a user would set it; Faiss's is chosen per filter."""
     from types import SimpleNamespace
 
     from silverrec.retrieval.filtered_search import search_index
@@ -354,8 +365,10 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
     ivf = cluster_major_layout(torch.from_numpy(x), torch.arange(n), torch.from_numpy(km.centroids), torch.from_numpy(assign[:, 0]).long())
     module, meta = filter_index(ivf, ForwardIndex.from_codes(feats).permute(ivf.row_to_item), BloomConfig(bits=512, hashes=7))
     module.eval()
-    nprobe = 16
-    snap = SimpleNamespace(path="bench", module=module, config={
+    nprobe = 16  # the snapshot's default; ours_nprobe below per k
+    # the root module of a pure-ANN snapshot, as `silverrec publish --pool` builds it (publish/filtered_ivf.py),
+    # in TorchScript: the backend the publisher measured faster for pure-ANN snapshots (ann_api_quick.json)
+    snap = SimpleNamespace(path="bench", module=torch.jit.script(search_model(module)), index=module, config={
         "nlist": nlist, "default_nprobe": nprobe, "filter": meta,
         "search": {"default_max_probe": min(nlist, max(64, 8 * nprobe)), "match_factor": module.match_factor, "exact_cost_ratio": module.exact_cost_ratio},
     })
@@ -382,11 +395,13 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
             seen.add(bucket)
             picked.append(f)
     for k in ks:
+        ours_nprobe = 16 if k <= 100 else 256
         for f in picked:
             frac = fractions[f]
+            tree = parse(f)  # parsed once, as silverrec's compile LRU holds the compiled filter
 
             def exact_scan():  # roaring AND + exact float scan of the survivors
-                idx = np.asarray(roar.evaluate(f).to_array(), dtype=np.int64)
+                idx = np.asarray(roar.evaluate(tree).to_array(), dtype=np.int64)
                 s_ = x[idx] @ q.T
                 kk = min(k, len(idx))
                 part = np.argpartition(-s_, kk - 1, axis=0)[:kk] if kk < len(idx) else np.arange(len(idx))[:, None].repeat(B, 1)
@@ -394,13 +409,13 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
 
             def ours():
                 with torch.inference_mode():
-                    return search_index(snap, qt, k, nprobe=nprobe, filter=f)[1]
+                    return search_index(snap, qt, k, nprobe=ours_nprobe, filter=f)[1]
 
             truth = exact_scan()
             best = None
             for fp in (16, 64, 256, nlist):
                 def faiss_search(fp=fp):
-                    sel_bits = roaring_to_faiss_bitmap(roar.evaluate(f), n)
+                    sel_bits = roaring_to_faiss_bitmap(roar.evaluate(tree), n)
                     params = faiss.SearchParametersIVF(sel=faiss.IDSelectorBitmap(n, faiss.swig_ptr(sel_bits)), nprobe=fp)
                     return faiss_ix.search(q, k, params=params)[1]
                 if recall(faiss_search(), truth) >= 0.95:
@@ -408,18 +423,19 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
                     break
             sides = {"silverrec": ours, "roaring_and_exact_scan": exact_scan, "faiss_ivfsq8_bitmap": best[1]}
             ts = {name: [] for name in sides}
-            for fn in sides.values():
-                fn()  # warm-up
-            for _ in range(repeat):  # alternate the sides call by call
-                for name, fn in sides.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    ts[name].append(1e3 * (time.perf_counter() - t0))
+            for _ in range(repeat):  # alternate the sides in blocks: one untimed call at each switch
+                for name, fn in sides.items():  # (torch's, Faiss's and numpy's thread pools hand the
+                    fn()  # cores over there), then two timed calls
+                    for _ in range(2):
+                        t0 = time.perf_counter()
+                        fn()
+                        ts[name].append(1e3 * (time.perf_counter() - t0))
             med = {name: statistics.median(v) for name, v in ts.items()}
             r_ours = recall(ours().numpy(), truth)
             baseline = min(med["roaring_and_exact_scan"], med["faiss_ivfsq8_bitmap"])
-            routes = search_routes(snap, qt, k, nprobe, f)
-            rows.append({"part": "conjunction", "n": n, "k": k, "filter": f, "fraction": frac, "recall": r_ours, "faiss_nprobe": best[0],
+            routes = search_routes(snap, qt, k, ours_nprobe, f)
+            rows.append({"part": "conjunction", "n": n, "k": k, "filter": f, "fraction": frac, "recall": r_ours, "nprobe": ours_nprobe,
+                         "faiss_nprobe": best[0], "load_avg": os.getloadavg()[0],
                          "median_ms": med, "ratio_vs_best": med["silverrec"] / baseline, "routes": routes, "repeat": repeat})
             print(f"  k={k:4d} {frac:8.4%} silverrec {med['silverrec']:7.3f} ms (recall {r_ours:.3f}, {routes}) | roaring AND + exact "
                   f"{med['roaring_and_exact_scan']:7.3f} ms | faiss SQ8+bitmap nprobe {best[0]:4d} {med['faiss_ivfsq8_bitmap']:8.3f} ms "
@@ -432,14 +448,18 @@ def search_routes(snap, qt, k, nprobe, f) -> dict:
     from silverrec.filtering.filter_program import compile_estimates
     from silverrec.retrieval.filtered_search import filter_plan, whole_pool_by_estimate
 
-    plan, cfg, m = filter_plan(snap), snap.config, snap.module
+    plan, cfg, m = filter_plan(snap), snap.config, snap.index
     B = qt.shape[0]
     whole = whole_pool_by_estimate(compile_estimates([f] * B, plan), k, nprobe, m.num_items, m.nlist, m.match_factor, m.exact_cost_ratio)
     modes = torch.where(torch.from_numpy(whole), 2, 0)
     ops, prow, _, _, lists = compile_request([f] * B, plan)
+    max_probe = max(nprobe, min(m.nlist, cfg["search"]["default_max_probe"]))  # as search_index
     with torch.inference_mode():
-        route = m.plan_probes(qt, k, nprobe, ops, prow, lists, cfg["search"]["default_max_probe"], modes)[2]
-    return {name: int((route == r).sum()) for r, name in enumerate(("probed", "whole_pool", "posting_lists")) if (route == r).any()}
+        probes, _, route = m.plan_probes(qt, k, nprobe, ops, prow, lists, max_probe, modes)
+    out = {name: int((route == r).sum()) for r, name in enumerate(("probed", "whole_pool", "posting_lists")) if (route == r).any()}
+    if (route == 0).any():
+        out["mean_clusters_probed"] = float((probes[route == 0] >= 0).sum(dim=1).float().mean())
+    return out
 
 
 def main(argv=None) -> int:
@@ -455,6 +475,7 @@ def main(argv=None) -> int:
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": sys.version.split()[0]},
         "versions": {"torch": torch.__version__, "faiss": faiss.__version__, "pyroaring": pyroaring.__version__, "silverrec": silverrec.__version__},
         "mix": MIX, "selective": SELECTIVE, "features": FEATURES, "rows": [],
+        "env": {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY")},
     }
     if args.part == "conjunctions":
         n = 200_000 if args.quick else 1_000_000
