@@ -40,20 +40,45 @@ from silverrec.retrieval.item_ids import rows_to_items
 from silverrec.filtering.template import FilterTemplate
 
 MERGES = ("union", "intersection")
+# pools of at most this many rows merge and exclude through [B, N + 1] tables (merge_tasks, exclude_rows)
+DENSE_MAX_ROWS = 1 << 16
 
 
-def merge_tasks(rows: Tensor, intersection: bool, limit: int) -> Tensor:
+def merge_tasks(rows: Tensor, intersection: bool, limit: int, num_rows: int = -1,
+                dense_max_rows: int = DENSE_MAX_ROWS) -> Tensor:
     """Each task's candidate rows, best first, int64 [B, T, K] (-1 = none; no task lists a row twice)
     -> one list per request int64 [B, limit]: the tasks' rows taken rank by rank (every task's
     first row, then every task's second, ...), each row once (union) or only the rows every task
     holds (intersection), the first `limit` of them; -1 pads.
 
     Rank-by-rank order caps the list without comparing scores across tasks (their scales differ):
-    with `limit` >= T*K it is the whole union. All static shapes: a stable sort finds each row's
-    first occurrence, a top-k of positions compacts the kept rows to the front (the list is padded
-    by `limit` empty slots first, so any limit works whatever K is).
+    with `limit` >= T*K it is the whole union. All static shapes. A pool of `num_rows` <=
+    `dense_max_rows` rows: a [B, N + 1] table holds each row's first position (scatter-min; and
+    its count, for the intersection), and a running count of the kept entries places them
+    (TorchScript, 1 thread, T 2, K 200: 0.089 vs 0.108 ms at B 1; 0.28 vs 0.42 ms at B 16 when the
+    allocator reuses the table's memory, about the sort's time when a fresh table page-faults).
+    Otherwise (or `num_rows` -1): a stable sort finds each row's first occurrence and a top-k of
+    positions compacts the kept rows to the front (the list is padded by `limit` empty slots
+    first, so any limit works whatever K is). `num_rows` is the snapshot's constant: the choice is
+    fixed at publish.
     """
     B, T, K = rows.shape
+    if 0 <= num_rows <= dense_max_rows:
+        order = rows.transpose(1, 2).reshape(B, K * T)  # rank-major
+        m = order.shape[1]
+        col = order + 1  # row -1 -> column 0
+        pos = torch.arange(m, device=rows.device).expand(B, m)
+        first = torch.full((B, num_rows + 1), m, dtype=order.dtype, device=rows.device).scatter_reduce(
+            1, col, pos, "amin")
+        keep = (first.gather(1, col) == pos) & (order >= 0)
+        if intersection and T > 1:
+            count = torch.zeros(B, num_rows + 1, dtype=order.dtype, device=rows.device).scatter_add(
+                1, col, torch.ones_like(order))
+            keep = keep & (count.gather(1, col) == T)
+        slot = torch.cumsum(keep.to(order.dtype), dim=1) - 1  # where each kept entry goes
+        slot = torch.where(keep & (slot < limit), slot, torch.full_like(slot, limit))  # the rest: a spare column
+        out = torch.full((B, limit + 1), -1, dtype=order.dtype, device=rows.device).scatter(1, slot, order)
+        return out[:, :limit]
     empty = torch.full((B, limit), -1, dtype=rows.dtype, device=rows.device)
     order = torch.cat([rows.transpose(1, 2).reshape(B, K * T), empty], dim=1)
     srt, perm = torch.sort(order, dim=1, stable=True)
@@ -68,10 +93,7 @@ def merge_tasks(rows: Tensor, intersection: bool, limit: int) -> Tensor:
     return torch.where(kept.gather(1, front), order.gather(1, front), torch.full_like(front, -1))
 
 
-DENSE_EXCLUDE_MAX_ROWS = 1 << 16  # pools up to this many rows: exclusions by a [B, N + 1] bool table
-
-
-def exclude_rows(rows: Tensor, exclude: Tensor, num_rows: int, dense_max_rows: int = DENSE_EXCLUDE_MAX_ROWS) -> Tensor:
+def exclude_rows(rows: Tensor, exclude: Tensor, num_rows: int, dense_max_rows: int = DENSE_MAX_ROWS) -> Tensor:
     """rows int64 [B, M] (-1 = none), exclude int64 [B, E >= 1] sorted ascending, -1 padded (first)
     -> rows with every excluded row set to -1.
 
@@ -204,7 +226,8 @@ class RecModel(nn.Module):
         top = torch.topk(own, k0, dim=2)  # [B, T, k0]
         rows_t = flat.reshape(-1, T, K).gather(2, top.indices)
         rows_t = torch.where(top.values > float("-inf"), rows_t, torch.full_like(rows_t, -1))
-        return merge_tasks(rows_t, self.intersection, self.candidates if self.candidates > 0 else T * k0)
+        return merge_tasks(rows_t, self.intersection, self.candidates if self.candidates > 0 else T * k0,
+                           idx.num_items)
 
     def forward(self, values: Tensor, lengths: Tensor, dense: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor,
                 vops: Tensor, vrows: Tensor, lists: Tensor, mode: Tensor, k: int, k0: int, nprobe: int,

@@ -97,7 +97,8 @@ def _merge_reference(rows: np.ndarray, intersection: bool, limit: int) -> list[l
 @pytest.mark.parametrize("tasks", [1, 2, 3])
 @pytest.mark.parametrize("intersection", [False, True])
 @pytest.mark.parametrize("limit", [None, 5, 40])
-def test_merge_tasks_matches_a_rank_by_rank_walk(tasks, intersection, limit):
+@pytest.mark.parametrize("dense", [True, False])  # the [B, N + 1] table of a small pool, the sort of a large one
+def test_merge_tasks_matches_a_rank_by_rank_walk(tasks, intersection, limit, dense):
     rng = np.random.default_rng(10 * tasks + intersection)
     B, K, n = 7, 9, 23  # a small row space: the tasks' lists overlap a lot
     rows = np.full((B, tasks, K), -1, dtype=np.int64)
@@ -110,7 +111,7 @@ def test_merge_tasks_matches_a_rank_by_rank_walk(tasks, intersection, limit):
             else:
                 rows[b, t, :m] = rng.choice(n, m, replace=False)
     cap = tasks * K if limit is None else limit
-    got = merge_tasks(torch.from_numpy(rows), intersection, cap)
+    got = merge_tasks(torch.from_numpy(rows), intersection, cap, n, n if dense else n - 1)
     assert got.shape == (B, cap) and got.dtype == torch.int64
     want = _merge_reference(rows, intersection, cap)
     for b in range(B):
@@ -121,10 +122,11 @@ def test_merge_tasks_matches_a_rank_by_rank_walk(tasks, intersection, limit):
         assert {4, 5, 6} <= set(got[0].tolist())
 
 
-def test_merge_tasks_all_padding():
-    assert bool((merge_tasks(torch.full((2, 2, 3), -1, dtype=torch.int64), False, 6) == -1).all())
+@pytest.mark.parametrize("num_rows", [-1, 7])
+def test_merge_tasks_all_padding(num_rows):
+    assert bool((merge_tasks(torch.full((2, 2, 3), -1, dtype=torch.int64), False, 6, num_rows) == -1).all())
     disjoint = torch.tensor([[[1, 2, 3], [4, 5, 6]]])
-    assert bool((merge_tasks(disjoint, True, 4) == -1).all())
+    assert bool((merge_tasks(disjoint, True, 4, num_rows) == -1).all())
 
 
 @pytest.mark.parametrize("dense", [True, False])
