@@ -210,8 +210,10 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
       for (int64_t r : p) m[r >> 6] |= int64_t(uint64_t{1} << (r & 63));
       continue;
     }
+    const int8_t* src = codes.data_ptr<int8_t>();  // once, not per row (its checks were 4% of a search)
+    int8_t* dst = buf.data() + buf_start[g] * D;
     for (size_t i = 0; i < p.size(); ++i) {
-      std::memcpy(buf.data() + (buf_start[g] + i) * D, codes.data_ptr<int8_t>() + p[i] * D, D);
+      std::memcpy(dst + i * D, src + p[i] * D, D);
       buf_row[buf_start[g] + i] = p[i];
     }
   }
