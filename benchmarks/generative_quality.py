@@ -1,15 +1,16 @@
 """Semantic-ID decoder vs the item-token reference (one token per item, full softmax), equal budgets.
 
     python benchmarks/generative_quality.py [--minutes 2 | --steps 400] [--seeds 0 1 2]
-        [--two-tower out/demo/model.ckpt | --embeddings svd] [--levels 3] [--codes 256] [--beam 100]
-        [--disambiguation nearest|popular]
+        [--two-tower out/demo/model.ckpt | --embeddings svd] [--levels 1] [--codes 256] [--beam 100]
+        [--disambiguation popular|nearest]
         [--save DIR]
 
-Both are the same `RecDecoder` (publish/train_generative.py), trained for the same wall-clock budget
-on the same leave-one-out split of MovieLens ml-latest-small converted to generic logs
-(`movielens.write_logs`): the semantic-ID model on residual k-means codes (3 x 256 + the
-disambiguation level) of the two-tower item tower's embeddings (a `silverrec train` checkpoint,
-default out/demo/model.ckpt), the reference with one token per item (`embeddings = "items"`).
+Both are the same `RecDecoder` (publish/train_generative.py), trained for the same budget on the
+same leave-one-out split of MovieLens ml-latest-small converted to generic logs
+(`movielens.write_logs`): the semantic-ID model on residual k-means codes (default 1 level x 256
++ the item's popularity rank in its cluster) of the two-tower item tower's embeddings (a `silverrec
+train` checkpoint, default out/demo/model.ckpt), the reference with one token per item
+(`embeddings = "items"`).
 Metrics: HR@10 and NDCG@10 of the test items (stage "test": trained on train + validation items),
 history items excluded in the decode; the reference's decode of beam 10 is the exact top 10 of its
 full softmax over items (full ranking), the semantic-ID model's is the top 10 of a beam of `--beam`.
@@ -25,6 +26,7 @@ measures the hybrid instead (issue 13: hybrid NDCG@10 >= the better of ANN only 
 only): per seed, benchmarks/recommend.py's `sources_quality` (one hybrid RecModel asked for each
 source per request) over that seed's two-tower checkpoint and DIR/generative_seed{S}.ckpt, on the
 seed's split; mean and std over seeds -> benchmarks/results/generative_quality_hybrid.json.
+
 Popularity is the same list for every user (history excluded). Mean and sample std over seeds
 (each seed: the timestamp tie-break of the logs, the initialisation and the batches).
 
@@ -62,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                    "path is replaced by each seed (a tower trained on the same split: the seed also breaks the "
                    "logs' timestamp ties, so another seed's tower may have trained on this split's test items)")
     p.add_argument("--embeddings", default=None, help="semantic-ID source instead of --two-tower (e.g. svd)")
-    p.add_argument("--levels", type=int, default=3, help="residual k-means levels of the semantic IDs")
+    p.add_argument("--levels", type=int, default=1, help="residual k-means levels of the semantic IDs")
     p.add_argument("--codes", type=int, default=256, help="codes per level")
-    p.add_argument("--disambiguation", default="nearest", choices=["nearest", "popular"],
+    p.add_argument("--disambiguation", default="popular", choices=["nearest", "popular"],
                    help="order of the items sharing a code path in the last level")
     p.add_argument("--beam", type=int, default=100, help="beam width of the semantic-ID decode (top 10 of it)")
     p.add_argument("--save", default=None, help="directory for each seed's semantic-ID checkpoint")
