@@ -358,8 +358,11 @@ class Served:
             return out
         _, _, k0, nprobe, max_probe, mode, exclude_history = key
         k = max(p["k"] for p in payloads)
+        # threads=None: the server's own setting (ServeConfig.threads, silverrec tune's table, applied by the
+        # batcher) governs; the handler's per-call "auto" would override a tuned table and, with several
+        # workers, race on the process-global torch.set_num_threads.
         res = self.handler.recommend([r for p in payloads for r in p["requests"]], k=k, k0=k0, nprobe=nprobe,
-                                     max_probe=max_probe, mode=mode, exclude_history=exclude_history)
+                                     max_probe=max_probe, mode=mode, exclude_history=exclude_history, threads=None)
         out, start = [], 0
         for p in payloads:
             n, kk = len(p["requests"]), p["k"]
