@@ -95,17 +95,23 @@ class Scanner {
 
   at::Tensor run() {
     std::vector<Piece> pieces;
-    int64_t work = 0;  // (row, query) pairs, to decide whether threads pay off
+    int64_t work = 0, rows = 0;  // (row, query) pairs, to decide whether threads pay off
+    for (const Segment& seg : in_.segments) {
+      work += (seg.end - seg.start) * seg.count;
+      rows += seg.end - seg.start;
+    }
+    const int64_t threads = work < kMinParallelWork ? 1 : at::get_num_threads();
+    // pieces of <= kPieceRows rows, and small enough that every thread gets some (a few thousand
+    // passing rows shared by a batch are one segment: one piece would leave the other threads idle)
+    const int64_t piece_rows = std::max<int64_t>(64, std::min(kPieceRows, rows / (4 * threads)));
     for (int64_t s = 0; s < int64_t(in_.segments.size()); ++s) {
       const Segment& seg = in_.segments[s];
-      work += (seg.end - seg.start) * seg.count;
       for (int64_t a = seg.start; a < seg.end;) {
-        const int64_t z = std::min(seg.end, ((a + kPieceRows) & ~int64_t{63}));
+        const int64_t z = std::min(seg.end, ((a + piece_rows) & ~int64_t{63}));
         pieces.push_back({s, a, z});
         a = z;
       }
     }
-    const int64_t threads = work < kMinParallelWork ? 1 : at::get_num_threads();
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, int64_t(pieces.size())));
     states_.assign(workers, std::vector<TopK>(in_.B));
     std::atomic<int64_t> next{0};
