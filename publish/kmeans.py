@@ -22,10 +22,11 @@ its size (one thread: small matrices), then runs `refine` global Lloyd steps; ev
 (the refine steps and the final one over all N rows) is `assign_grouped`, an IVF search over the
 centroids: a row is compared only with the centroids of its `reach` nearest group centres (default
 a quarter of the groups). Measured on the 1M x 96 pool of benchmarks/update.py after its ten
-drifting updates (nlist 4000, load 5-8): the approximate final assignment was what cost recall
-(reach 8: 95% of rows on their nearest centroid, recall@100 0.904 / 0.919 / 0.926 at nprobe
-16 / 32 / 64; reach 16: 99%, 0.928 / 0.943 / 0.949; exact: 0.935 / 0.950 / 0.956), flat k-means
-0.935 / 0.945 / 0.966 (and 5-6x the time).
+drifting updates (nlist 4000, G 63, load 5-8), recall@100 at nprobe 16 / 32 / 64: flat k-means
+0.935 / 0.945 / 0.966 (1132 s); two-level with reach 8 and 256 points per centroid (the previous
+default) 0.906 / 0.917 / 0.931 (273 s), its centroids with an exact final assignment 0.945 / 0.954 /
+0.965: the grouped assignment (95% of rows on their nearest centroid) was the loss; the default
+(reach 16, 99% of rows; 64 points per centroid) 0.936 / 0.950 / 0.957 (120 s).
 """
 
 from __future__ import annotations
