@@ -65,7 +65,8 @@ def cluster_major_layout(
     codes = torch.empty(embeddings.shape, dtype=torch.int8, device=embeddings.device)
     for start in range(0, order.numel(), LAYOUT_CHUNK):
         rows = order[start : start + LAYOUT_CHUNK]
-        codes[start : start + rows.numel()] = torch.round((embeddings[rows].float() - dim_offset) / dim_scale).clamp_(-128, 127)
+        chunk = embeddings[rows].float()  # a copy: quantised in place (one chunk of temporaries)
+        codes[start : start + rows.numel()] = chunk.sub_(dim_offset).div_(dim_scale).round_().clamp_(-128, 127)
     return Int8IVFIndex(codes, dim_scale, dim_offset, offsets, centroids, item_ids[order])
 
 
