@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -79,6 +80,9 @@ class PublishConfig:
     generative_checkpoint: Optional[str] = None
     beam_width: int = 64  # the decode's beams = its candidates per request
     beam_top_k: int = 0  # per-beam candidates before the global top W (0 = beam_width)
+    # hybrid ranking score: value + generative_weight * the decode's log-prob (source.fuse_sources); 2 was
+    # chosen on MovieLens' validation split (value alone, 0, never lets the decode's items into the top)
+    generative_weight: float = 2.0
 
     def __post_init__(self):
         if self.merge not in MERGES:
@@ -97,6 +101,8 @@ class PublishConfig:
             raise ConfigError(f"sources must list 'ann' and optionally 'generative', got {self.sources!r}")
         if ("generative" in self.sources) != (self.generative_checkpoint is not None):
             raise ConfigError("sources = ['ann', 'generative'] and generative_checkpoint go together")
+        if not (math.isfinite(float(self.generative_weight)) and float(self.generative_weight) >= 0):
+            raise ConfigError(f"generative_weight must be a finite number >= 0, got {self.generative_weight!r}")
         if int(self.beam_width) <= 0 or int(self.beam_top_k) < 0:
             raise ConfigError(f"beam_width must be positive and beam_top_k >= 0, got {self.beam_width}, {self.beam_top_k}")
         if self.mlp_dtype not in ("fp32", "bf16", "auto"):
@@ -260,6 +266,7 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     extra, kind_of_model = {}, RecModel
     if "generative" in cfg.sources:  # hybrid: the beam decode beside the IVF search
         extra["generative"], manifest["generative"] = load_generative_source(cfg, index.row_to_item)
+        extra["generative_weight"] = manifest["generative"]["weight"] = float(cfg.generative_weight)
         kind_of_model = HybridRecModel
     manifest["sources"] = list(cfg.sources)
     model = kind_of_model(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch,

@@ -171,6 +171,31 @@ def test_ranking_of_the_union_equals_rank_on_the_union(rec, hybrid):
         assert set(top[3][b].tolist()) <= set(full[3][b].tolist())
 
 
+def test_generative_weight_ranks_by_value_plus_weighted_log_prob(rec, hybrid):
+    """With generative_weight w the top-k is the best k of the union by value + w * log-prob, a row the
+    decode missed counting at its request's lowest beam log-prob (reference: numpy over the union run
+    with w = 0, whose outputs give each candidate's value and log-prob)."""
+    handler = rec.snap().rec_handler()
+    requests = [{"user_id": u} for u in users(rec, 4, start=5)]
+    K1 = hybrid.candidates or T * K0
+    full = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2))
+    weighted = hybrid_model(rec)
+    weighted.generative_weight = 2.0
+    top = run(weighted, hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
+    value, rows, logp = full[1].numpy(), full[3].numpy(), full[5][:, :, 1].numpy()
+    fused_any = False
+    for b in range(len(requests)):
+        real = rows[b] >= 0
+        found = np.isfinite(logp[b]) & real
+        lowest = logp[b][found].min() if found.any() else 0.0
+        fused = value[b][real] + 2.0 * np.where(found[real], logp[b][real], lowest)
+        order = np.argsort(-fused, kind="stable")[:10]
+        np.testing.assert_allclose(top[1][b].numpy()[: len(order)], fused[order], rtol=1e-5, atol=1e-4)
+        assert set(top[3][b].tolist()) - {-1} <= set(rows[b][real].tolist())
+        fused_any |= top[3][b].tolist() != full[3][b, :10].tolist()
+    assert fused_any, "the weighted log-prob changed no request's top 10: the test cannot tell w from 0"
+
+
 def test_every_returned_item_passes_its_filter_from_both_sources(rec, hybrid):
     handler = rec.snap().rec_handler()
     fwd = ForwardIndex.from_lists(rec.logs.features)  # pool rows = items.parquet order
