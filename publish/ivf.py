@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -70,6 +71,17 @@ def cluster_major_layout(
     return Int8IVFIndex(codes, dim_scale, dim_offset, offsets, centroids, item_ids[order])
 
 
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc `malloc_trim`; a no-op elsewhere).
+
+    k-means frees its temporaries, but glibc keeps the pages: at 10M x 96 the layout stage, which
+    adds the int8 copy to the float32 pool, peaked at 1.58x the pool's bytes with ~1 GB of them held."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def build_ivf(pool: Pool, config: IVFConfig | None = None, clock: StageClock | None = None) -> tuple[Int8IVFIndex, KMeansResult]:
     """k-means the pool's embeddings and lay them out as an Int8IVFIndex (stages timed on `clock`)."""
     config = config or IVFConfig()
@@ -87,6 +99,7 @@ def build_ivf(pool: Pool, config: IVFConfig | None = None, clock: StageClock | N
             max_points_per_centroid=config.max_points_per_centroid,
             seed_points_per_centroid=config.seed_points_per_centroid,
         )
+    release_freed_memory()
     with clock("quantising to int8, cluster-major layout"):
         index = cluster_major_layout(x, torch.from_numpy(pool.item_ids), km.centroids, km.assignment)
     return index, km
