@@ -193,7 +193,7 @@ def test_threads_policy_and_the_process_setting(rec):
         return module(*args)
 
     users = [int(u) for u in rec.logs.user_ids]
-    small = [{"user_id": u} for u in users[:3]]
+    small = [{"user_id": u} for u in users[:ONE_THREAD_MAX_BATCH]]
     large = [{"user_id": users[i % len(users)]} for i in range(ONE_THREAD_MAX_BATCH + 1)]
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -42,9 +42,11 @@ MAX_LISTWISE_RANK_ITEMS = 4096  # a list-wise OverArch attends over the whole li
 DEFAULT_EXCLUDE_LIMIT = 4096  # exclusion slots per request (snapshots record their own)
 # threads="auto": a batch of at most this many requests runs its forward on one thread. A forward of
 # a small batch is ~200 small ops, and every op that OpenMP splits over 2 threads pays a wake-up and a
-# join (more with OMP_WAIT_POLICY=PASSIVE): MovieLens snapshot, TorchScript, alternated in one process,
-# 2-thread / 1-thread time 1.17 (batch 1), 1.09 (16), 1.04 (64) at load 4; 1.22 / 1.23 at load 6.
-ONE_THREAD_MAX_BATCH = 16
+# join. Measured on the MovieLens snapshot, TorchScript, alternated, 2-thread / 1-thread time: quiet
+# machine, snapshot alone in its process: 0.98 (batch 1), 0.96 (2), 0.87 (4), 0.79 (16), 0.75 (32);
+# beside another library's OpenMP pool (benchmarks/recommend.py) 1.13 at batch 1 but 0.84 at 16;
+# under load 4-6: 1.17-1.22 at batch 1, 1.09-1.23 at 16. So only a single request runs on one thread.
+ONE_THREAD_MAX_BATCH = 1
 
 
 @dataclass
