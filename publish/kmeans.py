@@ -39,7 +39,7 @@ import torch
 
 from silverrec.errors import PoolError
 from silverrec.publish.progress import bar
-from silverrec.serving.recommend import _num_threads
+from silverrec.threads import num_threads
 
 ASSIGN_CHUNK = 16384  # rows per assignment matmul: memory O(ASSIGN_CHUNK * nlist)
 ASSIGN_SCORES = 1 << 25  # at most this many scores (128 MiB) per assignment matmul
@@ -107,7 +107,7 @@ def cluster_sums(x: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
 
     index_add_ runs on one thread: with two on this 2-core machine under load it took 275 ms for
     256k x 96 rows into 63 clusters and 205 ms for 4k rows (one thread: 124 ms and 0.1 ms)."""
-    with _num_threads(1):
+    with num_threads(1):
         return torch.zeros(k, x.shape[1], dtype=x.dtype, device=x.device).index_add_(0, labels, x)
 
 
@@ -408,7 +408,7 @@ def _two_level(
             k = int(share[gi])
             if k:
                 members = train[order[bounds[gi] : bounds[gi + 1]]]
-                with _num_threads(1):  # small matrices: one thread (see cluster_sums)
+                with num_threads(1):  # small matrices: one thread (see cluster_sums)
                     parts.append(_lloyd(members, k, niter, g, seed_points_per_centroid, spherical))
             pbar.update(1)
     centroids = torch.cat(parts).contiguous()

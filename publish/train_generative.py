@@ -46,7 +46,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -57,7 +56,7 @@ import torch.nn.functional as F
 
 from silverrec.bitmask import pack_bits
 from silverrec.errors import PoolError
-from silverrec.generative.decoder import N_SPECIAL, PAD, DecoderConfig, RecDecoder
+from silverrec.generative.decoder import N_SPECIAL, DecoderConfig, RecDecoder
 from silverrec.generative.generative import GenerativeRetrieval
 from silverrec.generative.trie import ValidPathTrie
 from silverrec.publish.config import ConfigError, read_toml
@@ -67,6 +66,7 @@ from silverrec.publish.logs import Split, leave_one_out, read_logs
 from silverrec.publish.progress import quiet, step
 from silverrec.publish.semantic_ids import SemanticIds, SemanticIdStats, build_semantic_ids, item_token_ids
 from silverrec.serving.predictor import history_tokens
+from silverrec.threads import num_threads
 
 ITEM_TOKENS = "items"  # `embeddings` value: one token per item (the reference), no semantic IDs
 SVD = "svd"  # `embeddings` value: item factors of a truncated SVD of the training interactions
@@ -327,7 +327,7 @@ def train_decoder(sids: SemanticIds, data: Sequences, cfg: TrainConfig) -> tuple
     """Train a `RecDecoder` on data.train within the budget; returns it (eval mode) and metrics
     (steps, losses; the ranking metrics are filled by `evaluate_all`)."""
     torch.manual_seed(cfg.seed)
-    with torch_threads(cfg.threads):
+    with num_threads(cfg.threads):
         return _train(sids, data, cfg, np.random.default_rng(cfg.seed))
 
 
@@ -470,25 +470,13 @@ def train(cfg: TrainConfig, out: str | Path | None = None) -> tuple[RecDecoder, 
               f"(stage {cfg.stage}); {sids.stats.summary()}", file=sys.stderr)
     with step(f"training decoder ({cfg.minutes:g} min budget)"):
         decoder, metrics = train_decoder(sids, data, cfg)
-    with step("evaluating on held-out users"), torch_threads(cfg.threads):
+    with step("evaluating on held-out users"), num_threads(cfg.threads):
         evaluate_all(decoder, sids, data, cfg, metrics)
     if not quiet():
         print(f"[silverrec] {metrics.summary()}", file=sys.stderr)
     if out is not None:
         save_checkpoint(out, decoder, sids, cfg, metrics)
     return decoder, sids, metrics
-
-
-@contextmanager
-def torch_threads(n: int | None):
-    """Temporarily set torch's intra-op thread count (None: leave it)."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------------------------- checkpoint

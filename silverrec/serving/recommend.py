@@ -20,7 +20,6 @@ forward.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -33,6 +32,7 @@ from silverrec.filtering.template import check_request_features
 from silverrec.generative.source import request_tensors
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
+from silverrec.threads import num_threads
 
 ITEMS_FILE = "items.npz"
 USERS_FILE = "users.npz"
@@ -286,7 +286,7 @@ class RecHandler:
             threads = 1 if len(requests) <= ONE_THREAD_MAX_BATCH else None
         elif threads is not None:
             threads = _check_int("threads", threads, 1, 1 << 10)
-        with torch.inference_mode(), _num_threads(threads):
+        with torch.inference_mode(), num_threads(threads):
             out = self.module(values, lengths, dense, exclude, *compile_request(filters, self.plan), modes, *extra,
                               k, k0, nprobe, max_probe)
         return Recommendations(out[0], out[1], out[2][:, :, :T], self.tasks, *out[4:])
@@ -310,20 +310,6 @@ class RecHandler:
         if getattr(self._rank_module, "lazy", False):
             self._rank_module = self._rank_module()
         return self._rank_module
-
-
-@contextmanager
-def _num_threads(n: Optional[int]):
-    """torch's intra-op threads set to `n` inside the block and restored after it (None: unchanged)."""
-    before = torch.get_num_threads()
-    if n is None or n == before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
