@@ -1,0 +1,169 @@
+"""CUDA-graph replay of the generative decode: one graph per (batch, beam width, history-length bucket).
+
+A generative snapshot's forward (`GenerativeRetrieval`: prefill, then exactly L fixed decode steps
+with staged attention and ping-pong KV buffers) has static shapes and no host synchronisation once
+the batch and the history length are fixed. On CUDA its launch cost dominates (each step launches
+dozens of small kernels for a few microseconds of work each), so this predictor-side wrapper pads
+the history to a length bucket, captures the whole forward once per shape with
+`torch.cuda.CUDAGraph` into the graph's private memory pool, and afterwards replays it:
+
+    decode = GraphedDecode(snapshot.module, beam_width=W)          # eager, exported or TorchScript
+    item_ids, scores = decode(history.cuda(), item_bitmask.cuda())  # int64 [B, W], float32 [B, W]
+
+Static tensors: the graph reads its inputs from two buffers allocated at capture (history int64
+[B, T_bucket], item_bitmask int64 [B, ceil(N / 64)]) and writes its outputs into the pool; every
+tensor the forward allocates in between (the shared KV [n_layers, B, KV, T_bucket, hd], the
+ping-pong unshared KV [2, n_layers, B*W, L-1, KV, hd], the step tokens, beam scores and trie nodes)
+lives at a fixed address of that pool, which is what replay needs. A call copies its inputs into
+the static buffers, replays, and returns clones of the outputs (the next replay overwrites them).
+
+Left padding with PAD is the contract's own padding (PAD keys are masked and positions count
+non-PAD tokens), so a padded history decodes the same items; only float reduction orders may
+differ from the unpadded call (tests/test_cuda_graph.py checks it on CPU).
+
+Graphs are cached by shape, least recently used first out beyond `max_graphs` (each holds its
+pool). CPU tensors go straight to the module: the CPU path is unchanged. Nothing here is part of a
+snapshot: torch.export / TorchScript programs are the same with or without it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from silverrec.generative.decoder import PAD
+
+MIN_BUCKET = 16  # shortest padded history: bucket lengths are powers of two from here
+DEFAULT_MAX_GRAPHS = 8
+WARMUP_CALLS = 3  # eager calls on a side stream before capture (Triton compiles, cuBLAS workspaces)
+
+Capture = Callable[[Callable[..., Sequence[torch.Tensor]], Sequence[torch.Tensor]], "Replay"]
+
+
+def history_bucket(length: int, min_bucket: int = MIN_BUCKET) -> int:
+    """The padded history length of a [B, length] history: the next power of two >= length, at
+    least `min_bucket` (a bounded number of graphs per batch size: log2(max_seq_len) at most)."""
+    if length <= 0:
+        raise ValueError(f"history length must be positive, got {length}")
+    bucket = max(int(min_bucket), 1)
+    while bucket < length:
+        bucket *= 2
+    return bucket
+
+
+def pad_history(history: torch.Tensor, length: int) -> torch.Tensor:
+    """Left-pad int64 [B, T] with PAD to [B, length] (length >= T): the generative contract's padding."""
+    T = history.shape[1]
+    if length < T:
+        raise ValueError(f"cannot pad a history of length {T} to {length}")
+    return F.pad(history, (length - T, 0), value=PAD) if length > T else history
+
+
+class Replay:
+    """A captured call: `run()` re-executes it on its static inputs, leaving results in `outputs`."""
+
+    def __init__(self, outputs: Sequence[torch.Tensor], run: Callable[[], None], keep: object = None):
+        self.outputs = tuple(outputs)
+        self.run = run
+        self.keep = keep  # the CUDAGraph (and through it its memory pool)
+
+
+def capture_cuda_graph(fn: Callable[..., Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor]) -> Replay:
+    """Warm `fn` up on a side stream, then capture `fn(*inputs)` into a CUDA graph (private pool).
+
+    The warm-up compiles Triton kernels and sets up cuBLAS before capture, which must not allocate
+    host-visible state or synchronise (the decode has no host sync on CUDA by construction).
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_CALLS):
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn(*inputs)
+    return Replay(outputs, graph.replay, keep=graph)
+
+
+def capture_eager(fn: Callable[..., Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor]) -> Replay:
+    """The same contract without a GPU: `run()` calls `fn` on the static inputs and writes into the
+    first call's output tensors (tests the buffer copy-in / copy-out on any device)."""
+    outputs = tuple(fn(*inputs))
+
+    def run() -> None:
+        for out, new in zip(outputs, fn(*inputs)):
+            out.copy_(new)
+
+    return Replay(outputs, run)
+
+
+class GraphedDecode:
+    """Graph replay of a generative forward `module(history, item_bitmask) -> (item_ids, scores)`.
+
+    Args:
+        module: the decode (a `GenerativeRetrieval`, or a loaded snapshot's exported / TorchScript
+            module) already on the device of the calls.
+        beam_width: W of the module (part of the cache key: a module has one, but a key that names
+            it cannot be confused across modules sharing a cache).
+        max_graphs: graphs kept (least recently used evicted).
+        min_bucket: shortest padded history length.
+        capture: how a shape is captured (`capture_cuda_graph`; `capture_eager` in CPU tests).
+    Call: history int64 [B, T] (left-padded), item_bitmask int64 [B, ceil(N / 64)], both on the same
+        device -> (item_ids int64 [B, W], scores float32 [B, W]). CPU tensors (with the default
+        capture) call the module directly.
+    """
+
+    def __init__(self, module: Callable, beam_width: int, max_graphs: int = DEFAULT_MAX_GRAPHS,
+                 min_bucket: int = MIN_BUCKET, capture: Capture = capture_cuda_graph):
+        if max_graphs <= 0:
+            raise ValueError(f"max_graphs must be positive, got {max_graphs}")
+        if beam_width <= 0:
+            raise ValueError(f"beam_width must be positive, got {beam_width}")
+        self.module = module
+        self.beam_width = int(beam_width)
+        self.max_graphs = int(max_graphs)
+        self.min_bucket = int(min_bucket)
+        self.capture = capture
+        self.graphs: OrderedDict[tuple, tuple[tuple[torch.Tensor, ...], Replay]] = OrderedDict()
+        self.captures = 0  # shapes captured so far (evicted ones included)
+
+    def key(self, history: torch.Tensor, item_bitmask: torch.Tensor) -> tuple:
+        """(device, batch, beam width, history bucket, bitmask words): one graph per key."""
+        return (str(history.device), history.shape[0], self.beam_width,
+                history_bucket(history.shape[1], self.min_bucket), item_bitmask.shape[1])
+
+    def __call__(self, history: torch.Tensor, item_bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if history.device.type == "cpu" and self.capture is capture_cuda_graph:
+            return self.module(history, item_bitmask)
+        if history.dtype != torch.int64 or history.dim() != 2 or item_bitmask.dtype != torch.int64 \
+                or item_bitmask.dim() != 2 or item_bitmask.shape[0] != history.shape[0]:
+            raise ValueError(f"history must be int64 [B, T] and item_bitmask int64 [B, words], got "
+                             f"{history.dtype} {tuple(history.shape)} and {item_bitmask.dtype} {tuple(item_bitmask.shape)}")
+        if item_bitmask.device != history.device:
+            raise ValueError(f"history is on {history.device} but item_bitmask on {item_bitmask.device}")
+        key = self.key(history, item_bitmask)
+        padded = pad_history(history, key[3])
+        with torch.inference_mode():
+            entry = self.graphs.get(key)
+            if entry is None:
+                entry = self._capture(key, padded, item_bitmask)
+            else:
+                self.graphs.move_to_end(key)
+            static, replay = entry
+            static[0].copy_(padded)
+            static[1].copy_(item_bitmask)
+            replay.run()
+            return tuple(out.clone() for out in replay.outputs)
+
+    def _capture(self, key: tuple, history: torch.Tensor, item_bitmask: torch.Tensor):
+        while len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)  # drops the graph and its pool
+        static = (history.clone(), item_bitmask.clone())
+        entry = (static, self.capture(self.module, static))
+        self.graphs[key] = entry
+        self.captures += 1
+        return entry

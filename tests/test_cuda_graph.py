@@ -1,0 +1,109 @@
+"""GraphedDecode's device-independent parts on CPU: history buckets, left padding (same items as the
+unpadded decode), the static-buffer copy-in / copy-out, the shape-keyed LRU cache, bad input. The
+CUDA-graph capture itself is compared with eager launches in tests/gpu/test_cuda_graph_decode.py."""
+
+import pytest
+import torch
+
+from silverrec.bitmask import pack_bits
+from silverrec.generative.cuda_graph import GraphedDecode, capture_eager, history_bucket, pad_history
+from silverrec.generative.generative import GenerativeRetrieval
+from silverrec.generative.trie import ValidPathTrie
+
+from .reference_beam_search import random_decoder, random_histories, random_paths
+
+SIZES = [8, 6, 5, 3]
+W = 6
+
+
+@pytest.fixture(scope="module")
+def decode():
+    paths = random_paths(160, SIZES, seed=1)
+    trie = ValidPathTrie(paths, SIZES)
+    item_ids = torch.arange(paths.shape[0], dtype=torch.int64) * 10 + 7
+    dec = random_decoder(SIZES, dtype=torch.float64, seed=2)
+    return paths, trie, GenerativeRetrieval(dec, trie, item_ids[trie.row_order], W, 4).eval()
+
+
+def _inputs(paths, trie, batch, items, seed):
+    hist = random_histories(paths, SIZES, batch, items, seed=seed, min_items=1)
+    allowed = torch.rand(batch, trie.n_items, generator=torch.Generator().manual_seed(seed)) < 0.7
+    return hist, pack_bits(allowed)
+
+
+def test_history_bucket():
+    assert [history_bucket(t) for t in (1, 2, 16, 17, 32, 33, 100)] == [16, 16, 16, 32, 32, 64, 128]
+    assert [history_bucket(t, min_bucket=4) for t in (1, 4, 5, 9)] == [4, 4, 8, 16]
+    with pytest.raises(ValueError, match="positive"):
+        history_bucket(0)
+
+
+def test_left_padding_decodes_the_same_items(decode):
+    paths, trie, module = decode
+    hist, bits = _inputs(paths, trie, 4, 3, seed=5)  # T = 1 + 3 * 4 = 13
+    padded = pad_history(hist, history_bucket(hist.shape[1]))
+    assert padded.shape == (4, 16) and torch.equal(padded[:, 3:], hist) and torch.all(padded[:, :3] == 0)
+    assert pad_history(hist, hist.shape[1]) is hist
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad_history(hist, 5)
+    ids, scores = module(hist, bits)
+    ids_p, scores_p = module(padded, bits)
+    assert torch.equal(ids, ids_p)
+    torch.testing.assert_close(scores, scores_p, atol=1e-6, rtol=1e-6)
+
+
+def test_replay_copies_inputs_in_and_outputs_out(decode):
+    """Each call's own inputs reach the captured call (copy-in), and an earlier result is not
+    overwritten by a later replay (copy-out): against the module on the padded inputs."""
+    paths, trie, module = decode
+    graphed = GraphedDecode(module, W, capture=capture_eager)
+    calls = [_inputs(paths, trie, 3, items, seed) for seed, items in [(1, 3), (2, 2), (3, 3)]]  # T 13, 9, 13
+    results = [graphed(h, b) for h, b in calls]
+    assert graphed.captures == 1 and len(graphed.graphs) == 1  # one bucket (16) for all three
+    for (h, b), (ids, scores) in zip(calls, results):
+        ref_ids, ref_scores = module(pad_history(h, 16), b)
+        assert torch.equal(ids, ref_ids) and torch.equal(scores, ref_scores)
+    assert not torch.equal(results[0][0], results[1][0])  # different requests, different answers
+
+
+def test_cache_is_keyed_by_shape_and_evicts_least_recently_used(decode):
+    paths, trie, module = decode
+    graphed = GraphedDecode(module, W, max_graphs=2, capture=capture_eager)
+    a = _inputs(paths, trie, 2, 3, 1)  # (batch 2, bucket 16)
+    b = _inputs(paths, trie, 3, 3, 2)  # (batch 3, bucket 16)
+    c = _inputs(paths, trie, 2, 5, 3)  # (batch 2, bucket 32: T = 21)
+    key = lambda x: graphed.key(*x)  # noqa: E731
+    assert key(a) == ("cpu", 2, W, 16, 3) and key(c) == ("cpu", 2, W, 32, 3)
+    graphed(*a)
+    graphed(*b)
+    graphed(*a)  # a is now the most recently used
+    graphed(*c)  # evicts b
+    assert list(graphed.graphs) == [key(a), key(c)] and graphed.captures == 3
+    graphed(*b)  # captured again, evicts a
+    assert list(graphed.graphs) == [key(c), key(b)] and graphed.captures == 4
+    ids, scores = graphed(*c)
+    ref = module(pad_history(c[0], 32), c[1])
+    assert torch.equal(ids, ref[0]) and torch.equal(scores, ref[1])
+
+
+def test_cpu_calls_go_straight_to_the_module(decode):
+    paths, trie, module = decode
+    graphed = GraphedDecode(module, W)  # the CUDA capture: never used for CPU tensors
+    hist, bits = _inputs(paths, trie, 2, 3, 4)
+    ids, scores = graphed(hist, bits)
+    ref_ids, ref_scores = module(hist, bits)  # unpadded: the module itself
+    assert torch.equal(ids, ref_ids) and torch.equal(scores, ref_scores) and not graphed.graphs
+
+
+def test_bad_input_is_named(decode):
+    paths, trie, module = decode
+    graphed = GraphedDecode(module, W, capture=capture_eager)
+    hist, bits = _inputs(paths, trie, 2, 3, 4)
+    with pytest.raises(ValueError, match="int64"):
+        graphed(hist.to(torch.int32), bits)
+    with pytest.raises(ValueError, match="int64"):
+        graphed(hist, bits[:1])
+    with pytest.raises(ValueError, match="max_graphs"):
+        GraphedDecode(module, W, max_graphs=0)
+    with pytest.raises(ValueError, match="beam_width"):
+        GraphedDecode(module, 0)
