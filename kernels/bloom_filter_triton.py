@@ -1,14 +1,53 @@
 """Triton kernel for `silverrec::bloom_filter` on CUDA.
 
 One program per (query b, window p, block of BLOCK_W words). It walks query b's postfix program
-instruction by instruction with a scalar stack pointer; the stack lives in a per-program scratch
-area of global memory (`scratch[b, p, slot, words]`), so each lane only ever reads its own writes.
+instruction by instruction with a scalar stack pointer (`program_words`, the evaluator that
+kernels/filtered_topk_triton.py also calls per tile of rows); the stack lives in a per-program
+scratch area of global memory (`scratch[b, p, slot, words]`), so each lane only ever reads its own writes.
 Runs on CPU tensors under TRITON_INTERPRET=1 (tests).
 """
 
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def program_words(bits_ptr, W, ops_ptr, rows_ptr, b, L, T, widx, valid, scratch, slot_stride, lanes, BLOCK: tl.constexpr):
+    """Query b's filter program over words widx int64 [BLOCK] of the row bank -> int64 [BLOCK].
+
+    PUSH l: AND over t of bits[r] (r = rows[b, l, t] >= 0) or ~bits[~r]; AND / OR / NOT / FALSE /
+    TRUE on the stack. Lanes with `valid` False read 0 words. The stack lives in global scratch
+    memory: slot s of lane i at scratch[i + s * slot_stride] (`scratch` a pointer block [BLOCK],
+    at least L slots); only lanes in `lanes` write it, and each lane reads back its own writes.
+    Shared by `_bloom_filter_kernel` and kernels/filtered_topk_triton.py.
+    """
+    sp = 0
+    for l in range(0, L):
+        op = tl.load(ops_ptr + b * L + l)
+        if op == 1:  # PUSH
+            acc = tl.full((BLOCK,), -1, tl.int64)
+            for t in range(0, T):
+                r = tl.load(rows_ptr + (b * L + l) * T + t)
+                row = tl.where(r < 0, ~r, r)
+                w = tl.load(bits_ptr + row * W + widx, mask=valid, other=0)
+                acc = acc & tl.where(r < 0, ~w, w)
+            tl.store(scratch + sp * slot_stride, acc, mask=lanes)
+            sp += 1
+        elif op == 2 or op == 3:  # AND, OR
+            x = tl.load(scratch + (sp - 2) * slot_stride, mask=lanes, other=0)
+            y = tl.load(scratch + (sp - 1) * slot_stride, mask=lanes, other=0)
+            z = tl.where(op == 2, x & y, x | y)
+            tl.store(scratch + (sp - 2) * slot_stride, z, mask=lanes)
+            sp -= 1
+        elif op == 4:  # NOT
+            x = tl.load(scratch + (sp - 1) * slot_stride, mask=lanes, other=0)
+            tl.store(scratch + (sp - 1) * slot_stride, ~x, mask=lanes)
+        elif op == 5 or op == 6:  # FALSE, TRUE
+            c = tl.where(op == 6, -1, 0).to(tl.int64)
+            tl.store(scratch + sp * slot_stride, tl.zeros((BLOCK,), tl.int64) + c, mask=lanes)
+            sp += 1
+    return tl.load(scratch, mask=lanes, other=0)
 
 
 @triton.jit
@@ -26,7 +65,7 @@ def _bloom_filter_kernel(
     NW,
     BLOCK_W: tl.constexpr,
 ):
-    """out[b, p, w] = program_b over words start[b, p] + w (PUSH: AND_t +/-bits[rows[b, l, t]])."""
+    """out[b, p, w] = program_b over words start[b, p] + w (see `program_words`)."""
     bp = tl.program_id(0)
     b = bp // P
     offs = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -35,32 +74,7 @@ def _bloom_filter_kernel(
     valid = ((widx - offs) >= 0) & (offs < NW) & (widx < W)  # widx - offs == start, as a block
     in_block = offs < NW
     scratch = scratch_ptr + bp.to(tl.int64) * L * NW + offs
-    sp = 0
-    for l in range(0, L):
-        op = tl.load(ops_ptr + b * L + l)
-        if op == 1:  # PUSH
-            acc = tl.full((BLOCK_W,), -1, tl.int64)
-            for t in range(0, T):
-                r = tl.load(rows_ptr + (b * L + l) * T + t)
-                row = tl.where(r < 0, ~r, r)
-                w = tl.load(bits_ptr + row * W + widx, mask=valid, other=0)
-                acc = acc & tl.where(r < 0, ~w, w)
-            tl.store(scratch + sp * NW, acc, mask=in_block)
-            sp += 1
-        elif op == 2 or op == 3:  # AND, OR
-            x = tl.load(scratch + (sp - 2) * NW, mask=in_block, other=0)
-            y = tl.load(scratch + (sp - 1) * NW, mask=in_block, other=0)
-            z = tl.where(op == 2, x & y, x | y)
-            tl.store(scratch + (sp - 2) * NW, z, mask=in_block)
-            sp -= 1
-        elif op == 4:  # NOT
-            x = tl.load(scratch + (sp - 1) * NW, mask=in_block, other=0)
-            tl.store(scratch + (sp - 1) * NW, ~x, mask=in_block)
-        elif op == 5 or op == 6:  # FALSE, TRUE
-            c = tl.where(op == 6, -1, 0).to(tl.int64)
-            tl.store(scratch + sp * NW, tl.zeros((BLOCK_W,), tl.int64) + c, mask=in_block)
-            sp += 1
-    res = tl.load(scratch, mask=in_block, other=0)
+    res = program_words(bits_ptr, W, ops_ptr, rows_ptr, b, L, T, widx, valid, scratch, NW, in_block, BLOCK_W)
     tl.store(out_ptr + bp.to(tl.int64) * NW + offs, tl.where(valid, res, 0), mask=in_block)
 
 
