@@ -22,8 +22,10 @@ stays in the schema that published snapshots call.)
 
 CPU: one fused C++ call (kernels/csrc/plan.cpp), same float32 arithmetic; a batch routed to posting
 lists or unprobed by its mode computes no centroid scores (on every path, an unprobed query's
-candidate clusters are not evaluated: its bitmask rows are zero). CUDA and without the extension: `filter_plan_torch`, the same
-steps as tensor ops with no host synchronisation.
+candidate clusters are not evaluated: its bitmask rows are zero). Without the extension: `filter_plan_torch`, the same
+steps as tensor ops with no host synchronisation (the reference of the other paths). CUDA: `filter_plan_triton.py`, the
+centroid matmul and the candidate sort, then two Triton kernels (one program per query) around the Triton
+`bloom_filter_counts`: about eight launches instead of some twenty-five.
 """
 
 from __future__ import annotations
@@ -90,15 +92,22 @@ def filter_plan(
     posting_limit: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See the module docstring."""
-    if not 1 <= nprobe <= max_probe <= centroids.shape[0]:
-        raise ValueError(f"need 1 <= nprobe ({nprobe}) <= max_probe ({max_probe}) <= nlist ({centroids.shape[0]})")
-    args = (queries.float().contiguous(), centroids.float().contiguous(), cluster_offsets.contiguous(), bits.contiguous(),
-            ops.contiguous(), rows.contiguous(), lists.contiguous(), post_sizes.contiguous(), mode.to(torch.int64).contiguous(),
-            k, nprobe, max_probe, window_words, match_factor, avg_cluster, num_items, float(exact_cost_ratio), posting_limit)
+    args = _checked_args(queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k, nprobe,
+                         max_probe, window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit)
     ext = cpu_ext() if queries.device.type == "cpu" else None
     if ext is not None and hasattr(ext, "filter_plan"):
         return ext.filter_plan(*args)
     return filter_plan_torch(*args)
+
+
+def _checked_args(queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k, nprobe, max_probe,
+                  window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit) -> tuple:
+    """The op's arguments validated and normalised (float32 / int64 contiguous tensors) for every path."""
+    if not 1 <= nprobe <= max_probe <= centroids.shape[0]:
+        raise ValueError(f"need 1 <= nprobe ({nprobe}) <= max_probe ({max_probe}) <= nlist ({centroids.shape[0]})")
+    return (queries.float().contiguous(), centroids.float().contiguous(), cluster_offsets.contiguous(), bits.contiguous(),
+            ops.contiguous(), rows.contiguous(), lists.contiguous(), post_sizes.contiguous(), mode.to(torch.int64).contiguous(),
+            k, nprobe, max_probe, window_words, match_factor, avg_cluster, num_items, float(exact_cost_ratio), posting_limit)
 
 
 @filter_plan.register_fake
@@ -107,3 +116,13 @@ def _(queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, m
     b = queries.shape[0]
     return (queries.new_empty(b, max_probe, dtype=torch.int64), queries.new_empty(b, max_probe, window_words, dtype=torch.int64),
             queries.new_empty(b, dtype=torch.int64))
+
+
+@torch.library.register_kernel("silverrec::filter_plan", "cuda")
+def _(queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k, nprobe, max_probe, window_words,
+      match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit):
+    from silverrec.kernels.filter_plan_triton import filter_plan_triton
+
+    return filter_plan_triton(*_checked_args(queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k,
+                                             nprobe, max_probe, window_words, match_factor, avg_cluster, num_items,
+                                             exact_cost_ratio, posting_limit))
