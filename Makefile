@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.silverrec-setup
 
-.PHONY: setup demo test bench bench-serve lock clean
+.PHONY: setup demo test test-gpu bench bench-serve lock clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,12 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# The GPU suite (tests/gpu; README "GPU"): on a machine whose python3 already has torch and triton, with
+# no venv, no install and no network (tools/repo_import.py maps pyproject's package folders). Triton
+# compiles for the device (no TRITON_INTERPRET); every test skips without CUDA.
+test-gpu:
+	SILVERREC_GPU_TESTS=1 SILVERREC_QUIET=1 $(PY) -m pytest -q tests/gpu
 
 bench: setup
 	$(BIN)/python benchmarks/exact_topk.py

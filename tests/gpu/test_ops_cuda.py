@@ -1,0 +1,129 @@
+"""Every silverrec op on CUDA tensors (its Triton kernel or CUDA composition) against the op on CPU:
+integer outputs (rows, probes, routes, masks, keys, item ids) bit-exact, float outputs (scores,
+attention) within device.FLOAT_TOL. The filtered search's ops and the decode's ops are replayed
+with the real inputs of a CPU forward (device.RecordOps); the others get random inputs."""
+
+import numpy as np
+import pytest
+import torch
+
+from silverrec.filtering.filter_program import FilterPlan, compile_request
+from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
+from silverrec.publish.filtered_ivf import build_filtered_ivf
+from silverrec.publish.ivf import IVFConfig
+from silverrec.publish.quantize import quantize_global
+from silverrec.generative.generative import GenerativeRetrieval
+from silverrec.generative.trie import ValidPathTrie
+from silverrec.bitmask import pack_bits
+
+from ..reference_beam_search import random_decoder, random_histories, random_paths
+from ..test_bloom_filter import _random_bank, _random_programs
+from ..test_filter_ivf import _pool
+from ..test_postings import FILTERS
+from .device import RecordOps, assert_same, to_device
+
+SEARCH_OPS = {"filter_plan", "ivf_scan", "verify_topk", "filtered_topk", "rows_to_items", "filtered_ivf_search"}
+DECODE_OPS = {"staged_attention", "beam_topk"}
+
+
+def _replay(calls, device, names):
+    """Each recorded call of an op in `names` run on `device` == its CPU output; -> names seen."""
+    seen = set()
+    for func, args, kwargs, want in calls:
+        name = func.__name__.split(".")[0]
+        if name not in names:
+            continue
+        seen.add(name)
+        assert_same(func(*to_device(args, device), **to_device(kwargs, device)), want, name)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def search_calls():
+    """The ops of the filtered search, recorded on CPU: the fused op (the index's forward) and the
+    composition of the per-step ops, over every route (probed, whole pool, posting lists)."""
+    pool, rng = _pool(seed=1)
+    module, manifest = build_filtered_ivf(pool, IVFConfig(nlist=100, seed=0))
+    plan = FilterPlan.from_config(manifest["filter"])
+    filters = FILTERS * 2
+    q = torch.from_numpy(pool.embeddings[rng.integers(0, len(pool.item_ids), len(filters))])
+    inputs = compile_request(filters, plan)
+    modes = torch.arange(len(filters)) % 3
+    m = module
+    recorder = RecordOps()
+    with torch.inference_mode():
+        for k, nprobe, max_probe in [(20, 4, 16), (150, 8, 40)]:
+            args = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
+                    m.post_rows, m.post_offsets, m.post_sizes, *inputs, modes, k, nprobe, max_probe, m.window_words,
+                    m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit)
+            with recorder:
+                module(q, k, nprobe, *inputs, max_probe, modes)
+                filtered_ivf_search_torch(*args)
+    return recorder.calls
+
+
+def test_filtered_search_ops(search_calls, cuda):
+    assert _replay(search_calls, cuda, SEARCH_OPS) == SEARCH_OPS
+
+
+def test_decode_ops(cuda):
+    sizes = [8, 6, 5, 3]
+    paths = random_paths(160, sizes, seed=1)
+    trie = ValidPathTrie(paths, sizes)
+    module = GenerativeRetrieval(random_decoder(sizes, seed=3), trie, torch.arange(trie.n_items), 24, 5).eval()
+    hist = random_histories(paths, sizes, 4, 6, seed=4)
+    bits = pack_bits(torch.rand(4, trie.n_items) < 0.5)
+    recorder = RecordOps()
+    with torch.inference_mode(), recorder:
+        module(hist, bits)
+    assert _replay(recorder.calls, cuda, DECODE_OPS) == DECODE_OPS
+
+
+@pytest.mark.parametrize("k", [1, 100, 1000])
+def test_int8_topk(cuda, k):
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(5000, 67, generator=gen)
+    q = torch.randn(19, 67, generator=gen)
+    codes, scale, offset = quantize_global(x)
+    args = (q, codes, scale, offset, k)
+    assert_same(torch.ops.silverrec.int8_topk(*to_device(args, cuda)), torch.ops.silverrec.int8_topk(*args), "int8_topk")
+
+
+@pytest.mark.parametrize("b, p, n", [(1, 1, 1), (19, 4, 3)])
+def test_bloom_filter(cuda, b, p, n):
+    gen = torch.Generator().manual_seed(b)
+    bits = _random_bank(37, 23, gen)
+    ops, rows = _random_programs(b, 12, 5, 37, gen)
+    starts = torch.randint(-1, 23, (b, p), generator=gen)
+    args = (bits, ops, rows, starts, n)
+    assert_same(torch.ops.silverrec.bloom_filter(*to_device(args, cuda)), torch.ops.silverrec.bloom_filter(*args),
+                "bloom_filter")
+
+
+def test_bloom_filter_counts(cuda):
+    gen = torch.Generator().manual_seed(7)
+    bits = _random_bank(19, 12, gen)
+    ops, rows = _random_programs(6, 10, 4, 19, gen)
+    lo = torch.randint(0, 64 * 12 - 17, (6, 4), generator=gen)
+    hi = (lo + torch.randint(-3, 64 * 5 + 40, (6, 4), generator=gen)).clamp(max=64 * 12 - 17)
+    lo[1] = -1  # a query without windows
+    args = (bits, ops, rows, lo, hi, 5)
+    assert_same(torch.ops.silverrec.bloom_filter_counts(*to_device(args, cuda)),
+                torch.ops.silverrec.bloom_filter_counts(*args), "bloom_filter_counts")
+
+
+def test_merge_attention_states(cuda):
+    gen = torch.Generator().manual_seed(0)
+    v_a, v_b = torch.randn(2, 37, 4, 16, generator=gen)
+    s_a, s_b = torch.randn(2, 37, 4, generator=gen)
+    s_b[:5] = float("-inf")  # empty stages
+    args = (v_a, s_a, v_b, s_b)
+    assert_same(torch.ops.silverrec.merge_attention_states(*to_device(args, cuda)),
+                torch.ops.silverrec.merge_attention_states(*args), "merge_attention_states")
+
+
+def test_rows_to_items(cuda):
+    row_to_item = torch.from_numpy(np.random.default_rng(0).permutation(1000).astype(np.int64) * 7 + 3)
+    rows = torch.randint(-1, 1000, (9, 31))
+    assert_same(torch.ops.silverrec.rows_to_items(row_to_item.to(cuda), rows.to(cuda)),
+                torch.ops.silverrec.rows_to_items(row_to_item, rows), "rows_to_items")
