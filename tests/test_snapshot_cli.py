@@ -230,3 +230,20 @@ def test_existing_snapshot_is_not_clobbered(exact_snapshot, real_pool):
     proc = run_cli("publish", "--pool", str(d / "pool.parquet"), "--out", str(exact_snapshot), "--exact", check=False)
     assert proc.returncode == 2 and "already exists" in proc.stderr
     assert read_manifest(exact_snapshot)["item_count"] == 2000
+
+
+@pytest.mark.parametrize("row, value", [(0, float("nan")), (2, float("-inf")), (3, float("inf"))])
+def test_check_queries_names_the_first_non_finite_row(row, value):
+    from silverrec.errors import QueryError, check_queries
+
+    q = torch.randn(4, 6)
+    q[row, 5] = value
+    with pytest.raises(QueryError, match=f"row {row} contains NaN or Inf"):
+        check_queries(q, 6)
+
+
+def test_check_queries_accepts_finite_values_whose_sum_overflows():
+    from silverrec.errors import check_queries
+
+    q = torch.full((4, 6), 3e38)  # every value finite, the float32 sum is inf: the per-value check decides
+    assert torch.equal(check_queries(q, 6), q)
