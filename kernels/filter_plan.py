@@ -118,11 +118,14 @@ def _(queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, m
             queries.new_empty(b, dtype=torch.int64))
 
 
-@torch.library.register_kernel("silverrec::filter_plan", "cuda")
-def _(queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k, nprobe, max_probe, window_words,
-      match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit):
+def filter_plan_cuda(queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k, nprobe, max_probe,
+                     window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit):
+    """The op on CUDA: kernels/filter_plan_triton.py (tests run it on CPU tensors under TRITON_INTERPRET=1)."""
     from silverrec.kernels.filter_plan_triton import filter_plan_triton
 
     return filter_plan_triton(*_checked_args(queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k,
                                              nprobe, max_probe, window_words, match_factor, avg_cluster, num_items,
                                              exact_cost_ratio, posting_limit))
+
+
+torch.library.register_kernel("silverrec::filter_plan", "cuda", filter_plan_cuda)

@@ -319,11 +319,14 @@ def _(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None):
     return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
 
 
-@torch.library.register_kernel("silverrec::ivf_scan", "cuda")
-def _(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None):
+def ivf_scan_cuda(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None):
+    """The op on CUDA: the Triton scan (tests run it on CPU tensors under TRITON_INTERPRET=1)."""
     from silverrec.kernels.ivf_scan_triton import scan_keys_triton
 
     return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, scan_keys_triton)
+
+
+torch.library.register_kernel("silverrec::ivf_scan", "cuda", ivf_scan_cuda)
 
 
 def ivf_scan_reference(
