@@ -31,9 +31,11 @@ With posting lists the cost is proportional to the candidates, not to N.
 CPU: kernels/csrc/filter_scan.cpp (queries with the same program and lists are evaluated once; the
 passing rows are scored by the fused scan); without the extension, `filtered_keys_torch` (per group
 on the host: `bloom_filter` on the candidates' words, a gather and one matmul), the reference the
-tests compare the C++ path with. CUDA: `filtered_keys_device`, the same answer with static shapes
-and no host synchronisation: candidates [B, max_candidates] gathered from the lists by a
-searchsorted over their cumulative lengths, whole-pool queries as a masked exact scan [B, N].
+tests compare the C++ path with. CUDA: the Triton kernel of kernels/filtered_topk_triton.py
+(`filtered_keys_triton`: the program evaluated per tile of rows, exact int8 dots, a radix select
+of the k-th best row and a compaction into [B, k + slack] keys), the same keys with static shapes,
+no host synchronisation and no buffer proportional to N; `max_candidates` bounds the positions
+it reads from each query's lists.
 """
 
 from __future__ import annotations
@@ -151,48 +153,6 @@ def filtered_keys_torch(qcodes, codes, bits, ops, prog_rows, post_rows, post_off
     return keys.sort(dim=1, descending=True).values
 
 
-def filtered_keys_device(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int, max_candidates: int) -> torch.Tensor:
-    """Sync-free path (CUDA): top-k keys int64 [B, k], descending, EMPTY_KEY padding."""
-    b, n = qcodes.shape[0], codes.shape[0]
-    dev = codes.device
-    q = qcodes.float()
-    whole = active & (lists[:, 0] == NO_LISTS)
-    posting = active & (lists[:, 0] != NO_LISTS)
-    # whole-pool queries: the program over every word, then a masked exact scan
-    starts = torch.where(whole, torch.zeros_like(lists[:, 0]), torch.full_like(lists[:, 0], -1))[:, None]
-    words = torch.ops.silverrec.bloom_filter(bits, ops, prog_rows, starts, bits.shape[1])[:, 0]  # [B, W]
-    allowed = ((words[:, :, None] >> torch.arange(64, device=dev)) & 1).reshape(b, -1)[:, :n].bool()
-    all_rows = torch.arange(n, device=dev)
-    keys_w = make_keys((q @ codes.float().t()).round().to(torch.int64), all_rows[None, :])
-    keys_w = torch.where(allowed & whole[:, None], keys_w, torch.full_like(keys_w, EMPTY_KEY))
-    # posting-list queries: candidates [B, C] = the lists' rows, concatenated (duplicates dropped)
-    c = max(1, int(max_candidates))
-    sizes = post_offsets[1:] - post_offsets[:-1]
-    use = (lists >= 0) & posting[:, None]
-    lid = torch.where(use, lists, torch.zeros_like(lists))
-    length = torch.where(use, sizes[lid] if sizes.numel() else torch.zeros_like(lid), torch.zeros_like(lid))  # [B, T2]
-    ends = torch.cumsum(length, dim=1)
-    pos = torch.arange(c, device=dev)[None, :].expand(b, c).contiguous()
-    t = torch.searchsorted(ends, pos, right=True)  # list of each position; T2 = past the end
-    inside = t < lists.shape[1]
-    tt = t.clamp(max=lists.shape[1] - 1)
-    src = post_offsets[torch.gather(lid, 1, tt)] + pos - (torch.gather(ends, 1, tt) - torch.gather(length, 1, tt))
-    if post_rows.numel():
-        rows = torch.where(inside, post_rows[src.clamp(0, post_rows.numel() - 1)].to(torch.int64), torch.full_like(src, -1))
-    else:
-        rows = torch.full_like(src, -1)
-    rows = torch.sort(rows, dim=1).values
-    dup = torch.cat([torch.zeros_like(rows[:, :1], dtype=torch.bool), rows[:, 1:] == rows[:, :-1]], dim=1)
-    rows = torch.where(dup, torch.full_like(rows, -1), rows)
-    ok = row_passes(bits, ops, prog_rows, rows)
-    s = torch.bmm(codes[rows.clamp_min(0)].float(), q[:, :, None])[:, :, 0].round().to(torch.int64)  # [B, C]
-    keys_p = torch.where(ok, make_keys(s, rows.clamp_min(0)), torch.full_like(s, EMPTY_KEY))
-    keys = torch.cat([keys_w, keys_p], dim=1)
-    if keys.shape[1] < k:
-        keys = torch.cat([keys, torch.full((b, k - keys.shape[1]), EMPTY_KEY, dtype=torch.int64, device=dev)], dim=1)
-    return torch.topk(keys, k, dim=1).values  # sorted, descending
-
-
 def _check_lists(post_rows, post_offsets, lists, active, batch: int) -> None:
     if post_rows.dtype != torch.int32 or post_rows.dim() != 1:
         raise ValueError(f"post_rows must be int32 [E], got {post_rows.dtype} {tuple(post_rows.shape)}")
@@ -202,6 +162,18 @@ def _check_lists(post_rows, post_offsets, lists, active, batch: int) -> None:
         raise ValueError(f"lists must be int64 [{batch}, T2], got {lists.dtype} {tuple(lists.shape)}")
     if active.dtype != torch.bool or active.shape != (batch,):
         raise ValueError(f"active must be bool [{batch}], got {active.dtype} {tuple(active.shape)}")
+
+
+def _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int) -> None:
+    """ValueError naming the first bad argument (shapes and dtypes only: no host synchronisation)."""
+    check_program(bits, ops, prog_rows)
+    _check_lists(post_rows, post_offsets, lists, active, queries.shape[0])
+    if codes.dtype != torch.int8 or codes.dim() != 2 or queries.dim() != 2 or queries.shape[1] != codes.shape[1]:
+        raise ValueError(f"queries [B, D] / codes int8 [N, D] expected, got {tuple(queries.shape)} / {codes.dtype} {tuple(codes.shape)}")
+    if bits.shape[1] != (codes.shape[0] + 63) // 64:
+        raise ValueError(f"bits must have ceil(N / 64) = {(codes.shape[0] + 63) // 64} words per row, got {bits.shape[1]}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
 
 
 @torch.library.custom_op("silverrec::filtered_topk", mutates_args=())
@@ -221,15 +193,8 @@ def filtered_topk(
     max_candidates: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring."""
-    check_program(bits, ops, prog_rows)
+    _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k)
     b = queries.shape[0]
-    _check_lists(post_rows, post_offsets, lists, active, b)
-    if codes.dtype != torch.int8 or codes.dim() != 2 or queries.dim() != 2 or queries.shape[1] != codes.shape[1]:
-        raise ValueError(f"queries [B, D] / codes int8 [N, D] expected, got {tuple(queries.shape)} / {codes.dtype} {tuple(codes.shape)}")
-    if bits.shape[1] != (codes.shape[0] + 63) // 64:
-        raise ValueError(f"bits must have ceil(N / 64) = {(codes.shape[0] + 63) // 64} words per row, got {bits.shape[1]}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
     if not bool(active.any()):  # the usual case inside the filtered search: nothing to do
         return (
             torch.full((b, k), float("-inf"), dtype=torch.float32, device=queries.device),
@@ -252,9 +217,15 @@ def _(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offse
     return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
 
 
-@torch.library.register_kernel("silverrec::filtered_topk", "cuda")
-def _(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates):
+def filtered_topk_cuda(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates):
+    """The op on CUDA: the Triton kernel (tests run it on CPU tensors under TRITON_INTERPRET=1)."""
+    from silverrec.kernels.filtered_topk_triton import filtered_keys_triton
+
+    _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k)
     qcodes, qscale = quantize_queries(queries)
-    keys = filtered_keys_device(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates)
+    keys = filtered_keys_triton(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates)
     int_scores, rows = split_keys(keys)
     return dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0), rows
+
+
+torch.library.register_kernel("silverrec::filtered_topk", "cuda", filtered_topk_cuda)

@@ -1,0 +1,289 @@
+"""Triton kernel for `silverrec::filtered_topk` on CUDA: filter, then exact int8 top-k, no `[B, N]`.
+
+Candidates of query b (contract in kernels/filtered_topk.py):
+- route 1 (`lists[b, 0] == NO_LISTS`): every row of the pool. A program walks tiles of BLOCK words;
+  the filter program runs once per word (`bloom_filter_triton.program_words`, the evaluator of
+  `silverrec::bloom_filter`), then each non-zero word's 64 rows are scored: rows in words the
+  filter clears cost one bank read per program instruction, never a code read.
+- route 2 (posting lists): positions [0, ncand[b]) of the concatenation of the query's lists,
+  ncand[b] = min(their total length, max_candidates). Position -> (slot, row) by a walk over the
+  T2 slots; a row also found in an earlier slot (binary search: lists are ascending) is dropped,
+  so the union counts each row once. The program runs per row (one word per lane).
+- inactive queries: none (all padding).
+Passing rows are scored with int8 `tl.dot` and int32 accumulation (the query broadcast over the 16
+columns tl.dot needs, as in ivf_scan_triton.py), exactly like `silverrec::int8_topk`.
+
+Selection: a radix select on the value v = (score + SOFF) << RB | (2**RB - 1 - row), SOFF =
+127 * 128 * D (so score + SOFF >= 0) and RB = bits of N - 1. v orders rows exactly like the output
+keys (score descending, ties to the lower row) and is unique per row, so a threshold on v splits
+the rows exactly, ties included. Pass i (digits of DIGIT bits from the top) histograms digit i
+over the rows whose higher digits equal the query's prefix; on the device, per query, the digit
+holding the k-th best row extends the prefix. Once the rows at or above the prefix fit the buffer
+(n_above + n_in_bin <= CAP = k + slack) the query is resolved: later passes skip it (its program
+loop is empty; no host synchronisation) and a last pass appends every row with v >= prefix
+(one atomic counter per query and tile, tl.cumsum for the slots) to keys [B, CAP]; one torch.topk
+makes keys [B, k]. Every query is resolved after the last digit (v is unique). With the scores'
+top bits in the first digit, the bin at the k-th best row typically holds a few hundred rows:
+2 scans (one histogram, one compaction); ceil((SB + RB) / DIGIT) + 1 at most.
+
+Why not per-chunk key buffers merged by topk (int8_topk_triton.py): [B, chunk] keys written per
+chunk and N / chunk topk launches over [B, k + chunk]; here nothing but [B, 2**DIGIT] counts and
+[B, CAP] keys is written, and no sort is larger than CAP.
+
+Device memory (`workspace_shapes`): hist int32 [B, 2**DIGIT], buffer int64 [B, CAP], per-program
+stack scratch int64 [B, SPLITS, L + 1, BLOCK] (SPLITS programs per query, at most
+TARGET_PROGRAMS / B), a few [B] vectors: nothing proportional to N, nor to N / 64 words.
+Runs on CPU tensors under TRITON_INTERPRET=1 (tests/test_filtered_topk_triton.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from silverrec.kernels.bloom_filter_triton import program_words
+from silverrec.kernels.common import EMPTY_KEY
+from silverrec.kernels.filtered_topk import NO_LISTS
+
+DIGIT = 16  # bits per radix pass: 65536 bins per query
+BLOCK = 64  # rows per scored tile (one bank word) and words per route-1 tile
+TARGET_PROGRAMS = 1024  # programs per launch (B x SPLITS), enough to fill an H100's 132 SMs
+MIN_SLACK = 256  # buffer rows beyond k for the boundary bin
+
+
+@triton.jit
+def _posting_rows(post_rows_ptr, post_off_ptr, lists_ptr, b, pos, inb, T2, V, NITER: tl.constexpr):
+    """Rows int64 [BLOCK] and ok bool [BLOCK] for positions `pos` of query b's concatenated lists.
+
+    ok is False past the lists, for unused slots (-1, or ids >= V) and for a row that an earlier
+    slot also holds (the union keeps its first copy).
+    """
+    rows = tl.zeros_like(pos) - 1
+    slot = tl.zeros_like(pos) + T2
+    cum = tl.zeros_like(pos)
+    for t in range(0, T2):
+        lid = tl.load(lists_ptr + b * T2 + t)
+        used = (lid >= 0) & (lid < V)
+        lid = tl.where(used, lid, 0)
+        lo = tl.load(post_off_ptr + lid)
+        size = tl.where(used, tl.load(post_off_ptr + lid + 1) - lo, 0)
+        here = inb & (pos >= cum) & (pos < cum + size)
+        r = tl.load(post_rows_ptr + lo + pos - cum, mask=here, other=-1)
+        rows = tl.where(here, r.to(tl.int64), rows)
+        slot = tl.where(here, t, slot)
+        cum += size
+    dup = rows < 0
+    for t in range(0, tl.max(tl.where(dup, 0, slot), axis=0)):  # earlier slots of the tile's rows
+        lid = tl.load(lists_ptr + b * T2 + t)
+        used = (lid >= 0) & (lid < V)
+        lid = tl.where(used, lid, 0)
+        lo = tl.load(post_off_ptr + lid)
+        size = tl.where(used, tl.load(post_off_ptr + lid + 1) - lo, 0)
+        a = tl.zeros_like(pos)
+        z = tl.zeros_like(pos) + size
+        for _ in tl.static_range(NITER):  # lower bound of the row in list t
+            live = a < z
+            mid = (a + z) >> 1
+            val = tl.load(post_rows_ptr + lo + mid, mask=live, other=0).to(tl.int64)
+            a = tl.where(live & (val < rows), mid + 1, a)
+            z = tl.where(live & (val >= rows), mid, z)
+        hit = tl.load(post_rows_ptr + lo + a, mask=a < size, other=-1).to(tl.int64) == rows
+        dup = dup | (hit & (a < size) & (t < slot))
+    return tl.maximum(rows, 0), ~dup
+
+
+@triton.jit
+def _select_rows(
+    q_ptr, x_ptr, b, rows, ok, D, SOFF, RB, RMASK, prefix, shift_hi, shift, vmin,
+    hist_ptr, count_ptr, buf_ptr, CAP,
+    COMPACT: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Score rows int64 [BLOCK] (lanes `ok`) against query b; histogram or compact them (module docstring)."""
+    acc = tl.zeros((BLOCK, 16), dtype=tl.int32)
+    cols = tl.arange(0, 16)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + rows[:, None] * D + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < D), other=0)
+        q = tl.load(
+            q_ptr + b * D + offs_d[:, None] + cols[None, :] * 0,
+            mask=(offs_d[:, None] < D) & (cols[None, :] >= 0),
+            other=0,
+        )  # [BLOCK_D, 16], every column = query b
+        acc += tl.dot(x, q, out_dtype=tl.int32)
+    score = tl.max(acc, axis=1).to(tl.int64)  # all 16 columns are equal
+    v = ((score + SOFF) << RB) | (RMASK - rows)
+    if COMPACT:
+        sel = ok & (v >= vmin)
+        n_sel = tl.sum(sel.to(tl.int32), axis=0)
+        base = tl.atomic_add(count_ptr + b, n_sel)
+        at = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        keys = score * 4294967296 + (4294967295 - rows)
+        tl.store(buf_ptr + b * CAP + at, keys, mask=sel & (at < CAP))
+    else:
+        sel = ok & ((v >> shift_hi) == prefix)
+        digit = (v >> shift) - (prefix << (shift_hi - shift))
+        tl.atomic_add(hist_ptr + b * NBINS + digit, 1, mask=sel)
+
+
+@triton.jit
+def _filtered_scan_kernel(
+    q_ptr,  # int8 [B, D] quantised queries
+    x_ptr,  # int8 [N, D] codes
+    bits_ptr,  # int64 [R, W] filter row bank
+    ops_ptr,  # int64 [B, L] filter programs
+    prog_ptr,  # int64 [B, L, T]
+    post_rows_ptr,  # int32 [E] posting lists
+    post_off_ptr,  # int64 [V + 1]
+    lists_ptr,  # int64 [B, T2]
+    ncand_ptr,  # int64 [B] candidates: N (route 1), list positions (route 2), 0 (skip the query)
+    prefix_ptr,  # int64 [B] histogram pass: rows with v >> shift_hi == prefix
+    vmin_ptr,  # int64 [B] compaction pass: rows with v >= vmin
+    hist_ptr,  # int32 [B, NBINS]
+    count_ptr,  # int32 [B] rows appended per query
+    buf_ptr,  # int64 [B, CAP] keys
+    scratch_ptr,  # int64 [B, SPLITS, L + 1, BLOCK] program stacks
+    D, W, L, T, T2, V, CAP, SPLITS, SOFF, RB, RMASK, shift_hi, shift, NO_LISTS,
+    COMPACT: tl.constexpr,
+    NITER: tl.constexpr,
+    NBINS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program (b, s) takes tiles s, s + SPLITS, ... of query b's candidates (module docstring)."""
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    n = tl.load(ncand_ptr + b)
+    whole = tl.load(lists_ptr + b * T2) == NO_LISTS
+    prefix = tl.load(prefix_ptr + b)
+    vmin = tl.load(vmin_ptr + b)
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    all_lanes = lane >= 0
+    stack = scratch_ptr + (b * SPLITS + s).to(tl.int64) * (L + 1) * BLOCK  # this program's [L + 1, BLOCK]
+    scratch = stack + lane
+    if whole:  # route 1: the program per word, then the 64 rows of each non-zero word
+        for t in range(s, tl.cdiv(tl.cdiv(n, 64), BLOCK), SPLITS):
+            widx = t * BLOCK + lane
+            words = program_words(bits_ptr, W, ops_ptr, prog_ptr, b, L, T, widx, widx < W, scratch, BLOCK, all_lanes, BLOCK)
+            tl.store(scratch + L * BLOCK, words)  # slot L: this tile's words, read back word by word
+            tl.debug_barrier()
+            for w in range(0, BLOCK):
+                word = tl.load(stack + L * BLOCK + w)
+                if word != 0:
+                    rows = (t * BLOCK + w) * 64 + lane
+                    ok = (((word >> lane) & 1) != 0) & (rows < n)
+                    _select_rows(
+                        q_ptr, x_ptr, b, tl.minimum(rows, n - 1), ok, D, SOFF, RB, RMASK, prefix, shift_hi, shift,
+                        vmin, hist_ptr, count_ptr, buf_ptr, CAP, COMPACT, NBINS, BLOCK, BLOCK_D,
+                    )
+            tl.debug_barrier()  # every lane has read slot L before the next tile writes it
+    else:  # route 2: list positions; the program per row
+        for t in range(s, tl.cdiv(n, BLOCK), SPLITS):
+            pos = t * BLOCK + lane
+            rows, ok = _posting_rows(post_rows_ptr, post_off_ptr, lists_ptr, b, pos, pos < n, T2, V, NITER)
+            words = program_words(bits_ptr, W, ops_ptr, prog_ptr, b, L, T, rows >> 6, ok, scratch, BLOCK, all_lanes, BLOCK)
+            ok = ok & (((words >> (rows & 63)) & 1) != 0)
+            if tl.max(ok.to(tl.int32), axis=0) > 0:
+                _select_rows(
+                    q_ptr, x_ptr, b, rows, ok, D, SOFF, RB, RMASK, prefix, shift_hi, shift,
+                    vmin, hist_ptr, count_ptr, buf_ptr, CAP, COMPACT, NBINS, BLOCK, BLOCK_D,
+                )
+
+
+def workspace_shapes(batch: int, prog_len: int, k: int, splits: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the device buffers `filtered_keys_triton` allocates (none depends on N).
+
+    hist int32 [B, 2**DIGIT], keys buffer int64 [B, k + slack], program stacks int64
+    [B, splits, L + 1, BLOCK], and per-query vectors [B] (ncand, prefix, vmin, n_above, done, count).
+    """
+    return {
+        "hist": (batch, 1 << DIGIT),
+        "buf": (batch, k + max(k, MIN_SLACK)),
+        "scratch": (batch, splits, prog_len + 1, BLOCK),
+        "per_query": (batch,),
+    }
+
+
+def _select_digit(hist, k, cap, width, shift, prefix, n_above, done, vmin):
+    """One radix step per query, on the device: extend the prefix by the digit holding the k-th best row.
+
+    hist int32 [B, NBINS] counts of the rows matching the prefix, by their next digit (`width`
+    bits, the digit's lowest bit at `shift`); prefix / n_above (rows above the prefix) / vmin int64
+    [B], done bool [B]. Returns the updated (prefix, n_above, done, vmin).
+    """
+    h = hist.to(torch.int64)
+    at_or_above = h.flip(1).cumsum(1).flip(1)  # [B, NBINS]: rows in bins >= j
+    need = (k - n_above)[:, None]
+    j = ((at_or_above >= need).sum(1) - 1).clamp_min(0)[:, None]  # fewer than k rows: every bin (j = 0)
+    in_bin = h.gather(1, j)[:, 0]
+    above = n_above + at_or_above.gather(1, j)[:, 0] - in_bin
+    new_prefix = (prefix << width) | j[:, 0]
+    resolved = ~done & (above + in_bin <= cap)
+    vmin = torch.where(resolved, new_prefix << shift, vmin)
+    return torch.where(done, prefix, new_prefix), torch.where(done, n_above, above), done | resolved, vmin
+
+
+def filtered_keys_triton(
+    qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int, max_candidates: int,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """Top-k sort keys int64 [B, k] (descending, EMPTY_KEY padding) of the filtered exact search.
+
+    qcodes int8 [B, D] (quantised queries); the other arguments as `silverrec::filtered_topk`
+    (validated by the op). `splits`: programs per query (default: TARGET_PROGRAMS / B, at most the
+    largest query's tiles). Static shapes, no host synchronisation.
+    """
+    qcodes, codes, bits, ops, prog_rows = (t.contiguous() for t in (qcodes, codes, bits, ops, prog_rows))
+    post_rows, post_offsets, lists = post_rows.contiguous(), post_offsets.contiguous(), lists.contiguous()
+    B, D = qcodes.shape
+    N, L, T, T2, V = codes.shape[0], ops.shape[1], prog_rows.shape[2], lists.shape[1], post_offsets.numel() - 1
+    dev = codes.device
+    soff = 127 * 128 * D  # |score| <= 127 * 128 * D
+    rb = max(N - 1, 1).bit_length()
+    total_bits = (2 * soff).bit_length() + rb
+    if total_bits > 63:
+        raise ValueError(f"filtered_topk: D = {D} and N = {N} do not fit a 63-bit (score, row) value")
+    # candidates per query: N (whole pool), its lists' total length (posting route), 0 (inactive)
+    whole = lists[:, 0] == NO_LISTS
+    used = (lists >= 0) & (lists < V)
+    sizes = post_offsets[1:] - post_offsets[:-1]
+    lengths = sizes[torch.where(used, lists, 0)] if V > 0 else torch.zeros_like(lists)
+    listed = torch.where(used, lengths, 0).sum(1).clamp(max=max(int(max_candidates), 0))
+    ncand = torch.where(active, torch.where(whole, N, listed), 0)
+
+    if splits is None:
+        tiles = max(triton.cdiv(triton.cdiv(N, 64), BLOCK), triton.cdiv(max(int(max_candidates), 1), BLOCK))
+        splits = max(1, min(tiles, TARGET_PROGRAMS // max(B, 1)))
+    shapes = workspace_shapes(B, L, k, splits)
+    cap = shapes["buf"][1]
+    hist = torch.zeros(shapes["hist"], dtype=torch.int32, device=dev)
+    buf = torch.full(shapes["buf"], EMPTY_KEY, dtype=torch.int64, device=dev)
+    scratch = torch.empty(shapes["scratch"], dtype=torch.int64, device=dev)
+    count = torch.zeros(shapes["per_query"], dtype=torch.int32, device=dev)
+    prefix = torch.zeros(shapes["per_query"], dtype=torch.int64, device=dev)
+    n_above = torch.zeros_like(prefix)
+    vmin = torch.full_like(prefix, torch.iinfo(torch.int64).max)
+    done = ncand == 0
+    if B == 0 or N == 0:
+        return buf[:, :k]
+    BLOCK_D = max(16, min(128, triton.next_power_of_2(D)))
+    niter = max(int(max_candidates), 1).bit_length() + 1
+    grid = (B, splits)
+
+    def launch(n, shift_hi, shift, compact):
+        _filtered_scan_kernel[grid](
+            qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, n, prefix, vmin,
+            hist, count, buf, scratch,
+            D, bits.shape[1], L, T, T2, V, cap, splits, soff, rb, (1 << rb) - 1, shift_hi, shift, NO_LISTS,
+            COMPACT=compact, NITER=niter, NBINS=1 << DIGIT, BLOCK=BLOCK, BLOCK_D=BLOCK_D,
+        )
+
+    shift_hi = total_bits
+    while shift_hi > 0:  # a static number of radix passes; resolved queries scan nothing
+        shift = max(shift_hi - DIGIT, 0)
+        hist.zero_()
+        launch(torch.where(done, 0, ncand), shift_hi, shift, False)
+        prefix, n_above, done, vmin = _select_digit(hist, k, cap, shift_hi - shift, shift, prefix, n_above, done, vmin)
+        shift_hi = shift
+    launch(ncand, 0, 0, True)
+    return torch.topk(buf, k, dim=1).values  # sorted, descending
