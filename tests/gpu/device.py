@@ -20,15 +20,24 @@ def to_device(tree: Any, device: torch.device | str) -> Any:
 
 
 def program_on(path: Path, backend: str, device: torch.device | str):
-    """A snapshot's program loaded onto `device`: model.pt2 through torch.export's device pass (the
-    CPU-traced graph holds device constants: a plain `.to` would leave them on the CPU), model.ts
-    with map_location."""
+    """A snapshot's program loaded by silverrec's own loaders (state tensors attached) and put on
+    `device`: model.pt2 through torch.export's device pass (the CPU-traced graph holds device
+    constants, which a plain `.to` would leave on the CPU), model.ts with map_location."""
+    from silverrec import snapshot as io
+
+    root = Path(path)
+    manifest = io.read_manifest(root)
     if backend == "export":
         from torch.export.passes import move_to_device_pass
 
-        return move_to_device_pass(torch.export.load(Path(path) / EXPORT_FILE), device).module()
+        load = getattr(io, "load_exported", None)  # attaches tensors.pt (format 5); absent before
+        program = load(root, manifest) if load else torch.export.load(root / EXPORT_FILE)
+        return move_to_device_pass(program, device).module()
     if backend == "torchscript":
-        return torch.jit.load(str(Path(path) / SCRIPT_FILE), map_location=device)
+        load = getattr(io, "load_scripted", None)
+        if load:
+            return load(root, manifest, map_location=device)
+        return torch.jit.load(str(root / SCRIPT_FILE), map_location=device)
     raise ValueError(f"unknown backend {backend!r}")
 
 
@@ -39,6 +48,9 @@ class OnDevice:
     def __init__(self, module, device: torch.device | str):
         self.module = module
         self.device = torch.device(device)
+
+    def __getattr__(self, name):  # the program's other methods (TorchScript `rank`), as they are
+        return getattr(self.module, name)
 
     def __call__(self, *args, **kwargs):
         out = self.module(*to_device(args, self.device), **to_device(kwargs, self.device))
@@ -62,6 +74,19 @@ def assert_same(got: Any, want: Any, what: str = "output") -> None:
             torch.testing.assert_close(g, w, **FLOAT_TOL, equal_nan=True, msg=lambda m: f"{what}[{i}]: {m}")
         else:
             assert torch.equal(g, w), f"{what}[{i}]: {int((g != w).sum())} of {w.numel()} entries differ"
+
+
+def assert_ranking_close(got_ids, got_scores, want_ids, want_scores, tol: float = FLOAT_TOL["atol"]) -> None:
+    """Two rankings [B, k] equal up to float noise: scores within `tol`, and the same item at every
+    position whose score is more than `tol` away from its neighbours' (tie groups may reorder)."""
+    got_ids, got_scores = got_ids.cpu(), got_scores.cpu()
+    torch.testing.assert_close(got_scores, want_scores, atol=tol, rtol=tol)
+    s = want_scores.double()
+    gap = torch.full_like(s, float("inf"))
+    gap[:, 1:] = (s[:, 1:] - s[:, :-1]).abs()
+    apart = torch.minimum(gap, torch.cat([gap[:, 1:], torch.full_like(gap[:, :1], float("inf"))], dim=1)) > tol
+    apart |= torch.isinf(s)  # padding (-inf, id -1) must match exactly
+    assert torch.equal(got_ids[apart], want_ids[apart]), f"{int((got_ids != want_ids)[apart].sum())} items differ"
 
 
 class RecordOps(torch.utils._python_dispatch.TorchDispatchMode):

@@ -1,0 +1,109 @@
+"""Every snapshot kind on CUDA against the same snapshot on CPU: the pure-ANN index (ivf), the
+filtered index (filtered_ivf), the generative decode and the recommendation model, each published
+small here with the publish code (a snapshot saved by another torch may not load), then loaded as
+model.pt2 (moved by torch.export's device pass) and model.ts (map_location) onto the device and
+run behind the unchanged predictor API; the eager modules moved with `.to(device)` as well."""
+
+import numpy as np
+import pytest
+import torch
+
+import silverrec
+from silverrec.publish.filtered_ivf import publish_index
+from silverrec.publish.generative import build_generative, publish_generative
+from silverrec.publish.ivf import IVFConfig
+from silverrec.publish.pool import Pool
+from silverrec.publish.semantic_ids import build_semantic_ids
+from silverrec.bitmask import pack_bits
+
+from ..reference_beam_search import random_decoder
+from ..test_filter_ivf import _pool
+from ..test_postings import FILTERS
+from .device import OnDevice, assert_ranking_close, program_on
+
+BACKENDS = ["export", "torchscript"]
+K = 50
+
+
+def _on_device(path, backend, device):
+    """The snapshot loaded on CPU (the reference) and the same snapshot whose forward runs on `device`."""
+    cpu = silverrec.load(path, backend=backend)
+    dev = silverrec.load(path, backend=backend)
+    dev.module = OnDevice(program_on(path, backend, device), device)
+    return cpu, dev
+
+
+@pytest.fixture(scope="module")
+def index_snapshots(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ivf")
+    pool, rng = _pool(seed=1)
+    queries = torch.from_numpy(pool.embeddings[rng.integers(0, len(pool.item_ids), len(FILTERS))] + 0.1)
+    plain = Pool(pool.item_ids, pool.embeddings)
+    cfg = IVFConfig(nlist=100, seed=0)
+    return {"ivf": publish_index(plain, root / "ivf", config=cfg, torchscript=True),
+            "filtered_ivf": publish_index(pool, root / "filtered", config=cfg, torchscript=True)}, queries
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["ivf", "filtered_ivf"])
+def test_index_snapshot(index_snapshots, kind, backend, cuda):
+    paths, queries = index_snapshots
+    cpu, dev = _on_device(paths[kind], backend, cuda)
+    requests = [{"nprobe": 8}] if kind == "ivf" else [{"filter": FILTERS, "nprobe": 4}, {"filter": FILTERS, "mode": "probed"}]
+    for options in requests:
+        want = cpu.search(queries, K, **options)
+        got = dev.search(queries, K, **options)
+        assert_ranking_close(got.item_ids, got.scores, want.item_ids, want.scores)
+        assert (want.item_ids >= 0).any()
+
+
+@pytest.fixture(scope="module")
+def generative(tmp_path_factory):
+    g = np.random.default_rng(0)
+    x = (g.normal(size=(12, 10))[g.integers(0, 12, 240)] * 3 + g.normal(size=(240, 10))).astype(np.float32)
+    ids = g.permutation(np.arange(1000, 5000))[:240].astype(np.int64)
+    sids = build_semantic_ids(x, ids, levels=2, codes=8, seed=0, niter=5)
+    dec = random_decoder(sids.level_sizes, dim=32, n_layers=2, max_seq_len=64, seed=1)
+    path = publish_generative(dec, sids, tmp_path_factory.mktemp("gen") / "snap", beam_width=16, top_k=5,
+                              max_history=6, weights="fp32")
+    histories = [list(g.choice(ids, n, replace=False)) for n in (0, 1, 3, 6, 11)]
+    return dec, sids, path, histories
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_generative_snapshot(generative, backend, cuda):
+    _, _, path, histories = generative
+    cpu, dev = _on_device(path, backend, cuda)
+    n = cpu.manifest["item_count"]
+    allowed = torch.rand(len(histories), n, generator=torch.Generator().manual_seed(0)) < 0.5
+    for bitmask in (None, pack_bits(allowed)):
+        want = cpu.recommend(histories, filter_bitmask=bitmask)
+        got = dev.recommend(histories, filter_bitmask=bitmask)
+        assert_ranking_close(got.item_ids, got.scores, want.item_ids, want.scores)
+
+
+def test_generative_module_to_device(generative, cuda):
+    """The eager module moved with `.to(device)` (buffers: trie, item ids, RoPE tables)."""
+    dec, sids, path, _ = generative
+    module = build_generative(dec, sids, 16, 5, torch.float32).eval()
+    snap = silverrec.load(path)
+    n = snap.manifest["item_count"]
+    history = torch.tensor([[0, 0, 1, 3, 12], [1, 5, 14, 2, 11]], dtype=torch.int64)
+    bitmask = pack_bits(torch.rand(2, n, generator=torch.Generator().manual_seed(1)) < 0.7)
+    with torch.inference_mode():
+        want = module(history, bitmask)
+        got = module.to(cuda)(history.to(cuda), bitmask.to(cuda))
+    assert_ranking_close(got[0], got[1], *want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recommendation_model(backend, cuda, tmp_path_factory):
+    pytest.importorskip("torchrec", reason="the recommendation model's user tower needs torchrec + fbgemm_gpu")
+    from ..rec_fixtures import rec_setup
+
+    rec = rec_setup(tmp_path_factory)
+    cpu, dev = _on_device(rec.snap_dir, backend, cuda)
+    requests = [{"user_id": int(u)} for u in rec.logs.user_ids[:8]]
+    want = cpu.recommend(requests, k=10)
+    got = dev.recommend(requests, k=10)
+    assert_ranking_close(got.item_ids, got.scores, want.item_ids, want.scores)
