@@ -7,9 +7,10 @@
         k, nprobe, max_probe, window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit)
     # -> scores float32 [B, k] (descending, -inf padding), item_ids int64 [B, k] (-1 padding)
 
-The steps are the ops of this package, in order (`filtered_ivf_search_torch` is the composition and
-the CUDA path): `filter_plan` routes every query; per-dimension ranges are folded into the query;
-`ivf_scan` scans the probed clusters through the Bloom mask with a margin of k / 4 + 16 results,
+The steps are the ops of this package, in order (`compose_search`; `filtered_ivf_search_torch` composes
+the registered ops, `filtered_ivf_search_cuda`, the CUDA kernel, their CUDA kernels, the Triton
+launchers, directly): `filter_plan` routes every query; per-dimension ranges are folded into the
+query; `ivf_scan` scans the probed clusters through the Bloom mask with a margin of k / 4 + 16 results,
 `verify_topk` keeps the best k that pass the exact verify program; `filtered_topk` answers the
 whole-pool and posting-list routes; the routes' results are merged and rows mapped to item ids.
 
@@ -25,19 +26,53 @@ results are bit-identical to the composition, without the per-op overhead or int
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
 from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.rows_to_items import register_cpu_fallback
 
 
-def filtered_ivf_search_torch(
-    queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item, bits, post_rows, post_offsets,
-    post_sizes, ops, rows, vops, vrows, lists, mode, k: int, nprobe: int, max_probe: int, window_words: int,
+class SearchSteps(NamedTuple):
+    """The ops the composition calls, each with its op's signature."""
+
+    filter_plan: Callable
+    ivf_scan: Callable
+    verify_topk: Callable
+    filtered_topk: Callable
+    rows_to_items: Callable
+
+
+def dispatched_steps() -> SearchSteps:
+    """The registered ops (each picks its kernel by the tensors' device)."""
+    ops = torch.ops.silverrec
+    return SearchSteps(ops.filter_plan, ops.ivf_scan, ops.verify_topk, ops.filtered_topk, ops.rows_to_items)
+
+
+def cuda_steps() -> SearchSteps:
+    """The ops' CUDA kernels (Triton launchers), called directly: what `filtered_ivf_search_cuda` runs on a GPU and
+    what tests/test_filter_plan_triton.py runs on CPU tensors under TRITON_INTERPRET=1."""
+    from silverrec.kernels.filter_plan import filter_plan_cuda
+    from silverrec.kernels.filtered_topk import filtered_topk_cuda, verify_topk_cuda
+    from silverrec.kernels.ivf_scan import ivf_scan_cuda
+    from silverrec.kernels.rows_to_items import rows_to_items_torch
+
+    return SearchSteps(filter_plan_cuda, ivf_scan_cuda, verify_topk_cuda, filtered_topk_cuda, rows_to_items_torch)
+
+
+def compose_search(
+    steps: SearchSteps, queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item, bits, post_rows,
+    post_offsets, post_sizes, ops, rows, vops, vrows, lists, mode, k: int, nprobe: int, max_probe: int, window_words: int,
     match_factor: int, avg_cluster: int, num_items: int, exact_cost_ratio: float, posting_limit: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The composition of the package's ops (device-generic; the reference of the C++ path)."""
-    probes, bitmask, route = torch.ops.silverrec.filter_plan(
+    """The search as a composition of `steps` (the op's contract, module docstring).
+
+    Device memory beyond the inputs, B queries: centroid scores [B, C] and the plan's bitmask [B, max_probe, Wc]
+    (filter_plan), the scan's keys [B, 8 x the largest cluster] (ivf_scan), the results [B, k + k / 4 + 16];
+    filtered_topk's Triton workspace holds nothing proportional to N either (its `workspace_shapes`).
+    """
+    probes, bitmask, route = steps.filter_plan(
         queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k, nprobe, max_probe,
         window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit,
     )
@@ -46,18 +81,26 @@ def filtered_ivf_search_torch(
     folded, constant = q * dim_scale, q @ dim_offset
     one, zero = folded.new_ones(()), folded.new_zeros(())
     # Bloom false positives may take result slots: scan a margin, verify, keep the best k.
-    s_ivf, r_ivf = torch.ops.silverrec.ivf_scan(folded, codes, one, zero, cluster_offsets, probes, k + k // 4 + 16, bitmask)
-    s_ivf, r_ivf = torch.ops.silverrec.verify_topk(bits, vops, vrows, s_ivf, r_ivf, k)
+    s_ivf, r_ivf = steps.ivf_scan(folded, codes, one, zero, cluster_offsets, probes, k + k // 4 + 16, bitmask)
+    s_ivf, r_ivf = steps.verify_topk(bits, vops, vrows, s_ivf, r_ivf, k)
     # whole-pool (route 1) and posting (route 2) queries: filter then exact scan
     exact = route > 0
     src = torch.where((route == 1)[:, None], torch.full_like(lists, -2), lists)  # -2: the whole pool
-    s_ex, r_ex = torch.ops.silverrec.filtered_topk(
+    s_ex, r_ex = steps.filtered_topk(
         folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k, posting_limit
     )
     scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
-    from silverrec.retrieval.item_ids import rows_to_items
+    return scores, steps.rows_to_items(row_to_item, torch.where(exact[:, None], r_ex, r_ivf))
 
-    return scores, rows_to_items(row_to_item, torch.where(exact[:, None], r_ex, r_ivf))
+
+def filtered_ivf_search_torch(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The composition of the registered ops (device-generic; the reference of the C++ path). Arguments: the op's."""
+    return compose_search(dispatched_steps(), *args)
+
+
+def filtered_ivf_search_cuda(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op on CUDA: the composition of the ops' CUDA kernels, called without a dispatcher round trip each."""
+    return compose_search(cuda_steps(), *args)
 
 
 SCHEMA = (
@@ -72,7 +115,7 @@ torch.library.define("silverrec::filtered_ivf_search", SCHEMA)
 _ext = cpu_ext()  # loading the extension registers the op's C++ CPU kernel (kernels/csrc/ops.cpp)
 if _ext is None or not hasattr(_ext, "filtered_ivf_search"):  # no extension: the composition on CPU
     torch.library.impl("silverrec::filtered_ivf_search", "CPU", filtered_ivf_search_torch)
-torch.library.impl("silverrec::filtered_ivf_search", "CUDA", filtered_ivf_search_torch)
+torch.library.impl("silverrec::filtered_ivf_search", "CUDA", filtered_ivf_search_cuda)
 if _ext is None or not hasattr(_ext, "rows_to_items"):  # the extension registers the C++ one
     register_cpu_fallback()
 

@@ -86,11 +86,7 @@ def verify_topk(
     bits: torch.Tensor, ops: torch.Tensor, prog_rows: torch.Tensor, scores_in: torch.Tensor, rows_in: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring."""
-    check_program(bits, ops, prog_rows)
-    if rows_in.dtype != torch.int64 or rows_in.dim() != 2 or rows_in.shape[0] != ops.shape[0] or scores_in.shape != rows_in.shape:
-        raise ValueError(f"scores / rows must be [B, K2] (float32 / int64) with B = {ops.shape[0]}, got {tuple(scores_in.shape)}, {tuple(rows_in.shape)}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+    _check_verify(bits, ops, prog_rows, scores_in, rows_in, k)
     ext = cpu_ext() if bits.device.type == "cpu" else None
     if ext is not None and hasattr(ext, "verify_topk"):
         return ext.verify_topk(bits.contiguous(), ops.contiguous(), prog_rows.contiguous(), scores_in.float().contiguous(), rows_in.contiguous(), k)
@@ -101,6 +97,25 @@ def verify_topk(
 def _(bits, ops, prog_rows, scores_in, rows_in, k):
     b = rows_in.shape[0]
     return scores_in.new_empty(b, k, dtype=torch.float32), rows_in.new_empty(b, k)
+
+
+def verify_topk_cuda(bits, ops, prog_rows, scores_in, rows_in, k):
+    """The op on CUDA: kernels/verify_topk_triton.py (tests run it on CPU tensors under TRITON_INTERPRET=1)."""
+    from silverrec.kernels.verify_topk_triton import verify_topk_triton
+
+    _check_verify(bits, ops, prog_rows, scores_in, rows_in, k)
+    return verify_topk_triton(bits, ops, prog_rows, scores_in, rows_in, k)
+
+
+torch.library.register_kernel("silverrec::verify_topk", "cuda", verify_topk_cuda)
+
+
+def _check_verify(bits, ops, prog_rows, scores_in, rows_in, k: int) -> None:
+    check_program(bits, ops, prog_rows)
+    if rows_in.dtype != torch.int64 or rows_in.dim() != 2 or rows_in.shape[0] != ops.shape[0] or scores_in.shape != rows_in.shape:
+        raise ValueError(f"scores / rows must be [B, K2] (float32 / int64) with B = {ops.shape[0]}, got {tuple(scores_in.shape)}, {tuple(rows_in.shape)}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
 
 
 # -------------------------------------------------------------------------------- filtered_topk

@@ -99,3 +99,79 @@ def test_cases_hit_every_route():
             assert probes[1, :2].tolist() == [2, 5]
             tie_order = True
     assert routes == {0, 1, 2} and widened and tie_order
+
+
+def search_case(k: int, seed: int):
+    """filtered_ivf_search's arguments for the planning batch: codes, folded ranges, item ids, posting lists, and
+    verify programs stricter than the Bloom ones (program AND one more bank row: the verify step drops rows)."""
+    (queries, centroids, off, bits, ops, rows, lists, post_sizes, mode), n = planning_case(BATCH, seed)
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, D), dtype=torch.int8, generator=g)
+    dim_scale, dim_offset = torch.rand(D, generator=g) * 0.1 + 0.01, torch.randn(D, generator=g) * 0.1
+    row_to_item = (torch.randperm(n, generator=g) * 3 + 7).to(torch.int32)
+    post_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(post_sizes[:-1], 0)])
+    post_rows = torch.cat([torch.sort(torch.randperm(n, generator=g)[: int(s)]).values for s in post_sizes[:-1]]).to(torch.int32)
+    b, length, width = rows.shape
+    vops = torch.cat([ops, torch.tensor([[1, 2]]).expand(b, 2)], dim=1)  # ... PUSH AND
+    extra = torch.zeros(b, 2, width, dtype=torch.int64)
+    extra[:, 0] = torch.randint(0, R, (b, 1), generator=g)
+    vrows = torch.cat([rows, extra], dim=1)
+    return (queries, codes, dim_scale, dim_offset, off, centroids, row_to_item, bits, post_rows, post_offsets, post_sizes,
+            ops, rows, vops, vrows, lists, mode), n
+
+
+def test_search_of_triton_kernels_equals_cpu_op():
+    """filtered_ivf_search_cuda (every step the op's CUDA kernel: Triton launchers) on CPU tensors == the C++ op,
+    bit for bit, on one batch holding posting, probed and whole-pool queries, k above the matches, -1 probes."""
+    from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_cuda
+
+    k, nprobe, max_probe, match_factor, ratio, limit = PARAMS[0]
+    tensors, n = search_case(k, seed=BATCH * 31 + k)
+    (queries, _, _, _, off, centroids, _, bits, _, _, post_sizes, ops, rows, _, _, lists, mode) = tensors
+    scalars = (k, nprobe, max_probe, bitmask_words(off), match_factor, 0, n, ratio, limit)
+    probes, _, route = filter_plan_torch(*_checked_args(queries, centroids, off, bits, ops, rows, lists, post_sizes, mode, *scalars))
+    assert set(route.tolist()) == {0, 1, 2} and bool((probes[route == 0] < 0).any())
+    want_s, want_i = torch.ops.silverrec.filtered_ivf_search(*tensors, *scalars)
+    assert bool((want_i < 0).any())  # k above the matches somewhere: padding
+    got_s, got_i = filtered_ivf_search_cuda(*tensors, *scalars)
+    assert torch.equal(got_i, want_i)
+    assert torch.equal(got_s, want_s)
+
+
+_COMPILE = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from silverrec.kernels import filter_plan_triton as fp, verify_topk_triton as vt
+
+I64, I32 = "*i64", "i32"
+kernels = {
+    "plan_ranges": (fp._plan_ranges_kernel, [I64] * 8 + [I32, I32, I32, "i64"], {"BLOCK_T": 16, "BLOCK_P": 16}),
+    "plan_route": (fp._plan_route_kernel, [I64] * 6 + [I32, I32, "fp32", "fp32", "fp32"], {"BLOCK_P": 16}),
+    "verify_topk": (vt._verify_topk_kernel, [I64, I64, I64, "*fp32", I64, "*fp32", I64, I64] + [I32] * 5, {"BLOCK": 128}),
+}
+for name, (fn, types, consts) in kernels.items():
+    names = fn.arg_names
+    sig = dict(zip(names, types + ["constexpr"] * len(consts)))
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    print(name, " ".join(sorted(set(re.findall(r"(?:div|sqrt|fma)\.[a-z.]*f32", ptx)))))
+"""
+
+
+def test_kernels_compile_for_h100_with_exact_float_ops():
+    """The interpreter runs any Python; this compiles the kernels to sm_90 PTX (no GPU needed: Triton's own
+    ptxas) and checks the planner's float32 division and square root are the correctly rounded ones, with
+    Triton's default floating-point fusion (what runs on the GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = {name: ops for name, _, ops in (line.partition(" ") for line in out.stdout.splitlines())}
+    assert set(lines) == {"plan_ranges", "plan_route", "verify_topk"}
+    assert set(lines["plan_route"].split()) == {"div.rn.f32", "sqrt.rn.f32"}  # no approximate ops, no fused multiply-adds
