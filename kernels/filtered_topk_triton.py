@@ -266,7 +266,7 @@ def filtered_keys_triton(
     done = ncand == 0
     if B == 0 or N == 0:
         return buf[:, :k]
-    BLOCK_D = max(16, min(128, triton.next_power_of_2(D)))
+    BLOCK_D = max(32, min(128, triton.next_power_of_2(D)))
     niter = max(int(max_candidates), 1).bit_length() + 1
     grid = (B, splits)
 
