@@ -149,7 +149,9 @@ I64, I32 = "*i64", "i32"
 kernels = {
     "plan_ranges": (fp._plan_ranges_kernel, [I64] * 8 + [I32, I32, I32, "i64"], {"BLOCK_T": 16, "BLOCK_P": 16}),
     "plan_route": (fp._plan_route_kernel, [I64] * 6 + [I32, I32, "fp32", "fp32", "fp32"], {"BLOCK_P": 16}),
-    "verify_topk": (vt._verify_topk_kernel, [I64, I64, I64, "*fp32", I64, "*fp32", I64, I64] + [I32] * 5, {"BLOCK": 128}),
+    "verify_pass": (vt._verify_pass_kernel, [I64] * 4 + ["*i8", "*i32", I64] + [I32] * 5, {"BLOCK": 128}),
+    "verify_place": (vt._verify_place_kernel, ["*fp32", I64, "*i8", "*i32", "*fp32", I64] + [I32] * 3,
+                     {"BLOCK": 128, "BLOCK_T": 64}),
 }
 for name, (fn, types, consts) in kernels.items():
     names = fn.arg_names
@@ -173,5 +175,5 @@ def test_kernels_compile_for_h100_with_exact_float_ops():
     out = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = {name: ops for name, _, ops in (line.partition(" ") for line in out.stdout.splitlines())}
-    assert set(lines) == {"plan_ranges", "plan_route", "verify_topk"}
+    assert set(lines) == {"plan_ranges", "plan_route", "verify_pass", "verify_place"}
     assert set(lines["plan_route"].split()) == {"div.rn.f32", "sqrt.rn.f32"}  # no approximate ops, no fused multiply-adds

@@ -73,7 +73,7 @@ def test_rows_past_the_bank_never_pass():
 
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_tiles_continue_until_k_passed(k):
-    """Exactly 2 passing entries in the first tile of 16: the k-th passing entry comes from later tiles."""
+    """Exactly 2 passing entries in the first tile of 16: later tiles start their slots after them."""
     bank = torch.tensor([[0x5555555555555555]])  # even rows pass PUSH row 0
     ops, prog = torch.tensor([[1]]), torch.zeros(1, 1, 1, dtype=torch.int64)
     rows_in = torch.tensor([[1, 3, 4, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 8, 27] + [29] * 16 + [30, 31, 32]])
