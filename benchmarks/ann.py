@@ -17,6 +17,14 @@ Prints one table per dataset and writes benchmarks/results/ann.json (ann_quick.j
 recall@k against float brute force, latency per batch of 16 (warm-up excluded; median, p20, p80; the
 systems alternated in blocks of 5 calls with the same repeat count, load average recorded per point),
 latency ratio at equal recall, build time, index memory, and the issue's targets met / not met.
+
+    python3 benchmarks/ann.py --device cuda [--quick]    # on a GPU: results/ann_cuda[_quick].json
+
+--device cuda: the same index (k-means and layout on the CPU as above) moved with `.to("cuda")`,
+its forward on CUDA tensors (the ivf_scan Triton kernel), vs Faiss GPU IVF-SQ8 on the same
+centroids and lists (`index_cpu_to_gpu`, k <= 2048) when faiss has GPU support, and always vs the
+floor torch.topk(q @ x.T) on the GPU (exact); all queries per call (batches of 16), CUDA-event
+times alternated call by call, recall@k against float brute force.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from cuda_common import attempt, cuda_alternate, cuda_info, faiss_gpu, require_device  # noqa: E402
 from silverrec.publish.ivf import cluster_major_layout  # noqa: E402
 from silverrec.publish.kmeans import default_nlist, kmeans  # noqa: E402
 
@@ -288,7 +297,10 @@ def main(argv=None):
     p.add_argument("--hnsw-m", type=int, default=16)
     p.add_argument("--hnsw-efc", type=int, default=64)
     p.add_argument("--hnsw-max-k", type=int, default=4096, help="largest k for hnswlib (ef >= k gets slow)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda (module docstring)")
     args = p.parse_args(argv)
+    if args.device != "cpu":
+        return run_cuda(args, require_device(args.device))
     import faiss
 
     torch.set_num_threads(args.threads)
@@ -324,6 +336,65 @@ def main(argv=None):
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{args.name or ('ann_quick' if args.quick else 'ann')}.json"
     out.write_text(json.dumps({"meta": meta, "results": results, "targets": tg}, indent=1))
+    print(f"wrote {out}")
+
+
+def run_cuda(args, dev: torch.device) -> None:
+    """The --device cuda benchmark (module docstring) on the Gaussian mixture; writes ann_cuda[_quick].json."""
+    torch.set_num_threads(os.cpu_count() or 1)  # the CPU-side build only
+    n = args.n or (100_000 if args.quick else 1_000_000)
+    nprobes = [int(v) for v in args.nprobes.split(",")] if args.nprobes else ([8, 32, 128] if args.quick else [8, 16, 32, 64, 128, 256])
+    ks = [int(v) for v in args.ks.split(",")] if args.ks else ([100, 4096] if args.quick else [100, 1024, 4096])
+    x, q = gmm(n, 128, max(10, n // 1000), 4 * BATCH)
+    nlist = default_nlist(n)
+    km = kmeans(x, nlist, niter=args.niter, seed=0, max_points_per_centroid=args.train_per_centroid, seed_points_per_centroid=8)
+    index = cluster_major_layout(x, torch.arange(n), km.centroids, km.assignment).eval().to(dev)
+    xd, qd = x.to(dev), q.to(dev)
+    batches = [qd[i : i + BATCH] for i in range(0, qd.shape[0], BATCH)]
+    fg = faiss_gpu()
+    if fg is not None:
+        from faiss.contrib.ivf_tools import add_preassigned
+
+        quant = fg.IndexFlatIP(x.shape[1])
+        quant.add(km.centroids.numpy())
+        sq8 = fg.IndexIVFScalarQuantizer(quant, x.shape[1], nlist, fg.ScalarQuantizer.QT_8bit, fg.METRIC_INNER_PRODUCT)
+        sq8.train(x[: min(n, 200_000)].numpy())
+        add_preassigned(sq8, x.numpy(), km.assignment.numpy())
+        res = fg.StandardGpuResources()
+        sq8_gpu = fg.index_cpu_to_gpu(res, 0, sq8)
+    rows = []
+    with torch.inference_mode():
+        for k in ks:
+            truth = torch.topk(qd @ xd.T, k, dim=1).indices.cpu().numpy()
+            floor = {"torch_topk_float": lambda: [torch.topk(b @ xd.T, k, dim=1) for b in batches]}
+            for nprobe in [p for p in nprobes if p <= nlist]:
+                sides = {"silverrec": lambda: [index(b, k, nprobe) for b in batches], **floor}
+                if fg is not None and k <= 2048:
+                    sq8_gpu.nprobe = nprobe
+                    qn = q.numpy()
+                    sides["faiss_gpu_ivf_sq8"] = lambda: [sq8_gpu.search(qn[i : i + BATCH], k) for i in range(0, len(qn), BATCH)]
+                found, error = attempt(lambda: np.concatenate([r[1].cpu().numpy() for r in sides["silverrec"]()]))
+                if error:
+                    rows.append({"k": k, "nprobe": nprobe, "system": "silverrec", "error": error})
+                    print(f"k={k} nprobe={nprobe}: silverrec failed: {error}", flush=True)
+                    continue
+                t = cuda_alternate(sides, 5 if args.quick else 20)
+                per_batch = {name: v["median_ms"] / len(batches) for name, v in t.items()}
+                row = {"k": k, "nprobe": nprobe, "recall": recall(found, truth), "batch": BATCH, "batches": len(batches),
+                       "median_ms_per_batch": per_batch, "timing": t}
+                if fg is not None and k <= 2048:
+                    row["faiss_recall"] = recall(np.concatenate([r[1] for r in sides["faiss_gpu_ivf_sq8"]()]), truth)
+                rows.append(row)
+                print(f"k={k:5d} nprobe={nprobe:4d} recall {row['recall']:.4f} "
+                      + "  ".join(f"{name} {ms:.3f} ms" for name, ms in per_batch.items()), flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = args.name or ("ann_cuda_quick" if args.quick else "ann_cuda") + ("_dry_run" if dev.type == "cpu" else "")
+    meta = {"gpu": cuda_info(), "n": n, "dim": 128, "nlist": nlist, "queries": int(q.shape[0]), "args": vars(args),
+            "reference": ("faiss GPU IVF-SQ8 (same centroids and lists) and " if fg else "no faiss GPU: ")
+            + "torch.topk(q @ x.T) on the GPU (exact floor)",
+            "note": "latency per batch of 16 = CUDA-event time of all batches / batches"}
+    out = RESULTS / f"{name}.json"
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}")
 
 

@@ -9,6 +9,11 @@ the ratio of each reference to silverrec (> 1 means silverrec is faster), recall
 answer against the float answer, and memory of each index.
 
     .venv/bin/python benchmarks/exact_topk.py [--n 1000000] [--quick]
+    python3 benchmarks/exact_topk.py --device cuda [--quick]     # on a GPU: results/exact_topk_cuda.json
+
+--device cuda: silverrec's `int8_topk` on CUDA tensors (its Triton kernel) vs Faiss GPU flat
+(GpuIndexFlatIP, k <= 2048) when faiss has GPU support, else torch.topk(q @ x.T) on the GPU as the
+floor; CUDA-event times alternated call by call; recall@k of the int8 answer against the float one.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import alternate, print_table, write_results  # noqa: E402
+from cuda_common import attempt, cuda_alternate, cuda_info, faiss_gpu, require_device  # noqa: E402
 
 import silverrec  # noqa: E402,F401
 from silverrec.publish.quantize import quantize_global  # noqa: E402
@@ -42,9 +48,12 @@ def main() -> int:
     p.add_argument("--ks", default="100,1024,10000")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--quick", action="store_true", help="100k items, fewer repeats")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = p.parse_args()
     if args.quick:
         args.n = 100_000
+    if args.device != "cpu":
+        return run_cuda(args, require_device(args.device))
     import faiss
 
     torch.set_num_threads(args.threads)
@@ -93,6 +102,44 @@ def main() -> int:
     print(f"memory: int8 codes {memory['silverrec_int8_bytes'] / 2**20:.0f} MiB, "
           f"float {memory['faiss_flat_bytes'] / 2**20:.0f} MiB")
     write_results("exact_topk" + ("_quick" if args.quick else ""), vars(args) | memory, rows)
+    return 0
+
+
+def run_cuda(args, dev: torch.device) -> int:
+    """The --device cuda benchmark (module docstring); writes exact_topk_cuda[_quick].json."""
+    x = gaussian_mixture(args.n, args.d, 1000, seed=0)
+    q = gaussian_mixture(args.batch, args.d, 1000, seed=1)
+    xt, qt = torch.from_numpy(x).to(dev), torch.from_numpy(q).to(dev)
+    codes, scale, offset = quantize_global(xt)
+    fg = faiss_gpu()
+    if fg is not None:
+        res = fg.StandardGpuResources()
+        flat = fg.GpuIndexFlatIP(res, args.d)
+        flat.add(x)
+    rows = []
+    for k in [int(v) for v in args.ks.split(",")]:
+        sides = {"silverrec_int8": lambda: torch.ops.silverrec.int8_topk(qt, codes, scale, offset, k),
+                 "torch_topk_float": lambda: torch.topk(qt @ xt.T, k, dim=1)}
+        if fg is not None and k <= 2048:  # Faiss GPU's k-selection limit
+            sides["faiss_gpu_flat_ip"] = lambda: flat.search(q, k)
+        found, error = attempt(lambda: sides["silverrec_int8"]()[1].cpu().numpy())
+        if error:
+            rows.append({"k": k, "system": "silverrec_int8", "error": error})
+            print(f"k={k}: silverrec failed: {error}")
+            continue
+        truth = sides["torch_topk_float"]().indices.cpu().numpy()
+        recall = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(found, truth)]))
+        timings = cuda_alternate(sides, 10 if args.quick else 50)
+        base = timings["silverrec_int8"]["median_ms"]
+        for name, t in timings.items():
+            rows.append({"k": k, "system": name, **t, "ratio_vs_silverrec": t["median_ms"] / base,
+                         "recall_vs_float": recall if name == "silverrec_int8" else 1.0})
+    print(f"\nexact top-k on {cuda_info()['gpu']}, {args.n:,} x {args.d} items, batch {args.batch} "
+          f"(ratio = system latency / silverrec latency; > 1: silverrec faster)")
+    print_table(rows, ["k", "system", "median_ms", "p20_ms", "p80_ms", "ratio_vs_silverrec", "recall_vs_float", "error"])
+    write_results("exact_topk_cuda" + ("_quick" if args.quick else "") + ("_dry_run" if dev.type == "cpu" else ""),
+                  vars(args) | {"gpu": cuda_info(), "reference": "faiss GPU flat" if fg else "torch.topk(q @ x.T) (no faiss GPU)"},
+                  rows)
     return 0
 
 
