@@ -165,7 +165,7 @@ def _filtered_scan_kernel(
         for t in range(s, tl.cdiv(tl.cdiv(n, 64), BLOCK), SPLITS):
             widx = t * BLOCK + lane
             words = program_words(bits_ptr, W, ops_ptr, prog_ptr, b, L, T, widx, widx < W, scratch, BLOCK, all_lanes, BLOCK)
-            tl.store(scratch + L * BLOCK, words)  # slot L: this tile's words, read back word by word
+            tl.store(scratch + L * BLOCK, tl.where(widx < W, words, 0))  # slot L: the tile's words (NOT / TRUE set bits past W)
             tl.debug_barrier()
             for w in range(0, BLOCK):
                 word = tl.load(stack + L * BLOCK + w)

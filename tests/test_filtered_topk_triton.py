@@ -114,6 +114,18 @@ def test_mixed_routes_and_inactive_queries_equal_cpu_op():
     assert (got_r[[2, 4, 5]] == -1).all() and (got_r[[0, 1]] >= 0).any(dim=1).all()
 
 
+def test_no_posting_lists_at_all():
+    """V = 0 lists, E = 0 rows: the posting route finds nothing; the whole pool (2 words, ragged) still answers."""
+    c = _case(70, 16, 3, 127, seed=4)
+    c["post_rows"], c["post_off"] = torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    c["sel"] = torch.tensor([[NO_LISTS, -1], [-1, -1], [NO_LISTS, -1]])
+    c["ops"] = torch.tensor([[OP_TRUE], [OP_TRUE], [OP_TRUE]])
+    c["prow"] = torch.zeros(3, 1, 1, dtype=torch.int64)
+    rows = _check(c, 80)
+    assert (rows[[0, 2], :70] >= 0).all() and (rows[1] == -1).all()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("silverrec::filtered_topk", "CUDA")
+
+
 class _Allocations(TorchDispatchMode):
     """Records the shape of every tensor an aten op returns (kernel launches: see `_quiet_launches`)."""
 
