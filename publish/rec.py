@@ -41,7 +41,7 @@ from silverrec.filtering.filter_program import FilterPlan
 from silverrec.filtering.template import compile_template
 from silverrec.rec_model import MERGES, RankEntry, RecModel
 from silverrec.generative import source as generative_source
-from silverrec.generative.source import SOURCES, HybridRecModel
+from silverrec.generative.source import PRIORITIES, SOURCES, HybridRecModel
 from silverrec.spec import ModelSpec
 from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, export_program, preferred_backend, write_snapshot
 from silverrec.retrieval.user_tower import UserFeatureSpec, _csr
@@ -80,9 +80,13 @@ class PublishConfig:
     generative_checkpoint: Optional[str] = None
     beam_width: int = 64  # the decode's beams = its candidates per request
     beam_top_k: int = 0  # per-beam candidates before the global top W (0 = beam_width)
-    # hybrid ranking score: value + generative_weight * the decode's log-prob (source.fuse_sources); 2 was
-    # chosen on MovieLens' validation split (value alone, 0, never lets the decode's items into the top)
+    # hybrid ranking: value + generative_weight * the decode's log-prob, source_priority's rows first
+    # (source.fuse_sources); with validation_checkpoint and validation_generative_checkpoint (the same
+    # trainings at stage "valid") both are chosen on the validation split instead (publish/fusion.py)
     generative_weight: float = 2.0
+    source_priority: str = "none"
+    validation_checkpoint: Optional[str] = None
+    validation_generative_checkpoint: Optional[str] = None
 
     def __post_init__(self):
         if self.merge not in MERGES:
@@ -103,6 +107,12 @@ class PublishConfig:
             raise ConfigError("sources = ['ann', 'generative'] and generative_checkpoint go together")
         if not (math.isfinite(float(self.generative_weight)) and float(self.generative_weight) >= 0):
             raise ConfigError(f"generative_weight must be a finite number >= 0, got {self.generative_weight!r}")
+        if self.source_priority not in PRIORITIES:
+            raise ConfigError(f"source_priority must be one of {PRIORITIES}, got {self.source_priority!r}")
+        if (self.validation_checkpoint is None) != (self.validation_generative_checkpoint is None) or (
+                self.validation_checkpoint is not None and "generative" not in self.sources):
+            raise ConfigError("validation_checkpoint and validation_generative_checkpoint go together, with "
+                              "sources = ['ann', 'generative']")
         if int(self.beam_width) <= 0 or int(self.beam_top_k) < 0:
             raise ConfigError(f"beam_width must be positive and beam_top_k >= 0, got {self.beam_width}, {self.beam_top_k}")
         if self.mlp_dtype not in ("fp32", "bf16", "auto"):
@@ -110,7 +120,8 @@ class PublishConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> "PublishConfig":
-        return read_toml(cls, path, path_keys=("checkpoint", "generative_checkpoint"), required=("checkpoint",), **overrides)
+        return read_toml(cls, path, path_keys=("checkpoint", "generative_checkpoint", "validation_checkpoint",
+                                                    "validation_generative_checkpoint"), required=("checkpoint",), **overrides)
 
 
 @dataclass
@@ -266,7 +277,14 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     extra, kind_of_model = {}, RecModel
     if "generative" in cfg.sources:  # hybrid: the beam decode beside the IVF search
         extra["generative"], manifest["generative"] = load_generative_source(cfg, index.row_to_item)
-        extra["generative_weight"] = manifest["generative"]["weight"] = float(cfg.generative_weight)
+        fusion = {"weight": float(cfg.generative_weight), "priority": cfg.source_priority, "chosen_on": "config"}
+        if cfg.validation_checkpoint is not None:
+            from silverrec.publish.fusion import choose_fusion
+
+            with step("choosing the fusion on the validation split"):
+                fusion = choose_fusion(cfg)
+        extra["generative_weight"], extra["source_priority"] = fusion["weight"], fusion["priority"]
+        manifest["generative"]["weight"], manifest["generative"]["fusion"] = fusion["weight"], fusion
         kind_of_model = HybridRecModel
     manifest["sources"] = list(cfg.sources)
     model = kind_of_model(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch,

@@ -288,6 +288,86 @@ def test_publish_config_names_the_sources(rec):
                        ({"sources": ["ann", "bm25"]}, "sources must list"),
                        ({"sources": ["ann", "generative"]}, "go together"),
                        ({"generative_checkpoint": "g"}, "go together"),
-                       ({"sources": ["ann", "generative"], "generative_checkpoint": "g", "beam_width": 0}, "beam_width")]:
+                       ({"sources": ["ann", "generative"], "generative_checkpoint": "g", "beam_width": 0}, "beam_width"),
+                       ({"source_priority": "first"}, "source_priority"),
+                       ({"sources": ["ann", "generative"], "generative_checkpoint": "g", "validation_checkpoint": "v"},
+                        "go together"),
+                       ({"validation_checkpoint": "v", "validation_generative_checkpoint": "vg"}, "go together")]:
         with pytest.raises(ConfigError, match=match):
             PublishConfig(checkpoint="c", **bad)
+
+
+def _fused(rec, weight, priority):
+    """The fixture's hybrid with another fusion (the publisher sets both at construction)."""
+    model = hybrid_model(rec)
+    model.generative_weight = weight
+    model.tiers = source_module.priority_tiers(priority)
+    return model
+
+
+def _union(rec, hybrid, handler, requests):
+    """publish/fusion.py's union tensors of `requests`, from the neutral fusion's forward (w 0, none)."""
+    K1 = hybrid.candidates or T * K0
+    full = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2))
+    return {"item_ids": full[0], "value": full[1], "log_prob": full[5][:, :, 1], "found_by": full[4]}
+
+
+def test_fusion_grid_ranks_as_the_forward_does(rec, hybrid):
+    """publish/fusion.py ranks each grid point and each source alone from one neutral forward
+    (fused_topk); it must return what the model with that fusion returns when asked for that source."""
+    from silverrec.publish.fusion import fused_topk
+
+    handler = rec.snap().rec_handler()
+    requests = [{"user_id": u} for u in users(rec, 5, start=7)]
+    u = _union(rec, hybrid, handler, requests)
+    changed = set()
+    for weight, priority in [(0.0, "none"), (2.0, "none"), (0.5, "ann"), (1.0, "generative"), (4.0, "both")]:
+        model = _fused(rec, weight, priority)
+        for source, names in [("hybrid", None), ("ann", ["ann"]), ("generative", ["generative"])]:
+            got = run(model, hybrid_inputs(rec, handler, requests, k=10, nprobe=2, sources=names))[0]
+            want = fused_topk(u, source, weight, priority, k=10)
+            assert torch.equal(got, want), (weight, priority, source)
+            if source == "hybrid":
+                changed.add(tuple(got.flatten().tolist()))
+    assert len(changed) >= 3, "the fusions tried rank alike: the test cannot tell them apart"
+
+
+def test_source_priority_ranks_a_source_first(rec, hybrid):
+    """Priority "generative" returns the decode alone's top-k (k <= W) at every w, "ann" the ANN
+    alone's at w = 0 (the ANN alone ranks by value) and the ANN's rows first at any w, "both" the rows
+    both sources found first; scores stay value + w * log-prob (the order's key is not returned)."""
+    handler = rec.snap().rec_handler()
+    requests = [{"user_id": u} for u in users(rec, 6, start=30)]
+    for weight, priority, alone in [(0.0, "ann", ["ann"]), (0.0, "generative", ["generative"]),
+                                    (2.0, "generative", ["generative"])]:
+        model = _fused(rec, weight, priority)
+        got = run(model, hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
+        want = run(model, hybrid_inputs(rec, handler, requests, k=10, nprobe=2, sources=alone))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (weight, priority)
+    ann_first = run(_fused(rec, 2.0, "ann"), hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
+    assert bool((ann_first[4] & FOUND_ANN != 0).all())
+    both = run(_fused(rec, 2.0, "both"), hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
+    neutral = run(_fused(rec, 2.0, "none"), hybrid_inputs(rec, handler, requests, k=hybrid.candidates + W, nprobe=2))
+    for b in range(len(requests)):
+        n_both = int((neutral[4][b] == FOUND_ANN | FOUND_GENERATIVE).sum())
+        first = both[4][b][: min(n_both, 10)]
+        assert bool((first == FOUND_ANN | FOUND_GENERATIVE).all())
+    assert any(int((neutral[4][b] == 3).sum()) > 0 for b in range(len(requests))), "no row found by both sources"
+    with pytest.raises(ValueError, match="source priority"):
+        source_module.priority_tiers("first")
+
+
+def test_choose_fusion_takes_the_best_validation_row_and_checks_its_checkpoints():
+    from silverrec.publish.config import ConfigError
+    from silverrec.publish.fusion import check_validation_checkpoints, choose
+
+    grid = [{"weight": w, "priority": p, "hybrid": {"NDCG@10": v}} for w, p, v in
+            [(0.0, "none", 0.02), (1.0, "none", 0.03), (1.0, "both", 0.03), (2.0, "ann", 0.01)]]
+    assert (choose(grid)["weight"], choose(grid)["priority"]) == (1.0, "none")  # the first of equals
+    check_validation_checkpoints({"config": {"stage": "valid", "seed": 1}}, {"train_config": {"stage": "valid", "seed": 1}}, "x")
+    with pytest.raises(ConfigError, match="stage 'test'"):
+        check_validation_checkpoints({"config": {"stage": "test", "seed": 1}}, {"train_config": {"stage": "valid", "seed": 1}}, "x")
+    with pytest.raises(ConfigError, match="validation_generative_checkpoint was trained at stage 'test'"):
+        check_validation_checkpoints({"config": {"stage": "valid", "seed": 1}}, {"train_config": {"stage": "test", "seed": 1}}, "x")
+    with pytest.raises(ConfigError, match="different seeds"):
+        check_validation_checkpoints({"config": {"stage": "valid", "seed": 1}}, {"train_config": {"stage": "valid", "seed": 2}}, "x")

@@ -6,7 +6,7 @@ union of the ANN's and the decode's candidates in one forward.
                -> allowed rows [B, N] -> (trie order) beam decode     -> decode rows [B, W]
             -> union (each row once; which source found it; each source's score) [B, K1 + W]
             -> embedding cache re-score, OverArch, value model (RecModel.rank_rows)
-            -> + w x the decode's log-prob (fuse_sources) -> top-k
+            -> + w x the decode's log-prob, source priority (fuse_sources) -> top-k
 
 Rows: the decode works in trie-leaf order, everything else in the canonical (cluster-major) row
 space; `GenerativeSource` maps once each way with two permutation buffers (`canon_to_trie`,
@@ -40,6 +40,7 @@ from silverrec.rec_model import RecModel
 SOURCES = ("ann", "generative")
 SOURCE_ANN, SOURCE_GENERATIVE = 0, 1
 FOUND_ANN, FOUND_GENERATIVE = 1, 2  # bits of `found_by`
+PRIORITIES = ("none", "ann", "generative", "both")  # which candidates rank first (fuse_sources)
 
 
 class GenerativeSource(nn.Module):
@@ -147,33 +148,57 @@ def merge_sources(ann: Tensor, gen: Tensor, gen_scores: Tensor) -> Tuple[Tensor,
     return rows, torch.where(real, found, torch.zeros_like(found)), torch.where(real, gen_best, torch.full_like(gen_best, float("-inf")))
 
 
-def fuse_sources(value: Tensor, gen_scores: Tensor, weight: float) -> Tensor:
-    """The union's ranking score: value float32 [B, C] + weight * the decode's log-prob [B, C].
+def fuse_sources(value: Tensor, gen_scores: Tensor, found_by: Tensor, weight: float, tiers: Tensor
+                 ) -> Tuple[Tensor, Tensor]:
+    """The union's ranking: value float32 [B, C] (-inf at padding), the decode's log-prob gen_scores
+    float32 [B, C] (-inf where it did not find the row), found_by int64 [B, C] (FOUND_* bits), the
+    log-prob's weight w and the source priority's tiers float32 [4] (by found_by, `PRIORITIES`) ->
 
-    A candidate the decode did not find (-inf) counts at the request's lowest beam log-prob, an upper
-    bound of what the decode gives it (0 where the decode found nothing), so ANN-only candidates are
-    not dropped. Without the term the OverArch, trained on the ANN's candidates, ranks the union as
-    it ranks the ANN's list, and the decode's items never reach the top (MovieLens, 3 seeds: hybrid
-    NDCG@10 = ANN only's); w = 2 was chosen on the validation split (benchmarks/generative_quality.py
-    --hybrid)."""
+        score float32 [B, C] = value + w * log-prob, a row the decode missed counting at the request's
+            lowest beam log-prob (an upper bound of what the decode gives it; 0 where the decode found
+            nothing), so ANN-only rows are not dropped;
+        key float32 [B, C]: the order of the top-k, score + tier * (the request's score range + 1):
+            every row of a higher tier before every row of a lower one, by score within a tier.
+
+    Priority "generative" (the decode's rows first) ranks the top-k as the decode alone does, and
+    "ann" (the ANN's rows first) at w = 0 as the ANN alone does (by value), so a grid over (w,
+    priority) on the validation split (publish/fusion.py) cannot choose a fusion worse there than
+    the better source; "both" puts the rows both sources found first. Without the log-prob term the OverArch, trained on the ANN's
+    candidates, ranks the union as it ranks the ANN's list (MovieLens: hybrid = ANN only).
+    """
     found = gen_scores > float("-inf")
     lowest = torch.where(found, gen_scores, torch.full_like(gen_scores, float("inf"))).amin(dim=1, keepdim=True)
     lowest = torch.where(lowest < float("inf"), lowest, torch.zeros_like(lowest))
-    return value + weight * torch.where(found, gen_scores, lowest)
+    score = value + weight * torch.where(found, gen_scores, lowest)
+    real = score > float("-inf")
+    hi = torch.where(real, score, torch.full_like(score, float("-inf"))).amax(dim=1, keepdim=True)
+    lo = torch.where(real, score, torch.full_like(score, float("inf"))).amin(dim=1, keepdim=True)
+    span = torch.where(real.any(dim=1, keepdim=True), hi - lo + 1.0, torch.ones_like(hi))
+    return score, score + tiers[found_by] * span
+
+
+def priority_tiers(priority: str) -> Tensor:
+    """A source priority (`PRIORITIES`) -> its tier per found_by value 0..3, float32 [4]."""
+    if priority not in PRIORITIES:
+        raise ValueError(f"source priority must be one of {PRIORITIES}, got {priority!r}")
+    first = {"none": 0, "ann": FOUND_ANN, "generative": FOUND_GENERATIVE, "both": FOUND_ANN | FOUND_GENERATIVE}[priority]
+    return torch.tensor([float(first != 0 and (f & first) == first) for f in range(4)])
 
 
 class HybridRecModel(RecModel):
     """`RecModel` with a second retrieval source, the generative decode (module docstring).
 
     Args: those of `RecModel`, plus generative: a `GenerativeSource` over the same pool;
-        generative_weight: w in the ranking score value + w * (the decode's log-prob), see `fuse_sources`
-        (0: the value alone).
+        generative_weight: w in the ranking score value + w * (the decode's log-prob) (0: the value alone);
+        source_priority: which candidates rank first, one of `PRIORITIES` (see `fuse_sources`).
+    Buffer: tiers float32 [4], the priority's tier of each found_by value.
     """
 
     def __init__(self, *args, generative: Optional[GenerativeSource] = None, generative_weight: float = 0.0,
-                 **kwargs):
+                 source_priority: str = "none", **kwargs):
         super().__init__(*args, **kwargs)
         self.generative_weight = float(generative_weight)
+        self.register_buffer("tiers", priority_tiers(source_priority))
         if generative is None:
             raise ValueError("HybridRecModel needs a generative source (a plain RecModel has none)")
         if generative.num_items != self.index.num_items:
@@ -188,7 +213,8 @@ class HybridRecModel(RecModel):
             history int64 [B, H]: the user's history as canonical rows, oldest first, left-padded with -1;
             sources bool [B, 2]: the sources each request uses (SOURCE_ANN, SOURCE_GENERATIVE columns).
 
-        Returns RecModel.forward's (item_ids, scores, task scores, rows) over the union (k <= K1 + W),
+        Returns RecModel.forward's (item_ids, scores, task scores, rows) over the union (k <= K1 + W;
+        scores: `fuse_sources`' score, in the order of its key),
         plus found_by int64 [B, k] (FOUND_ANN | FOUND_GENERATIVE; 0 = none) and source scores
         float32 [B, k, 2]: the exact re-score of task 0 (ANN) and the decode's summed log-prob,
         -inf where that source did not find the item.
@@ -202,9 +228,10 @@ class HybridRecModel(RecModel):
         gen, gen_scores = self.generative(history, allowed)
         cand, found_by, gen_feature = merge_sources(ann, gen, gen_scores)
         value, task_scores = self.rank_rows(user, cand)
-        value = fuse_sources(value, gen_feature, self.generative_weight)
-        ids, top_scores, tasks_out, top_rows, top = self.best(cand, value, task_scores, k)
+        score, key = fuse_sources(value, gen_feature, found_by, self.generative_weight, self.tiers)
+        ids, _, tasks_out, top_rows, top = self.best(cand, key, task_scores, k)
         found = top_rows >= 0
+        top_scores = torch.where(found, score.gather(1, top), float("-inf"))
         by = torch.where(found, found_by.gather(1, top), torch.zeros_like(top))
         ann_score = (self.cache.embeddings(top_rows) * user[:, :1, :]).sum(dim=2)  # task 0's exact re-score
         ann_score = torch.where((by & 1) != 0, ann_score, float("-inf"))
