@@ -30,6 +30,16 @@ compared. --quick: prompt 513, W in {64, 128}.
 
 Also: HR@10 / NDCG@10 on held-out MovieLens users (leave-one-out test items, history items
 excluded through the request bitmask) for fp32 and bf16 weights vs popularity.
+
+    python3 benchmarks/generative.py --device cuda [--quick] [--model CKPT]   # results/generative_cuda[_quick].json
+
+--device cuda: the decode on the GPU, eager launches vs CUDA-graph replay (`GraphedDecode`,
+silverrec/generative/cuda_graph.py) on the same inputs (histories of exactly a bucket length, so
+the graph pads nothing), vs transformers' constrained beam search on the GPU (batch 1); item lists
+compared (graph vs eager bit for bit, transformers vs silverrec). Weights: --model's checkpoint, else
+a random decoder of the default trainer's shape over semantic IDs of 9,742 random item embeddings
+(1 x 256 + disambiguation, as the default): latency depends on the shapes, not on the weights.
+Batch 1 and 16, W in 64..512 (--quick: 128), history 256 and 512 tokens (--quick: 256).
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import print_table, write_results  # noqa: E402
+from cuda_common import attempt, cuda_alternate, cuda_info, peak_bytes, require_device  # noqa: E402
 
 from silverrec.generative.decoder import BOS, RecDecoder, to_llama  # noqa: E402
 from silverrec.publish import movielens  # noqa: E402
@@ -178,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="prompt 513, W in {64, 128}; no quality eval")
     p.add_argument("--threads", type=int, default=1, help="torch threads for every system (default 1)")
     p.add_argument("--name", default=None, help="results name (default generative or generative_quick)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda (module docstring)")
     args = p.parse_args(argv)
+    if args.device != "cpu":
+        return run_cuda(args, require_device(args.device))
     torch.set_num_threads(args.threads)
     os.environ.setdefault("SILVERREC_QUIET", "1")
 
@@ -284,6 +298,83 @@ def main(argv: list[str] | None = None) -> int:
     }
     name = args.name or ("generative_quick" if args.quick else "generative")
     write_results(name, config, rows + [{"check": c} for c in checks] + [{"targets": summary}, {"quality": quality}])
+    return 0
+
+
+def run_cuda(args, dev: torch.device) -> int:
+    """The --device cuda benchmark (module docstring); writes generative_cuda[_quick].json."""
+    from silverrec.generative.cuda_graph import GraphedDecode
+    from silverrec.generative.decoder import DecoderConfig
+    from silverrec.publish.semantic_ids import build_semantic_ids
+
+    if args.model:
+        decoder, sids, _ = load_checkpoint(args.model)
+        weights = args.model
+    else:
+        g = np.random.default_rng(0)
+        x = (g.normal(size=(64, 32))[g.integers(0, 64, 9742)] + 0.5 * g.normal(size=(9742, 32))).astype(np.float32)
+        sids = build_semantic_ids(x, np.arange(9742, dtype=np.int64), levels=1, codes=256, seed=0, niter=5)
+        tc = TrainConfig()
+        torch.manual_seed(0)
+        decoder = RecDecoder(DecoderConfig(vocab_size=sids.vocab_size, dim=tc.dim, n_layers=tc.n_layers, n_heads=tc.n_heads,
+                                           n_kv_heads=tc.n_kv_heads, ffn_hidden=tc.ffn_hidden, max_seq_len=1024))
+        weights = "random (default trainer shape)"
+    decoder = decoder.float().eval()
+    L, n = sids.depth, len(sids.item_ids)
+    tokens = torch.from_numpy(sids.tokens())
+    hf = to_llama(decoder).to(dev)
+    widths = [128] if args.quick else [64, 128, 256, 512]
+    lengths = [256] if args.quick else [256, 512]
+    rows = []
+    for T in lengths:
+        hist_items = (T - 1) // L
+        g = torch.Generator().manual_seed(T)
+        full = torch.cat([torch.full((16, T - 1 - hist_items * L), 0), torch.ones(16, 1, dtype=torch.int64),
+                          tokens[torch.randint(0, n, (16, hist_items), generator=g)].reshape(16, -1)], dim=1)
+        for W in widths:
+            module = build_generative(decoder, sids, W, W).to(dev)
+            graphed = GraphedDecode(module, W)
+            for B in (1, 16):
+                history, mask = full[:B].to(dev), all_items_bitmask(B, n).to(dev)
+
+                def eager(module=module, history=history, mask=mask):
+                    with torch.inference_mode():
+                        return module(history, mask)
+
+                sides = {"silverrec eager": eager, "silverrec cuda graph": lambda graphed=graphed, h=history, m=mask: graphed(h, m)}
+                out_graph, error = attempt(sides["silverrec cuda graph"])
+                out_eager = eager()
+                check = "graph == eager" if error is None and torch.equal(out_graph[0], out_eager[0]) \
+                    and torch.equal(out_graph[1], out_eager[1]) else f"graph != eager ({error or 'outputs differ'})"
+                if error:
+                    del sides["silverrec cuda graph"]
+                if B == 1:
+                    prompt = history[:, T - 1 - hist_items * L:]  # unpadded
+                    trie = HFTrie(sids, prompt.shape[1])
+                    sides["transformers"] = lambda prompt=prompt, trie=trie, W=W: hf_generate(hf, prompt, trie, W, L)
+                    hf_items, _ = sides["transformers"]()
+                    check += "; transformers vs silverrec: " + compare(hf_items, out_eager[0][0].tolist())
+                hf_side = {"transformers": sides.pop("transformers")} if "transformers" in sides else {}
+                t = cuda_alternate(sides, 5 if args.quick else 20, warmup=2)
+                if hf_side:  # seconds per call at large W: fewer runs, not alternated
+                    t |= cuda_alternate(hf_side, 3, warmup=1)
+                    t["transformers"]["paired_ratio_median"] = t["transformers"]["median_ms"] / t["silverrec eager"]["median_ms"]
+                    sides |= hf_side
+                mem = {name: peak_bytes(fn) for name, fn in sides.items()}
+                for name, v in t.items():
+                    rows.append(dict(system=name, history=T, W=W, batch=B, median_ms=v["median_ms"], p20_ms=v["p20_ms"],
+                                     p80_ms=v["p80_ms"], paired_ratio_vs_eager=v["paired_ratio_median"],
+                                     peak_mib=None if mem[name] is None else mem[name] / 2**20, check=check))
+                print_table(rows[-len(t):], ["system", "history", "W", "batch", "median_ms", "paired_ratio_vs_eager", "peak_mib", "check"])
+    at128 = [r for r in rows if r["W"] == 128 and r["system"] == "silverrec cuda graph"]
+    summary = [{"history": r["history"], "batch": r["batch"], "eager_over_graph": 1.0 / r["paired_ratio_vs_eager"],
+                "target_2x_met": 1.0 / r["paired_ratio_vs_eager"] >= 2.0} for r in at128]
+    for s_ in summary:
+        print(f"beam 128, history {s_['history']}, batch {s_['batch']}: eager / graph replay = {s_['eager_over_graph']:.2f}x "
+              f"(target >= 2x: {'met' if s_['target_2x_met'] else 'NOT met'})")
+    name = args.name or ("generative_cuda" + ("_quick" if args.quick else "") + ("_dry_run" if dev.type == "cpu" else ""))
+    write_results(name, {"gpu": cuda_info(), "weights": weights, "items": n, "level_sizes": sids.level_sizes,
+                         "decoder": decoder.config.to_dict(), "quick": args.quick}, rows + [{"targets": summary}])
     return 0
 
 
