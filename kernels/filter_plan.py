@@ -62,7 +62,8 @@ def filter_plan_torch(
     slot = torch.arange(cand.shape[1], device=queries.device)[None, :]
     chosen = slot < use[:, None]
     scanned = torch.where(chosen, sizes, torch.zeros_like(sizes)).sum(dim=1)
-    est_total = total * (num_items / cand_rows.to(torch.float32))
+    # one float32 division, as plan.cpp (a Python number over a tensor is reciprocal x number: two roundings)
+    est_total = total * (torch.full_like(total, float(num_items)) / cand_rows.to(torch.float32))
     auto = (total < target) | (scanned.to(torch.float32) > est_total * exact_cost_ratio)
     unprobed = torch.where(mode_t == 0, auto, mode_t == 2) & ~posting
     probes = torch.where(chosen & ~unprobed[:, None] & ~posting[:, None], cand, torch.full_like(cand, -1))

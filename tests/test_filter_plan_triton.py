@@ -8,6 +8,7 @@ and queries, duplicated centroids).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,6 +100,25 @@ def test_cases_hit_every_route():
             assert probes[1, :2].tolist() == [2, 5]
             tie_order = True
     assert routes == {0, 1, 2} and widened and tie_order
+
+
+
+def test_cost_switch_rounds_like_plan_cpp():
+    """est_total = total x (num_items / cand_rows) with one float32 division on every path: here 22 x fl(13 / 22)
+    = 12.999999 < 13 scanned rows, so the whole pool (`13 / t` in torch is reciprocal(t) x 13 = 13.000001: probed)."""
+    off = torch.tensor([0, 13, 22])
+    centroids = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    queries = torch.tensor([[1.0, 0.0]])  # cluster 0 first: 13 rows scanned at nprobe 1
+    bits = torch.full((1, 1), -1, dtype=torch.int64)
+    ops, rows = torch.tensor([[OP_TRUE]]), torch.zeros(1, 1, 1, dtype=torch.int64)  # all 22 rows match
+    lists, post_sizes, mode = torch.tensor([[NO_LISTS]]), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    tensors = (queries, centroids, off, bits, ops, rows, lists, post_sizes, mode)
+    scalars = (5, 1, 2, 1, 1, 0, 13, 1.0, 0)  # k x match_factor = 5 <= 13: one probe reaches the target
+    est = np.float32(22) * (np.float32(13) / np.float32(22))
+    assert est < 13 < np.float32(22) * (np.float32(1) / np.float32(22) * np.float32(13))
+    args = _checked_args(*tensors, *scalars)
+    for _, _, route in (filter_plan_torch(*args), filter_plan_triton(*args), *_both_paths(lambda: torch.ops.silverrec.filter_plan(*tensors, *scalars))):
+        assert route.tolist() == [1]
 
 
 def search_case(k: int, seed: int):
