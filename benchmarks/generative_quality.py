@@ -21,11 +21,14 @@ of the two models' seconds per step, run back to back per seed). `--save DIR` ke
 semantic-ID checkpoint (DIR/generative_seed{S}.ckpt).
 
     python benchmarks/generative_quality.py --hybrid DIR --two-tower 'tt_seed{seed}.ckpt' [--seeds 0 1 2]
+        [--validation 'ttv_seed{seed}.ckpt' 'DIRV/generative_seed{seed}.ckpt']
 
 measures the hybrid instead (issue 13: hybrid NDCG@10 >= the better of ANN only and generative
 only): per seed, benchmarks/recommend.py's `sources_quality` (one hybrid RecModel asked for each
 source per request) over that seed's two-tower checkpoint and DIR/generative_seed{S}.ckpt, on the
-seed's split; mean and std over seeds -> benchmarks/results/generative_quality_hybrid.json.
+seed's split; mean and std over seeds -> benchmarks/results/generative_quality_hybrid.json. With
+`--validation` (the same two trainings at stage "valid") publish chooses the fusion on the
+validation split (publish/fusion.py); each row records the choice and its validation figures.
 
 Popularity is the same list for every user (history excluded). Mean and sample std over seeds
 (each seed: the timestamp tie-break of the logs, the initialisation and the batches).
@@ -74,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="take the item-token rows from this earlier result (same --steps and seeds; item-token "
                    "training is deterministic for a seed and step count) instead of training them again")
     p.add_argument("--hybrid", default=None, metavar="DIR", help="measure the hybrid with DIR/generative_seed{S}.ckpt")
+    p.add_argument("--validation", nargs=2, default=None, metavar=("TWO_TOWER", "GENERATIVE"),
+                   help="with --hybrid: stage-'valid' checkpoints ('{seed}' replaced) the fusion is chosen with")
     p.add_argument("--logs", default="/tmp/silverrec_movielens_logs", help="where to write the converted logs")
     p.add_argument("--name", default="generative_quality")
     args = p.parse_args(argv)
@@ -155,10 +160,16 @@ def hybrid_main(args, towers: list[str]) -> int:
         gen = Path(args.hybrid) / f"generative_seed{seed}.ckpt"
         load, t0 = os.getloadavg()[0], time.perf_counter()
         print(f"seed {seed}: {tower} + {gen}", flush=True)
-        quality = sources_quality(Path(tower), gen, Path(args.logs), seed)
+        validation = None if args.validation is None else tuple(Path(v.replace("{seed}", str(seed))) for v in args.validation)
+        quality = sources_quality(Path(tower), gen, Path(args.logs), seed, validation=validation)
+        fusion = quality.pop("fusion")
+        print(f"  fusion: w {fusion['weight']}, priority {fusion['priority']} (chosen on {fusion['chosen_on']}"
+              + (f": validation NDCG@10 hybrid {fusion['validation']['hybrid']['NDCG@10']:.4f}, ann "
+                 f"{fusion['validation']['ann']['NDCG@10']:.4f}, generative {fusion['validation']['generative']['NDCG@10']:.4f})"
+                 if "validation" in fusion else ")"), flush=True)
         for name, r in runs.items():
             r.append({k: quality[name][k] for k in ("HR@10", "NDCG@10", "HR@100")})
-        rows.append({"seed": seed, "two_tower": tower, "generative": str(gen), **quality,
+        rows.append({"seed": seed, "two_tower": tower, "generative": str(gen), **quality, "fusion": fusion,
                      "wall_s": round(time.perf_counter() - t0, 1), "load_avg_1m": round(load, 2)})
     summary = {name: mean_and_spread(r) for name, r in runs.items()}
     print_table([{"source": n, **{k: f"{m:.4f} +- {s:.4f}" for k, (m, s) in v.items()}} for n, v in summary.items()],
@@ -167,8 +178,10 @@ def hybrid_main(args, towers: list[str]) -> int:
     hybrid = summary["hybrid"]["NDCG@10"][0]
     verdict = (f"hybrid NDCG@10 {hybrid:.4f} vs the better source {best:.4f} (mean of seeds {args.seeds}): "
                f"target hybrid >= better source {'met' if hybrid >= best else 'NOT met'}")
+    per_seed = [r["hybrid"]["NDCG@10"] >= max(r["ann"]["NDCG@10"], r["generative"]["NDCG@10"]) for r in rows]
+    verdict += f"; per seed hybrid >= better source: {per_seed}"
     print(verdict)
-    config = {"seeds": args.seeds, "two_tower": args.two_tower, "generative": args.hybrid,
+    config = {"seeds": args.seeds, "two_tower": args.two_tower, "generative": args.hybrid, "validation": args.validation,
               "protocol": "benchmarks/recommend.py sources_quality: leave-one-out stage test on each seed's split, "
                           "610 users, full ranking, known items excluded, one hybrid RecModel asked per request for "
                           "ANN only / generative only / both"}

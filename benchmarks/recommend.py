@@ -642,11 +642,14 @@ def sources_part(ckpt_path: Path, gen_ckpt_path: Path, users: list[list[int]], r
     return rows
 
 
-def sources_quality(ckpt_path: Path, gen_ckpt_path: Path, logs: Path, seed: int = 0, batch: int = 32) -> dict[str, dict]:
+def sources_quality(ckpt_path: Path, gen_ckpt_path: Path, logs: Path, seed: int = 0, batch: int = 32,
+                    validation: tuple[Path, Path] | None = None) -> dict[str, dict]:
     """Leave-one-out HR / NDCG (stage test, full ranking, every known item excluded) of the hybrid
     model asked for ANN only, generative only and both (RecRequest.sources), one request per eval
     user as publish/quality.py serves them (`batch` per call, exclusion slots = the batch's longest
-    history), on the logs and split (`seed`: the timestamp tie-break) both checkpoints trained on."""
+    history), on the logs and split (`seed`: the timestamp tie-break) both checkpoints trained on.
+    `validation`: the stage-"valid" two-tower and generative checkpoints publish chooses the fusion
+    with (publish/fusion.py; out["fusion"] is the manifest's entry), else PublishConfig's default."""
     from silverrec.generative.source import SOURCES
     from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk
     from silverrec.publish.logs import leave_one_out, read_logs
@@ -655,8 +658,11 @@ def sources_quality(ckpt_path: Path, gen_ckpt_path: Path, logs: Path, seed: int 
 
     pcfg = PublishConfig(checkpoint=str(ckpt_path), overarch=OVERARCH, value_model=VALUE_MODEL, k0=K0,
                          candidates=CANDIDATES, sources=list(SOURCES), generative_checkpoint=str(gen_ckpt_path),
-                         beam_width=SOURCE_BEAM)
-    handler = handler_for(build_rec_model(pcfg))
+                         beam_width=SOURCE_BEAM, **({} if validation is None else {
+                             "validation_checkpoint": str(validation[0]),
+                             "validation_generative_checkpoint": str(validation[1])}))
+    built = build_rec_model(pcfg)
+    handler = handler_for(built)
     split = leave_one_out(read_logs(logs / "interactions.parquet", logs / "items.parquet", None, seed=seed))
     ids = split.logs.item_ids
     targets, hists = ids[split.targets("test")], split.histories(split.eval_users, "test")
@@ -672,6 +678,7 @@ def sources_quality(ckpt_path: Path, gen_ckpt_path: Path, logs: Path, seed: int 
         out[name] = metrics_from_ranks(torch.cat(ranks)) | {"top10_from_generative": from_gen / (10 * len(targets)),
                                                             "seconds": round(time.perf_counter() - t, 1)}
         print(f"  {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in out[name].items()), flush=True)
+    out["fusion"] = built.manifest["generative"]["fusion"]
     return out
 
 

@@ -371,3 +371,48 @@ def test_choose_fusion_takes_the_best_validation_row_and_checks_its_checkpoints(
         check_validation_checkpoints({"config": {"stage": "valid", "seed": 1}}, {"train_config": {"stage": "test", "seed": 1}}, "x")
     with pytest.raises(ConfigError, match="different seeds"):
         check_validation_checkpoints({"config": {"stage": "valid", "seed": 1}}, {"train_config": {"stage": "valid", "seed": 2}}, "x")
+
+
+def test_publish_chooses_the_fusion_on_held_out_validation_items(rec, tmp_path):
+    """Publish with stage-"valid" checkpoints: the manifest's grid has every (w, priority), the chosen
+    row is its best hybrid NDCG@10 and is >= each source alone's there, the model carries the choice,
+    and the grid's ANN-alone figures equal a plain (ANN-only) RecModel of the validation checkpoint
+    evaluated by publish/quality.py at stage "valid" (the independent reference)."""
+    import dataclasses
+
+    from silverrec.publish import fusion
+    from silverrec.publish.logs import leave_one_out, read_logs
+    from silverrec.publish.quality import evaluate_handler, handler_for
+    from silverrec.publish.rec import build_rec_model
+    from silverrec.publish.train import TrainConfig, train
+    from silverrec.publish.train_generative import TrainConfig as GenConfig, train as train_generative
+
+    tiny = dict(levels=2, codes=4, minutes=1e6, max_steps=20, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                ffn_hidden=32, max_history=4, eval_users=4, eval_beam=10)
+    paths = {}
+    for stage in ("valid", "test"):
+        tt = rec.ckpt_path if stage == "test" else tmp_path / "tt_valid.ckpt"
+        if stage == "valid":
+            train(TrainConfig.from_toml(rec.train_toml, stage="valid"), tt, quiet_eval=True)
+        gen = tmp_path / f"gen_{stage}.ckpt"
+        train_generative(GenConfig(interactions=str(rec.inter_path), items=str(rec.items_path), embeddings=str(tt),
+                                   stage=stage, **tiny), gen)
+        paths[stage] = (tt, gen)
+    cfg = dataclasses.replace(rec.publish_cfg, sources=list(SOURCES), generative_checkpoint=str(paths["test"][1]),
+                              beam_width=W, validation_checkpoint=str(paths["valid"][0]),
+                              validation_generative_checkpoint=str(paths["valid"][1]))
+    built = build_rec_model(cfg)
+    chosen = built.manifest["generative"]["fusion"]
+    grid = chosen["grid"]
+    assert len(grid) == len(fusion.WEIGHTS) * len(source_module.PRIORITIES) and chosen["chosen_on"] == "valid"
+    best = max(r["hybrid"]["NDCG@10"] for r in grid)
+    assert chosen["validation"]["hybrid"]["NDCG@10"] == best
+    assert best >= max(chosen["validation"]["ann"]["NDCG@10"], chosen["validation"]["generative"]["NDCG@10"])
+    assert built.model.generative_weight == chosen["weight"]
+    assert torch.equal(built.model.tiers, source_module.priority_tiers(chosen["priority"]))
+    plain = build_rec_model(dataclasses.replace(rec.publish_cfg, checkpoint=str(paths["valid"][0])))
+    split = leave_one_out(read_logs(rec.inter_path, rec.items_path, seed=rec.train_cfg.seed))
+    want = evaluate_handler(handler_for(plain), split, "valid")
+    for key in ("HR@10", "NDCG@10", "HR@100"):
+        assert grid[0]["ann"][key] == pytest.approx(want[key], abs=1e-5), key
+    assert want["HR@100"] > 0, "the reference found no validation item: the comparison cannot fail"
