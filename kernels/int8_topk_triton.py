@@ -67,7 +67,7 @@ def score_keys_triton(qcodes: torch.Tensor, codes: torch.Tensor, row_base: int =
     C = codes.shape[0]
     out = torch.empty((B, C), dtype=torch.int64, device=codes.device)
     BLOCK_B, BLOCK_N = 16, 128
-    BLOCK_D = max(16, min(128, triton.next_power_of_2(D)))
+    BLOCK_D = max(32, min(128, triton.next_power_of_2(D)))  # int8 tl.dot needs K >= 32 on NVIDIA (min_dot_size)
     grid = (triton.cdiv(C, BLOCK_N), triton.cdiv(B, BLOCK_B))
     _int8_score_keys_kernel[grid](
         qcodes, codes, out, B, C, D, row_base,

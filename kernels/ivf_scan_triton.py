@@ -108,7 +108,7 @@ def scan_keys_triton(qcodes, codes, cluster_offsets, probes, k, bitmask, slot_gr
     if max_size == 0:
         return best
     BLOCK_N = 64
-    BLOCK_D = max(16, min(128, triton.next_power_of_2(D)))
+    BLOCK_D = max(32, min(128, triton.next_power_of_2(D)))  # int8 tl.dot needs K >= 32 on NVIDIA (min_dot_size)
     L = triton.cdiv(max_size, BLOCK_N) * BLOCK_N
     G = min(slot_group, P)
     has_mask = bitmask is not None
