@@ -163,7 +163,7 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from silverrec.kernels import filter_plan_triton as fp, ivf_scan_triton as iv, verify_topk_triton as vt
+from silverrec.kernels import bloom_filter_triton as bf, filter_plan_triton as fp, ivf_scan_triton as iv, verify_topk_triton as vt
 
 I64, I32 = "*i64", "i32"
 kernels = {
@@ -172,6 +172,8 @@ kernels = {
     "verify_pass": (vt._verify_pass_kernel, [I64] * 4 + ["*i8", "*i32", I64] + [I32] * 5, {"BLOCK": 128}),
     "verify_place": (vt._verify_place_kernel, ["*fp32", I64, "*i8", "*i32", "*fp32", I64] + [I32] * 3,
                      {"BLOCK": 128, "BLOCK_T": 64}),
+    "bloom_filter": (bf._bloom_filter_kernel, [I64] * 6 + [I32] * 5, {"BLOCK_W": 16}),
+    "range_count": (bf._range_count_kernel, [I64] * 4 + [I32], {"BLOCK_W": 16}),
     "ivf_scan": (iv._ivf_scan_keys_kernel, ["*i8", "*i8"] + [I64] * 4 + [I32] * 11,
                  {"HAS_MASK": True, "BLOCK_N": 64, "BLOCK_D": 32}),  # int8 tl.dot: K >= 32 on NVIDIA
 }
@@ -185,8 +187,8 @@ for name, (fn, types, consts) in kernels.items():
 
 
 def test_kernels_compile_for_h100_with_exact_float_ops():
-    """The interpreter runs any Python; this compiles the filtered search's kernels (those of filter_plan,
-    verify_topk, the masked ivf_scan) to sm_90 PTX (no GPU needed: Triton's own ptxas) and checks the planner's float32 division and square root are the correctly rounded ones, with
+    """The interpreter runs any Python; this compiles the filtered search's kernels (filter_plan's with
+    bloom_filter_counts', verify_topk's, the masked ivf_scan; filtered_topk's: tests/test_filtered_topk_triton.py) to sm_90 PTX (no GPU needed: Triton's own ptxas) and checks the planner's float32 division and square root are the correctly rounded ones, with
     Triton's default floating-point fusion (what runs on the GPU)."""
     import os
     import subprocess
@@ -197,5 +199,5 @@ def test_kernels_compile_for_h100_with_exact_float_ops():
     out = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = {name: ops for name, _, ops in (line.partition(" ") for line in out.stdout.splitlines())}
-    assert set(lines) == {"plan_ranges", "plan_route", "verify_pass", "verify_place", "ivf_scan"}
+    assert set(lines) == {"plan_ranges", "plan_route", "bloom_filter", "range_count", "verify_pass", "verify_place", "ivf_scan"}
     assert set(lines["plan_route"].split()) == {"div.rn.f32", "sqrt.rn.f32"}  # no approximate ops, no fused multiply-adds
