@@ -103,8 +103,12 @@ def scan_keys_triton(qcodes, codes, cluster_offsets, probes, k, bitmask, slot_gr
     best = torch.full((B, k), EMPTY_KEY, dtype=torch.int64, device=codes.device)
     if B == 0 or P == 0:
         return best
-    # One host read of an index constant (the largest cluster); everything else stays on the device.
-    max_size = int((cluster_offsets[1:] - cluster_offsets[:-1]).max())
+    # Key columns per slot >= the largest cluster: with a bitmask its Wc words per slot bound every cluster
+    # (no host synchronisation, the filtered search's case); without, one host read of that index constant.
+    if bitmask is not None:
+        max_size = bitmask.shape[2] * 64
+    else:
+        max_size = int((cluster_offsets[1:] - cluster_offsets[:-1]).max())
     if max_size == 0:
         return best
     BLOCK_N = 64
