@@ -69,8 +69,9 @@ def compose_search(
     """The search as a composition of `steps` (the op's contract, module docstring).
 
     Device memory beyond the inputs, B queries: centroid scores [B, C] and the plan's bitmask [B, max_probe, Wc]
-    (filter_plan), the scan's keys [B, 8 x the largest cluster] (ivf_scan), the results [B, k + k / 4 + 16];
-    filtered_topk's Triton workspace holds nothing proportional to N either (its `workspace_shapes`).
+    (filter_plan), the scan's keys [B, 8 x 64 Wc] (ivf_scan), the results [B, k + k / 4 + 16]; filtered_topk's
+    Triton workspace holds nothing proportional to N either (its `workspace_shapes`). With `cuda_steps` no step
+    reads a value back to the host (tests/test_filter_plan_triton.py records every op outside the kernels).
     """
     probes, bitmask, route = steps.filter_plan(
         queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k, nprobe, max_probe,
