@@ -1,12 +1,12 @@
-"""GraphedDecode's device-independent parts on CPU: history buckets, left padding (same items as the
-unpadded decode), the static-buffer copy-in / copy-out, the shape-keyed LRU cache, bad input. The
+"""GraphedDecode's device-independent parts on CPU: buckets, history and batch padding (same items as
+the unpadded decode), the static-buffer copy-in / copy-out, the shape-keyed LRU cache, bad input. The
 CUDA-graph capture itself is compared with eager launches in tests/gpu/test_cuda_graph_decode.py."""
 
 import pytest
 import torch
 
 from silverrec.bitmask import pack_bits
-from silverrec.generative.cuda_graph import GraphedDecode, capture_eager, history_bucket, pad_history
+from silverrec.generative.cuda_graph import GraphedDecode, bucket, capture_eager, pad_batch, pad_history
 from silverrec.generative.generative import GenerativeRetrieval
 from silverrec.generative.trie import ValidPathTrie
 
@@ -31,17 +31,17 @@ def _inputs(paths, trie, batch, items, seed):
     return hist, pack_bits(allowed)
 
 
-def test_history_bucket():
-    assert [history_bucket(t) for t in (1, 2, 16, 17, 32, 33, 100)] == [16, 16, 16, 32, 32, 64, 128]
-    assert [history_bucket(t, min_bucket=4) for t in (1, 4, 5, 9)] == [4, 4, 8, 16]
+def test_bucket():
+    assert [bucket(t, 16) for t in (1, 2, 16, 17, 32, 33, 100)] == [16, 16, 16, 32, 32, 64, 128]
+    assert [bucket(b) for b in (1, 2, 3, 5, 8, 9, 64)] == [1, 2, 4, 8, 8, 16, 64]
     with pytest.raises(ValueError, match="positive"):
-        history_bucket(0)
+        bucket(0)
 
 
 def test_left_padding_decodes_the_same_items(decode):
     paths, trie, module = decode
     hist, bits = _inputs(paths, trie, 4, 3, seed=5)  # T = 1 + 3 * 4 = 13
-    padded = pad_history(hist, history_bucket(hist.shape[1]))
+    padded = pad_history(hist, bucket(hist.shape[1], 16))
     assert padded.shape == (4, 16) and torch.equal(padded[:, 3:], hist) and torch.all(padded[:, :3] == 0)
     assert pad_history(hist, hist.shape[1]) is hist
     with pytest.raises(ValueError, match="cannot pad"):
@@ -52,28 +52,44 @@ def test_left_padding_decodes_the_same_items(decode):
     torch.testing.assert_close(scores, scores_p, atol=1e-6, rtol=1e-6)
 
 
+def test_batch_padding_adds_requests_that_find_nothing(decode):
+    paths, trie, module = decode
+    hist, bits = _inputs(paths, trie, 3, 3, seed=6)
+    big_hist, big_bits = pad_batch(hist, bits, 8)
+    assert big_hist.shape == (8, hist.shape[1]) and big_bits.shape == (8, bits.shape[1])
+    assert torch.equal(big_hist[:3], hist) and torch.all(big_hist[3:, :-1] == 0) and torch.all(big_hist[3:, -1] == 1)
+    assert pad_batch(hist, bits, 3)[0] is hist
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad_batch(hist, bits, 2)
+    ids, scores = module(hist, bits)
+    ids_p, scores_p = module(big_hist, big_bits)
+    assert torch.equal(ids_p[:3], ids) and torch.equal(scores_p[:3], scores)
+    assert torch.all(ids_p[3:] == -1) and torch.all(scores_p[3:] == float("-inf"))
+
+
 def test_replay_copies_inputs_in_and_outputs_out(decode):
     """Each call's own inputs reach the captured call (copy-in), and an earlier result is not
     overwritten by a later replay (copy-out): against the module on the padded inputs."""
     paths, trie, module = decode
     graphed = GraphedDecode(module, W, capture=capture_eager)
-    calls = [_inputs(paths, trie, 3, items, seed) for seed, items in [(1, 3), (2, 2), (3, 3)]]  # T 13, 9, 13
+    calls = [_inputs(paths, trie, b, items, seed) for seed, b, items in [(1, 3, 3), (2, 4, 2), (3, 3, 3)]]  # T 13, 9, 13
     results = [graphed(h, b) for h, b in calls]
-    assert graphed.captures == 1 and len(graphed.graphs) == 1  # one bucket (16) for all three
+    assert graphed.captures == 1 and len(graphed.graphs) == 1  # one key (batch 4, history 16) for all three
     for (h, b), (ids, scores) in zip(calls, results):
-        ref_ids, ref_scores = module(pad_history(h, 16), b)
-        assert torch.equal(ids, ref_ids) and torch.equal(scores, ref_scores)
+        ref_ids, ref_scores = module(*pad_batch(pad_history(h, 16), b, 4))
+        assert ids.shape == (h.shape[0], W)
+        assert torch.equal(ids, ref_ids[: h.shape[0]]) and torch.equal(scores, ref_scores[: h.shape[0]])
     assert not torch.equal(results[0][0], results[1][0])  # different requests, different answers
 
 
 def test_cache_is_keyed_by_shape_and_evicts_least_recently_used(decode):
     paths, trie, module = decode
     graphed = GraphedDecode(module, W, max_graphs=2, capture=capture_eager)
-    a = _inputs(paths, trie, 2, 3, 1)  # (batch 2, bucket 16)
-    b = _inputs(paths, trie, 3, 3, 2)  # (batch 3, bucket 16)
-    c = _inputs(paths, trie, 2, 5, 3)  # (batch 2, bucket 32: T = 21)
+    a = _inputs(paths, trie, 2, 3, 1)  # (batch 2, history 16)
+    b = _inputs(paths, trie, 3, 3, 2)  # (batch bucket 4, history 16)
+    c = _inputs(paths, trie, 2, 5, 3)  # (batch 2, history 32: T = 21)
     key = lambda x: graphed.key(*x)  # noqa: E731
-    assert key(a) == ("cpu", 2, W, 16, 3) and key(c) == ("cpu", 2, W, 32, 3)
+    assert key(a) == ("cpu", 2, W, 16, 3) and key(b) == ("cpu", 4, W, 16, 3) and key(c) == ("cpu", 2, W, 32, 3)
     graphed(*a)
     graphed(*b)
     graphed(*a)  # a is now the most recently used

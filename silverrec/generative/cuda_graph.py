@@ -1,10 +1,11 @@
-"""CUDA-graph replay of the generative decode: one graph per (batch, beam width, history-length bucket).
+"""CUDA-graph replay of the generative decode: one graph per (batch bucket, beam width, history bucket).
 
 A generative snapshot's forward (`GenerativeRetrieval`: prefill, then exactly L fixed decode steps
 with staged attention and ping-pong KV buffers) has static shapes and no host synchronisation once
 the batch and the history length are fixed. On CUDA its launch cost dominates (each step launches
 dozens of small kernels for a few microseconds of work each), so this predictor-side wrapper pads
-the history to a length bucket, captures the whole forward once per shape with
+the history to a length bucket and the batch to a batch bucket, captures the whole forward once
+per shape with
 `torch.cuda.CUDAGraph` into the graph's private memory pool, and afterwards replays it:
 
     decode = GraphedDecode(snapshot.module, beam_width=W)          # eager, exported or TorchScript
@@ -18,8 +19,11 @@ lives at a fixed address of that pool, which is what replay needs. A call copies
 the static buffers, replays, and returns clones of the outputs (the next replay overwrites them).
 
 Left padding with PAD is the contract's own padding (PAD keys are masked and positions count
-non-PAD tokens), so a padded history decodes the same items; only float reduction orders may
-differ from the unpadded call (tests/test_cuda_graph.py checks it on CPU).
+non-PAD tokens), so a padded history decodes the same items; the extra requests of a batch bucket
+are bare BOS histories that allow no item (requests are independent), and their rows are dropped.
+Only float reduction orders may differ from the unpadded call (tests/test_cuda_graph.py checks it
+on CPU). Buckets are powers of two: a batcher's batches of 1..64 and histories of 16..1024 tokens
+make at most 7 x 7 shapes, not 64 x 1009.
 
 Graphs are cached by shape, least recently used first out beyond `max_graphs` (each holds its
 pool). CPU tensors go straight to the module: the CPU path is unchanged. Nothing here is part of a
@@ -34,24 +38,24 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from silverrec.generative.decoder import PAD
+from silverrec.generative.decoder import BOS, PAD
 
-MIN_BUCKET = 16  # shortest padded history: bucket lengths are powers of two from here
+MIN_BUCKET = 16  # shortest padded history: history buckets are powers of two from here
 DEFAULT_MAX_GRAPHS = 8
 WARMUP_CALLS = 3  # eager calls on a side stream before capture (Triton compiles, cuBLAS workspaces)
 
 Capture = Callable[[Callable[..., Sequence[torch.Tensor]], Sequence[torch.Tensor]], "Replay"]
 
 
-def history_bucket(length: int, min_bucket: int = MIN_BUCKET) -> int:
-    """The padded history length of a [B, length] history: the next power of two >= length, at
-    least `min_bucket` (a bounded number of graphs per batch size: log2(max_seq_len) at most)."""
-    if length <= 0:
-        raise ValueError(f"history length must be positive, got {length}")
-    bucket = max(int(min_bucket), 1)
-    while bucket < length:
-        bucket *= 2
-    return bucket
+def bucket(size: int, minimum: int = 1) -> int:
+    """The padded size of a batch or a history length: the next power of two >= size, at least
+    `minimum` (so log2(largest size) buckets at most)."""
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {size}")
+    out = max(int(minimum), 1)
+    while out < size:
+        out *= 2
+    return out
 
 
 def pad_history(history: torch.Tensor, length: int) -> torch.Tensor:
@@ -60,6 +64,19 @@ def pad_history(history: torch.Tensor, length: int) -> torch.Tensor:
     if length < T:
         raise ValueError(f"cannot pad a history of length {T} to {length}")
     return F.pad(history, (length - T, 0), value=PAD) if length > T else history
+
+
+def pad_batch(history: torch.Tensor, item_bitmask: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] / [B, words] -> [batch, T] / [batch, words] (batch >= B): extra requests are a bare BOS
+    (PAD ... PAD BOS) with an all-zero bitmask, so they decode no item."""
+    B, T = history.shape
+    if batch < B:
+        raise ValueError(f"cannot pad a batch of {B} to {batch}")
+    if batch == B:
+        return history, item_bitmask
+    extra = history.new_full((batch - B, T), PAD)
+    extra[:, -1] = BOS
+    return torch.cat([history, extra]), torch.cat([item_bitmask, item_bitmask.new_zeros(batch - B, item_bitmask.shape[1])])
 
 
 class Replay:
@@ -113,7 +130,8 @@ class GraphedDecode:
         min_bucket: shortest padded history length.
         capture: how a shape is captured (`capture_cuda_graph`; `capture_eager` in CPU tests).
     Call: history int64 [B, T] (left-padded), item_bitmask int64 [B, ceil(N / 64)], both on the same
-        device -> (item_ids int64 [B, W], scores float32 [B, W]). CPU tensors (with the default
+        device -> (item_ids int64 [B, W], scores float32 [B, W]), computed on the inputs padded to
+        (bucket(B), bucket(T, min_bucket)). CPU tensors (with the default
         capture) call the module directly.
     """
 
@@ -132,9 +150,14 @@ class GraphedDecode:
         self.captures = 0  # shapes captured so far (evicted ones included)
 
     def key(self, history: torch.Tensor, item_bitmask: torch.Tensor) -> tuple:
-        """(device, batch, beam width, history bucket, bitmask words): one graph per key."""
-        return (str(history.device), history.shape[0], self.beam_width,
-                history_bucket(history.shape[1], self.min_bucket), item_bitmask.shape[1])
+        """(device, batch bucket, beam width, history bucket, bitmask words): one graph per key."""
+        return (str(history.device), bucket(history.shape[0]), self.beam_width,
+                bucket(history.shape[1], self.min_bucket), item_bitmask.shape[1])
+
+    def pad(self, history: torch.Tensor, item_bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs padded to their key's shape (what the graph of that key runs on)."""
+        _, batch, _, length, _ = self.key(history, item_bitmask)
+        return pad_batch(pad_history(history, length), item_bitmask, batch)
 
     def __call__(self, history: torch.Tensor, item_bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if history.device.type == "cpu" and self.capture is capture_cuda_graph:
@@ -146,18 +169,19 @@ class GraphedDecode:
         if item_bitmask.device != history.device:
             raise ValueError(f"history is on {history.device} but item_bitmask on {item_bitmask.device}")
         key = self.key(history, item_bitmask)
-        padded = pad_history(history, key[3])
+        B = history.shape[0]
         with torch.inference_mode():
+            history, item_bitmask = self.pad(history, item_bitmask)
             entry = self.graphs.get(key)
             if entry is None:
-                entry = self._capture(key, padded, item_bitmask)
+                entry = self._capture(key, history, item_bitmask)
             else:
                 self.graphs.move_to_end(key)
             static, replay = entry
-            static[0].copy_(padded)
+            static[0].copy_(history)
             static[1].copy_(item_bitmask)
             replay.run()
-            return tuple(out.clone() for out in replay.outputs)
+            return tuple(out[:B].clone() for out in replay.outputs)
 
     def _capture(self, key: tuple, history: torch.Tensor, item_bitmask: torch.Tensor):
         while len(self.graphs) >= self.max_graphs:
