@@ -8,7 +8,9 @@
 2. Ten successive 1% updates whose new embeddings drift (a shift of +--drift per step on every
    dimension, default 0.3, so values leave the parent's ranges): recall@100 after each against brute force, and
    after the tenth against a full rebuild of the final pool at the same nprobe; the drift signals
-   and where they advise a rebuild. --compare-flat: the final pool's IVF built with flat and with
+   and where they advise a rebuild. On the final pool, both the updated snapshot and the rebuild at
+   nprobe 8..128: recall@100, rows scanned per query (to compare at equal work) and recall on the
+   drifted vs the other true neighbours. --compare-flat: the final pool's IVF built with flat and with
    two-level k-means (publish_scale.compare_flat: recall at equal nprobe, rows scanned, imbalance).
 Writes benchmarks/results/update.json and update.png.
 """
@@ -35,6 +37,7 @@ import silverrec  # noqa: E402
 from silverrec.publish.filtered_ivf import publish_index  # noqa: E402
 from silverrec.publish.pool import Pool  # noqa: E402
 from silverrec.publish.update import update_snapshot  # noqa: E402
+from silverrec.snapshot import read_tensors  # noqa: E402
 
 
 def delta(rng, ids: np.ndarray, frac: float, dim: int, next_id: int, step: int, shift: float):
@@ -83,7 +86,7 @@ def main() -> None:
 
     # ten successive drifting 1% updates
     q = queries(args.dim)
-    cur_ids, cur_x = ids.copy(), x
+    cur_ids, cur_x, cur_drifted = ids.copy(), x, np.zeros(args.n, dtype=bool)
     parent, next_id = v0, args.n
     for step in range(1, args.steps + 1):
         up, deleted = delta(rng, cur_ids, 0.01, args.dim, next_id, step, args.drift * step)
@@ -94,6 +97,7 @@ def main() -> None:
         keep = ~np.isin(cur_ids, np.concatenate([up.item_ids, deleted]))
         cur_ids = np.concatenate([cur_ids[keep], up.item_ids])
         cur_x = np.concatenate([cur_x[keep], up.embeddings])
+        cur_drifted = np.concatenate([cur_drifted[keep], np.full(up.size, args.drift > 0)])
         snap = silverrec.load(out)
         gt = cur_ids[truth(cur_x, q, 100)]
         r = recall(snap.search(torch.from_numpy(q), 100, nprobe=args.nprobe).item_ids.numpy(), gt)
@@ -113,10 +117,36 @@ def main() -> None:
                  "nprobe": args.nprobe, "gap_after_updates": round(r_full - rows[-1]["recall@100"], 4),
                  "load_avg": [round(v, 2) for v in os.getloadavg()]})
     print(rows[-1], flush=True)
+    gt_rows = truth(cur_x, q, 100)
+    for what, path in (("after the updates", parent), ("full rebuild", rebuilt)):
+        rows += [{"what": f"final pool: {what}"} | r for r in recall_by_nprobe(path, q, cur_ids, gt_rows, cur_drifted, [8, 16, 32, 64, 128])]
+        for r in rows[-5:]:
+            print(r, flush=True)
     if args.compare_flat:
         rows += [{"what": "final pool, k-means method"} | r for r in compare_flat(cur_x, q, truth(cur_x, q, 100), [16, 32, 64])]
     write_results("update", vars(args), rows)
     plot(rows, RESULTS / "update.png")
+
+
+def recall_by_nprobe(path: Path, q: np.ndarray, ids: np.ndarray, gt_rows: np.ndarray, drifted: np.ndarray, nprobes) -> list[dict]:
+    """Recall@100 of snapshot `path` at each nprobe, with the rows a query scans there (the sizes of
+    its probed clusters: recall can be read at equal work), and recall on the ground-truth
+    neighbours that are drifted (upserted with a shift) and on the others.
+    gt_rows int64 [Q, 100]: rows of `ids` / `drifted` (bool [N]) that are each query's true top 100."""
+    snap = silverrec.load(path)
+    t = read_tensors(Path(path), snap.manifest)
+    centroids, off = t["index.centroids"], t["index.cluster_offsets"]
+    sizes = (off[1:] - off[:-1]).double()
+    order = (torch.from_numpy(q) @ centroids.t()).argsort(dim=1, descending=True)
+    gt_ids, gt_drift = ids[gt_rows], drifted[gt_rows]
+    out = []
+    for p in nprobes:
+        found = snap.search(torch.from_numpy(q), 100, nprobe=p).item_ids.numpy()
+        hit = np.array([np.isin(g, f) for g, f in zip(gt_ids, found)])
+        out.append({"nprobe": p, "recall@100": round(float(hit.mean()), 4), "scanned_rows": round(float(sizes[order[:, :p]].sum(1).mean()), 1),
+                    "recall_on_drifted_neighbours": round(float(hit[gt_drift].mean()), 4) if gt_drift.any() else None,
+                    "recall_on_other_neighbours": round(float(hit[~gt_drift].mean()), 4), "drifted_share_of_neighbours": round(float(gt_drift.mean()), 4)})
+    return out
 
 
 def plot(rows, path: Path) -> None:

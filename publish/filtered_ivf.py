@@ -126,13 +126,14 @@ def build_filtered_ivf_forward(
     bloom_bits: Optional[int] = None,
     bloom_hashes: Optional[int] = None,
     clock: Optional[StageClock] = None,
+    consume: bool = False,
 ) -> tuple[FilteredIVFIndex, dict, Optional[ForwardIndex]]:
     """`build_filtered_ivf`, also returning the forward index in the module's row order (None for a
     pool without categorical features: its filter bank is empty and any filter names an unknown
-    feature); stages timed on `clock`."""
+    feature); stages timed on `clock`; consume: `build_ivf`'s (pool.embeddings used up)."""
     config = config or IVFConfig()
     clock = clock or StageClock()
-    ivf, km = build_ivf(pool, config, clock)
+    ivf, km = build_ivf(pool, config, clock, consume=consume)
     fwd = None
     if pool.features:
         with clock("Bloom signatures, exact value planes and posting lists"):
@@ -238,16 +239,15 @@ def publish_index(
 
     exact: one cluster (nlist 1), so every search scans every row (exact int8 top-k).
     torchscript: also write model.ts; None = only up to TORCHSCRIPT_MAX_BYTES of tensors.
-    release_embeddings: once quantised, replace pool.embeddings by an empty [0, D] array (the CLI,
-    whose pool is not used again), so that the export's peak holds the int8 pool but not the float32 one.
+    release_embeddings: the layout quantises over pool.embeddings, which is then replaced by an empty
+    [0, D] array (the CLI, whose pool is not used again: pass a matrix nothing else uses), so that
+    neither the layout nor the export holds the float32 pool beside the int8 one.
     The manifest's "build_report" gives time and peak resident memory per stage.
     """
     if exact:
         config = IVFConfig(**{**(asdict(config) if config else {}), "nlist": 1})
     clock = StageClock()
-    index, manifest, fwd = build_filtered_ivf_forward(pool, config, bloom_bits, bloom_hashes, clock)
-    if release_embeddings:
-        pool.embeddings = np.empty((0, pool.dim), dtype=np.float32)
+    index, manifest, fwd = build_filtered_ivf_forward(pool, config, bloom_bits, bloom_hashes, clock, consume=release_embeddings)
     if fwd is not None:
         bloom, stats = manifest["filter"]["bloom"], manifest["filter"]["stats"]
         with step(
@@ -268,12 +268,15 @@ def write_index(
     overwrite: bool = False,
     clock: Optional[StageClock] = None,
     report: Optional[Callable[[dict], None]] = None,
+    time_backends: bool = True,
 ) -> Path:
     """Write `index` (with its manifest config) as a pure-ANN snapshot at `out`, atomically: the root
     module in its retrieval-only configuration (model.pt2, model.ts when `torchscript`, the faster
     of the two recorded as config.backend), `forward.npz` when `fwd` is given (for updates), and
     config.spec. `report` receives the stage report (default: config.build_report).
-    torchscript None = only up to TORCHSCRIPT_MAX_BYTES of tensors."""
+    torchscript None = only up to TORCHSCRIPT_MAX_BYTES of tensors. The index's tensors are stored
+    once, in tensors.pt (`export_module` tensors_apart). time_backends False: keep the manifest's
+    config.backend (an update: the parent's measurement of the same program)."""
     clock = clock or StageClock()
     model = search_model(index)
     manifest["spec"] = ModelSpec.search(index.codes.shape[1], index.nlist).to_json()
@@ -282,7 +285,8 @@ def write_index(
 
     def write(tmp: Path) -> None:
         with clock("exporting model (torch.export" + (" + TorchScript)" if torchscript else ")")):
-            backend = export_module(model, search_example(model), SEARCH_DYNAMIC, tmp, torchscript=torchscript)
+            backend = export_module(model, search_example(model), SEARCH_DYNAMIC, tmp, torchscript=torchscript,
+                                    tensors_apart=True, time_backends=time_backends)
         if backend is not None:
             manifest["backend"] = backend  # load(backend="auto") runs the faster program
         if fwd is not None:

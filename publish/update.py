@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -40,7 +41,7 @@ from silverrec.publish.bloom import BloomConfig, _pack_columns, bloom_rows, exac
 from silverrec.publish.kmeans import assign
 from silverrec.publish.pool import Pool, read_pool
 from silverrec.publish.stages import StageClock
-from silverrec.snapshot import EXPORT_FILE, MANIFEST, read_manifest
+from silverrec.snapshot import MANIFEST, load_exported, read_manifest, read_tensors, verify_files
 
 FORWARD_FILE = "forward.npz"  # filtered snapshots: token_ids int32 [nnz], offsets int64 [N + 1], row order
 
@@ -48,6 +49,9 @@ FORWARD_FILE = "forward.npz"  # filtered snapshots: token_ids int32 [nnz], offse
 MAX_IMBALANCE_RATIO = 1.25  # cluster-size imbalance / imbalance of the last full build
 MAX_CLAMPED_SHARE = 1e-3  # clamped values / values quantised since the last full build
 MAX_CHANGED_SHARE = 0.5  # items upserted since the last full build / items now
+
+
+_VERIFIER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="silverrec-verify")
 
 
 class DeltaError(PoolError):
@@ -112,10 +116,11 @@ def _check_delta(parent_ids: np.ndarray, upsert: Optional[Pool], delete: np.ndar
 # ------------------------------------------------------------------------------------ parent
 
 
-def _parent_tensors(root: Path) -> dict[str, torch.Tensor]:
-    """The parent's index buffers by name (codes, dim_scale, centroids, row_to_item, bits, ...)."""
-    ep = torch.export.load(str(root / EXPORT_FILE))
-    return {k[len("index."):]: v.detach() for k, v in ep.state_dict.items() if k.startswith("index.")}
+def _parent_tensors(root: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    """The parent's index buffers by name (codes, dim_scale, centroids, row_to_item, bits, ...):
+    tensors.pt memory-mapped, or (format 4) the state of its program."""
+    state = read_tensors(root, manifest) or load_exported(root, manifest).state_dict
+    return {k[len("index."):]: v.detach() for k, v in state.items() if k.startswith("index.")}
 
 
 def _parent_forward(root: Path, manifest: dict) -> ForwardIndex:
@@ -220,7 +225,10 @@ def update_snapshot(
     clock = StageClock()
     root = Path(parent).resolve()
     with clock("reading parent snapshot and delta"):
-        manifest = read_manifest(root)
+        manifest = read_manifest(root, verify=False)
+        # the parent's checksums are checked on another thread (hashlib releases the GIL) while the
+        # stages below run; the update waits for the result before it writes anything
+        verified = _VERIFIER.submit(verify_files, root, manifest)
         cfg = manifest["config"]
         if manifest["kind"] != "rec" or cfg.get("spec", {}).get("tower") != "query":
             raise SnapshotError(
@@ -237,7 +245,7 @@ def update_snapshot(
             del_ids = read_ids(delete)
         else:
             del_ids = np.asarray(list(delete), dtype=np.int64).reshape(-1)
-        t = _parent_tensors(root)
+        t = _parent_tensors(root, manifest)
         parent_ids = t["row_to_item"].to(torch.int64).numpy()
         _check_delta(parent_ids, pool, del_ids, dim, features)
         up_ids = pool.item_ids if pool is not None else np.zeros(0, dtype=np.int64)
@@ -259,34 +267,18 @@ def update_snapshot(
     nlist = centroids.shape[0]
     with clock(f"assigning {up_ids.size} upserted items to {nlist} parent centroids"):
         labels = assign(new_x, centroids)[0] if up_ids.size else torch.zeros(0, dtype=torch.int64)
-    with clock("copying kept rows cluster by cluster"):
-        offsets = t["cluster_offsets"]
-        parent_sizes = (offsets[1:] - offsets[:-1]).numpy()
-        row_cluster = np.repeat(np.arange(nlist), parent_sizes)
-        kept_sizes = np.bincount(row_cluster[keep_rows], minlength=nlist)
-        new_sizes = np.bincount(labels.numpy(), minlength=nlist)
-        sizes = kept_sizes + new_sizes
-        new_off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        kept_start = np.concatenate([[0], np.cumsum(kept_sizes)])[:-1]
-        # kept rows keep their order; a cluster's upserted items follow its kept rows
-        dest_kept = np.arange(keep_rows.size) - np.repeat(kept_start, kept_sizes) + np.repeat(new_off[:-1], kept_sizes)
-        order_new = np.argsort(labels.numpy(), kind="stable")
-        lab_sorted = labels.numpy()[order_new]
-        new_start = np.concatenate([[0], np.cumsum(new_sizes)])[:-1]
-        dest_new = np.empty(up_ids.size, dtype=np.int64)
-        dest_new[order_new] = (
-            np.arange(up_ids.size) - new_start[lab_sorted] + new_off[:-1][lab_sorted] + kept_sizes[lab_sorted]
-        )
-        codes = torch.empty(n_final, dim, dtype=torch.int8)
-        codes[torch.from_numpy(dest_kept)] = t["codes"][torch.from_numpy(keep_rows)]
-        codes[torch.from_numpy(dest_new)] = new_codes
-        ids = np.empty(n_final, dtype=np.int64)
-        ids[dest_kept] = parent_ids[keep_rows]
-        ids[dest_new] = up_ids
+    with clock("copying kept rows cluster by cluster (one gather)"):
         # source of every final row: parent row r, or n_parent + upserted item j
-        src = np.empty(n_final, dtype=np.int64)
-        src[dest_kept] = keep_rows
-        src[dest_new] = parent_ids.size + np.arange(up_ids.size)
+        src, sizes = merge_rows(t["cluster_offsets"].numpy(), keep_rows, labels.numpy())
+        n_parent = parent_ids.size
+        new_pos = np.flatnonzero(src >= n_parent)
+        from_parent = src.copy()
+        from_parent[new_pos] = 0  # rows overwritten by the upserted items below
+        codes = t["codes"].index_select(0, torch.from_numpy(from_parent))
+        codes[torch.from_numpy(new_pos)] = new_codes[torch.from_numpy(src[new_pos] - n_parent)]
+        ids = parent_ids[from_parent]
+        ids[new_pos] = up_ids[src[new_pos] - n_parent]
+        new_off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         from silverrec.retrieval.ivf_index import Int8IVFIndex
 
         ivf = Int8IVFIndex(codes, t["dim_scale"], t["dim_offset"], torch.from_numpy(new_off), centroids, torch.from_numpy(ids))
@@ -348,7 +340,29 @@ def update_snapshot(
     }
     config["update"]["rebuild_advised"] = advice(config)
     ts = "model.ts" in manifest["files"] if torchscript is None else torchscript
+    with clock("verifying the parent's checksums (the rest of the hashing overlapped the stages above)"):
+        verified.result()
     return _write(module, config, out, ts, overwrite, clock, info)
+
+
+def merge_rows(parent_offsets: np.ndarray, keep_rows: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The updated cluster-major order: per cluster, its kept parent rows (parent order), then the
+    upserted items assigned to it (delta order).
+
+    Args:
+        parent_offsets: int64 [nlist + 1] the parent's cluster offsets; keep_rows: int64 [K] kept
+            parent rows, ascending; labels: int64 [M] cluster of each upserted item.
+    Returns:
+        (src int64 [K + M]: source of each final row, parent row r or n_parent + j for upserted
+        item j; sizes int64 [nlist] final cluster sizes).
+    """
+    nlist, n_parent = parent_offsets.size - 1, int(parent_offsets[-1])
+    kept_cluster = np.searchsorted(parent_offsets, keep_rows, side="right") - 1  # ascending
+    order_new = np.argsort(labels, kind="stable")
+    keys = np.concatenate([kept_cluster, labels[order_new]]).astype(np.int64)
+    src = np.concatenate([keep_rows, n_parent + order_new]).astype(np.int64)
+    merged = np.argsort(keys, kind="stable")  # two sorted runs: one merge pass
+    return src[merged], np.bincount(keys, minlength=nlist)
 
 
 def _cluster_stats(sizes: np.ndarray) -> dict[str, Any]:
@@ -450,7 +464,7 @@ def _write(index, config, out, torchscript, overwrite, clock: StageClock, info) 
     from silverrec.publish.filtered_ivf import write_index
 
     return write_index(index, config, out, fwd=info.get("forward"), torchscript=torchscript, overwrite=overwrite,
-                       clock=clock, report=lambda r: config["update"].__setitem__("timings", r))
+                       clock=clock, report=lambda r: config["update"].__setitem__("timings", r), time_backends=False)
 
 
 def save_forward(fwd: ForwardIndex, directory: Path) -> None:

@@ -5,6 +5,8 @@
                         time, and {file: {sha256, bytes}} for every other file
     DIR/model.pt2       torch.export program (dynamic batch dimension)
     DIR/model.ts        TorchScript of the same module (optional)
+    DIR/tensors.pt      (pure-ANN snapshots) the programs' state tensors, stored once (torch.save,
+                        loaded by mmap); the two programs then hold placeholders of the same shapes
     DIR/...             kind-specific files (a "rec" snapshot: rank.pt2, items.npz, users.npz)
 
 `write_snapshot` builds the directory under a temporary sibling and renames it into place, so a
@@ -20,6 +22,8 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -29,11 +33,13 @@ from silverrec.errors import SnapshotError
 
 # 2: filtered_ivf models take posting lists; 3: "rec" snapshots (RecModel, rank.pt2, items.npz);
 # 4: one root module: the kinds "exact", "ivf" and "filtered_ivf" became RecModel configurations (config.spec)
-FORMAT_VERSION = 4
+# 5: a program's state tensors may live apart, in tensors.pt (an older reader would run the placeholders)
+FORMAT_VERSION = 5
 MIN_FORMAT_VERSION = 4  # older snapshots hold modules this silverrec no longer has
 MANIFEST = "manifest.json"
 EXPORT_FILE = "model.pt2"
 SCRIPT_FILE = "model.ts"
+TENSORS_FILE = "tensors.pt"
 
 
 def sha256_file(path: Path) -> str:
@@ -140,8 +146,13 @@ def read_manifest(path: str | os.PathLike, verify: bool = True) -> dict[str, Any
             "every retrieval snapshot is one recommendation model (the kinds 'exact', 'ivf' and 'filtered_ivf' "
             "became its configurations), so re-publish it with this silverrec"
         )
-    if not verify:
-        return manifest
+    if verify:
+        verify_files(root, manifest)
+    return manifest
+
+
+def verify_files(root: Path, manifest: dict[str, Any]) -> None:
+    """Check every file the manifest lists: present, its size, its sha256 (SnapshotError if not)."""
     for name, meta in manifest.get("files", {}).items():
         p = root / name
         if not p.is_file():
@@ -154,7 +165,6 @@ def read_manifest(path: str | os.PathLike, verify: bool = True) -> dict[str, Any
         digest = sha256_file(p)
         if digest != meta["sha256"]:
             raise SnapshotError(f"{p} checksum mismatch: sha256 {digest[:12]}..., manifest says {meta['sha256'][:12]}...")
-    return manifest
 
 
 # What a loader must match, by package: the major.minor of the version that built the snapshot.
@@ -247,16 +257,91 @@ def export_module(
     dynamic_shapes: dict[str, Any],
     directory: Path,
     torchscript: bool = True,
+    tensors_apart: bool = False,
+    time_backends: bool = True,
 ) -> Optional[dict[str, Any]]:
-    """Save `module` as model.pt2 (torch.export, non-strict) and, optionally, model.ts; with both,
-    return `preferred_backend` of the two on the example (for the manifest's config.backend)."""
+    """Save `module` as model.pt2 (torch.export, non-strict) and, optionally, model.ts; with both and
+    `time_backends`, return `preferred_backend` of the two on the example (for config.backend).
+
+    tensors_apart: the module's state (buffers, parameters) goes once into tensors.pt and the
+    programs hold stride-0 placeholders of the same shapes and dtypes (`load_program` puts the
+    tensors back). A 1M x 96 pool's 100 MB were written twice (model.pt2 and model.ts) and
+    torch.export.save alone took 0.46 s of them; the loader maps the file instead of reading it."""
     program = export_program(module, example_args, dynamic_shapes)
-    torch.export.save(program, directory / EXPORT_FILE)
+    state = dict(program.state_dict) if tensors_apart else {}
+    if tensors_apart:
+        torch.save(state, directory / TENSORS_FILE)
+    with _swapped(program.state_dict.__setitem__, state), warnings.catch_warnings():
+        # torch.export.save looks for a tensor covering each storage: a placeholder's covers one element
+        warnings.filterwarnings("ignore", message="No complete tensor found in the group")
+        torch.export.save(program, directory / EXPORT_FILE)
     if not torchscript:
         return None
     scripted = torch.jit.script(module.eval())
-    torch.jit.save(scripted, str(directory / SCRIPT_FILE))
+    with _swapped(lambda name, t: _set_path(scripted, name, t), state):
+        torch.jit.save(scripted, str(directory / SCRIPT_FILE))
+    if not time_backends:
+        return None
     return preferred_backend({"export": program.module(), "torchscript": scripted}, example_args)
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of t's shape and dtype over one element (stride 0): saved, it costs no bytes."""
+    return t if t.numel() == 0 else torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+
+
+@contextmanager
+def _swapped(setter: Callable[[str, torch.Tensor], None], state: dict[str, torch.Tensor]):
+    """Placeholders in place of `state`'s tensors (set by name with `setter`) for the duration."""
+    for name, t in state.items():
+        setter(name, _placeholder(t))
+    try:
+        yield
+    finally:
+        for name, t in state.items():
+            setter(name, t)
+
+
+def _set_path(module, name: str, value: torch.Tensor) -> None:
+    """module.<dotted name> = value (a ScriptModule has no get_submodule)."""
+    *owners, leaf = name.split(".")
+    for part in owners:
+        module = getattr(module, part)
+    setattr(module, leaf, value)
+
+
+def read_tensors(root: Path, manifest: dict[str, Any], map_location=None) -> dict[str, torch.Tensor]:
+    """A snapshot's tensors.pt by name (memory-mapped); {} for a snapshot that stores none apart."""
+    if TENSORS_FILE not in manifest.get("files", {}):
+        return {}
+    return torch.load(root / TENSORS_FILE, mmap=True, weights_only=True, map_location=map_location)
+
+
+def attach_tensors(names_to_placeholders: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+                   setter: Callable[[str, torch.Tensor], None], root: Path) -> None:
+    """Put each stored tensor in place of its placeholder; SnapshotError if the two disagree."""
+    for name, t in tensors.items():
+        held = names_to_placeholders.get(name)
+        if held is None or held.shape != t.shape or held.dtype != t.dtype:
+            want = "nothing" if held is None else f"{tuple(held.shape)} {held.dtype}"
+            raise SnapshotError(f"{root / TENSORS_FILE}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, the program holds {want}")
+        setter(name, t)
+
+
+def load_exported(root: Path, manifest: dict[str, Any]):
+    """model.pt2 as an ExportedProgram with its state (from tensors.pt where stored apart)."""
+    program = torch.export.load(root / EXPORT_FILE)
+    attach_tensors(program.state_dict, read_tensors(root, manifest), program.state_dict.__setitem__, root)
+    return program
+
+
+def load_scripted(root: Path, manifest: dict[str, Any], map_location=None):
+    """model.ts as a ScriptModule with its state (from tensors.pt where stored apart)."""
+    module = torch.jit.load(str(root / SCRIPT_FILE), map_location=map_location)
+    tensors = read_tensors(root, manifest, map_location)
+    if tensors:
+        attach_tensors(module.state_dict(), tensors, lambda name, t: _set_path(module, name, t), root)
+    return module
 
 
 def preferred_backend(programs: dict[str, Any], example: tuple, repeat: int = 20) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool, write_pool
 from silverrec.publish.quantize import quantize_global, quantize_per_dim
 from silverrec.publish.update import DeltaError, update_snapshot
-from silverrec.snapshot import write_snapshot
+from silverrec.snapshot import read_manifest, read_tensors, write_snapshot
 from tests.helpers import run_cli
 
 N, D, NLIST = 3000, 20, 12
@@ -147,7 +147,7 @@ def test_filtered_update_equals_brute_force_with_filters(world, tmp_path):
 
 def test_ivf_update_equals_brute_force(world, tmp_path):
     plain = Pool(world["parent"].item_ids, world["parent"].embeddings)
-    published = Pool(plain.item_ids, plain.embeddings)  # released by the publish, as the CLI's pool is
+    published = Pool(plain.item_ids, plain.embeddings.copy())  # used up by the publish, as the CLI's pool is
     parent = publish_index(published, tmp_path / "v1", config=IVFConfig(nlist=NLIST), torchscript=False, release_embeddings=True)
     assert published.embeddings.shape == (0, D) and plain.embeddings.shape == (N, D)
     up = Pool(world["up"].item_ids, world["up"].embeddings)
@@ -158,7 +158,7 @@ def test_ivf_update_equals_brute_force(world, tmp_path):
     _assert_same(snap.search(torch.from_numpy(q), 30, nprobe=NLIST), _reference(final, _per_dim(plain.embeddings), q, 30), final)
     # upserted items sit in their nearest parent centroid's cluster: a 1-probe search of an item's
     # own embedding along its nearest centroid finds it
-    centroids = torch.export.load(str(Path(parent) / "model.pt2")).state_dict["index.centroids"]
+    centroids = read_tensors(Path(parent), read_manifest(parent))["index.centroids"]
     x = torch.from_numpy(up.embeddings[:20])
     res = snap.search(x, 50, nprobe=1)
     best = (x @ centroids.t()).argmax(1)
@@ -225,3 +225,30 @@ def test_cli_update_and_inspect_advice(world, tmp_path):
     assert "rebuild" in out
     # 9% of the items upserted with wider values than the parent's ranges: clamping is flagged
     assert "ADVISED" in out and "clamped" in out
+
+
+def test_tensors_stored_once_and_format4_parent_updates(world, tmp_path, monkeypatch):
+    """Format 5 keeps the index's tensors once, in tensors.pt (the programs hold placeholders); a
+    format-4 parent (tensors inside model.pt2 / model.ts) still updates, into the new layout."""
+    import silverrec.publish.filtered_ivf as fivf
+    from silverrec.snapshot import TENSORS_FILE, export_module
+
+    plain = Pool(world["parent"].item_ids, world["parent"].embeddings)
+    up = Pool(world["up"].item_ids, world["up"].embeddings)
+    new = publish_index(plain, tmp_path / "new", config=IVFConfig(nlist=NLIST), torchscript=True)
+    files = read_manifest(new)["files"]
+    assert files[TENSORS_FILE]["bytes"] > N * D
+    monkeypatch.setattr(fivf, "export_module", lambda *a, tensors_apart, **k: export_module(*a, tensors_apart=False, **k))
+    old = publish_index(plain, tmp_path / "old", config=IVFConfig(nlist=NLIST), torchscript=True)
+    monkeypatch.undo()
+    old_files = read_manifest(old)["files"]
+    assert TENSORS_FILE not in old_files  # the codes (N x D bytes) moved out of both programs:
+    assert all(old_files[f]["bytes"] >= files[f]["bytes"] + N * D for f in ("model.pt2", "model.ts"))
+    final = Pool(world["final"].item_ids, world["final"].embeddings)
+    q = world["rng"].standard_normal((5, D)).astype(np.float32)
+    ref = _reference(final, _per_dim(plain.embeddings), q, 30)
+    for parent in (new, old):
+        v2 = update_snapshot(parent, tmp_path / f"{parent.name}-v2", upsert=up, delete=world["deleted"])
+        assert TENSORS_FILE in read_manifest(v2)["files"]
+        for backend in ("export", "torchscript"):
+            _assert_same(silverrec.load(v2, backend=backend).search(torch.from_numpy(q), 30, nprobe=NLIST), ref, final)

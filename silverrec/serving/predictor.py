@@ -20,7 +20,7 @@ import torch
 import silverrec.kernels  # noqa: F401  (ops must be registered before deserialising)
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
 from silverrec.retrieval.filtered_search import search_index
-from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, check_build, read_manifest
+from silverrec.snapshot import SCRIPT_FILE, check_build, load_exported, load_scripted, read_manifest
 from silverrec.bitmask import pack_bits, unpack_bits
 from silverrec.spec import ModelSpec
 
@@ -224,13 +224,13 @@ def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True) ->
             level = serde_log.level
             serde_log.setLevel(logging.ERROR)
             try:
-                module = torch.export.load(root / EXPORT_FILE).module()
+                module = load_exported(root, manifest).module()
             finally:
                 serde_log.setLevel(level)
         elif backend == "torchscript":
             if SCRIPT_FILE not in manifest["files"]:
                 raise SnapshotError(f"snapshot {root} has no TorchScript file ({SCRIPT_FILE})")
-            module = torch.jit.load(str(root / SCRIPT_FILE))
+            module = load_scripted(root, manifest)
         else:
             raise SnapshotError(f"unknown backend {backend!r}: use 'export' or 'torchscript'")
     except SnapshotError:
