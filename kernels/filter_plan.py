@@ -25,7 +25,7 @@ lists or unprobed by its mode computes no centroid scores (on every path, an unp
 candidate clusters are not evaluated: its bitmask rows are zero). Without the extension: `filter_plan_torch`, the same
 steps as tensor ops with no host synchronisation (the reference of the other paths). CUDA: `filter_plan_triton.py`, the
 centroid matmul and the candidate sort, then two Triton kernels (one program per query) around the Triton
-`bloom_filter_counts`: about eight launches instead of some twenty-five.
+`bloom_filter_counts`: 13 launches instead of 74 (benchmarks/cuda_launches.py).
 """
 
 from __future__ import annotations
