@@ -1,9 +1,9 @@
 """Triton path of `silverrec::filter_plan` on CUDA (the contract is in kernels/filter_plan.py).
 
-`filter_plan_torch` issues some seventy small launches per batch (benchmarks/cuda_launches.py). Here the centroid scores stay
-one matmul and the candidate selection one stable sort (ties to the lower cluster, as plan.cpp),
-and everything else is two Triton kernels with one program per query around the Triton
-`bloom_filter_counts`:
+`filter_plan_torch` issues some seventy small launches per batch (benchmarks/cuda_launches.py).
+Here the centroid scores stay one matmul and the candidate selection one stable sort (ties to the
+lower cluster, as plan.cpp), and everything else is two Triton kernels with one program per query
+around the Triton `bloom_filter_counts` (13 launches in all):
 
     scores = (centroids @ queries.T).T                  # float32 [B, C], the reference's form
     cand   = stable sort of scores, first max_probe     # int64 [B, P], best first
