@@ -17,7 +17,7 @@ from silverrec.publish.pool import Pool
 from silverrec.publish.semantic_ids import build_semantic_ids
 from silverrec.retrieval.filtered_search import filter_plan
 
-from .gpu.device import program_on, to_device
+from silverrec.serving.device import program_on, to_device
 from .reference_beam_search import random_decoder
 
 

@@ -20,6 +20,7 @@ import torch
 import silverrec.kernels  # noqa: F401  (ops must be registered before deserialising)
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
 from silverrec.retrieval.filtered_search import search_index
+from silverrec.serving.device import CPU, exported_on, moves, resolve_device, serving_module
 from silverrec.snapshot import SCRIPT_FILE, check_build, load_exported, load_scripted, read_manifest
 from silverrec.bitmask import pack_bits, unpack_bits
 from silverrec.spec import ModelSpec
@@ -41,11 +42,13 @@ class SearchResult:
 class Snapshot:
     """A loaded, verified snapshot: its manifest and its runtime module."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any], module: torch.nn.Module, backend: str):
+    def __init__(self, path: Path, manifest: dict[str, Any], module: torch.nn.Module, backend: str,
+                 device: torch.device = CPU):
         self.path = path
         self.manifest = manifest
         self.module = module
         self.backend = backend
+        self.device = device  # where the program runs (requests and results stay on the CPU)
 
     @property
     def kind(self) -> str:
@@ -189,7 +192,8 @@ def history_tokens(histories: list[list[int]], sorted_ids: np.ndarray, sorted_to
     return out
 
 
-def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True) -> Snapshot:
+def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True,
+         device: str | torch.device = "cpu") -> Snapshot:
     """Verify and load a snapshot.
 
     Args:
@@ -198,16 +202,20 @@ def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True) ->
             publisher measured faster on this snapshot (manifest `config.backend.preferred`; a
             snapshot that records none loads model.pt2).
         verify: check sizes and sha256 of every file against the manifest (default on).
+        device: where the program runs: "cpu" (default), "cuda", "cuda:N" or a torch.device. The
+            API takes and returns CPU tensors on every device (silverrec/serving/device.py).
     Raises:
         SnapshotError: missing/truncated/altered file, newer format version, unknown backend, or
             built by a torch / silverrec / torchrec / fbgemm_gpu whose major.minor differs from this
-            process's (`snapshot.check_build`; the message names both versions).
+            process's (`snapshot.check_build`; the message names both versions), or an unknown
+            device, or CUDA requested where torch.cuda.is_available() is False.
     """
+    device = resolve_device(device)
     root = Path(path)
     if read_manifest(root, verify=False).get("kind") == "sharded":  # a top manifest: shards load and verify alone
         from silverrec.serving.sharded import load_sharded
 
-        return load_sharded(root, backend=backend, verify=verify)
+        return load_sharded(root, backend=backend, verify=verify, device=device)
     manifest = read_manifest(root, verify=verify)
     check_build(manifest, root)  # the versions that built it against this process's, before deserialising
     if backend == "auto":
@@ -224,17 +232,20 @@ def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True) ->
             level = serde_log.level
             serde_log.setLevel(logging.ERROR)
             try:
-                module = load_exported(root, manifest).module()
+                program = load_exported(root, manifest)
+                module = exported_on(program, device) if moves(device) else program.module()
             finally:
                 serde_log.setLevel(level)
         elif backend == "torchscript":
             if SCRIPT_FILE not in manifest["files"]:
                 raise SnapshotError(f"snapshot {root} has no TorchScript file ({SCRIPT_FILE})")
-            module = load_scripted(root, manifest)
+            module = load_scripted(root, manifest, map_location=device if moves(device) else None)
         else:
             raise SnapshotError(f"unknown backend {backend!r}: use 'export' or 'torchscript'")
     except SnapshotError:
         raise
     except Exception as e:  # deserialisation failures become one clear error
         raise SnapshotError(f"cannot load {backend} program from {root}: {type(e).__name__}: {e}") from e
-    return Snapshot(root, manifest, module, backend)
+    if moves(device):
+        module = serving_module(module, manifest, device)
+    return Snapshot(root, manifest, module, backend, device)

@@ -32,6 +32,7 @@ from silverrec.filtering.template import check_request_features
 from silverrec.generative.source import request_tensors
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
+from silverrec.serving.device import exported_module
 from silverrec.threads import num_threads
 
 ITEMS_FILE = "items.npz"
@@ -137,7 +138,7 @@ class RecHandler:
                 level = serde_log.level
                 serde_log.setLevel(logging.ERROR)
                 try:
-                    return torch.export.load(snap.path / RANK_FILE).module()
+                    return exported_module(torch.export.load(snap.path / RANK_FILE), snap.device)
                 finally:
                     serde_log.setLevel(level)
             rank.lazy = True

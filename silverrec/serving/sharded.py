@@ -53,7 +53,8 @@ def read_top(path: str | Path, verify: bool = True) -> tuple[dict[str, Any], Opt
     return manifest, centroids
 
 
-def load_shard(path: str | Path, manifest: dict[str, Any], i: int, backend: str = "auto", verify: bool = True):
+def load_shard(path: str | Path, manifest: dict[str, Any], i: int, backend: str = "auto", verify: bool = True,
+               device: str | torch.device = "cpu"):
     """Load shard `i` alone (verifying its own files) -> predictor.Snapshot.
 
     Raises:
@@ -67,7 +68,7 @@ def load_shard(path: str | Path, manifest: dict[str, Any], i: int, backend: str 
         raise ShardVerificationError(f"shard {i} out of range: the snapshot has {len(shards)} shards")
     shard_path = Path(path) / shards[i]["dir"]
     try:
-        snap = load(shard_path, backend=backend, verify=verify)
+        snap = load(shard_path, backend=backend, verify=verify, device=device)
     except SnapshotError as e:
         raise ShardVerificationError(f"shard {i} ({shard_path}) failed verification: {e}") from None
     meta = snap.config.get("shard", {})
@@ -192,10 +193,11 @@ class ShardedSnapshot:
         raise QueryError("sharded snapshots answer search requests; sharded recommendation models are not built yet")
 
 
-def load_sharded(path: str | Path, backend: str = "auto", verify: bool = True) -> ShardedSnapshot:
+def load_sharded(path: str | Path, backend: str = "auto", verify: bool = True,
+                 device: str | torch.device = "cpu") -> ShardedSnapshot:
     """Verify the top manifest, then load and verify every shard alone (`silverrec.load` calls this
     for a sharded snapshot). Raises ShardVerificationError naming the first bad shard."""
     root = Path(path)
     manifest, centroids = read_top(root, verify=verify)
-    shards = [load_shard(root, manifest, i, backend, verify) for i in range(len(manifest["config"]["shards"]))]
+    shards = [load_shard(root, manifest, i, backend, verify, device) for i in range(len(manifest["config"]["shards"]))]
     return ShardedSnapshot(root, manifest, shards, centroids)

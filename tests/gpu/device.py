@@ -1,60 +1,17 @@
-"""Helpers of the GPU suite: move a loaded snapshot program to a device, run a snapshot's forward
-there behind the CPU API, and compare outputs (integers exactly, floats within a tolerance)."""
+"""Helpers of the GPU suite: compare outputs (integers exactly, floats within a tolerance) and record
+op calls. Moving a snapshot program to a device (`program_on`) and running it behind the CPU API
+(`OnDevice`) are the runtime's own: silverrec/serving/device.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.utils._python_dispatch
 from torch.utils._pytree import tree_map
 
-from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE
 
 FLOAT_TOL = {"atol": 1e-4, "rtol": 1e-4}  # float32 results on CUDA vs CPU (scores, attention)
-
-
-def to_device(tree: Any, device: torch.device | str) -> Any:
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
-
-
-def program_on(path: Path, backend: str, device: torch.device | str):
-    """A snapshot's program loaded by silverrec's own loaders (state tensors attached) and put on
-    `device`: model.pt2 through torch.export's device pass (the CPU-traced graph holds device
-    constants, which a plain `.to` would leave on the CPU), model.ts with map_location."""
-    from silverrec import snapshot as io
-
-    root = Path(path)
-    manifest = io.read_manifest(root)
-    if backend == "export":
-        from torch.export.passes import move_to_device_pass
-
-        load = getattr(io, "load_exported", None)  # attaches tensors.pt (format 5); absent before
-        program = load(root, manifest) if load else torch.export.load(root / EXPORT_FILE)
-        return move_to_device_pass(program, device).module()
-    if backend == "torchscript":
-        load = getattr(io, "load_scripted", None)
-        if load:
-            return load(root, manifest, map_location=device)
-        return torch.jit.load(str(root / SCRIPT_FILE), map_location=device)
-    raise ValueError(f"unknown backend {backend!r}")
-
-
-class OnDevice:
-    """`module` on `device` called with CPU tensors: arguments moved there, outputs moved back (so a
-    loaded `Snapshot`'s API runs unchanged with `snap.module = OnDevice(...)`)."""
-
-    def __init__(self, module, device: torch.device | str):
-        self.module = module
-        self.device = torch.device(device)
-
-    def __getattr__(self, name):  # the program's other methods (TorchScript `rank`), as they are
-        return getattr(self.module, name)
-
-    def __call__(self, *args, **kwargs):
-        out = self.module(*to_device(args, self.device), **to_device(kwargs, self.device))
-        return to_device(out, "cpu")  # (the copy back waits for the device)
 
 
 def assert_same(got: Any, want: Any, what: str = "output") -> None:

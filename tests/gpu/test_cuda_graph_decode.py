@@ -10,9 +10,10 @@ from silverrec.bitmask import pack_bits
 from silverrec.generative.cuda_graph import GraphedDecode, capture_eager, capture_cuda_graph
 from silverrec.generative.generative import GenerativeRetrieval
 from silverrec.generative.trie import ValidPathTrie
+from silverrec.serving.device import program_on
 
 from ..reference_beam_search import random_decoder, random_histories, random_paths
-from .device import assert_ranking_close, program_on
+from .device import assert_ranking_close
 from .test_snapshots_cuda import generative  # noqa: F401  (the published generative snapshot fixture)
 
 SIZES = [16, 12, 8, 4]

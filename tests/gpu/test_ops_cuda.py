@@ -15,12 +15,13 @@ from silverrec.publish.quantize import quantize_global
 from silverrec.generative.generative import GenerativeRetrieval
 from silverrec.generative.trie import ValidPathTrie
 from silverrec.bitmask import pack_bits
+from silverrec.serving.device import to_device
 
 from ..reference_beam_search import random_decoder, random_histories, random_paths
 from ..test_bloom_filter import _random_bank, _random_programs
 from ..test_filter_ivf import _pool
 from ..test_postings import FILTERS
-from .device import RecordOps, assert_same, to_device
+from .device import RecordOps, assert_same
 
 SEARCH_OPS = {"filter_plan", "ivf_scan", "verify_topk", "filtered_topk", "rows_to_items", "filtered_ivf_search"}
 DECODE_OPS = {"staged_attention", "beam_topk"}

@@ -1,14 +1,20 @@
 """Every snapshot kind on CUDA against the same snapshot on CPU: the pure-ANN index (ivf), the
 filtered index (filtered_ivf), the generative decode and the recommendation model, each published
 small here with the publish code (a snapshot saved by another torch may not load), then loaded as
-model.pt2 (moved by torch.export's device pass) and model.ts (map_location) onto the device and
-run behind the unchanged predictor API; the eager modules moved with `.to(device)` as well."""
+model.pt2 (moved by torch.export's device pass) and model.ts (map_location) onto the device by the
+public `silverrec.load(path, device=...)` and run behind the unchanged predictor API (the
+generative decode through GraphedDecode, the rank program too); the eager modules moved with
+`.to(device)` as well."""
+
+from unittest import mock
+
 
 import numpy as np
 import pytest
 import torch
 
 import silverrec
+import silverrec.serving.device as device_path
 from silverrec.publish.filtered_ivf import publish_index
 from silverrec.publish.generative import build_generative, publish_generative
 from silverrec.publish.ivf import IVFConfig
@@ -19,17 +25,19 @@ from silverrec.bitmask import pack_bits
 from ..reference_beam_search import random_decoder
 from ..test_filter_ivf import _pool
 from ..test_postings import FILTERS
-from .device import OnDevice, assert_ranking_close, program_on
+from .device import FLOAT_TOL, assert_ranking_close
 
 BACKENDS = ["export", "torchscript"]
 K = 50
 
 
 def _on_device(path, backend, device):
-    """The snapshot loaded on CPU (the reference) and the same snapshot whose forward runs on `device`."""
+    """The snapshot loaded on CPU (the reference) and the same snapshot loaded onto `device`
+    (SILVERREC_TEST_DEVICE=cpu: the device path forced on the CPU)."""
     cpu = silverrec.load(path, backend=backend)
-    dev = silverrec.load(path, backend=backend)
-    dev.module = OnDevice(program_on(path, backend, device), device)
+    with mock.patch.object(device_path, "MOVE_CPU", True):
+        dev = silverrec.load(path, backend=backend, device=device)
+    assert dev.device == device and isinstance(dev.module, device_path.OnDevice)
     return cpu, dev
 
 
@@ -107,3 +115,9 @@ def test_recommendation_model(backend, cuda, tmp_path_factory):
     want = cpu.recommend(requests, k=10)
     got = dev.recommend(requests, k=10)
     assert_ranking_close(got.item_ids, got.scores, want.item_ids, want.scores)
+    items = [int(i) for i in want.item_ids[0]]  # early-stage ranking: rank.pt2 / the TorchScript method
+    with mock.patch.object(device_path, "MOVE_CPU", True):
+        got = dev.rank(requests[0], items)
+    want = cpu.rank(requests[0], items)
+    assert torch.equal(got.item_ids, want.item_ids)
+    torch.testing.assert_close(got.scores, want.scores, **FLOAT_TOL)

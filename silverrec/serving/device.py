@@ -1,0 +1,129 @@
+"""A snapshot's program on a device: `silverrec.load(path, device="cuda")`.
+
+    >>> snap = silverrec.load("snapshots/v1", device="cuda")   # or "cuda:1", torch.device("cuda", 1)
+    >>> snap.search(queries, k=100)                             # CPU tensors in, CPU tensors out
+
+The CPU path (device "cpu", the default) is untouched: no move, no wrapper. On another device:
+- model.pt2 goes through torch.export's `move_to_device_pass` (the CPU-traced graph burns
+  device='cpu' into its factory calls, which a plain `.to` would leave on the CPU); model.ts loads
+  with `map_location` (tensors.pt too, where a format-5 snapshot keeps its tensors apart); the
+  exported rank program (rank.pt2) moves the same way, the TorchScript `rank` method with its module.
+- `OnDevice` runs it behind the unchanged predictor API: a call moves its tensor arguments to the
+  device once and its outputs back once (non-blocking copies, one stream synchronisation).
+- A generative snapshot on CUDA decodes through `GraphedDecode` (one CUDA graph per batch / history
+  bucket, least recently used evicted; silverrec/generative/cuda_graph.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from silverrec.errors import SnapshotError
+
+CPU = torch.device("cpu")
+# Tests set this to run the device path (move + OnDevice + GraphedDecode) with device "cpu", so a
+# machine without a GPU still checks the plumbing; False keeps device "cpu" on the plain CPU path.
+MOVE_CPU = False
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"cpu", "cuda", "cuda:N" or a torch.device -> torch.device.
+
+    Raises:
+        SnapshotError: an unparseable or unsupported device, or CUDA requested while
+            torch.cuda.is_available() is False, or a CUDA index this machine does not have.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise SnapshotError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N' ({e})") from None
+    if dev.type == "cpu":
+        return CPU
+    if dev.type != "cuda":
+        raise SnapshotError(f"unsupported device {device!r}: silverrec serves on 'cpu' or 'cuda' ('cuda:N')")
+    if not torch.cuda.is_available():
+        raise SnapshotError(f"device {str(device)!r} requested but torch.cuda.is_available() is False")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SnapshotError(f"device {str(device)!r} requested but this machine has {torch.cuda.device_count()} "
+                            "CUDA device(s)")
+    return dev
+
+
+def moves(device: torch.device) -> bool:
+    """Whether a program loaded for `device` is moved and wrapped (every device but the CPU)."""
+    return device.type != "cpu" or MOVE_CPU
+
+
+def exported_on(program: torch.export.ExportedProgram, device: torch.device | str) -> torch.nn.Module:
+    """An ExportedProgram's module with every tensor and device constant on `device`."""
+    from torch.export.passes import move_to_device_pass
+
+    return move_to_device_pass(program, device).module()
+
+
+def program_on(path: str | Path, backend: str, device: torch.device | str,
+               manifest: Optional[dict[str, Any]] = None):
+    """A snapshot's program loaded by silverrec's own loaders (state tensors attached) on `device`,
+    unwrapped (its calls take tensors on `device`): model.pt2 moved by `exported_on`, model.ts
+    loaded with map_location. Any device torch knows (the CPU tests move to "meta")."""
+    from silverrec.snapshot import load_exported, load_scripted, read_manifest
+
+    root = Path(path)
+    manifest = read_manifest(root) if manifest is None else manifest
+    if backend == "export":
+        return exported_on(load_exported(root, manifest), device)
+    if backend == "torchscript":
+        return load_scripted(root, manifest, map_location=device)
+    raise SnapshotError(f"unknown backend {backend!r}: use 'export' or 'torchscript'")
+
+
+def to_device(tree: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
+    """Every tensor of a (nested) tuple / list / dict moved to `device`; other leaves as they are."""
+    return tree_map(lambda t: t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t, tree)
+
+
+class OnDevice:
+    """`module` on `device` called with CPU tensors: arguments moved there, outputs moved back.
+
+    Outputs come back with non-blocking copies (torch puts them in pinned memory) and one
+    synchronisation of the device's current stream, not one per output. Callable attributes (the
+    TorchScript `rank` method) are wrapped the same way; other attributes are the module's own.
+    """
+
+    def __init__(self, module, device: torch.device | str):
+        self.module = module
+        self.device = torch.device(device)
+
+    def __getattr__(self, name):
+        attr = getattr(self.module, name)
+        return OnDevice(attr, self.device) if callable(attr) and not isinstance(attr, torch.Tensor) else attr
+
+    def __call__(self, *args, **kwargs):
+        out = self.module(*to_device(args, self.device), **to_device(kwargs, self.device))
+        out = to_device(out, CPU, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the copies above are complete
+        return out
+
+
+def serving_module(module, manifest: dict[str, Any], device: torch.device) -> OnDevice:
+    """A program already on `device` behind the CPU API; a generative decode through GraphedDecode
+    (CUDA-graph replay on CUDA; on the CPU, `capture_eager`: the same padding and static buffers)."""
+    if manifest.get("kind") == "generative":
+        from silverrec.generative.cuda_graph import GraphedDecode, capture_cuda_graph, capture_eager
+
+        capture = capture_cuda_graph if device.type == "cuda" else capture_eager
+        module = GraphedDecode(module, beam_width=int(manifest["config"]["beam_width"]), capture=capture)
+    return OnDevice(module, device)
+
+
+def exported_module(program: torch.export.ExportedProgram, device: torch.device):
+    """A loaded ExportedProgram (rank.pt2) as the predictor calls it: `program.module()` on the
+    CPU path, else moved to `device` behind `OnDevice`."""
+    if not moves(device):
+        return program.module()
+    return OnDevice(exported_on(program, device), device)

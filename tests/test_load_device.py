@@ -1,0 +1,95 @@
+"""`silverrec.load(path, device=...)` without a GPU: the device path (program moved, `OnDevice`
+around it, the generative decode through GraphedDecode) forced on the CPU answers exactly like the
+plain CPU path; device "cpu" is that plain path; bad devices are refused with a named error. The
+same loads on CUDA against the CPU: tests/gpu/test_snapshots_cuda.py."""
+
+import numpy as np
+import pytest
+import torch
+
+import silverrec
+import silverrec.serving.device as device_path
+from silverrec.bitmask import pack_bits
+from silverrec.errors import SnapshotError
+from silverrec.generative.cuda_graph import GraphedDecode
+from silverrec.publish.filtered_ivf import publish_index
+from silverrec.publish.generative import publish_generative
+from silverrec.publish.ivf import IVFConfig
+from silverrec.publish.pool import Pool
+from silverrec.publish.semantic_ids import build_semantic_ids
+
+from .reference_beam_search import random_decoder
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    g = np.random.default_rng(0)
+    n = 2000
+    pool = Pool(np.arange(n, dtype=np.int64) * 3, g.normal(size=(n, 16)).astype(np.float32),
+                {"country": [[f"c{v}"] for v in g.integers(0, 5, n)]})
+    path = publish_index(pool, tmp_path_factory.mktemp("idx") / "s", config=IVFConfig(nlist=16, seed=0))
+    return path, torch.from_numpy(g.normal(size=(3, 16)).astype(np.float32))
+
+
+def test_cpu_is_the_plain_path(index):
+    path, _ = index
+    for device in ("cpu", torch.device("cpu")):
+        snap = silverrec.load(path, device=device)
+        assert snap.device == torch.device("cpu") and isinstance(snap.module, torch.nn.Module)
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", r"device 'cuda' requested but torch.cuda.is_available\(\) is False"),
+    ("cuda:1", r"device 'cuda:1' requested but torch.cuda.is_available\(\) is False"),
+    ("gpu", r"unknown device 'gpu'"),
+    ("meta", r"unsupported device 'meta'"),
+    (3.5, r"unknown device 3.5"),
+])
+def test_bad_device_is_refused(monkeypatch, device, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SnapshotError, match=message):
+        silverrec.load("/nonexistent", device=device)  # refused before the path is read
+
+
+@pytest.mark.parametrize("backend", ["export", "torchscript"])
+def test_index_through_the_device_path(index, backend, monkeypatch):
+    path, queries = index
+    plain = silverrec.load(path, backend=backend, device="cpu")
+    monkeypatch.setattr(device_path, "MOVE_CPU", True)
+    moved = silverrec.load(path, backend=backend, device="cpu")
+    assert isinstance(moved.module, device_path.OnDevice)
+    for options in ({"nprobe": 4}, {"filter": ["country = c1", None, "country IN (c2, c3)"], "nprobe": 2},
+                    {"filter": "country = c4", "mode": "probed"}):
+        want = plain.search(queries, 20, **options)
+        got = moved.search(queries, 20, **options)
+        assert got.item_ids.device.type == "cpu" and torch.equal(got.item_ids, want.item_ids)
+        assert torch.equal(got.scores, want.scores) and (want.item_ids >= 0).any()
+
+
+@pytest.fixture(scope="module")
+def generative(tmp_path_factory):
+    g = np.random.default_rng(0)
+    x = g.normal(size=(200, 8)).astype(np.float32)
+    sids = build_semantic_ids(x, np.arange(200, dtype=np.int64) + 7, levels=1, codes=16, seed=0, niter=3)
+    dec = random_decoder(sids.level_sizes, dim=32, n_layers=2, max_seq_len=64, seed=1)
+    return publish_generative(dec, sids, tmp_path_factory.mktemp("gen") / "g", beam_width=8, max_history=4,
+                              weights="fp32", torchscript=False)
+
+
+def test_generative_through_graphed_decode(generative, monkeypatch):
+    """The decode behind GraphedDecode (capture_eager on the CPU: the padding to the batch / history
+    buckets and the static buffers the CUDA graph uses) returns the plain path's ranking."""
+    plain = silverrec.load(generative, device="cpu")
+    monkeypatch.setattr(device_path, "MOVE_CPU", True)
+    moved = silverrec.load(generative, device="cpu")
+    decode = moved.module.module
+    assert isinstance(decode, GraphedDecode)
+    ids = plain.generative_item_ids()
+    allowed = torch.rand(3, len(ids), generator=torch.Generator().manual_seed(0)) < 0.6
+    for histories, bitmask in (([[7, 8], [9], []], None), ([[10, 11, 12], [13], [14, 15]], pack_bits(allowed))):
+        want = plain.recommend(histories, filter_bitmask=bitmask)
+        got = moved.recommend(histories, filter_bitmask=bitmask)
+        assert got.item_ids.shape == want.item_ids.shape == (3, 8)
+        torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.item_ids[got.scores > -np.inf], want.item_ids[want.scores > -np.inf])
+    assert decode.captures == 1  # both batches fall in one (batch 4, history 16) bucket: one graph
