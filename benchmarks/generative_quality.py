@@ -45,6 +45,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -162,7 +164,7 @@ def hybrid_main(args, towers: list[str]) -> int:
         print(f"seed {seed}: {tower} + {gen}", flush=True)
         validation = None if args.validation is None else tuple(Path(v.replace("{seed}", str(seed))) for v in args.validation)
         quality = sources_quality(Path(tower), gen, Path(args.logs), seed, validation=validation)
-        fusion = quality.pop("fusion")
+        fusion, test_grid = quality.pop("fusion"), quality.pop("test_grid")
         print(f"  fusion: w {fusion['weight']}, priority {fusion['priority']} (chosen on {fusion['chosen_on']}"
               + (f": validation NDCG@10 hybrid {fusion['validation']['hybrid']['NDCG@10']:.4f}, ann "
                  f"{fusion['validation']['ann']['NDCG@10']:.4f}, generative {fusion['validation']['generative']['NDCG@10']:.4f})"
@@ -170,6 +172,7 @@ def hybrid_main(args, towers: list[str]) -> int:
         for name, r in runs.items():
             r.append({k: quality[name][k] for k in ("HR@10", "NDCG@10", "HR@100")})
         rows.append({"seed": seed, "two_tower": tower, "generative": str(gen), **quality, "fusion": fusion,
+                     "test_grid": test_grid,
                      "wall_s": round(time.perf_counter() - t0, 1), "load_avg_1m": round(load, 2)})
     summary = {name: mean_and_spread(r) for name, r in runs.items()}
     print_table([{"source": n, **{k: f"{m:.4f} +- {s:.4f}" for k, (m, s) in v.items()}} for n, v in summary.items()],
@@ -181,14 +184,36 @@ def hybrid_main(args, towers: list[str]) -> int:
     per_seed = [r["hybrid"]["NDCG@10"] >= max(r["ann"]["NDCG@10"], r["generative"]["NDCG@10"]) for r in rows]
     verdict += f"; per seed hybrid >= better source: {per_seed}"
     print(verdict)
+    pooled = pooled_choice(rows) if args.validation else None
+    if pooled:
+        print(pooled["verdict"])
     config = {"seeds": args.seeds, "two_tower": args.two_tower, "generative": args.hybrid, "validation": args.validation,
               "protocol": "benchmarks/recommend.py sources_quality: leave-one-out stage test on each seed's split, "
                           "610 users, full ranking, known items excluded, one hybrid RecModel asked per request for "
                           "ANN only / generative only / both"}
     write_results(args.name if args.name != "generative_quality" else "generative_quality_hybrid", config,
                   rows + [{"summary": {k: {m: list(v) for m, v in s.items()} for k, s in summary.items()},
-                           "verdict": verdict}])
+                           "verdict": verdict, "pooled_validation_choice": pooled}])
     return 0
+
+
+def pooled_choice(rows: list[dict]) -> dict:
+    """The one fusion with the best validation NDCG@10 averaged over the seeds (each seed's publish-time
+    grid), and its test figures from each seed's test grid: one choice from 3 x 610 validation users
+    instead of one per 610."""
+    key = lambda g: (g["weight"], g["priority"])
+    grids = [{key(g): g for g in r["fusion"]["grid"]} for r in rows]
+    tests = [{key(g): g for g in r["test_grid"]} for r in rows]
+    best = max(grids[0], key=lambda k: (np.mean([g[k]["hybrid"]["NDCG@10"] for g in grids]), -list(grids[0]).index(k)))
+    test = {src: mean_and_spread([t[best][src] for t in tests]) for src in ("ann", "generative", "hybrid")}
+    better = max(test["ann"]["NDCG@10"][0], test["generative"]["NDCG@10"][0])
+    verdict = (f"fusion chosen on the validation NDCG@10 pooled over seeds: w {best[0]}, priority {best[1]}; test "
+               f"NDCG@10 hybrid {test['hybrid']['NDCG@10'][0]:.4f} vs ANN only {test['ann']['NDCG@10'][0]:.4f}, "
+               f"generative only {test['generative']['NDCG@10'][0]:.4f}: target "
+               f"{'met' if test['hybrid']['NDCG@10'][0] >= better else 'NOT met'}")
+    return {"weight": best[0], "priority": best[1], "validation_mean": {
+                src: float(np.mean([g[best][src]["NDCG@10"] for g in grids])) for src in ("ann", "generative", "hybrid")},
+            "test": {src: {m: list(v) for m, v in t.items()} for src, t in test.items()}, "verdict": verdict}
 
 
 if __name__ == "__main__":

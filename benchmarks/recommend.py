@@ -649,7 +649,9 @@ def sources_quality(ckpt_path: Path, gen_ckpt_path: Path, logs: Path, seed: int 
     user as publish/quality.py serves them (`batch` per call, exclusion slots = the batch's longest
     history), on the logs and split (`seed`: the timestamp tie-break) both checkpoints trained on.
     `validation`: the stage-"valid" two-tower and generative checkpoints publish chooses the fusion
-    with (publish/fusion.py; out["fusion"] is the manifest's entry), else PublishConfig's default."""
+    with (publish/fusion.py; out["fusion"] is the manifest's entry), else PublishConfig's default.
+    out["test_grid"]: every fusion of publish/fusion.py's grid on the test split (fusion_grid over the
+    test users: what each choice would have given; diagnostic, never used to choose)."""
     from silverrec.generative.source import SOURCES
     from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk
     from silverrec.publish.logs import leave_one_out, read_logs
@@ -678,7 +680,13 @@ def sources_quality(ckpt_path: Path, gen_ckpt_path: Path, logs: Path, seed: int 
         out[name] = metrics_from_ranks(torch.cat(ranks)) | {"top10_from_generative": from_gen / (10 * len(targets)),
                                                             "seconds": round(time.perf_counter() - t, 1)}
         print(f"  {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in out[name].items()), flush=True)
+    from silverrec.publish.fusion import fusion_grid, union_tensors
+
     out["fusion"] = built.manifest["generative"]["fusion"]
+    neutral = (handler.module.generative_weight, handler.module.tiers.clone())
+    handler.module.generative_weight, handler.module.tiers = 0.0, torch.zeros(4)
+    out["test_grid"] = fusion_grid(union_tensors(handler, split, "test", batch))
+    handler.module.generative_weight, handler.module.tiers = neutral
     return out
 
 
