@@ -13,6 +13,7 @@
     silverrec update DIR --upsert ITEMS.parquet [--delete IDS] --out NEW_DIR   (incremental pool update)
     silverrec inspect DIR
     silverrec serve DIR [--host H] [--port P] [--max-batch N] [--max-wait-ms MS] [--workers W] [--threads T] [--tune F]
+                        [--device cuda]   (query / recommend / rank / evaluate take --device too)
     torchrun --nproc-per-node N -m silverrec serve DIR --sharded [--shard-timeout S]   (sharded snapshot across ranks)
     silverrec tune DIR [--out F] [--seconds S]            (workers x threads per concurrency, read by serve)
 """
@@ -118,7 +119,7 @@ def _publish_sharded(pool, args) -> Path:
 def _query(args: argparse.Namespace) -> int:
     import silverrec
 
-    snap = silverrec.load(args.snapshot, backend=args.backend)
+    snap = silverrec.load(args.snapshot, backend=args.backend, device=args.device)
     if snap.kind == "generative":
         return _query_generative(snap, args)
     if args.queries is None:
@@ -202,7 +203,7 @@ def _rec_requests(args: argparse.Namespace) -> list[dict]:
 def _rec_snapshot(args: argparse.Namespace):
     import silverrec
 
-    snap = silverrec.load(args.snapshot, backend=args.backend)
+    snap = silverrec.load(args.snapshot, backend=args.backend, device=args.device)
     if snap.kind != "rec" or snap.spec.answers_search:
         what = f"a {snap.kind!r} snapshot" if snap.kind != "rec" else "a pure-ANN snapshot (published from a pool)"
         raise SilverrecError(f"{args.snapshot} is {what}; {args.command} needs a recommendation model "
@@ -374,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or stdout)")
     q.add_argument("--backend", choices=("auto", "export", "torchscript"), default="auto",
                    help="program to run (auto: the one the publisher measured faster)")
+    q.add_argument("--device", default="cpu", help="where the program runs: cpu (default), cuda, cuda:N")
     q.add_argument("--nprobe", type=int, default=None, help="IVF clusters to probe (default: the snapshot's)")
     q.add_argument("--filter", default=None, help="attribute filter, e.g. \"genre = Drama AND NOT decade = 1990s\"")
     q.add_argument("--max-probe", dest="max_probe", type=int, default=None, help="filtered search: widest probe (default: the snapshot's)")
@@ -389,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or stdout)")
         r.add_argument("--backend", choices=("auto", "export", "torchscript"), default="auto",
                    help="program to run (auto: the one the publisher measured faster)")
+        r.add_argument("--device", default="cpu", help="where the program runs: cpu (default), cuda, cuda:N")
         if name == "recommend":
             r.add_argument("--filter", default=None, help="attribute filter, e.g. \"genre = Comedy AND NOT decade = '1990s'\"")
             r.add_argument("--k", type=int, default=10)
@@ -410,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true")
     ev.add_argument("--backend", choices=("auto", "export", "torchscript"), default="auto",
                    help="program to run (auto: the one the publisher measured faster)")
+    ev.add_argument("--device", default="cpu", help="where the program runs: cpu (default), cuda, cuda:N")
     ev.set_defaults(func=_evaluate)
 
     up = sub.add_parser("update", help="new snapshot version: upsert and delete items without a full rebuild")

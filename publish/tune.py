@@ -142,7 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                          max_queue=args.max_queue, workers=args.workers or 1, threads=args.threads,
                          max_body_bytes=args.max_body_bytes, deadline_ms=args.deadline_ms,
-                         admin_token=read_token(args.admin_token_file), tune_file=tune_file)
+                         admin_token=read_token(args.admin_token_file), tune_file=tune_file, device=args.device)
     if args.sharded:  # torchrun (RANK / WORLD_SIZE / MASTER_ADDR) or --rank / --world-size / --init-method
         from silverrec.serving.distributed import serve_http
 
@@ -173,6 +173,7 @@ def add_serve_parsers(sub) -> None:
     s.add_argument("--workers", type=int, default=None, help="batches computed at once (default 1, or the tune file)")
     s.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's, or the tune file)")
     s.add_argument("--tune", default=None, help="silverrec tune's file (default DIR.tune.json if it exists)")
+    s.add_argument("--device", default="cpu", help="where the program runs: cpu (default), cuda, cuda:N")
     s.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, default=4 << 20, help="413 above (default 4 MiB)")
     s.add_argument("--deadline-ms", dest="deadline_ms", type=float, default=None,
                    help="default per-request deadline (X-Deadline-Ms or body deadline_ms override it)")

@@ -93,3 +93,24 @@ def test_generative_through_graphed_decode(generative, monkeypatch):
         torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-5)
         assert torch.equal(got.item_ids[got.scores > -np.inf], want.item_ids[want.scores > -np.inf])
     assert decode.captures == 1  # both batches fall in one (batch 4, history 16) bucket: one graph
+
+
+def test_serve_loads_onto_its_device(index, monkeypatch):
+    """ServeConfig.device (`silverrec serve --device`) reaches silverrec.load, for reloads too."""
+    from silverrec.serving.server import ServeConfig, create_app
+
+    path, _ = index
+    monkeypatch.setattr(device_path, "MOVE_CPU", True)
+    server = create_app(path, ServeConfig(port=0, device="cpu")).server
+    assert isinstance(server.current.snap.module, device_path.OnDevice)
+    assert isinstance(server.loader(path).snap.module, device_path.OnDevice)
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["query", "--queries", "q.npy", "--k", "5"]])
+def test_cli_device_flag(index, monkeypatch, capsys, command):
+    from silverrec.publish.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path, _ = index
+    assert main([command[0], str(path), *command[1:], "--device", "cuda"]) == 2
+    assert "device 'cuda' requested but torch.cuda.is_available() is False" in capsys.readouterr().err

@@ -24,6 +24,7 @@ it joins a batch, so a bad request never disturbs its batch.
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -63,6 +64,7 @@ class ServeConfig:
     deadline_ms: Optional[float] = None  # default per-request deadline
     admin_token: Optional[str] = None
     tune_file: Optional[str] = None  # silverrec tune's table: workers x threads per concurrency
+    device: str = "cpu"  # where the snapshot's program runs ("cuda", "cuda:N"; silverrec.load's device)
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "workers", "max_body_bytes"):
@@ -424,11 +426,11 @@ def _clean(rows: list[list[float]]) -> list[list[Optional[float]]]:
     return [[s if math.isfinite(s) else None for s in row] for row in rows]
 
 
-def load_served(path: str | os.PathLike) -> Served:
-    """Load, verify (checksums) and smoke-test a snapshot for serving."""
+def load_served(path: str | os.PathLike, device: str = "cpu") -> Served:
+    """Load (onto `device`), verify (checksums) and smoke-test a snapshot for serving."""
     import silverrec
 
-    served = Served(silverrec.load(path))
+    served = Served(silverrec.load(path, device=device))
     served.smoke()
     return served
 
@@ -520,7 +522,8 @@ class Server:
                  loader: Optional[Callable[[Path], Served]] = None):
         self.path = Path(path)
         self.config = config
-        self.loader = loader or load_served  # path -> a verified, smoke-tested Served (reloads)
+        # path -> a verified, smoke-tested Served (reloads)
+        self.loader = loader or functools.partial(load_served, device=config.device)
         self.current = served if served is not None else self.loader(self.path)
         self.metrics = Metrics()
         self.metrics.info.labels(self.current.version, self.current.kind).set(1)
@@ -832,7 +835,7 @@ def serve(path: str | os.PathLike, config: ServeConfig, served: Optional[Served]
     sock = bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     srv = app.server.current
-    print(f"silverrec: serving {srv.kind} snapshot {srv.version} ({srv.snap.backend}) on http://{host}:{port} "
+    print(f"silverrec: serving {srv.kind} snapshot {srv.version} ({srv.snap.backend}, {config.device}) on http://{host}:{port} "
           f"(max batch {config.max_batch}, max wait {config.max_wait_ms:g} ms, workers {config.workers}, "
           f"threads {config.threads or torch.get_num_threads()}{', tune ' + config.tune_file if config.tune_file else ''})",
           file=sys.stderr, flush=True)
