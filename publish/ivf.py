@@ -141,6 +141,7 @@ def build_ivf(
     nlist = default_nlist(pool.size) if config.nlist is None else int(config.nlist)
     if nlist > pool.size:
         raise PoolError(f"nlist={nlist} exceeds the {pool.size} items in the pool")
+    release_freed_memory()  # the Parquet reader's freed batches
     with clock(f"k-means: {pool.size} items into {nlist} clusters"):
         km = kmeans(
             x,

@@ -43,7 +43,7 @@ from silverrec.threads import num_threads
 
 ASSIGN_CHUNK = 16384  # rows per assignment matmul: memory O(ASSIGN_CHUNK * nlist)
 ASSIGN_SCORES = 1 << 25  # at most this many scores (128 MiB) per assignment matmul
-GROUPED_PAIRS = 1 << 22  # (row, group) pairs per grouped-assignment batch, ~80 bytes of temporaries each
+GROUPED_PAIRS = 1 << 21  # (row, group) pairs per grouped-assignment batch, ~80 bytes of temporaries each (~170 MB)
 TWO_LEVEL_MIN_NLIST = 1024  # method="auto" switches to two_level from this many clusters
 GROUPS_PER_SQRT = 1.0  # two_level: G = GROUPS_PER_SQRT * sqrt(nlist) groups
 REACH_SHARE = 4  # assign_grouped compares a row with the centroids of its ceil(G / REACH_SHARE) nearest groups
