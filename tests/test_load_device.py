@@ -9,11 +9,12 @@ import torch
 
 import silverrec
 import silverrec.serving.device as device_path
+from silverrec.serving.device import serving_module
 from silverrec.bitmask import pack_bits
 from silverrec.errors import SnapshotError
 from silverrec.generative.cuda_graph import GraphedDecode
 from silverrec.publish.filtered_ivf import publish_index
-from silverrec.publish.generative import publish_generative
+from silverrec.publish.generative import build_generative
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
 from silverrec.publish.semantic_ids import build_semantic_ids
@@ -66,32 +67,32 @@ def test_index_through_the_device_path(index, backend, monkeypatch):
         assert torch.equal(got.scores, want.scores) and (want.item_ids >= 0).any()
 
 
-@pytest.fixture(scope="module")
-def generative(tmp_path_factory):
+def test_generative_through_graphed_decode():
+    """A generative program behind serving_module (what load does on a device): GraphedDecode with
+    capture_eager on the CPU (the padding to batch / history buckets and the static buffers the
+    CUDA graph uses), behind OnDevice, returns the module's own ranking; one capture per bucket.
+    (Published and loaded on CUDA: tests/gpu/test_snapshots_cuda.py; the exported decode moved
+    whole: tests/test_device_move.py.)"""
     g = np.random.default_rng(0)
     x = g.normal(size=(200, 8)).astype(np.float32)
     sids = build_semantic_ids(x, np.arange(200, dtype=np.int64) + 7, levels=1, codes=16, seed=0, niter=3)
-    dec = random_decoder(sids.level_sizes, dim=32, n_layers=2, max_seq_len=64, seed=1)
-    return publish_generative(dec, sids, tmp_path_factory.mktemp("gen") / "g", beam_width=8, max_history=4,
-                              weights="fp32", torchscript=False)
-
-
-def test_generative_through_graphed_decode(generative, monkeypatch):
-    """The decode behind GraphedDecode (capture_eager on the CPU: the padding to the batch / history
-    buckets and the static buffers the CUDA graph uses) returns the plain path's ranking."""
-    plain = silverrec.load(generative, device="cpu")
-    monkeypatch.setattr(device_path, "MOVE_CPU", True)
-    moved = silverrec.load(generative, device="cpu")
-    decode = moved.module.module
-    assert isinstance(decode, GraphedDecode)
-    ids = plain.generative_item_ids()
-    allowed = torch.rand(3, len(ids), generator=torch.Generator().manual_seed(0)) < 0.6
-    for histories, bitmask in (([[7, 8], [9], []], None), ([[10, 11, 12], [13], [14, 15]], pack_bits(allowed))):
-        want = plain.recommend(histories, filter_bitmask=bitmask)
-        got = moved.recommend(histories, filter_bitmask=bitmask)
-        assert got.item_ids.shape == want.item_ids.shape == (3, 8)
-        torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-5)
-        assert torch.equal(got.item_ids[got.scores > -np.inf], want.item_ids[want.scores > -np.inf])
+    module = build_generative(random_decoder(sids.level_sizes, dim=32, n_layers=2, max_seq_len=64, seed=1),
+                              sids, 8, None, torch.float32)
+    served = serving_module(module, {"kind": "generative", "config": {"beam_width": 8}}, torch.device("cpu"))
+    decode = served.module
+    assert isinstance(served, device_path.OnDevice) and isinstance(decode, GraphedDecode)
+    words = (len(sids.item_ids) + 63) // 64
+    for seed, T in ((0, 5), (1, 9)):
+        gen = torch.Generator().manual_seed(seed)
+        history = torch.randint(2, 18, (3, T), generator=gen)
+        history[:, 0] = 1  # BOS
+        bitmask = pack_bits(torch.rand(3, 64 * words, generator=gen) < 0.6)
+        with torch.inference_mode():
+            want = module(history, bitmask)
+        got = served(history, bitmask)
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+        found = want[1] > -np.inf
+        assert found.any() and torch.equal(got[0][found], want[0][found])
     assert decode.captures == 1  # both batches fall in one (batch 4, history 16) bucket: one graph
 
 
