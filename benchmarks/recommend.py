@@ -683,10 +683,10 @@ def sources_quality(ckpt_path: Path, gen_ckpt_path: Path, logs: Path, seed: int 
     from silverrec.publish.fusion import fusion_grid, union_tensors
 
     out["fusion"] = built.manifest["generative"]["fusion"]
-    neutral = (handler.module.generative_weight, handler.module.tiers.clone())
-    handler.module.generative_weight, handler.module.tiers = 0.0, torch.zeros(4)
+    chosen = (handler.module.generative_weight, handler.module.tiers.clone())
+    handler.module.generative_weight, handler.module.tiers = 0.0, torch.zeros(4)  # the neutral fusion
     out["test_grid"] = fusion_grid(union_tensors(handler, split, "test", batch))
-    handler.module.generative_weight, handler.module.tiers = neutral
+    handler.module.generative_weight, handler.module.tiers = chosen
     return out
 
 

@@ -297,9 +297,8 @@ def test_publish_config_names_the_sources(rec):
             PublishConfig(checkpoint="c", **bad)
 
 
-def _fused(rec, weight, priority):
-    """The fixture's hybrid with another fusion (the publisher sets both at construction)."""
-    model = hybrid_model(rec)
+def _fused(model, weight, priority):
+    """`model` (a hybrid_model) set to another fusion (the publisher sets both at construction)."""
     model.generative_weight = weight
     model.tiers = source_module.priority_tiers(priority)
     return model
@@ -320,9 +319,9 @@ def test_fusion_grid_ranks_as_the_forward_does(rec, hybrid):
     handler = rec.snap().rec_handler()
     requests = [{"user_id": u} for u in users(rec, 5, start=7)]
     u = _union(rec, hybrid, handler, requests)
-    changed = set()
-    for weight, priority in [(0.0, "none"), (2.0, "none"), (0.5, "ann"), (1.0, "generative"), (4.0, "both")]:
-        model = _fused(rec, weight, priority)
+    changed, fused = set(), hybrid_model(rec)
+    for weight, priority in [(2.0, "none"), (0.5, "ann"), (1.0, "generative"), (4.0, "both")]:
+        model = _fused(fused, weight, priority)
         for source, names in [("hybrid", None), ("ann", ["ann"]), ("generative", ["generative"])]:
             got = run(model, hybrid_inputs(rec, handler, requests, k=10, nprobe=2, sources=names))[0]
             want = fused_topk(u, source, weight, priority, k=10)
@@ -338,16 +337,17 @@ def test_source_priority_ranks_a_source_first(rec, hybrid):
     both sources found first; scores stay value + w * log-prob (the order's key is not returned)."""
     handler = rec.snap().rec_handler()
     requests = [{"user_id": u} for u in users(rec, 6, start=30)]
+    fused = hybrid_model(rec)
     for weight, priority, alone in [(0.0, "ann", ["ann"]), (0.0, "generative", ["generative"]),
                                     (2.0, "generative", ["generative"])]:
-        model = _fused(rec, weight, priority)
+        model = _fused(fused, weight, priority)
         got = run(model, hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
         want = run(model, hybrid_inputs(rec, handler, requests, k=10, nprobe=2, sources=alone))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (weight, priority)
-    ann_first = run(_fused(rec, 2.0, "ann"), hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
+    ann_first = run(_fused(fused, 2.0, "ann"), hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
     assert bool((ann_first[4] & FOUND_ANN != 0).all())
-    both = run(_fused(rec, 2.0, "both"), hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
-    neutral = run(_fused(rec, 2.0, "none"), hybrid_inputs(rec, handler, requests, k=hybrid.candidates + W, nprobe=2))
+    both = run(_fused(fused, 2.0, "both"), hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
+    neutral = run(_fused(fused, 2.0, "none"), hybrid_inputs(rec, handler, requests, k=hybrid.candidates + W, nprobe=2))
     for b in range(len(requests)):
         n_both = int((neutral[4][b] == FOUND_ANN | FOUND_GENERATIVE).sum())
         first = both[4][b][: min(n_both, 10)]
@@ -389,18 +389,13 @@ def test_publish_chooses_the_fusion_on_held_out_validation_items(rec, tmp_path):
 
     tiny = dict(levels=2, codes=4, minutes=1e6, max_steps=20, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
                 ffn_hidden=32, max_history=4, eval_users=4, eval_beam=10)
-    paths = {}
-    for stage in ("valid", "test"):
-        tt = rec.ckpt_path if stage == "test" else tmp_path / "tt_valid.ckpt"
-        if stage == "valid":
-            train(TrainConfig.from_toml(rec.train_toml, stage="valid"), tt, quiet_eval=True)
-        gen = tmp_path / f"gen_{stage}.ckpt"
-        train_generative(GenConfig(interactions=str(rec.inter_path), items=str(rec.items_path), embeddings=str(tt),
-                                   stage=stage, **tiny), gen)
-        paths[stage] = (tt, gen)
-    cfg = dataclasses.replace(rec.publish_cfg, sources=list(SOURCES), generative_checkpoint=str(paths["test"][1]),
-                              beam_width=W, validation_checkpoint=str(paths["valid"][0]),
-                              validation_generative_checkpoint=str(paths["valid"][1]))
+    tt, gen = tmp_path / "tt_valid.ckpt", tmp_path / "gen_valid.ckpt"
+    train(TrainConfig.from_toml(rec.train_toml, stage="valid"), tt, quiet_eval=True)
+    train_generative(GenConfig(interactions=str(rec.inter_path), items=str(rec.items_path), embeddings=str(tt),
+                               stage="valid", **tiny), gen)
+    # (the snapshot's own decoder: any over the pool; the validation one saves a training)
+    cfg = dataclasses.replace(rec.publish_cfg, sources=list(SOURCES), generative_checkpoint=str(gen), beam_width=W,
+                              validation_checkpoint=str(tt), validation_generative_checkpoint=str(gen))
     built = build_rec_model(cfg)
     chosen = built.manifest["generative"]["fusion"]
     grid = chosen["grid"]
@@ -410,7 +405,7 @@ def test_publish_chooses_the_fusion_on_held_out_validation_items(rec, tmp_path):
     assert best >= max(chosen["validation"]["ann"]["NDCG@10"], chosen["validation"]["generative"]["NDCG@10"])
     assert built.model.generative_weight == chosen["weight"]
     assert torch.equal(built.model.tiers, source_module.priority_tiers(chosen["priority"]))
-    plain = build_rec_model(dataclasses.replace(rec.publish_cfg, checkpoint=str(paths["valid"][0])))
+    plain = build_rec_model(dataclasses.replace(rec.publish_cfg, checkpoint=str(tt)))
     split = leave_one_out(read_logs(rec.inter_path, rec.items_path, seed=rec.train_cfg.seed))
     want = evaluate_handler(handler_for(plain), split, "valid")
     for key in ("HR@10", "NDCG@10", "HR@100"):
