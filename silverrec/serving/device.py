@@ -9,7 +9,7 @@ The CPU path (device "cpu", the default) is untouched: no move, no wrapper. On a
   with `map_location` (tensors.pt too, where a format-5 snapshot keeps its tensors apart); the
   exported rank program (rank.pt2) moves the same way, the TorchScript `rank` method with its module.
 - `OnDevice` runs it behind the unchanged predictor API: a call moves its tensor arguments to the
-  device once and its outputs back once (non-blocking copies, one stream synchronisation).
+  device once and its outputs back once (non-blocking copies both ways, one stream synchronisation).
 - A generative snapshot on CUDA decodes through `GraphedDecode` (one CUDA graph per batch / history
   bucket, least recently used evicted; silverrec/generative/cuda_graph.py).
 """
@@ -89,8 +89,9 @@ def to_device(tree: Any, device: torch.device | str, non_blocking: bool = False)
 class OnDevice:
     """`module` on `device` called with CPU tensors: arguments moved there, outputs moved back.
 
-    Outputs come back with non-blocking copies (torch puts them in pinned memory) and one
-    synchronisation of the device's current stream, not one per output. Callable attributes (the
+    Arguments go with non-blocking copies (a blocking host-to-device copy would synchronise the
+    stream once per argument), outputs come back with non-blocking copies (torch puts them in pinned
+    memory) and one synchronisation of the device's current stream, not one per output. Callable attributes (the
     TorchScript `rank` method) are wrapped the same way; other attributes are the module's own.
     """
 
@@ -103,7 +104,8 @@ class OnDevice:
         return OnDevice(attr, self.device) if callable(attr) and not isinstance(attr, torch.Tensor) else attr
 
     def __call__(self, *args, **kwargs):
-        out = self.module(*to_device(args, self.device), **to_device(kwargs, self.device))
+        args, kwargs = to_device((args, kwargs), self.device, non_blocking=True)
+        out = self.module(*args, **kwargs)
         out = to_device(out, CPU, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copies above are complete
