@@ -115,3 +115,19 @@ def test_cli_device_flag(index, monkeypatch, capsys, command):
     path, _ = index
     assert main([command[0], str(path), *command[1:], "--device", "cuda"]) == 2
     assert "device 'cuda' requested but torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_sharded_snapshot_loads_every_shard_onto_the_device(tmp_path, monkeypatch):
+    from silverrec.publish.shards import ShardSpec, publish_sharded
+
+    g = np.random.default_rng(1)
+    pool = Pool(np.arange(600, dtype=np.int64) + 5, g.normal(size=(600, 8)).astype(np.float32))
+    path = publish_sharded(pool, tmp_path / "s", spec=ShardSpec(2, "items"), config=IVFConfig(nlist=4, seed=0),
+                           torchscript=False)
+    plain = silverrec.load(path)
+    monkeypatch.setattr(device_path, "MOVE_CPU", True)
+    moved = silverrec.load(path, device="cpu")
+    assert all(isinstance(s.module, device_path.OnDevice) for s in moved.shards)
+    q = torch.from_numpy(g.normal(size=(4, 8)).astype(np.float32))
+    want, got = plain.search(q, 15, nprobe=2), moved.search(q, 15, nprobe=2)
+    assert torch.equal(got.item_ids, want.item_ids) and torch.equal(got.scores, want.scores)
