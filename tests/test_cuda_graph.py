@@ -123,3 +123,33 @@ def test_bad_input_is_named(decode):
         GraphedDecode(module, W, max_graphs=0)
     with pytest.raises(ValueError, match="beam_width"):
         GraphedDecode(module, 0)
+
+
+def test_calls_from_several_threads_take_turns():
+    """A server's workers call one GraphedDecode from several threads: each call's answer is its own
+    input's, though the calls share one key's static buffers (without the lock, a call that copies its
+    input while another's replay reads the buffers answers for the other's input)."""
+    import threading
+    import time
+
+    def slow(history, item_bitmask):  # stands in for the decode: the answer names the input
+        out = history[:, -1:].clone()
+        time.sleep(0.002)  # the window in which another call could overwrite the static history
+        return out.expand(-1, 2).clone(), history[:, -1:].float().expand(-1, 2) + 0.5
+
+    decode = GraphedDecode(slow, beam_width=2, capture=capture_eager)
+    wrong = []
+
+    def worker(token: int) -> None:
+        history = torch.tensor([[0, 1, token]], dtype=torch.int64)
+        for _ in range(30):
+            ids, scores = decode(history, torch.zeros(1, 1, dtype=torch.int64))
+            if int(ids[0, 0]) != token or float(scores[0, 0]) != token + 0.5:
+                wrong.append((token, int(ids[0, 0])))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in (7, 8, 9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong and decode.captures == 1

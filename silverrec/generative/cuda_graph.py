@@ -32,6 +32,7 @@ snapshot: torch.export / TorchScript programs are the same with or without it.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Callable, Sequence
 
@@ -132,7 +133,7 @@ class GraphedDecode:
     Call: history int64 [B, T] (left-padded), item_bitmask int64 [B, ceil(N / 64)], both on the same
         device -> (item_ids int64 [B, W], scores float32 [B, W]), computed on the inputs padded to
         (bucket(B), bucket(T, min_bucket)). CPU tensors (with the default
-        capture) call the module directly.
+        capture) call the module directly. Thread-safe: calls from several threads take turns.
     """
 
     def __init__(self, module: Callable, beam_width: int, max_graphs: int = DEFAULT_MAX_GRAPHS,
@@ -148,6 +149,9 @@ class GraphedDecode:
         self.capture = capture
         self.graphs: OrderedDict[tuple, tuple[tuple[torch.Tensor, ...], Replay]] = OrderedDict()
         self.captures = 0  # shapes captured so far (evicted ones included)
+        # one call at a time: calls share each key's static buffers (a server's workers call from
+        # several threads), and no other call launches work while a graph is being captured
+        self._lock = threading.Lock()
 
     def key(self, history: torch.Tensor, item_bitmask: torch.Tensor) -> tuple:
         """(device, batch bucket, beam width, history bucket, bitmask words): one graph per key."""
@@ -170,7 +174,7 @@ class GraphedDecode:
             raise ValueError(f"history is on {history.device} but item_bitmask on {item_bitmask.device}")
         key = self.key(history, item_bitmask)
         B = history.shape[0]
-        with torch.inference_mode():
+        with self._lock, torch.inference_mode():
             history, item_bitmask = self.pad(history, item_bitmask)
             entry = self.graphs.get(key)
             if entry is None:
