@@ -252,3 +252,21 @@ def test_tensors_stored_once_and_format4_parent_updates(world, tmp_path, monkeyp
         assert TENSORS_FILE in read_manifest(v2)["files"]
         for backend in ("export", "torchscript"):
             _assert_same(silverrec.load(v2, backend=backend).search(torch.from_numpy(q), 30, nprobe=NLIST), ref, final)
+
+
+def test_tensors_of_another_snapshot_are_refused(world, tmp_path):
+    """A tensors.pt that does not fit the program (here: another pool's, checksums not verified) is a
+    named SnapshotError, for both programs."""
+    import shutil
+
+    from silverrec.snapshot import TENSORS_FILE
+
+    x, ids = world["parent"].embeddings, world["parent"].item_ids
+    a = publish_index(Pool(ids, x), tmp_path / "a", exact=True, torchscript=True)
+    b = publish_index(Pool(ids[:100], x[:100]), tmp_path / "b", exact=True, torchscript=True)
+    shutil.copy(b / TENSORS_FILE, a / TENSORS_FILE)
+    for backend in ("export", "torchscript"):
+        with pytest.raises(SnapshotError, match=r"tensors.pt: tensor '[\w.]+' is \(100"):
+            silverrec.load(a, backend=backend, verify=False)
+    with pytest.raises(SnapshotError, match="tensors.pt is truncated or altered"):
+        silverrec.load(a)
