@@ -146,6 +146,21 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
                               const at::Tensor& ops_t, const at::Tensor& rows_t, const at::Tensor& post_rows_t,
                               const at::Tensor& post_off_t, const at::Tensor& lists_t, const at::Tensor& active_t,
                               int64_t k) {
+  check(ops_t, at::kLong, 2, "ops");
+  const int64_t B = ops_t.size(0);
+  at::Tensor keys = at::empty({B, k}, at::kLong);
+  std::vector<int64_t> count(B, 0);
+  int64_t* kp = keys.data_ptr<int64_t>();
+  filtered_topk_into(qcodes, codes, bits, ops_t, rows_t, post_rows_t, post_off_t, lists_t, active_t, k, kp,
+                     count.data());
+  for (int64_t b = 0; b < B; ++b) std::fill(kp + b * k + count[b], kp + (b + 1) * k, kEmptyKey);
+  return keys;
+}
+
+void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
+                        const at::Tensor& ops_t, const at::Tensor& rows_t, const at::Tensor& post_rows_t,
+                        const at::Tensor& post_off_t, const at::Tensor& lists_t, const at::Tensor& active_t, int64_t k,
+                        int64_t* kp, int64_t* count) {
   check(bits, at::kLong, 2, "bits");
   check(ops_t, at::kLong, 2, "ops");
   check(rows_t, at::kLong, 3, "rows");
@@ -162,7 +177,7 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
   const int64_t T2 = lists_t.size(1), V = post_off_t.size(0) - 1, N = codes.size(0), D = codes.size(1);
   TORCH_CHECK(lists_t.size(0) == B && active_t.size(0) == B && qcodes.size(0) == B, "filtered_topk: B rows expected");
   TORCH_CHECK(W == (N + 63) / 64, "filtered_topk: bits must have ceil(N / 64) words per row");
-  at::Tensor keys = at::full({B, k}, kEmptyKey, at::kLong);
+  std::fill(count, count + B, int64_t{0});
   const bool* act = active_t.data_ptr<bool>();
   const int64_t *bank = bits.data_ptr<int64_t>(), *ops = ops_t.data_ptr<int64_t>(), *prog = rows_t.data_ptr<int64_t>();
   const int64_t *lists = lists_t.data_ptr<int64_t>(), *post_off = post_off_t.data_ptr<int64_t>();
@@ -170,7 +185,7 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
   std::vector<int64_t> live;
   for (int64_t b = 0; b < B; ++b)
     if (act[b]) live.push_back(b);
-  if (live.empty() || k == 0) return keys;
+  if (live.empty() || k == 0) return;
   validate(ops, prog, live, L, T, R);
   for (int64_t b : live)  // a whole-pool row (kNoLists first) ignores its other entries
     for (int64_t t = 0; t < T2 && lists[b * T2] != kNoLists; ++t) {
@@ -244,27 +259,23 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
     else if (!passing[g].empty())
       in.segments.push_back({buf_start[g], buf_start[g] + int64_t(passing[g].size()), first, count});
   }
-  int64_t* kp = keys.data_ptr<int64_t>();
+  // each scan writes the rows of its own members only (unpadded), straight into the output
+  std::vector<int64_t> count_big(B, 0);
   if (!small.segments.empty()) {
-    at::Tensor sk = scan_topk(small);
-    const int64_t* s = sk.data_ptr<int64_t>();
+    scan_topk_into(small, kp, count);
     for (int64_t b : live) {
       if (mask_group[group_of[rep[b]]] >= 0) continue;
-      for (int64_t i = 0; i < k; ++i) {
-        const int64_t key = s[b * k + i];
-        if (key == kEmptyKey) break;
-        const int64_t pos = int64_t{0xFFFFFFFF} - (key & int64_t{0xFFFFFFFF});
-        kp[b * k + i] = (key & ~int64_t{0xFFFFFFFF}) | (int64_t{0xFFFFFFFF} - buf_row[pos]);
+      for (int64_t i = b * k; i < b * k + count[b]; ++i) {  // buffer positions -> pool rows
+        const int64_t pos = int64_t{0xFFFFFFFF} - (kp[i] & int64_t{0xFFFFFFFF});
+        kp[i] = (kp[i] & ~int64_t{0xFFFFFFFF}) | (int64_t{0xFFFFFFFF} - buf_row[pos]);
       }
     }
   }
   if (!big.segments.empty()) {
-    at::Tensor bk = scan_topk(big);
-    const int64_t* s = bk.data_ptr<int64_t>();
+    scan_topk_into(big, kp, count_big.data());
     for (int64_t b : live)
-      if (mask_group[group_of[rep[b]]] >= 0) std::memcpy(kp + b * k, s + b * k, k * sizeof(int64_t));
+      if (mask_group[group_of[rep[b]]] >= 0) count[b] = count_big[b];
   }
-  return keys;
 }
 
 }  // namespace silverrec

@@ -200,12 +200,22 @@ std::tuple<at::Tensor, at::Tensor> keys_to_results(const at::Tensor& keys, const
   return {scores, rows};
 }
 
-// True when no program of the batch (int64 [B, L] opcodes) pushes a bank row: every one is TRUE / NOP.
-bool pushes_nothing(const at::Tensor& ops) {
-  const int64_t* op = ops.data_ptr<int64_t>();
-  for (int64_t i = 0; i < ops.numel(); ++i)
-    if (op[i] != program::kTrue && op[i] != program::kNop) return false;
-  return true;
+// o[i] = id[r[i]] as int64, -1 where r[i] < 0; a row >= n is an IndexError. A run of padding (the
+// tail of a selective search's rows at large k) is one fill: no per-element check or gather.
+template <typename Id>
+void map_rows(const Id* id, int64_t n, const int64_t* r, int64_t m, int64_t* o) {
+  for (int64_t i = 0; i < m;) {
+    if (r[i] < 0) {
+      int64_t j = i + 1;
+      while (j < m && r[j] < 0) ++j;
+      std::fill(o + i, o + j, int64_t{-1});
+      i = j;
+      continue;
+    }
+    TORCH_CHECK_INDEX(r[i] < n, "rows_to_items: row ", r[i], " out of range for ", n, " rows");
+    o[i] = int64_t(id[r[i]]);
+    ++i;
+  }
 }
 
 // silverrec::rows_to_items (kernels/rows_to_items.py): row_to_item int32/int64 [N], rows int64 (any
@@ -219,13 +229,8 @@ at::Tensor rows_to_items(const at::Tensor& row_to_item_in, const at::Tensor& row
   const int64_t n = map.size(0), m = rows.numel();
   const int64_t* r = rows.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
-  const int32_t* id32 = map.scalar_type() == at::kInt ? map.data_ptr<int32_t>() : nullptr;
-  const int64_t* id64 = id32 ? nullptr : map.data_ptr<int64_t>();
-  for (int64_t i = 0; i < m; ++i) {
-    const int64_t row = r[i];
-    TORCH_CHECK_INDEX(row < n, "rows_to_items: row ", row, " out of range for ", n, " rows");
-    o[i] = row < 0 ? -1 : (id32 ? int64_t(id32[row]) : id64[row]);
-  }
+  if (map.scalar_type() == at::kInt) map_rows(map.data_ptr<int32_t>(), n, r, m, o);
+  else map_rows(map.data_ptr<int64_t>(), n, r, m, o);
   return out;
 }
 
@@ -277,19 +282,28 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   // probed route: scan with a margin for Bloom false positives, keep the best k that verify. Programs
   // that push no bank row (no filter: TRUE) have no false positives: scan k, nothing to verify (the
   // composition's verify_topk would keep the first k of the k2 ranked rows: the same k rows).
-  const bool unfiltered = pushes_nothing(ops) && pushes_nothing(vops);
+  const bool unfiltered = program::pushes_nothing(ops.data_ptr<int64_t>(), ops.numel()) &&
+                          program::pushes_nothing(vops.data_ptr<int64_t>(), vops.numel());
   const int64_t k2 = unfiltered ? k : k + k / 4 + 16;
   const int64_t* pr = probes.data_ptr<int64_t>();
   bool any_probe = false, any_exact = false;
   for (int64_t i = 0; i < probes.numel(); ++i) any_probe |= pr[i] >= 0;
   for (int64_t b = 0; b < B; ++b) any_exact |= rt[b] > 0;
-  at::Tensor s_ivf, r_ivf, keys_ex;
+  // probed route: the scan's keys, decoded in the output pass when nothing needs verifying; else
+  // (scores, rows) of the best k that verify
+  at::Tensor keys_pr, s_ivf, r_ivf;
   if (any_probe) {
-    const at::Tensor keys = ivf_scan_keys(qcodes, codes, cluster_offsets, probes, bitmask, k2);
-    std::tie(s_ivf, r_ivf) = keys_to_results(keys, qscale, qsum, one, zero);
-    if (!unfiltered) std::tie(s_ivf, r_ivf) = verify_topk(bits, vops, vrows, s_ivf, r_ivf, k);
+    const std::optional<at::Tensor> mask = bitmask.defined() ? std::optional<at::Tensor>(bitmask) : std::nullopt;
+    keys_pr = ivf_scan_keys(qcodes, codes, cluster_offsets, probes, mask, k2);
+    if (!unfiltered) {
+      std::tie(s_ivf, r_ivf) = keys_to_results(keys_pr, qscale, qsum, one, zero);
+      std::tie(s_ivf, r_ivf) = verify_topk(bits, vops, vrows, s_ivf, r_ivf, k);
+    }
   }
-  // whole-pool (route 1) and posting-list (route 2) queries: filter, then exact scan
+  // whole-pool (route 1) and posting-list (route 2) queries: filter, then exact scan; query b's
+  // count_ex[b] keys, unpadded (padding is written once, below)
+  at::Tensor keys_ex;
+  std::vector<int64_t> count_ex(B, 0);
   if (any_exact) {
     at::Tensor src = lists.clone(), exact = at::empty({B}, at::kBool);
     int64_t* sp = src.data_ptr<int64_t>();
@@ -298,7 +312,9 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
       ep[b] = rt[b] > 0;
       if (rt[b] == 1) std::fill(sp + b * src.size(1), sp + (b + 1) * src.size(1), int64_t{-2});
     }
-    keys_ex = filtered_topk_keys(qcodes, codes, bits, vops, vrows, post_rows, post_offsets, src, exact, k);
+    keys_ex = at::empty({B, k}, at::kLong);
+    filtered_topk_into(qcodes, codes, bits, vops, vrows, post_rows, post_offsets, src, exact, k,
+                       keys_ex.data_ptr<int64_t>(), count_ex.data());
   }
   at::Tensor scores = at::empty({B, k}, at::kFloat), ids = at::empty({B, k}, at::kLong);
   float* so = scores.data_ptr<float>();
@@ -306,6 +322,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   const float* cst = constant.data_ptr<float>();
   const bool ids32 = row_to_item.scalar_type() == at::kInt;
   TORCH_CHECK(ids32 || row_to_item.scalar_type() == at::kLong, "row_to_item must be int32 or int64");
+  const int64_t* k_pr = unfiltered && keys_pr.defined() ? keys_pr.data_ptr<int64_t>() : nullptr;
   const float* s_pr = s_ivf.defined() ? s_ivf.data_ptr<float>() : nullptr;
   const int64_t* r_pr = r_ivf.defined() ? r_ivf.data_ptr<int64_t>() : nullptr;
   const int64_t* k_ex = keys_ex.defined() ? keys_ex.data_ptr<int64_t>() : nullptr;
@@ -314,27 +331,31 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   const int64_t* id64 = ids32 ? nullptr : row_to_item.data_ptr<int64_t>();
   const float none = -std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < B; ++b) {
-    // the exact routes' keys decode here (keys_to_results with scale 1, offset 0), sorted: the
-    // first padding key ends the row's results
-    const bool from_keys = rt[b] > 0;
+    // keys decode here (keys_to_results with scale 1, offset 0): the exact routes' count_ex[b], or
+    // the unverified probed scan's k (padded); then padding once
+    float* sb = so + b * k;
+    int64_t* ib = io + b * k;
     const float mul = 1.0f * qs[b], add = 0.0f * qm[b];
-    for (int64_t i = 0; i < k; ++i) {
-      float sc = none;
-      int64_t r = -1;
-      if (from_keys) {
-        if (!k_ex || k_ex[b * k + i] == kEmptyKey) {
-          std::fill(so + b * k + i, so + (b + 1) * k, none + cst[b]);
-          std::fill(io + b * k + i, io + (b + 1) * k, int64_t{-1});
-          break;
-        }
-        decode_key(k_ex[b * k + i], mul, add, sc, r);
-      } else if (s_pr) {
-        sc = s_pr[b * k + i];
-        r = r_pr[b * k + i];
+    int64_t i = 0;
+    if (rt[b] > 0 || k_pr) {
+      const int64_t* key = (rt[b] > 0 ? k_ex : k_pr) + b * k;
+      const int64_t n = rt[b] > 0 ? count_ex[b] : k;
+      for (; i < n; ++i) {
+        float sc;
+        int64_t r;
+        decode_key(key[i], mul, add, sc, r);
+        sb[i] = sc + cst[b];
+        ib[i] = r < 0 ? -1 : (id32 ? int64_t(id32[r]) : id64[r]);
       }
-      so[b * k + i] = sc + cst[b];
-      io[b * k + i] = r < 0 ? -1 : (id32 ? int64_t(id32[r]) : id64[r]);
+    } else if (s_pr) {
+      for (; i < k; ++i) {
+        const int64_t r = r_pr[b * k + i];
+        sb[i] = s_pr[b * k + i] + cst[b];
+        ib[i] = r < 0 ? -1 : (id32 ? int64_t(id32[r]) : id64[r]);
+      }
     }
+    std::fill(sb + i, sb + k, none + cst[b]);
+    std::fill(ib + i, ib + k, int64_t{-1});
   }
   return {scores, ids};
 }

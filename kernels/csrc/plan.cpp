@@ -8,13 +8,18 @@
 // unprobed by its mode (the caller's estimate, silverrec/retrieval/filtered_search.py) computes no
 // centroid scores and evaluates no cluster at all.
 #include <ATen/ATen.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <tuple>
 #include <vector>
 
+#include "program.h"
 #include "scan.h"
 
 namespace silverrec {
@@ -22,6 +27,55 @@ namespace silverrec {
 namespace {
 constexpr int64_t kModeAuto = 0, kModeProbed = 1, kModeUnprobed = 2;
 constexpr int64_t kInsertMax = 64;  // candidates up to which the top-P is kept by insertion
+#if defined(__AVX2__)
+// Queries b0 .. b0 + 7 whose score of a centroid (row[b]) beats their threshold: an 8-bit mask.
+inline int beats8(const float* row, const float* thr) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row), _mm256_loadu_ps(thr), _CMP_GT_OQ));
+}
+#endif
+
+// The best P (<= kInsertMax) centroids of each probing query from the scores sc float32 [C, B]
+// (row c: every query's score of centroid c), best first, equal scores to the lower centroid:
+// cand[b * P + j]. One pass over the rows: each query's P-th best score is its threshold, a whole
+// row is compared against the thresholds at once, and the few centroids that beat one are inserted.
+// The same comparisons, in the same order per query, as one insertion pass per query.
+void top_p_rows(const float* sc, int64_t C, int64_t B, int64_t P, const std::vector<int64_t>& probing,
+                int64_t* cand) {
+  std::vector<float> best(B * P), thr(B, std::numeric_limits<float>::infinity());  // +inf: never beaten
+  auto insert = [&](int64_t b, int64_t c, int64_t held) {
+    float* bs = best.data() + b * P;
+    int64_t* id = cand + b * P;
+    const float s = sc[c * B + b];
+    int64_t j = held < P ? held : P - 1;
+    for (; j > 0 && bs[j - 1] < s; --j) {
+      bs[j] = bs[j - 1];
+      id[j] = id[j - 1];
+    }
+    bs[j] = s;
+    id[j] = c;
+  };
+  for (int64_t c = 0; c < P; ++c)  // the first P fill the lists
+    for (int64_t b : probing) insert(b, c, c);
+  for (int64_t b : probing) thr[b] = best[b * P + P - 1];
+  for (int64_t c = P; c < C; ++c) {
+    const float* row = sc + c * B;
+    int64_t b = 0;
+#if defined(__AVX2__)
+    for (; b + 8 <= B; b += 8)
+      for (int m = beats8(row + b, thr.data() + b); m; m &= m - 1) {
+        const int64_t q = b + __builtin_ctz(m);
+        insert(q, c, P);
+        thr[q] = best[q * P + P - 1];
+      }
+#endif
+    for (; b < B; ++b)
+      if (row[b] > thr[b]) {
+        insert(b, c, P);
+        thr[b] = best[b * P + P - 1];
+      }
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
@@ -58,45 +112,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
   std::vector<int64_t> cand(B * P, -1);
   if (!probing.empty()) {
     // the reference's scores: centroids @ queries^T (MKL splits this form across threads; the
-    // queries @ centroids^T form ran on one), [C, B], read per query (no transposed copy)
+    // queries @ centroids^T form ran on one), [C, B]
     const at::Tensor scores = at::mm(centroids, queries.t()).contiguous();
     const float* sc = scores.data_ptr<float>();
-    int64_t *lo = lo_t.data_ptr<int64_t>(), *hi = hi_t.data_ptr<int64_t>();
-    std::vector<int64_t> idx(C);
-    std::vector<float> col(C), best_s(P);
-    for (int64_t b : probing) {
-      for (int64_t c = 0; c < C; ++c) col[c] = sc[c * B + b];
-      const float* s = col.data();
-      if (P <= kInsertMax) {  // one compare per centroid against the P-th best, rare insertions
-        int64_t n = 0;
-        for (int64_t c = 0; c < C; ++c) {
-          if (n == P && !(s[c] > best_s[P - 1])) continue;  // equal scores: the lower cluster stays
-          int64_t j = n < P ? n++ : P - 1;
-          for (; j > 0 && best_s[j - 1] < s[c]; --j) {
-            best_s[j] = best_s[j - 1];
-            idx[j] = idx[j - 1];
-          }
-          best_s[j] = s[c];
-          idx[j] = c;
-        }
-      } else {
+    if (P <= kInsertMax) {
+      top_p_rows(sc, C, B, P, probing, cand.data());
+    } else {
+      std::vector<int64_t> idx(C);
+      std::vector<float> col(C);
+      for (int64_t b : probing) {
+        for (int64_t c = 0; c < C; ++c) col[c] = sc[c * B + b];
+        const float* s = col.data();
         std::iota(idx.begin(), idx.end(), 0);
         std::partial_sort(idx.begin(), idx.begin() + P, idx.end(),
                           [s](int64_t x, int64_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); });
-      }
-      for (int64_t j = 0; j < P; ++j) {
-        const int64_t c = idx[j];
-        cand[b * P + j] = c;
-        lo[b * P + j] = off[c];
-        hi[b * P + j] = off[c + 1];
+        std::copy(idx.begin(), idx.begin() + P, cand.begin() + b * P);
       }
     }
+    int64_t *lo = lo_t.data_ptr<int64_t>(), *hi = hi_t.data_ptr<int64_t>();
+    for (int64_t b : probing)
+      for (int64_t j = b * P; j < (b + 1) * P; ++j) {
+        lo[j] = off[cand[j]];
+        hi[j] = off[cand[j] + 1];
+      }
+  }
+  int64_t* pr = probes.data_ptr<int64_t>();
+  // the counts steer only auto queries, the mask filters only programs that push a bank row: a
+  // batch of probed queries without a filter (TRUE programs) needs neither (its scan, unmasked,
+  // visits the same rows)
+  bool need_counts = false;
+  for (int64_t b : probing) need_counts |= md[b] != kModeProbed;
+  if (!mask_if_unused && !need_counts && program::pushes_nothing(ops.data_ptr<int64_t>(), ops.numel())) {
+    for (int64_t b : probing) std::copy(cand.begin() + b * P, cand.begin() + b * P + nprobe, pr + b * P);
+    return {probes, at::Tensor(), route};
   }
   if (probing.empty() && !mask_if_unused) return {probes, at::Tensor(), route};  // every query on posting lists
   at::Tensor bitmask, counts;
   std::tie(bitmask, counts) = bloom_filter_counts(bits, ops, rows, lo_t, hi_t, window_words);
   const int64_t* cnt = counts.data_ptr<int64_t>();
-  int64_t* pr = probes.data_ptr<int64_t>();
   const float base = float(k * match_factor);
   const float ratio = float(exact_cost_ratio);
   for (int64_t b : probing) {

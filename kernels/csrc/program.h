@@ -48,6 +48,14 @@ inline void validate(const int64_t* ops, const int64_t* rows, const std::vector<
   if (bad_row) throw std::invalid_argument("filter program addresses a row outside the bank of " + std::to_string(R) + " rows");
 }
 
+// True when no program of the batch (ops int64 [B, L], contiguous) pushes a bank row: every
+// instruction is TRUE / NOP (an unfiltered request), so every row passes.
+inline bool pushes_nothing(const int64_t* ops, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (ops[i] != kTrue && ops[i] != kNop) return false;
+  return true;
+}
+
 // Run program b on n <= kBlock words: contiguous (widx == nullptr: words w0 .. w0 + n - 1, all inside
 // the bank) or gathered (widx[i]). The result is left in stack[0 .. n).
 inline void eval_block(const int64_t* bank, int64_t W, const int64_t* ops, const int64_t* rows, int64_t L, int64_t T,

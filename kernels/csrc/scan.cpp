@@ -93,7 +93,8 @@ class Scanner {
     }
   }
 
-  at::Tensor run() {
+  // Scan, then merge into out (B * k keys): padded with kEmptyKey when count is null, else count[b] set.
+  void run(int64_t* out, int64_t* count) {
     std::vector<Piece> pieces;
     int64_t work = 0, rows = 0;  // (row, query) pairs, to decide whether threads pay off
     for (const Segment& seg : in_.segments) {
@@ -123,7 +124,7 @@ class Scanner {
       work_fn(0, 1);
     else
       at::parallel_for(0, workers, 1, work_fn);
-    return merge();
+    merge(out, count);
   }
 
  private:
@@ -244,11 +245,10 @@ class Scanner {
     }
   }
 
-  // Per query: the best k of all workers' candidates, sorted descending, padded.
-  at::Tensor merge() {
+  // Per query: the best k of all workers' candidates, sorted descending, then padded (count null)
+  // or counted (count[b]).
+  void merge(int64_t* o, int64_t* count) {
     const int64_t B = in_.B, k = in_.k;
-    at::Tensor out = at::empty({B, k}, at::kLong);
-    int64_t* o = out.data_ptr<int64_t>();
     int64_t pending = 0;
     for (auto& per_worker : states_)
       for (auto& st : per_worker) pending += st.n;
@@ -265,7 +265,8 @@ class Scanner {
         }
         int64_t* first;
         if (total == 0) {
-          std::fill(row, row + k, kEmptyKey);
+          if (count) count[b] = 0;
+          else std::fill(row, row + k, kEmptyKey);
           continue;
         }
         bool single = false;
@@ -281,10 +282,10 @@ class Scanner {
         select_top(first, total, k, scratch);
         sort_keys_descending(first, take, tmp);
         std::copy(first, first + take, row);
-        std::fill(row + take, row + k, kEmptyKey);
+        if (count) count[b] = take;
+        else std::fill(row + take, row + k, kEmptyKey);
       }
     });
-    return out;
   }
 };
 
@@ -292,7 +293,14 @@ class Scanner {
 
 at::Tensor scan_topk(const ScanInput& in) {
   if (in.k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(in.k));
-  return Scanner(in).run();
+  at::Tensor out = at::empty({in.B, in.k}, at::kLong);
+  Scanner(in).run(out.data_ptr<int64_t>(), nullptr);
+  return out;
+}
+
+void scan_topk_into(const ScanInput& in, int64_t* out, int64_t* count) {
+  if (in.k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(in.k));
+  Scanner(in).run(out, count);
 }
 
 }  // namespace silverrec

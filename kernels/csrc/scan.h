@@ -40,6 +40,11 @@ struct ScanInput {
 // Top-k keys int64 [B, k] (score * 2**32 + 2**32 - 1 - row), descending, INT64_MIN padding.
 at::Tensor scan_topk(const ScanInput& in);
 
+// The same keys written to out[b * k, b * k + count[b]) (out: B * k entries), nothing after them:
+// callers that decode only the real results skip the padding pass (a [B, k] write that dominates
+// selective searches at large k).
+void scan_topk_into(const ScanInput& in, int64_t* out, int64_t* count);
+
 // silverrec::bloom_filter: int64 [B, P, n_words] (see kernels/bloom_filter.py).
 at::Tensor bloom_filter(const at::Tensor& bits, const at::Tensor& ops, const at::Tensor& rows,
                         const at::Tensor& word_start, int64_t n_words);
@@ -59,6 +64,12 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
                               const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& post_rows,
                               const at::Tensor& post_offsets, const at::Tensor& lists, const at::Tensor& active,
                               int64_t k);
+
+// The same keys, unpadded: query b's count[b] keys at out[b * k ...] (count 0 for inactive queries).
+void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
+                        const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& post_rows,
+                        const at::Tensor& post_offsets, const at::Tensor& lists, const at::Tensor& active, int64_t k,
+                        int64_t* out, int64_t* count);
 
 // silverrec::filter_plan: (probes int64 [B, P], bitmask int64 [B, P, Wc], route int64 [B]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
