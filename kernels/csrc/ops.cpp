@@ -207,6 +207,12 @@ void map_rows(const Id* id, int64_t n, const int64_t* r, int64_t m, int64_t* o) 
   for (int64_t i = 0; i < m;) {
     if (r[i] < 0) {
       int64_t j = i + 1;
+#if defined(__AVX2__)
+      // 4 rows per step while all are negative (their sign bits)
+      while (j + 4 <= m && _mm256_movemask_pd(_mm256_castsi256_pd(
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + j)))) == 0xF)
+        j += 4;
+#endif
       while (j < m && r[j] < 0) ++j;
       std::fill(o + i, o + j, int64_t{-1});
       i = j;
