@@ -49,6 +49,7 @@ import triton.language as tl
 from silverrec.kernels.bloom_filter_triton import program_words
 from silverrec.kernels.common import EMPTY_KEY
 from silverrec.kernels.filtered_topk import NO_LISTS
+from silverrec.kernels.ivf_scan_triton import row_scores
 
 DIGIT = 16  # bits per radix pass: 65536 bins per query
 BLOCK = 64  # rows per scored tile (one bank word) and words per route-1 tile
@@ -104,18 +105,7 @@ def _select_rows(
     COMPACT: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Score rows int64 [BLOCK] (lanes `ok`) against query b; histogram or compact them (module docstring)."""
-    acc = tl.zeros((BLOCK, 16), dtype=tl.int32)
-    cols = tl.arange(0, 16)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(x_ptr + rows[:, None] * D + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < D), other=0)
-        q = tl.load(
-            q_ptr + b * D + offs_d[:, None] + cols[None, :] * 0,
-            mask=(offs_d[:, None] < D) & (cols[None, :] >= 0),
-            other=0,
-        )  # [BLOCK_D, 16], every column = query b
-        acc += tl.dot(x, q, out_dtype=tl.int32)
-    score = tl.max(acc, axis=1).to(tl.int64)  # all 16 columns are equal
+    score = row_scores(q_ptr, x_ptr, b, rows, ok, D, D, D, BLOCK, BLOCK_D).to(tl.int64)
     v = ((score + SOFF) << RB) | (RMASK - rows)
     if COMPACT:
         sel = ok & (v >= vmin)

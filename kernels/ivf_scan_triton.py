@@ -25,6 +25,30 @@ SLOT_GROUP = 8  # probe slots scored per launch before a top-k merge
 
 
 @triton.jit
+def row_scores(q_ptr, x_ptr, b, rows, ok, D, stride_q, stride_x, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """int32 [BLOCK]: exact int8 dot products of query b with the code rows `rows` int64 [BLOCK]
+    (lanes where `ok` is False score 0). The query is broadcast over the 16 columns of the dot's
+    second operand (tl.dot needs N >= 16); all columns come out equal. Shared by the ivf_scan and
+    filtered_topk kernels."""
+    acc = tl.zeros((BLOCK, 16), dtype=tl.int32)
+    cols = tl.arange(0, 16)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_x + offs_d[None, :],
+            mask=ok[:, None] & (offs_d[None, :] < D),
+            other=0,
+        )  # [BLOCK, BLOCK_D]
+        q = tl.load(
+            q_ptr + b * stride_q + offs_d[:, None] + cols[None, :] * 0,
+            mask=(offs_d[:, None] < D) & (cols[None, :] >= 0),
+            other=0,
+        )  # [BLOCK_D, 16], every column = query b
+        acc += tl.dot(x, q, out_dtype=tl.int32)
+    return tl.max(acc, axis=1)
+
+
+@triton.jit
 def _ivf_scan_keys_kernel(
     q_ptr,  # int8 [B, D] quantised queries
     x_ptr,  # int8 [N, D] cluster-major codes
@@ -65,22 +89,7 @@ def _ivf_scan_keys_kernel(
         stop = tl.load(off_ptr + c + 1)
         rows = start + offs_n  # int64 [BLOCK_N]
         valid = rows < stop
-        acc = tl.zeros((BLOCK_N, 16), dtype=tl.int32)
-        cols = tl.arange(0, 16)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            x = tl.load(
-                x_ptr + rows[:, None] * stride_x + offs_d[None, :],
-                mask=valid[:, None] & (offs_d[None, :] < D),
-                other=0,
-            )  # [BLOCK_N, BLOCK_D]
-            q = tl.load(
-                q_ptr + b * stride_q + offs_d[:, None] + cols[None, :] * 0,
-                mask=(offs_d[:, None] < D) & (cols[None, :] >= 0),
-                other=0,
-            )  # [BLOCK_D, 16], every column = query b
-            acc += tl.dot(x, q, out_dtype=tl.int32)
-        score = tl.max(acc, axis=1)  # all 16 columns are equal
+        score = row_scores(q_ptr, x_ptr, b, rows, valid, D, stride_q, stride_x, BLOCK_N, BLOCK_D)
         if HAS_MASK:
             word = tl.load(
                 mask_ptr + b * stride_mb + j * stride_mp + ((rows >> 6) - (start >> 6)),
