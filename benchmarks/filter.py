@@ -480,16 +480,16 @@ def search_routes(snap, qt, k, nprobe, f) -> dict:
     return out
 
 
-def cuda_part(args, dev: torch.device) -> int:
-    """The --device cuda benchmark (module docstring); writes filter_cuda[_quick].json."""
+def cuda_setup(quick: bool, dev: torch.device):
+    """The --device cuda benchmark's index, queries and filters (module docstring), shared with
+    benchmarks/profile_cuda.py -> namespace(snap, qt, qd, xd, picked, masks, n, d, nlist, B)."""
     from types import SimpleNamespace
 
     from silverrec.publish.kmeans import kmeans
-    from silverrec.retrieval.filtered_search import search_index
 
     torch.set_num_threads(os.cpu_count() or 1)  # the CPU-side build and request compilation
     rng = np.random.default_rng(0)
-    n, d, nlist, B = (200_000, 96, 256, 16) if args.quick else (1_000_000, 96, 1024, 16)
+    n, d, nlist, B = (200_000, 96, 256, 16) if quick else (1_000_000, 96, 1024, 16)
     x = gaussian_mixture(n, d, rng)
     feats = {}
     for name, card in CONJ_FEATURES.items():
@@ -521,6 +521,16 @@ def cuda_part(args, dev: torch.device) -> int:
         if frac >= 5e-5 and bucket not in seen:
             seen.add(bucket)
             picked.append(f)
+    return SimpleNamespace(snap=snap, qt=qt, qd=qd, xd=xd, picked=picked, masks=masks, n=n, d=d, nlist=nlist, B=B)
+
+
+def cuda_part(args, dev: torch.device) -> int:
+    """The --device cuda benchmark (module docstring); writes filter_cuda[_quick].json."""
+    from silverrec.retrieval.filtered_search import search_index
+
+    c = cuda_setup(args.quick, dev)
+    snap, qt, qd, xd, picked, masks, n, d, nlist, B = (c.snap, c.qt, c.qd, c.xd, c.picked, c.masks, c.n, c.d,
+                                                       c.nlist, c.B)
     rows = []
     with torch.inference_mode():
         for k in (100, 4096):

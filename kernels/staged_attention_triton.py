@@ -61,7 +61,7 @@ def _staged_attention_kernel(
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < T
         k = tl.load(base + t[None, :] * ss_t + d[:, None], mask=tmask[None, :] & dmask[:, None], other=0.0)
-        s = tl.dot(q, k.to(tl.float32))  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, k.to(tl.float32), input_precision="ieee")  # [BLOCK_M, BLOCK_N]; fp32, not tf32 (CPU parity)
         ok = tl.load(valid_ptr + b * sval_b + t, mask=tmask, other=0) != 0
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -69,7 +69,7 @@ def _staged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         v = tl.load(vbase + t[:, None] * ss_t + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 

@@ -116,3 +116,17 @@ def test_prefill_and_staged_decode_match_forward():
             full = torch.cat([hist[:, None].expand(B, W, T), new[:, :, : s + 1]], dim=2).reshape(B * W, T + s + 1)
             ref = model(full)[:, -1].reshape(B, W, -1)
             torch.testing.assert_close(logits, ref, atol=1e-10, rtol=1e-10)
+
+
+def test_prefill_with_batch_folded_into_heads_is_equal():
+    """The prefill's batch-in-heads attention (torch < 2.13, see decoder.SDPA_BATCH_IN_HEADS) gives
+    the plain 4-D attention's logits and KV, padded rows included."""
+    cfg = _cfg()
+    model = _random_model(cfg)
+    tokens = _left_padded([1, 5, 9], 9, cfg.vocab_size)
+    want = model.prefill(tokens)
+    for layer in model.layers:
+        layer.attention.batch_in_heads = not layer.attention.batch_in_heads
+    got = model.prefill(tokens)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

@@ -44,6 +44,13 @@ PAD = 0
 BOS = 1
 N_SPECIAL = 2
 
+# The prefill's attention folds the batch into the heads (one 4-D SDPA call of batch 1 over B x H
+# heads) on torch releases whose torch.export guards `batch != 1` on a 4-D SDPA with a [B, 1, T, T]
+# mask: seen on torch 2.11 (the GPU machine's), so a snapshot published there could not answer a
+# batch of 1; torch 2.13 does not guard. Folded is equal (tests/test_decoder.py) but slower on the
+# CPU (the mask is expanded to every head): 1.2x per attention at 513 tokens, 1.8x at 2,049.
+SDPA_BATCH_IN_HEADS: bool = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
 
 def level_offsets(level_sizes: list[int]) -> list[int]:
     """First token id of each semantic-ID level: 2 + sum(level_sizes[:l])."""
@@ -174,6 +181,7 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.head_dim
+        self.batch_in_heads: bool = SDPA_BATCH_IN_HEADS
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
@@ -204,7 +212,14 @@ class Attention(nn.Module):
         group = self.n_heads // self.n_kv_heads
         kx = k[:, :, None].expand(B, self.n_kv_heads, group, T, self.head_dim).reshape(B, self.n_heads, T, self.head_dim)
         vx = v[:, :, None].expand(B, self.n_kv_heads, group, T, self.head_dim).reshape(B, self.n_heads, T, self.head_dim)
-        y = F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask)
+        if self.batch_in_heads:
+            BH = B * self.n_heads
+            y = F.scaled_dot_product_attention(
+                q.reshape(1, BH, T, self.head_dim), kx.reshape(1, BH, T, self.head_dim),
+                vx.reshape(1, BH, T, self.head_dim), attn_mask=mask.expand(B, self.n_heads, T, T).reshape(1, BH, T, T),
+            ).view(B, self.n_heads, T, self.head_dim)
+        else:
+            y = F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return linear(y, self.wo.weight), k, v
 
