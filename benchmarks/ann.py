@@ -341,6 +341,8 @@ def main(argv=None):
 
 def run_cuda(args, dev: torch.device) -> None:
     """The --device cuda benchmark (module docstring) on the Gaussian mixture; writes ann_cuda[_quick].json."""
+    from silverrec.serving.cuda_graphs import GraphedForward, capture_cuda_graph, capture_eager
+
     torch.set_num_threads(os.cpu_count() or 1)  # the CPU-side build only
     n = args.n or (100_000 if args.quick else 1_000_000)
     nprobes = [int(v) for v in args.nprobes.split(",")] if args.nprobes else ([8, 32, 128] if args.quick else [8, 16, 32, 64, 128, 256])
@@ -351,6 +353,7 @@ def run_cuda(args, dev: torch.device) -> None:
     index = cluster_major_layout(x, torch.arange(n), km.centroids, km.assignment).eval().to(dev)
     xd, qd = x.to(dev), q.to(dev)
     batches = [qd[i : i + BATCH] for i in range(0, qd.shape[0], BATCH)]
+    graphed = GraphedForward(index, capture=capture_cuda_graph if dev.type == "cuda" else capture_eager)
     fg = faiss_gpu()
     if fg is not None:
         from faiss.contrib.ivf_tools import add_preassigned
@@ -368,7 +371,8 @@ def run_cuda(args, dev: torch.device) -> None:
             truth = torch.topk(qd @ xd.T, k, dim=1).indices.cpu().numpy()
             floor = {"torch_topk_float": lambda: [torch.topk(b @ xd.T, k, dim=1) for b in batches]}
             for nprobe in [p for p in nprobes if p <= nlist]:
-                sides = {"silverrec": lambda: [index(b, k, nprobe) for b in batches], **floor}
+                sides = {"silverrec": lambda: [index(b, k, nprobe) for b in batches],
+                         "silverrec_graphed": lambda: [graphed(b, k, nprobe) for b in batches], **floor}
                 if fg is not None and k <= 2048:
                     sq8_gpu.nprobe = nprobe
                     qn = q.numpy()

@@ -486,6 +486,7 @@ def cuda_setup(quick: bool, dev: torch.device):
     from types import SimpleNamespace
 
     from silverrec.publish.kmeans import kmeans
+    from silverrec.serving.cuda_graphs import GraphedForward, capture_cuda_graph, capture_eager
 
     torch.set_num_threads(os.cpu_count() or 1)  # the CPU-side build and request compilation
     rng = np.random.default_rng(0)
@@ -502,13 +503,18 @@ def cuda_setup(quick: bool, dev: torch.device):
     module, meta = filter_index(ivf, fwd.permute(ivf.row_to_item), BloomConfig(bits=512, hashes=7))
     root = search_model(module.eval()).to(dev)
 
-    def forward(*a):  # the predictor's call, its request tensors moved to the device
-        return root(*[t.to(dev) if isinstance(t, torch.Tensor) else t for t in a])
+    graphed = GraphedForward(root, capture=capture_cuda_graph if dev.type == "cuda" else capture_eager)
 
-    snap = SimpleNamespace(path="bench", module=forward, index=module, config={
+    def on_device(fn):  # the predictor's call, its request tensors moved to the device
+        return lambda *a: fn(*[t.to(dev) if isinstance(t, torch.Tensor) else t for t in a])
+
+    config = {
         "nlist": nlist, "default_nprobe": 16, "filter": meta,
         "search": {"default_max_probe": min(nlist, 128), "match_factor": module.match_factor, "exact_cost_ratio": module.exact_cost_ratio},
-    })
+    }
+    snap = SimpleNamespace(path="bench", module=on_device(root), index=module, config=config)
+    # the forward replayed from CUDA graphs, as silverrec.load(path, device="cuda") serves it
+    snap_graphed = SimpleNamespace(path="bench", module=on_device(graphed), index=module, config=config)
     q = x[rng.integers(0, n, B)] + 0.3 * rng.normal(size=(B, d)).astype(np.float32)
     qt, xd = torch.from_numpy(q), xt.to(dev)
     qd = qt.to(dev)
@@ -521,7 +527,8 @@ def cuda_setup(quick: bool, dev: torch.device):
         if frac >= 5e-5 and bucket not in seen:
             seen.add(bucket)
             picked.append(f)
-    return SimpleNamespace(snap=snap, qt=qt, qd=qd, xd=xd, picked=picked, masks=masks, n=n, d=d, nlist=nlist, B=B)
+    return SimpleNamespace(snap=snap, snap_graphed=snap_graphed, qt=qt, qd=qd, xd=xd, picked=picked, masks=masks, n=n,
+                           d=d, nlist=nlist, B=B)
 
 
 def cuda_part(args, dev: torch.device) -> int:
@@ -542,20 +549,28 @@ def cuda_part(args, dev: torch.device) -> int:
                 def floor(mask=mask, k=k):
                     return torch.topk((qd @ xd.T).masked_fill(~mask, float("-inf")), min(k, int(masks[f].sum())), dim=1)
 
-                def ours(f=f, k=k, nprobe=nprobe):
+                def ours(f=f, k=k, nprobe=nprobe, snap=snap):
                     return search_index(snap, qt, k, nprobe=nprobe, filter=f)
+
+                def ours_graphed(f=f, k=k, nprobe=nprobe):
+                    return ours(f, k, nprobe, c.snap_graphed)
 
                 truth = [r[torch.isfinite(s)].cpu().numpy() for s, r in zip(*floor())]
                 found = ours()[1].cpu().numpy()
-                t = cuda_alternate({"silverrec": ours, "torch_masked_topk_floor": floor}, 5 if args.quick else 20)
+                graphed_same = bool(np.array_equal(ours_graphed()[1].cpu().numpy(), found))
+                t = cuda_alternate({"silverrec": ours, "silverrec_graphed": ours_graphed, "torch_masked_topk_floor": floor},
+                                   5 if args.quick else 20)
                 peak = peak_bytes(ours)
                 rows.append({"k": k, "filter": f, "fraction": frac, "nprobe": nprobe, "recall": recall(found, truth),
                              "median_ms": {name: v["median_ms"] for name, v in t.items()}, "timing": t,
                              "ratio_floor_over_silverrec": t["torch_masked_topk_floor"]["median_ms"] / t["silverrec"]["median_ms"],
+                             "ratio_floor_over_silverrec_graphed": t["torch_masked_topk_floor"]["median_ms"] / t["silverrec_graphed"]["median_ms"],
+                             "graphed_items_equal_eager": graphed_same,
                              "peak_bytes": peak, "b_n_4_bytes": B * n * 4,
                              "peak_over_b_n_4": None if peak is None else peak / (B * n * 4)})
                 r = rows[-1]
                 print(f"k={k:4d} {frac:8.4%} silverrec {r['median_ms']['silverrec']:8.3f} ms (recall {r['recall']:.3f}) | "
+                      f"graphed {r['median_ms']['silverrec_graphed']:8.3f} ms (same items: {graphed_same}) | "
                       f"masked topk floor {r['median_ms']['torch_masked_topk_floor']:8.3f} ms | ratio {r['ratio_floor_over_silverrec']:.2f} "
                       f"| peak {peak} B = {r['peak_over_b_n_4']} x B*N*4  [{f}]", flush=True)
     out = Path(__file__).parent / "results" / ("filter_cuda" + ("_quick" if args.quick else "") + ("_dry_run" if dev.type == "cpu" else "") + ".json")

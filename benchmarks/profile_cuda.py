@@ -8,7 +8,8 @@ call, and the ops that take the most host time and device time. Wall >> device t
 is bound by the host (dispatch, launches, synchronisation), not by the GPU's arithmetic. Cases: the
 filtered search of benchmarks/filter.py's --device cuda index (200k x 96 with --quick, batch 16,
 k = 100) unfiltered and with its most and least selective conjunctions, through `search_index`
-(request compilation, estimates, one forward); `silverrec::int8_topk` over 100k x 128, k = 100.
+(request compilation, estimates, one forward), eager and replayed from a CUDA graph
+(`GraphedForward`); `silverrec::int8_topk` over 100k x 128, k = 100.
 """
 
 from __future__ import annotations
@@ -97,6 +98,12 @@ def main(argv=None) -> int:
             frac = float(c.masks[f].float().mean())
             cases.append(profile_case(f"search filtered {frac:.4%} [{f}], k=100, nprobe=16",
                                       lambda f=f: search_index(c.snap, c.qt, 100, nprobe=16, filter=f), dev))
+        # the same calls with the forward replayed from a CUDA graph (GraphedForward, what load serves)
+        cases.append(profile_case("graphed search unfiltered, k=100, nprobe=16",
+                                  lambda: search_index(c.snap_graphed, c.qt, 100, nprobe=16), dev))
+        f = c.picked[0]
+        cases.append(profile_case(f"graphed search filtered [{f}], k=100, nprobe=16",
+                                  lambda: search_index(c.snap_graphed, c.qt, 100, nprobe=16, filter=f), dev))
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(100_000, 128, generator=gen)
         codes, scale, offset = (t.to(dev) for t in quantize_global(x))

@@ -32,20 +32,18 @@ snapshot: torch.export / TorchScript programs are the same with or without it.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from silverrec.generative.decoder import BOS, PAD
+from silverrec.serving.cuda_graphs import (DEFAULT_MAX_GRAPHS, Capture, GraphCache, HasGraphCache, capture_cuda_graph,
+                                           capture_eager)
+
+__all__ = ["GraphedDecode", "bucket", "pad_history", "pad_batch", "capture_cuda_graph", "capture_eager"]
 
 MIN_BUCKET = 16  # shortest padded history: history buckets are powers of two from here
-DEFAULT_MAX_GRAPHS = 8
-WARMUP_CALLS = 3  # eager calls on a side stream before capture (Triton compiles, cuBLAS workspaces)
-
-Capture = Callable[[Callable[..., Sequence[torch.Tensor]], Sequence[torch.Tensor]], "Replay"]
 
 
 def bucket(size: int, minimum: int = 1) -> int:
@@ -80,46 +78,7 @@ def pad_batch(history: torch.Tensor, item_bitmask: torch.Tensor, batch: int) -> 
     return torch.cat([history, extra]), torch.cat([item_bitmask, item_bitmask.new_zeros(batch - B, item_bitmask.shape[1])])
 
 
-class Replay:
-    """A captured call: `run()` re-executes it on its static inputs, leaving results in `outputs`."""
-
-    def __init__(self, outputs: Sequence[torch.Tensor], run: Callable[[], None], keep: object = None):
-        self.outputs = tuple(outputs)
-        self.run = run
-        self.keep = keep  # the CUDAGraph (and through it its memory pool)
-
-
-def capture_cuda_graph(fn: Callable[..., Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor]) -> Replay:
-    """Warm `fn` up on a side stream, then capture `fn(*inputs)` into a CUDA graph (private pool).
-
-    The warm-up compiles Triton kernels and sets up cuBLAS before capture, which must not allocate
-    host-visible state or synchronise (the decode has no host sync on CUDA by construction).
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(WARMUP_CALLS):
-            fn(*inputs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn(*inputs)
-    return Replay(outputs, graph.replay, keep=graph)
-
-
-def capture_eager(fn: Callable[..., Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor]) -> Replay:
-    """The same contract without a GPU: `run()` calls `fn` on the static inputs and writes into the
-    first call's output tensors (tests the buffer copy-in / copy-out on any device)."""
-    outputs = tuple(fn(*inputs))
-
-    def run() -> None:
-        for out, new in zip(outputs, fn(*inputs)):
-            out.copy_(new)
-
-    return Replay(outputs, run)
-
-
-class GraphedDecode:
+class GraphedDecode(HasGraphCache):
     """Graph replay of a generative forward `module(history, item_bitmask) -> (item_ids, scores)`.
 
     Args:
@@ -144,14 +103,11 @@ class GraphedDecode:
             raise ValueError(f"beam_width must be positive, got {beam_width}")
         self.module = module
         self.beam_width = int(beam_width)
-        self.max_graphs = int(max_graphs)
         self.min_bucket = int(min_bucket)
         self.capture = capture
-        self.graphs: OrderedDict[tuple, tuple[tuple[torch.Tensor, ...], Replay]] = OrderedDict()
-        self.captures = 0  # shapes captured so far (evicted ones included)
-        # one call at a time: calls share each key's static buffers (a server's workers call from
-        # several threads), and no other call launches work while a graph is being captured
-        self._lock = threading.Lock()
+        # one call at a time (the cache's lock): calls share each key's static buffers (a server's
+        # workers call from several threads), and nothing launches while a graph is being captured
+        self.cache = GraphCache(module, max_graphs, capture)
 
     def key(self, history: torch.Tensor, item_bitmask: torch.Tensor) -> tuple:
         """(device, batch bucket, beam width, history bucket, bitmask words): one graph per key."""
@@ -174,24 +130,6 @@ class GraphedDecode:
             raise ValueError(f"history is on {history.device} but item_bitmask on {item_bitmask.device}")
         key = self.key(history, item_bitmask)
         B = history.shape[0]
-        with self._lock, torch.inference_mode():
-            history, item_bitmask = self.pad(history, item_bitmask)
-            entry = self.graphs.get(key)
-            if entry is None:
-                entry = self._capture(key, history, item_bitmask)
-            else:
-                self.graphs.move_to_end(key)
-            static, replay = entry
-            static[0].copy_(history)
-            static[1].copy_(item_bitmask)
-            replay.run()
-            return tuple(out[:B].clone() for out in replay.outputs)
-
-    def _capture(self, key: tuple, history: torch.Tensor, item_bitmask: torch.Tensor):
-        while len(self.graphs) >= self.max_graphs:
-            self.graphs.popitem(last=False)  # drops the graph and its pool
-        static = (history.clone(), item_bitmask.clone())
-        entry = (static, self.capture(self.module, static))
-        self.graphs[key] = entry
-        self.captures += 1
-        return entry
+        with self.cache.lock, torch.inference_mode():
+            out = self.cache(key, self.pad(history, item_bitmask))
+            return tuple(o[:B].clone() for o in out)

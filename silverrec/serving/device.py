@@ -10,8 +10,10 @@ The CPU path (device "cpu", the default) is untouched: no move, no wrapper. On a
   exported rank program (rank.pt2) moves the same way, the TorchScript `rank` method with its module.
 - `OnDevice` runs it behind the unchanged predictor API: a call moves its tensor arguments to the
   device once and its outputs back once (non-blocking copies both ways, one stream synchronisation).
-- A generative snapshot on CUDA decodes through `GraphedDecode` (one CUDA graph per batch / history
-  bucket, least recently used evicted; silverrec/generative/cuda_graph.py).
+- Its forward is replayed from CUDA graphs: a generative snapshot decodes through `GraphedDecode`
+  (one graph per batch / history bucket; silverrec/generative/cuda_graph.py), every other program
+  through `GraphedForward` (one graph per request shape; silverrec/serving/cuda_graphs.py). Both
+  keep the least recently used 8 graphs.
 """
 
 from __future__ import annotations
@@ -113,13 +115,19 @@ class OnDevice:
 
 
 def serving_module(module, manifest: dict[str, Any], device: torch.device) -> OnDevice:
-    """A program already on `device` behind the CPU API; a generative decode through GraphedDecode
-    (CUDA-graph replay on CUDA; on the CPU, `capture_eager`: the same padding and static buffers)."""
-    if manifest.get("kind") == "generative":
-        from silverrec.generative.cuda_graph import GraphedDecode, capture_cuda_graph, capture_eager
+    """A program already on `device` behind the CPU API, its forward replayed from CUDA graphs: a
+    generative decode through GraphedDecode (padded to batch / history buckets), every other program
+    through GraphedForward (one graph per request shape). On the CPU (the tests' forced device
+    path), `capture_eager`: the same keys, static buffers and copies, no graph."""
+    from silverrec.serving.cuda_graphs import GraphedForward, capture_cuda_graph, capture_eager
 
-        capture = capture_cuda_graph if device.type == "cuda" else capture_eager
+    capture = capture_cuda_graph if device.type == "cuda" else capture_eager
+    if manifest.get("kind") == "generative":
+        from silverrec.generative.cuda_graph import GraphedDecode
+
         module = GraphedDecode(module, beam_width=int(manifest["config"]["beam_width"]), capture=capture)
+    else:
+        module = GraphedForward(module, capture=capture)
     return OnDevice(module, device)
 
 

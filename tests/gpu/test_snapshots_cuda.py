@@ -21,6 +21,7 @@ from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
 from silverrec.publish.semantic_ids import build_semantic_ids
 from silverrec.bitmask import pack_bits
+from silverrec.serving.cuda_graphs import EAGER, GraphedForward
 
 from ..reference_beam_search import random_decoder
 from ..test_filter_ivf import _pool
@@ -59,10 +60,16 @@ def test_index_snapshot(index_snapshots, kind, backend, cuda):
     cpu, dev = _on_device(paths[kind], backend, cuda)
     requests = [{"nprobe": 8}] if kind == "ivf" else [{"filter": FILTERS, "nprobe": 4}, {"filter": FILTERS, "mode": "probed"}]
     for options in requests:
-        want = cpu.search(queries, K, **options)
-        got = dev.search(queries, K, **options)
-        assert_ranking_close(got.item_ids, got.scores, want.item_ids, want.scores)
-        assert (want.item_ids >= 0).any()
+        # the same request shape twice with other queries: the second call replays the first's
+        # CUDA graph (GraphedForward) on new inputs
+        for q in (queries, queries.flip(0) * 0.9):
+            want = cpu.search(q, K, **options)
+            got = dev.search(q, K, **options)
+            assert_ranking_close(got.item_ids, got.scores, want.item_ids, want.scores)
+            assert (want.item_ids >= 0).any()
+    graphed = dev.module.module
+    assert isinstance(graphed, GraphedForward) and graphed.captures == len(requests)
+    assert not any(entry is EAGER for entry in graphed.graphs.values()), "a search shape fell back to eager"
 
 
 @pytest.fixture(scope="module")
