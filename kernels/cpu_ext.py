@@ -26,12 +26,18 @@ def cpu_ext() -> Optional[ModuleType]:
     if "ext" not in _state:
         mod = None
         if os.environ.get("SILVERREC_CPU_EXT", "1") != "0":
+            import importlib.util
+
             try:
+                built = importlib.util.find_spec("silverrec.kernels._cpu") is not None
                 from silverrec.kernels import _cpu as mod  # type: ignore[attr-defined,no-redef]
             except ImportError as e:
+                # not built (a checkout run without an install, as `make test-gpu` does) or built
+                # for another torch: the message says which, not Python's "partially initialized"
+                why = f"cannot load it: {e}" if built else "not built in this checkout (kernels/_cpu*.so)"
                 warnings.warn(
-                    f"silverrec: C++ CPU kernels unavailable ({e}); using the slower torch implementations. "
-                    "Rebuild with `pip install --no-build-isolation -e .` (needs a C++ compiler).",
+                    f"silverrec: C++ CPU kernels unavailable ({why}); using the slower torch implementations. "
+                    "Build them with `pip install --no-build-isolation -e .` (needs a C++ compiler).",
                     RuntimeWarning,
                     stacklevel=2,
                 )

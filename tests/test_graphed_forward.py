@@ -39,7 +39,7 @@ def _assert_equal(got, want):
 
 def test_replays_equal_direct_calls_and_one_capture_per_shape():
     module = Toy()
-    graphed = GraphedForward(module, capture=capture_eager)
+    graphed = GraphedForward(module, capture=capture_eager, capture_after=1)
     first = graphed(*_args(0))
     _assert_equal(first, module(*_args(0)))
     kept = torch.utils._pytree.tree_map(torch.clone, first)
@@ -52,9 +52,21 @@ def test_replays_equal_direct_calls_and_one_capture_per_shape():
     assert graphed.captures == 5 and len(graphed.graphs) == 5
 
 
+def test_a_shape_is_captured_on_its_second_call_by_default():
+    module = Toy()
+    graphed = GraphedForward(module, capture=capture_eager)
+    for seed in range(3):  # eager, capture, replay
+        _assert_equal(graphed(*_args(seed)), module(*_args(seed)))
+        assert graphed.captures == (0 if seed == 0 else 1)
+    for b in range(5, 10):  # a different shape each call (the batch): none is ever captured
+        args = _args(b, b=b)
+        _assert_equal(graphed(*args), module(*args))
+    assert graphed.captures == 1 and len(graphed.graphs) == 1
+
+
 def test_least_recently_used_shape_is_evicted():
     module = Toy()
-    graphed = GraphedForward(module, max_graphs=2, capture=capture_eager)
+    graphed = GraphedForward(module, max_graphs=2, capture=capture_eager, capture_after=1)
     a, b, c = _args(0, k=1), _args(1, k=2), _args(2, k=3)
     graphed(*a), graphed(*b), graphed(*a), graphed(*c)  # b is the least recently used when c comes
     assert graphed.captures == 3 and len(graphed.graphs) == 2
@@ -67,7 +79,7 @@ def test_a_shape_that_cannot_be_captured_runs_eagerly():
         raise RuntimeError("operation not permitted when stream is capturing")
 
     module = Toy()
-    graphed = GraphedForward(module, capture=refuses)
+    graphed = GraphedForward(module, capture=refuses, capture_after=1)
     args = _args(0)
     with pytest.warns(RuntimeWarning, match="capture failed"):
         got = graphed(*args)

@@ -11,7 +11,8 @@ pool and replayed with one launch:
     scores, items = search(q, k, nprobe, *filter_tensors, max_probe, modes)   # device tensors
 
 Keys: the call's tensor shapes and dtypes, its device, and its other arguments (k, nprobe, ...:
-they are baked into the graph). A call copies its tensors into the key's static inputs, replays,
+they are baked into the graph); a key is captured on its second call (`CAPTURE_AFTER`), so shapes
+that never recur cost no capture. A call copies its tensors into the key's static inputs, replays,
 and returns clones of the outputs (the next replay overwrites them). A forward that cannot be
 captured (a host synchronisation, an op that refuses capture) runs eagerly for that key from then
 on, with one warning. `GraphCache` is the shared part: the generative decode's `GraphedDecode`
@@ -29,6 +30,10 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 DEFAULT_MAX_GRAPHS = 8
+# GraphedForward captures a shape on its second call: a request whose shape varies call by call (a
+# recommendation request's feature values, the length of its history) runs eagerly instead of
+# paying a capture (warm-ups + capture + a private pool) for a graph that would never be replayed
+CAPTURE_AFTER = 2
 WARMUP_CALLS = 3  # eager calls on a side stream before capture (Triton compiles, cuBLAS workspaces)
 
 Capture = Callable[[Callable[..., Sequence[torch.Tensor]], Sequence[torch.Tensor]], "Replay"]
@@ -83,13 +88,15 @@ class GraphCache:
     nothing may launch while a graph is captured, so calls take turns."""
 
     def __init__(self, fn: Callable[..., Sequence[torch.Tensor]], max_graphs: int = DEFAULT_MAX_GRAPHS,
-                 capture: Capture = capture_cuda_graph):
-        if max_graphs <= 0:
-            raise ValueError(f"max_graphs must be positive, got {max_graphs}")
+                 capture: Capture = capture_cuda_graph, capture_after: int = 1):
+        if max_graphs <= 0 or capture_after <= 0:
+            raise ValueError(f"max_graphs and capture_after must be positive, got {max_graphs} and {capture_after}")
         self.fn = fn
         self.max_graphs = int(max_graphs)
         self.capture = capture
+        self.capture_after = int(capture_after)
         self.graphs: OrderedDict[Hashable, Any] = OrderedDict()
+        self.seen: OrderedDict[Hashable, int] = OrderedDict()  # calls of keys not captured yet (bounded)
         self.captures = 0  # keys captured so far (evicted ones included)
         self.lock = threading.Lock()
 
@@ -97,6 +104,12 @@ class GraphCache:
         """Run under `self.lock` (the caller holds it while it reads the outputs)."""
         entry = self.graphs.get(key)
         if entry is None:
+            calls = self.seen.pop(key, 0) + 1
+            if calls < self.capture_after:  # not (yet) a recurring shape: no capture for a one-off
+                self.seen[key] = calls
+                while len(self.seen) > 8 * self.max_graphs:
+                    self.seen.popitem(last=False)
+                return tuple(self.fn(*inputs))
             entry = self._capture(key, inputs)
         else:
             self.graphs.move_to_end(key)
@@ -144,14 +157,16 @@ class GraphedForward(HasGraphCache):
         module: the program (loaded snapshot module, exported or TorchScript) on the calls' device.
         max_graphs: shapes kept (least recently used evicted).
         capture: `capture_cuda_graph`; `capture_eager` in CPU tests.
+        capture_after: a shape is captured on its this-many-th call (the earlier ones run eagerly).
     Call: the module's own arguments (tensors, ints, floats, None, nested tuples / lists) -> its
         outputs (cloned). CPU tensors with the default capture call the module directly. Other
         attributes (the TorchScript `rank` method) are the module's own, not graphed.
     """
 
-    def __init__(self, module: Callable, max_graphs: int = DEFAULT_MAX_GRAPHS, capture: Capture = capture_cuda_graph):
+    def __init__(self, module: Callable, max_graphs: int = DEFAULT_MAX_GRAPHS, capture: Capture = capture_cuda_graph,
+                 capture_after: int = CAPTURE_AFTER):
         self.module = module
-        self.cache = GraphCache(self._flat_call, max_graphs, capture)
+        self.cache = GraphCache(self._flat_call, max_graphs, capture, capture_after)
         self._calls: dict[Hashable, tuple] = {}  # key -> (args spec, non-tensor leaves, output spec box)
         self._current: Hashable = None
 

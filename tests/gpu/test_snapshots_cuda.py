@@ -60,9 +60,9 @@ def test_index_snapshot(index_snapshots, kind, backend, cuda):
     cpu, dev = _on_device(paths[kind], backend, cuda)
     requests = [{"nprobe": 8}] if kind == "ivf" else [{"filter": FILTERS, "nprobe": 4}, {"filter": FILTERS, "mode": "probed"}]
     for options in requests:
-        # the same request shape twice with other queries: the second call replays the first's
-        # CUDA graph (GraphedForward) on new inputs
-        for q in (queries, queries.flip(0) * 0.9):
+        # the same request shape three times with other queries (GraphedForward): the first call
+        # runs eagerly, the second captures the shape's CUDA graph, the third replays it on new inputs
+        for q in (queries, queries.flip(0) * 0.9, queries.roll(1, 0) * 1.1):
             want = cpu.search(q, K, **options)
             got = dev.search(q, K, **options)
             assert_ranking_close(got.item_ids, got.scores, want.item_ids, want.scores)
