@@ -33,6 +33,7 @@ from silverrec.generative.source import request_tensors
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 from silverrec.serving.device import exported_module
+from silverrec.serving.histories import UserHistories, newest_unique
 from silverrec.threads import num_threads
 
 ITEMS_FILE = "items.npz"
@@ -118,6 +119,8 @@ class RecHandler:
         self.plan = FilterPlan.from_config(config["filter"])
         self.template = config.get("filter_template")  # filled in the model from the user's features
         self.users = users
+        self.user_histories = None if users is None else UserHistories(
+            users, self._rows_or_minus_one, lambda ids, where: self.rows(ids, f"{where} history"))
         self._rank_module = rank_module  # a callable, or a function returning one (loaded lazily)
 
     @classmethod
@@ -157,14 +160,22 @@ class RecHandler:
         return self.order[pos].astype(np.int64)
 
     def history_ids(self, user_id: int, where: str) -> np.ndarray:
+        """The stored history of a training user: item ids in time order."""
+        return self._histories(where).ids(user_id, where)
+
+    def history_rows(self, user_id: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+        """(rows in time order, rows once each newest first) of a stored user (UserHistories)."""
+        return self._histories(where).rows(user_id, where)
+
+    def _histories(self, where: str) -> UserHistories:
         if self.users is None:
             raise QueryError(f"{where}: this snapshot stores no user histories; send the history instead of user_id")
-        uids = self.users["user_ids"]
-        i = int(np.searchsorted(uids, user_id))
-        if i >= len(uids) or int(uids[i]) != int(user_id):
-            raise QueryError(f"{where}: unknown user_id {user_id}: not a user of the snapshot's training logs")
-        off = self.users["offsets"]
-        return self.users["item_ids"][off[i]:off[i + 1]]
+        return self.user_histories
+
+    def _rows_or_minus_one(self, item_ids: np.ndarray) -> np.ndarray:
+        """Item ids -> rows, -1 where an id is not in the pool."""
+        pos = np.searchsorted(self.sorted_ids, item_ids).clip(0, len(self.sorted_ids) - 1)
+        return np.where(self.sorted_ids[pos] == item_ids, self.order[pos], -1).astype(np.int64)
 
     def encode(self, requests: Sequence[RecRequest], exclude_history: bool, exclude_limit: int):
         """-> (values, lengths, dense, exclude int64 [B, E] sorted per request, -1 padded at the front).
@@ -175,56 +186,62 @@ class RecHandler:
         fetches k0 + the model's constant overfetch rows per task, whatever E is), and the exclusion
         stage's cost grows with E (a fixed E = exclude_limit = 4096 made it 6% of a batch-16 forward).
 
-        Vectorised over the batch: one id -> row lookup for every history and exclude id, the
-        exclusions as sorted (request, row) keys. Any bad id or too many exclusions re-runs the
-        lookups request by request (`_raise_first_error`) for the error that names them.
+        A stored user's rows come from `UserHistories` (computed once); the ids a request sends
+        (histories, exclude ids) are looked up in one vectorised search, and the exclusions are built
+        as sorted (request, row) keys. Any bad id or too many exclusions re-runs the lookups request
+        by request (`_raise_first_error`) for the error that names them.
         """
         B = len(requests)
-        hist_ids, ex_ids = [], []
+        histories: list = [None] * B
+        newest: list = [None] * B
+        sent = []  # requests that send their history
         for b, r in enumerate(requests):
             if (r.user_id is None) == (r.history is None):
                 raise QueryError(f"request {b}: give exactly one of user_id and history")
-            hist_ids.append(self.history_ids(r.user_id, f"request {b}") if r.user_id is not None else r.history)
-            ex_ids.append(r.exclude)
+            if r.user_id is not None:
+                histories[b], newest[b] = self.history_rows(r.user_id, f"request {b}")
+            else:
+                sent.append(b)
         try:
-            parts = [np.asarray(x, dtype=np.int64).reshape(-1) for x in (*hist_ids, *ex_ids)]
+            parts = [np.asarray(x, dtype=np.int64).reshape(-1) for x in
+                     (*(requests[b].history for b in sent), *(r.exclude for r in requests))]
         except (TypeError, ValueError, OverflowError):
-            self._raise_first_error(hist_ids, ex_ids, exclude_limit)
+            self._raise_first_error(requests, exclude_limit)
         counts = np.asarray([x.size for x in parts], dtype=np.int64)
-        ids = np.concatenate(parts)
+        ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         pos = np.searchsorted(self.sorted_ids, ids).clip(0, len(self.sorted_ids) - 1)
         if (self.sorted_ids[pos] != ids).any():
-            self._raise_first_error(hist_ids, ex_ids, exclude_limit)
-        all_rows = self.order[pos]
-        n_hist = int(counts[:B].sum())
-        hist_rows, ex_rows = all_rows[:n_hist], all_rows[n_hist:]
+            self._raise_first_error(requests, exclude_limit)
+        all_rows = self.order[pos].astype(np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for j, b in enumerate(sent):
+            histories[b] = all_rows[starts[j]:starts[j + 1]]
+            newest[b] = newest_unique(histories[b]) if exclude_history else None
+        ex_rows, ex_counts = all_rows[starts[len(sent)]:], counts[len(sent):]
         n = np.int64(len(self.row_to_item))
         # exclusions as keys request * n + row: sorted keys are sorted per request, requests in order
         ex_keys, ex_count = ex_rows, np.zeros(B, dtype=np.int64)  # (no exclude ids: the common case)
         if ex_rows.size:
-            ex_keys = np.unique(np.repeat(np.arange(B, dtype=np.int64), counts[B:]) * n + ex_rows)
+            ex_keys = np.unique(np.repeat(np.arange(B, dtype=np.int64), ex_counts) * n + ex_rows)
             ex_count = np.bincount(ex_keys // n, minlength=B)
             if (ex_count > exclude_limit).any():
-                self._raise_first_error(hist_ids, ex_ids, exclude_limit)
+                self._raise_first_error(requests, exclude_limit)
         keys = ex_keys
-        if exclude_history and n_hist:
-            # each (request, row) once, at its newest position (the reversed batch: newest first)
-            rev = (np.repeat(np.arange(B, dtype=np.int64), counts[:B]) * n + hist_rows)[::-1]
-            hkeys, newest = np.unique(rev, return_index=True)
+        if exclude_history and B and sum(x.size for x in newest):
+            # each request's history rows once, newest first, after its exclude ids, up to the limit
+            owner = np.repeat(np.arange(B, dtype=np.int64), [x.size for x in newest])
+            hkeys = owner * n + np.concatenate(newest)
             if ex_keys.size:
                 keep = ~np.isin(hkeys, ex_keys, assume_unique=True)
-                hkeys, newest = hkeys[keep], newest[keep]
-            hkeys = hkeys[np.argsort(newest, kind="stable")]  # newest first, request B-1 first
-            owner = hkeys // n
+                hkeys, owner = hkeys[keep], owner[keep]
             per = np.bincount(owner, minlength=B)
-            rank = np.arange(hkeys.size) - (np.cumsum(per[::-1])[::-1] - per)[owner]  # newest = 0
+            rank = np.arange(hkeys.size) - (np.cumsum(per) - per)[owner]  # newest = 0
             keys = np.sort(np.concatenate([ex_keys, hkeys[rank < exclude_limit - ex_count[owner]]]))
         owner = keys // n
         per = np.bincount(owner, minlength=B)
         width = max(1, int(per.max()) if B else 1)
         exclude = np.full((B, width), -1, dtype=np.int64)
         exclude[owner, width - per[owner] + np.arange(keys.size) - (np.cumsum(per) - per)[owner]] = keys - owner * n
-        histories = np.split(hist_rows, np.cumsum(counts[: B - 1])) if B else []
         numeric = [dict(r.numeric) for r in requests]
         unknown = sorted({g for m in numeric for g in m} - set(self.spec.user_numeric))
         if unknown:
@@ -233,11 +250,12 @@ class RecHandler:
         values, lengths, dense = self.encoder.encode(histories, [dict(r.features) for r in requests], numeric)
         return values, lengths, dense, torch.from_numpy(exclude)
 
-    def _raise_first_error(self, hist_ids, ex_ids, exclude_limit: int) -> None:
+    def _raise_first_error(self, requests: Sequence[RecRequest], exclude_limit: int) -> None:
         """The request-by-request lookups, in request order: raises the first request's QueryError."""
-        for b, (h, e) in enumerate(zip(hist_ids, ex_ids)):
-            self.rows(h, f"request {b} history")
-            count = np.unique(self.rows(e, f"request {b} exclude")).size
+        for b, r in enumerate(requests):
+            self.rows(self.history_ids(r.user_id, f"request {b}") if r.user_id is not None else r.history,
+                      f"request {b} history")
+            count = np.unique(self.rows(r.exclude, f"request {b} exclude")).size
             if count > exclude_limit:
                 raise QueryError(f"request {b}: {count} exclude ids exceed the exclusion limit {exclude_limit}")
         raise AssertionError("_raise_first_error found no error")
@@ -276,8 +294,8 @@ class RecHandler:
         modes = torch.tensor([MODES["probed"] if f is None and not self.template else MODES[mode] for f in filters],
                              dtype=torch.int64)
         if beams:  # hybrid: + the histories (the decoder's input) and the source flags
-            hist = [self.rows(self.history_ids(r.user_id, f"request {b}") if r.user_id is not None else r.history,
-                              f"request {b} history") for b, r in enumerate(requests)]
+            hist = [self.history_rows(r.user_id, f"request {b}")[0] if r.user_id is not None else
+                    self.rows(r.history, f"request {b} history") for b, r in enumerate(requests)]
             extra = request_tensors(hist, [r.sources for r in requests], sources)
         elif any(r.sources is not None and list(r.sources) != ["ann"] for r in requests):
             raise QueryError("this snapshot has one retrieval source, 'ann' (publish with sources = ['ann', 'generative'])")
