@@ -4,9 +4,10 @@
 program (b, g, t) takes query b's probe slot j = j0 + g, loads row tile t of cluster probes[b, j],
 scores it with int8 `tl.dot` (int32 accumulation), applies the slot's bitmask and writes int64 sort
 keys (score << 32 | ~row), EMPTY_KEY for rows outside the cluster, masked rows or slot -1. The
-launcher walks the probe slots in groups of SLOT_GROUP and merges each group's keys into the running
-top-k with `torch.topk` on the device. The probed rows are never gathered; the key buffer is
-O(B * SLOT_GROUP * max cluster size).
+launcher walks the probe slots in groups (`slots_per_merge`: as many as 16 MiB of keys hold, at
+least SLOT_GROUP) and merges each group's keys into the running top-k with `torch.topk` on the
+device, the running top-k kept in the first k columns of the same buffer. The probed rows are never
+gathered; the key buffer is B x (k + group x max cluster size) int64.
 
 The query is broadcast over the 16 columns of the dot's second operand (tl.dot needs N >= 16), so
 the MMA does 16x the useful work; the scan is bound by reading the codes, which happens once.
@@ -21,7 +22,20 @@ import triton.language as tl
 
 from silverrec.kernels.common import EMPTY_KEY
 
-SLOT_GROUP = 8  # probe slots scored per launch before a top-k merge
+SLOT_GROUP = 8  # the fewest probe slots scored per launch before a top-k merge
+# ... and the most: as many as this many bytes of keys hold. On an H200 (benchmarks/profile_cuda.py,
+# batch 16, max_probe 128) merging every 8 slots made 16 torch.topk calls a search, each a multi-block
+# radix select of ~8 passes x 4 small kernels: 1.1 of the search's 2.2 ms of device time, for a few
+# MB of keys. One merge per 16 MiB of keys makes that 2-3 calls.
+KEY_BUFFER_BYTES = 16 << 20
+
+
+def slots_per_merge(batch: int, probes: int, columns: int, slot_group: int | None = None) -> int:
+    """Probe slots scored per launch: `slot_group` if given (tests), else as many as KEY_BUFFER_BYTES
+    of int64 keys hold for `batch` queries x `columns` keys per slot, at least SLOT_GROUP, at most all."""
+    if slot_group is not None:
+        return max(1, min(int(slot_group), probes))
+    return max(1, min(probes, max(SLOT_GROUP, KEY_BUFFER_BYTES // max(1, batch * columns * 8))))
 
 
 @triton.jit
@@ -101,7 +115,7 @@ def _ivf_scan_keys_kernel(
         tl.store(out_ptrs, tl.where(valid, keys, empty), mask=offs_n < L)
 
 
-def scan_keys_triton(qcodes, codes, cluster_offsets, probes, k, bitmask, slot_group: int = SLOT_GROUP):
+def scan_keys_triton(qcodes, codes, cluster_offsets, probes, k, bitmask, slot_group: int | None = None):
     """Top-k sort keys int64 [B, k] (descending, EMPTY_KEY padding); same contract as
     `ivf_scan.scan_keys_cpu` (probes canonical)."""
     qcodes = qcodes.contiguous()
@@ -123,19 +137,21 @@ def scan_keys_triton(qcodes, codes, cluster_offsets, probes, k, bitmask, slot_gr
     BLOCK_N = 64
     BLOCK_D = max(32, min(128, triton.next_power_of_2(D)))  # int8 tl.dot needs K >= 32 on NVIDIA (min_dot_size)
     L = triton.cdiv(max_size, BLOCK_N) * BLOCK_N
-    G = min(slot_group, P)
+    G = slots_per_merge(B, P, L, slot_group)
     has_mask = bitmask is not None
     mask = bitmask.contiguous() if has_mask else probes  # dummy pointer when unused
     Wc = mask.shape[2] if has_mask else 0
-    keys = torch.empty((B, G * L), dtype=torch.int64, device=codes.device)
+    buf = torch.empty((B, k + G * L), dtype=torch.int64, device=codes.device)
+    buf[:, :k] = best  # the running top-k, then this launch's G slots of keys
+    keys = buf[:, k:]
     for j0 in range(0, P, G):
         grid = (B, G, L // BLOCK_N)
         _ivf_scan_keys_kernel[grid](
             qcodes, codes, cluster_offsets, probes, mask, keys,
             D, P, Wc, j0, L,
             qcodes.stride(0), codes.stride(0), probes.stride(0),
-            mask.stride(0) if has_mask else 0, mask.stride(1) if has_mask else 0, keys.stride(0),
+            mask.stride(0) if has_mask else 0, mask.stride(1) if has_mask else 0, buf.stride(0),
             HAS_MASK=has_mask, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         )
-        best = torch.cat([best, keys], dim=1).topk(k, dim=1, sorted=False).values
-    return best.sort(dim=1, descending=True).values
+        buf[:, :k] = buf.topk(k, dim=1, sorted=False).values
+    return buf[:, :k].sort(dim=1, descending=True).values

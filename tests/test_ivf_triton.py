@@ -13,7 +13,7 @@ from silverrec.kernels.ivf_scan import (
 )
 
 triton = pytest.importorskip("triton")
-from silverrec.kernels.ivf_scan_triton import scan_keys_triton  # noqa: E402
+from silverrec.kernels.ivf_scan_triton import SLOT_GROUP, scan_keys_triton, slots_per_merge  # noqa: E402
 
 SCALE, OFFSET = torch.tensor(0.02), torch.tensor(0.3)
 
@@ -25,6 +25,7 @@ SCALE, OFFSET = torch.tensor(0.02), torch.tensor(0.3)
         ([50, 0, 70, 1, 64, 30, 20, 40, 25], 40, 3, 9, 300, 4),  # every cluster, k = N
         ([17, 130, 5], 16, 2, 3, 200, 8),  # k beyond the probed items, one launch
         ([33] * 6, 130, 1, 2, 5, 1),  # D beyond one BLOCK_D
+        ([50, 0, 70, 1, 64, 30, 20, 40, 25], 40, 3, 9, 100, None),  # slots_per_merge's default: one merge
     ],
 )
 @pytest.mark.parametrize("with_mask", [False, True])
@@ -52,3 +53,10 @@ def test_triton_scan_equals_cpu_and_reference(sizes, d, b, p, k, group, with_mas
     scores, rows2 = _ivf_scan_impl(queries, codes, SCALE, OFFSET, off, probes, k, bitmask, scan_keys_triton)
     cpu_scores, cpu_rows = torch.ops.silverrec.ivf_scan(queries, codes, SCALE, OFFSET, off, probes, k, bitmask)
     assert torch.equal(rows2, cpu_rows) and torch.equal(scores, cpu_scores)
+
+
+def test_slots_per_merge_fill_the_key_budget():
+    assert slots_per_merge(16, 128, 3072) == 42  # 16 MiB / (16 x 3,072 x 8 B): 4 merges, not 16
+    assert slots_per_merge(16, 16, 1024) == 16  # every slot in one launch
+    assert slots_per_merge(4096, 128, 4096) == SLOT_GROUP  # huge batches keep the floor
+    assert slots_per_merge(16, 5, 64) == 5 and slots_per_merge(16, 128, 64, slot_group=3) == 3
