@@ -153,11 +153,11 @@ class RecHandler:
             ids = np.asarray(item_ids, dtype=np.int64).reshape(-1)
         except (TypeError, ValueError, OverflowError):
             raise QueryError(f"{where} must be a list of integer item ids") from None
-        pos = np.searchsorted(self.sorted_ids, ids).clip(0, len(self.sorted_ids) - 1)
-        bad = np.flatnonzero(self.sorted_ids[pos] != ids)
+        rows = self._rows_or_minus_one(ids)
+        bad = np.flatnonzero(rows < 0)
         if bad.size:
             raise QueryError(f"{where}: unknown item id {int(ids[bad[0]])} (position {int(bad[0])}): not in the snapshot's pool")
-        return self.order[pos].astype(np.int64)
+        return rows
 
     def history_ids(self, user_id: int, where: str) -> np.ndarray:
         """The stored history of a training user: item ids in time order."""
@@ -173,7 +173,7 @@ class RecHandler:
         return self.user_histories
 
     def _rows_or_minus_one(self, item_ids: np.ndarray) -> np.ndarray:
-        """Item ids -> rows, -1 where an id is not in the pool."""
+        """Item ids int64 [n] -> rows int64 [n], -1 where an id is not in the pool (the one lookup)."""
         pos = np.searchsorted(self.sorted_ids, item_ids).clip(0, len(self.sorted_ids) - 1)
         return np.where(self.sorted_ids[pos] == item_ids, self.order[pos], -1).astype(np.int64)
 
@@ -209,10 +209,9 @@ class RecHandler:
             self._raise_first_error(requests, exclude_limit)
         counts = np.asarray([x.size for x in parts], dtype=np.int64)
         ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        pos = np.searchsorted(self.sorted_ids, ids).clip(0, len(self.sorted_ids) - 1)
-        if (self.sorted_ids[pos] != ids).any():
+        all_rows = self._rows_or_minus_one(ids)
+        if (all_rows < 0).any():
             self._raise_first_error(requests, exclude_limit)
-        all_rows = self.order[pos].astype(np.int64)
         starts = np.concatenate([[0], np.cumsum(counts)])
         for j, b in enumerate(sent):
             histories[b] = all_rows[starts[j]:starts[j + 1]]
