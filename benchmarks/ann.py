@@ -23,7 +23,8 @@ latency ratio at equal recall, build time, index memory, and the issue's targets
 --device cuda: the same index (k-means and layout on the CPU as above) moved with `.to("cuda")`,
 its forward on CUDA tensors (the ivf_scan Triton kernel), vs Faiss GPU IVF-SQ8 on the same
 centroids and lists (`index_cpu_to_gpu`, k <= 2048) when faiss has GPU support, and always vs the
-floor torch.topk(q @ x.T) on the GPU (exact); all queries per call (batches of 16), CUDA-event
+floor torch.topk(q @ x.T) on the GPU (exact), and against itself merging its top-k every 8 probe
+slots (`silverrec_merge_every_8`, the scan before its 16 MiB key buffer); all queries per call (batches of 16), CUDA-event
 times alternated call by call, recall@k against float brute force.
 """
 
@@ -339,6 +340,18 @@ def main(argv=None):
     print(f"wrote {out}")
 
 
+def merging_every_slot_group(fn):
+    """`fn()` with the CUDA IVF scan merging its top-k every SLOT_GROUP probe slots (KEY_BUFFER_BYTES 0),
+    as before the 16 MiB key buffer: the A/B side for that change (eager only: a graph bakes it in)."""
+    from silverrec.kernels import ivf_scan_triton
+
+    saved, ivf_scan_triton.KEY_BUFFER_BYTES = ivf_scan_triton.KEY_BUFFER_BYTES, 0
+    try:
+        return fn()
+    finally:
+        ivf_scan_triton.KEY_BUFFER_BYTES = saved
+
+
 def run_cuda(args, dev: torch.device) -> None:
     """The --device cuda benchmark (module docstring) on the Gaussian mixture; writes ann_cuda[_quick].json."""
     from silverrec.serving.cuda_graphs import GraphedForward, capture_cuda_graph, capture_eager
@@ -372,6 +385,7 @@ def run_cuda(args, dev: torch.device) -> None:
             floor = {"torch_topk_float": lambda: [torch.topk(b @ xd.T, k, dim=1) for b in batches]}
             for nprobe in [p for p in nprobes if p <= nlist]:
                 sides = {"silverrec": lambda: [index(b, k, nprobe) for b in batches],
+                         "silverrec_merge_every_8": lambda: merging_every_slot_group(lambda: [index(b, k, nprobe) for b in batches]),
                          "silverrec_graphed": lambda: [graphed(b, k, nprobe) for b in batches], **floor}
                 if fg is not None and k <= 2048:
                     sq8_gpu.nprobe = nprobe
