@@ -354,7 +354,7 @@ def merging_every_slot_group(fn):
 
 def run_cuda(args, dev: torch.device) -> None:
     """The --device cuda benchmark (module docstring) on the Gaussian mixture; writes ann_cuda[_quick].json."""
-    from silverrec.serving.cuda_graphs import GraphedForward, capture_cuda_graph, capture_eager
+    from silverrec.serving.cuda_graphs import EAGER, GraphedForward, capture_cuda_graph, capture_eager
 
     torch.set_num_threads(os.cpu_count() or 1)  # the CPU-side build only
     n = args.n or (100_000 if args.quick else 1_000_000)
@@ -410,7 +410,8 @@ def run_cuda(args, dev: torch.device) -> None:
     meta = {"gpu": cuda_info(), "n": n, "dim": 128, "nlist": nlist, "queries": int(q.shape[0]), "args": vars(args),
             "reference": ("faiss GPU IVF-SQ8 (same centroids and lists) and " if fg else "no faiss GPU: ")
             + "torch.topk(q @ x.T) on the GPU (exact floor)",
-            "note": "latency per batch of 16 = CUDA-event time of all batches / batches"}
+            "note": "latency per batch of 16 = CUDA-event time of all batches / batches",
+            "graphed_shapes_run_eagerly_of_the_last_8": sum(entry is EAGER for entry in graphed.graphs.values())}
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}")

@@ -1,6 +1,7 @@
 """`silverrec::ivf_scan`: top-k by inner product over the probed clusters of a cluster-major int8 IVF.
 
-    scores, rows = torch.ops.silverrec.ivf_scan(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask)
+    scores, rows = torch.ops.silverrec.ivf_scan(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask,
+                                                window_words)
 
 Args:
     queries: float [B, D].
@@ -15,6 +16,9 @@ Args:
         `(bitmask[b, j, (r >> 6) - (off[c] >> 6)] >> (r & 63)) & 1`. Word w of the window covers rows
         64 * ((off[c] >> 6) + w) .. + 63; Wc = max over clusters of
         ((off[c + 1] + 63) >> 6) - (off[c] >> 6) (see `bitmask_words`). None = every item allowed.
+    window_words: Wc of `cluster_offsets` (`bitmask_words`), an index constant, or 0 = unknown. The
+        CUDA scan without a bitmask sizes its key columns from it; 0 makes it read the largest cluster
+        from the device, a host synchronisation that a CUDA graph cannot capture. The CPU ignores it.
 Returns:
     scores float32 [B, k], descending; rows int64 [B, k] (cluster-major rows), ties broken by lower
     row. Fewer than k allowed items in the probed clusters: the tail is padded with row -1 and
@@ -294,6 +298,7 @@ def ivf_scan(
     probes: torch.Tensor,
     k: int,
     bitmask: Optional[torch.Tensor] = None,
+    window_words: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU (C++ fast path, torch fallback). See the module docstring for the contract."""
     check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask)
@@ -314,16 +319,19 @@ def ivf_scan(
 
 
 @ivf_scan.register_fake
-def _(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None):
+def _(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None, window_words=0):
     b = queries.shape[0]
     return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
 
 
-def ivf_scan_cuda(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None):
+def ivf_scan_cuda(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None, window_words=0):
     """The op on CUDA: the Triton scan (tests run it on CPU tensors under TRITON_INTERPRET=1)."""
+    from functools import partial
+
     from silverrec.kernels.ivf_scan_triton import scan_keys_triton
 
-    return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, scan_keys_triton)
+    keys_fn = partial(scan_keys_triton, window_words=window_words)
+    return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, keys_fn)
 
 
 torch.library.register_kernel("silverrec::ivf_scan", "cuda", ivf_scan_cuda)

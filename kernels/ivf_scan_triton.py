@@ -115,9 +115,11 @@ def _ivf_scan_keys_kernel(
         tl.store(out_ptrs, tl.where(valid, keys, empty), mask=offs_n < L)
 
 
-def scan_keys_triton(qcodes, codes, cluster_offsets, probes, k, bitmask, slot_group: int | None = None):
+def scan_keys_triton(qcodes, codes, cluster_offsets, probes, k, bitmask, slot_group: int | None = None,
+                     window_words: int = 0):
     """Top-k sort keys int64 [B, k] (descending, EMPTY_KEY padding); same contract as
-    `ivf_scan.scan_keys_cpu` (probes canonical)."""
+    `ivf_scan.scan_keys_cpu` (probes canonical). window_words: the index's Wc, 0 = unknown
+    (`silverrec::ivf_scan`)."""
     qcodes = qcodes.contiguous()
     codes = codes.contiguous()
     probes = probes.contiguous()
@@ -126,10 +128,12 @@ def scan_keys_triton(qcodes, codes, cluster_offsets, probes, k, bitmask, slot_gr
     best = torch.full((B, k), EMPTY_KEY, dtype=torch.int64, device=codes.device)
     if B == 0 or P == 0:
         return best
-    # Key columns per slot >= the largest cluster: with a bitmask its Wc words per slot bound every cluster
-    # (no host synchronisation, the filtered search's case); without, one host read of that index constant.
+    # Key columns per slot >= the largest cluster: the bitmask's or the index's Wc words per slot bound
+    # every cluster (no host synchronisation: a CUDA graph can capture the scan); else one host read.
     if bitmask is not None:
         max_size = bitmask.shape[2] * 64
+    elif window_words > 0:
+        max_size = window_words * 64
     else:
         max_size = int((cluster_offsets[1:] - cluster_offsets[:-1]).max())
     if max_size == 0:

@@ -60,3 +60,30 @@ def test_slots_per_merge_fill_the_key_budget():
     assert slots_per_merge(16, 16, 1024) == 16  # every slot in one launch
     assert slots_per_merge(4096, 128, 4096) == SLOT_GROUP  # huge batches keep the floor
     assert slots_per_merge(16, 5, 64) == 5 and slots_per_merge(16, 128, 64, slot_group=3) == 3
+
+
+def test_index_window_words_spare_the_host_read():
+    """Int8IVFIndex passes its Wc (an int constant) so that the CUDA scan reads no cluster size from
+    the device (a CUDA graph cannot capture that read): the same keys, and no `.max()` host read."""
+    from unittest import mock
+
+    from silverrec.kernels.ivf_scan import ivf_scan_cuda
+    from silverrec.retrieval.ivf_index import Int8IVFIndex
+
+    g = torch.Generator().manual_seed(7)
+    sizes = [50, 0, 70, 1, 130, 30]
+    off = torch.zeros(len(sizes) + 1, dtype=torch.int64)
+    off[1:] = torch.cumsum(torch.tensor(sizes), 0)
+    n, d = int(off[-1]), 24
+    index = Int8IVFIndex(torch.randint(-128, 128, (n, d), dtype=torch.int8, generator=g), torch.ones(d),
+                         torch.zeros(d), off, torch.randn(len(sizes), d, generator=g), torch.arange(n) * 3)
+    assert index.window_words == bitmask_words(off) == 3  # the 130-row cluster, rows 121..250: words 1..3
+    queries = torch.randn(3, d, generator=g)
+    probes = index.probe(queries, 4)
+    want = ivf_scan_cuda(queries, index.codes, SCALE, OFFSET, off, probes, 40)  # window_words 0: one host read
+    with mock.patch.object(torch.Tensor, "max", side_effect=AssertionError("host read of the cluster sizes")):
+        got = ivf_scan_cuda(queries, index.codes, SCALE, OFFSET, off, probes, 40, None, index.window_words)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(AssertionError, match="host read"), \
+            mock.patch.object(torch.Tensor, "max", side_effect=AssertionError("host read of the cluster sizes")):
+        ivf_scan_cuda(queries, index.codes, SCALE, OFFSET, off, probes, 40)  # the check can fail

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
+from silverrec.kernels.ivf_scan import bitmask_words
 from silverrec.retrieval.item_ids import compact_item_ids, rows_to_items
 
 
@@ -65,6 +66,9 @@ class Int8IVFIndex(nn.Module):
         self.register_buffer("cluster_offsets", cluster_offsets.to(torch.int64).contiguous())
         self.register_buffer("centroids", centroids.to(torch.float32).contiguous())
         self.register_buffer("row_to_item", compact_item_ids(row_to_item))
+        # an index constant (int attribute, frozen into the program): lets the CUDA scan size its key
+        # columns without reading cluster sizes from the device, so a CUDA graph can capture `scan`
+        self.window_words = bitmask_words(self.cluster_offsets)
 
     @property
     def nlist(self) -> int:
@@ -89,7 +93,7 @@ class Int8IVFIndex(nn.Module):
         folded, constant = self.fold(queries)
         one, zero = folded.new_ones(()), folded.new_zeros(())
         scores, rows = torch.ops.silverrec.ivf_scan(
-            folded, self.codes, one, zero, self.cluster_offsets, probes, k, bitmask
+            folded, self.codes, one, zero, self.cluster_offsets, probes, k, bitmask, self.window_words
         )
         return scores + constant[:, None], rows_to_items(self.row_to_item, rows)
 

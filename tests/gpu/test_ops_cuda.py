@@ -128,3 +128,22 @@ def test_rows_to_items(cuda):
     rows = torch.randint(-1, 1000, (9, 31))
     assert_same(torch.ops.silverrec.rows_to_items(row_to_item.to(cuda), rows.to(cuda)),
                 torch.ops.silverrec.rows_to_items(row_to_item, rows), "rows_to_items")
+
+
+def test_ivf_index_forward_is_captured(cuda):
+    """Int8IVFIndex's forward on the device replays from a CUDA graph (its scan reads no cluster size
+    from the device: `window_words`) and equals the CPU forward."""
+    import copy
+
+    from silverrec.publish.ivf import build_ivf
+    from silverrec.serving.cuda_graphs import EAGER, GraphedForward, capture_cuda_graph, capture_eager
+
+    pool, rng = _pool(seed=2)
+    index, _ = build_ivf(pool, IVFConfig(nlist=50, seed=0))
+    graphed = GraphedForward(copy.deepcopy(index).to(cuda), capture=capture_cuda_graph if cuda.type == "cuda" else capture_eager)
+    q = torch.from_numpy(pool.embeddings[rng.integers(0, len(pool.item_ids), 8)])
+    for queries in (q, q.flip(0) * 0.9, q.roll(1, 0) * 1.1):  # eager, capture, replay on new inputs
+        want = index(queries, 30, 8)
+        got = graphed(queries.to(cuda), 30, 8)
+        assert_same(tuple(t.cpu() for t in got), want, "Int8IVFIndex.forward")
+    assert graphed.captures == 1 and not any(e is EAGER for e in graphed.graphs.values())
