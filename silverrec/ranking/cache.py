@@ -135,6 +135,11 @@ class EmbeddingCache(nn.Module):
         return _take(self.emb, rows).float()
 
     @torch.jit.export
+    def features(self, rows: Tensor) -> Tensor:
+        """rows int64 [B, K] (-1 = padding) -> float32 [B, K, F] item features; padding reads row 0."""
+        return _take(self.feats, rows).float()
+
+    @torch.jit.export
     def gather(self, rows: Tensor) -> Tuple[Tensor, Tensor]:
         """Look up candidates.
 
@@ -177,7 +182,7 @@ class EmbeddingCache(nn.Module):
         """The ranking stage's lookups, unmasked: rows int64 [B, K] (-1 = padding) -> emb float32
         [B, K, D], feats float32 [B, K, F], ranker [B, K, E] in its stored dtype; padding reads
         row 0 (the caller masks what it computes from it)."""
-        return _take(self.emb, rows).float(), _take(self.feats, rows).float(), _take(self.ranker, rows)
+        return self.embeddings(rows), self.features(rows), _take(self.ranker, rows)
 
     def forward(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """Everything the ranking stage needs from the cache: `lookup` and the exact re-score.
