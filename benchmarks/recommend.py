@@ -67,8 +67,13 @@ import types
 from pathlib import Path
 
 os.environ.setdefault("SILVERREC_QUIET", "1")
-# sleep-waiting OpenMP threads on a shared 2-core machine (see ann.py); before torch / faiss load
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# sleep-waiting OpenMP threads on a shared 2-core machine (see ann.py); before torch / faiss load.
+# --omp-default leaves OpenMP's default (spin a while, then sleep), what a serving process gets
+# unless it sets the policy: both sides then run under it (PASSIVE wakes a sleeping thread for each
+# parallel op, which costs a ~300-op forward on 2 threads ~45% at batch 16)
+OMP_DEFAULT = "--omp-default" in sys.argv
+if not OMP_DEFAULT:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
@@ -729,6 +734,8 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", help="reuse a checkpoint from silverrec train (with a 'mol' OverArch) instead of training")
     ap.add_argument("--minutes", type=float, default=None, help="two-tower training budget (default 1.0, quick 0.3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--omp-default", action="store_true", help="OpenMP's default wait policy instead of PASSIVE "
+                    "(read before torch loads; results in recommend[_quick]_omp_default.*)")
     ap.add_argument("--sources", metavar="GEN_CKPT", help="only the retrieval-source rows (ANN only, generative only, "
                     "hybrid) with this generative checkpoint and --checkpoint")
     ap.add_argument("--sources-quality", metavar="LOGS", help="with --sources: also HR / NDCG of each source on the "
@@ -741,7 +748,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     t_start = time.perf_counter()
     load_start = os.getloadavg()
-    name = "recommend_quick" if args.quick else "recommend"
+    name = ("recommend_quick" if args.quick else "recommend") + ("_omp_default" if OMP_DEFAULT else "")
     minutes = args.minutes if args.minutes is not None else (0.3 if args.quick else 1.0)
     overarch_minutes = 0.15 if args.quick else 0.5
     repeats = {1: 10, 16: 5, 64: 3} if args.quick else {1: 60, 16: 20, 64: 8}  # more rounds: a shared, loaded machine
