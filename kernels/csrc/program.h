@@ -67,8 +67,12 @@ inline void eval_block(const int64_t* bank, int64_t W, const int64_t* ops, const
     switch (op) {
       case kPush: {
         std::fill(top, top + n, ~int64_t{0});
+        const int64_t* term = rows + (b * L + l) * T;
         for (int64_t t = 0; t < T; ++t) {
-          const int64_t r = rows[(b * L + l) * T + t];
+          const int64_t r = term[t];
+          // a value plane is padded to T by repeating its row: AND is idempotent, read each row once
+          // (a 3-term filter on 1M rows read 21 rows of 125 KB where 9 do)
+          if (std::find(term, term + t, r) != term + t) continue;
           const int64_t flip = r < 0 ? ~int64_t{0} : 0;
           const int64_t* row = bank + (r < 0 ? ~r : r) * W;
           if (widx == nullptr) {
