@@ -45,11 +45,12 @@ embedding cache vs recomputing the item tower; snapshot bytes per item.
 Timing: the two sides alternate call by call (A B B A ...) so that the load of this shared
 machine falls on both alike (benchmarks/common.py's `alternate`); warm-up
 calls excluded; median with p20 / p80 per side; `ratio` = pipeline median / silverrec median (> 1:
-silverrec faster), `paired_ratio` = median of the per-round ratios. silverrec runs its forward on
-one thread up to batch 16 (`recommend(threads="auto")`); the pipeline runs on the process's 2
+silverrec faster), `paired_ratio` = median of the per-round ratios. silverrec runs its forward with
+`recommend(threads="auto")`: one thread up to batch 16 under PASSIVE, at batch 1 only under
+--omp-default (serving/recommend.py's ONE_THREAD_MAX_BATCH); the pipeline runs on the process's 2
 threads and, alternated with both, on one thread (torch and Faiss): `ratio_vs_pipeline_best` takes
 the faster of the pipeline's two. `silverrec_process_threads_ms`: silverrec with threads=None (the
-process's 2 threads), the setting "auto" chose against at batch <= 16.
+process's 2 threads).
 
 Writes benchmarks/results/recommend.json and recommend.png (recommend_quick.* with --quick).
 """
@@ -67,10 +68,11 @@ import types
 from pathlib import Path
 
 os.environ.setdefault("SILVERREC_QUIET", "1")
-# sleep-waiting OpenMP threads on a shared 2-core machine (see ann.py); before torch / faiss load.
-# --omp-default leaves OpenMP's default (spin a while, then sleep), what a serving process gets
-# unless it sets the policy: both sides then run under it (PASSIVE wakes a sleeping thread for each
-# parallel op, which costs a ~300-op forward on 2 threads ~45% at batch 16)
+# sleep-waiting OpenMP threads on a shared 2-core machine (see ann.py), as `silverrec serve` and the
+# CLI run (silverrec/threads.py); before torch / faiss load. --omp-default leaves OpenMP's default
+# (spin a while, then sleep), what a Python process that loads torch before silverrec gets: both
+# sides then run under it (PASSIVE wakes a sleeping thread for each parallel op, which costs a
+# ~300-op forward on 2 threads ~45% at batch 16)
 OMP_DEFAULT = "--omp-default" in sys.argv
 if not OMP_DEFAULT:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -34,7 +34,7 @@ from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 from silverrec.serving.device import exported_module
 from silverrec.serving.histories import UserHistories, newest_unique
-from silverrec.threads import num_threads
+from silverrec.threads import OMP_PASSIVE, num_threads
 
 ITEMS_FILE = "items.npz"
 USERS_FILE = "users.npz"
@@ -43,12 +43,13 @@ MAX_RANK_ITEMS = 1 << 20
 MAX_LISTWISE_RANK_ITEMS = 4096  # a list-wise OverArch attends over the whole list: quadratic in its length
 DEFAULT_EXCLUDE_LIMIT = 4096  # exclusion slots per request (snapshots record their own)
 # threads="auto": a batch of at most this many requests runs its forward on one thread. A forward of
-# a small batch is ~200 small ops, and every op that OpenMP splits over 2 threads pays a wake-up and a
-# join. Measured on the MovieLens snapshot, TorchScript, alternated, 2-thread / 1-thread time: quiet
-# machine, snapshot alone in its process: 0.98 (batch 1), 0.96 (2), 0.87 (4), 0.79 (16), 0.75 (32);
-# beside another library's OpenMP pool (benchmarks/recommend.py) 1.13 at batch 1 but 0.84 at 16;
-# under load 4-6: 1.17-1.22 at batch 1, 1.09-1.23 at 16. So only a single request runs on one thread.
-ONE_THREAD_MAX_BATCH = 1
+# a small batch is ~300 small ops, and every op that OpenMP splits over 2 threads pays a join, and
+# under OMP_WAIT_POLICY=PASSIVE (silverrec's default, silverrec/threads.py) a wake-up of the sleeping
+# worker. Measured on the MovieLens snapshot, TorchScript, real users, alternated, quiet 2-core
+# machine, 2-thread / 1-thread time at batch 1 / 2 / 4 / 8 / 16 / 32 / 64: PASSIVE 1.80, 1.48, 1.54,
+# 1.25, 1.04, 0.88, 0.78; OpenMP's default (spinning workers) 1.01, 0.98, 0.88, 0.83, 0.78, 0.72,
+# 0.65 (an earlier run beside another library's OpenMP pool: 1.13 at batch 1).
+ONE_THREAD_MAX_BATCH = 16 if OMP_PASSIVE else 1
 
 
 @dataclass
