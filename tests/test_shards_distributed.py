@@ -146,3 +146,25 @@ def test_killed_rank_fails_requests_instead_of_hanging(built):
         assert time.monotonic() - t0 < 1.0
     finally:
         stop(rt, procs)
+
+
+def test_device_reaches_every_shard(built):
+    """`device` (silverrec serve --sharded --device) loads every shard onto the rank's device: the
+    device path forced on the CPU (MOVE_CPU) answers like the one-process sharded snapshot."""
+    from unittest import mock
+
+    from silverrec.serving import device as device_path
+    from silverrec.serving.distributed import rank_device
+
+    pool, plain, path = built
+    assert rank_device("cuda:1", 3) == "cuda:1" and rank_device("cpu", 2) == "cpu"
+    with mock.patch.object(device_path, "MOVE_CPU", True):
+        rt = ShardedRuntime(path, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                            timeout_s=TIMEOUT_S, device="cpu")
+    try:
+        assert rt.shards and all(isinstance(s.module, device_path.OnDevice) for s in rt.shards)
+        q = np.random.default_rng(3).standard_normal((4, D)).astype(np.float32)
+        got, want = rt.search(q, 50, filter="tag = t5"), silverrec.load(path).search(q, 50, filter="tag = t5")
+        np.testing.assert_array_equal(got.item_ids.numpy(), want.item_ids.numpy())
+    finally:
+        rt.close()

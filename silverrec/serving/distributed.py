@@ -85,15 +85,29 @@ class Generation:
     shards: list  # predictor.Snapshot per shard id
 
 
-def load_generation(path: str | Path, rank: int, world_size: int, backend: str = "auto", verify: bool = True) -> Generation:
-    """This rank's shards (r, r + W, ...) of the sharded snapshot at `path`, each verified alone."""
+def rank_device(device: str | torch.device, rank: int) -> str | torch.device:
+    """The device a rank's shards run on: "cuda" (no index) on a host with several GPUs is this
+    rank's own, cuda:(LOCAL_RANK or rank) % count; anything else as given ("cpu", "cuda:N")."""
+    import os
+
+    if str(device) != "cuda" or not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return device
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % torch.cuda.device_count()}"
+
+
+def load_generation(path: str | Path, rank: int, world_size: int, backend: str = "auto", verify: bool = True,
+                    device: str | torch.device = "cpu") -> Generation:
+    """This rank's shards (r, r + W, ...) of the sharded snapshot at `path`, each verified alone and
+    loaded onto `rank_device(device, rank)`."""
     path = Path(path)
     manifest, centroids = read_top(path, verify=verify)
     count = len(manifest["config"]["shards"])
     if not 1 <= world_size <= count:
         raise ShardVerificationError(f"{world_size} ranks for {count} shards: run at most one rank per shard")
     shard_ids = list(range(rank, count, world_size))
-    return Generation(path, manifest, centroids, shard_ids, [load_shard(path, manifest, i, backend, verify) for i in shard_ids])
+    dev = rank_device(device, rank)
+    return Generation(path, manifest, centroids, shard_ids,
+                      [load_shard(path, manifest, i, backend, verify, dev) for i in shard_ids])
 
 
 class ShardedRuntime:
@@ -105,20 +119,22 @@ class ShardedRuntime:
         init_method: torch.distributed rendezvous ("env://" under torchrun, or tcp://HOST:PORT).
         timeout_s: collective timeout of a request (the gather, an oversized payload's broadcast).
         backend: program backend of the shards ("auto" | "export" | "torchscript").
+        device: where the shards' programs run ("cpu", "cuda", "cuda:N"; `rank_device`); requests
+            and answers cross the group as CPU tensors either way.
     Raises:
         ShardVerificationError: on every rank, when any rank's shard fails verification.
     """
 
     def __init__(self, path: str | Path, *, rank: int, world_size: int, init_method: str = "env://",
-                 timeout_s: float = 5.0, backend: str = "auto", verify: bool = True):
+                 timeout_s: float = 5.0, backend: str = "auto", verify: bool = True, device: str = "cpu"):
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
-        self.backend_name, self.verify = backend, verify
+        self.backend_name, self.verify, self.device = backend, verify, device
         self.dead: Optional[str] = None
         self.wedged = False
         self._local_error: Optional[str] = None
         error, gen = None, None
         try:
-            gen = load_generation(path, rank, world_size, backend, verify)
+            gen = load_generation(path, rank, world_size, backend, verify, device)
         except SnapshotError as e:
             error = f"rank {rank}: {e}"
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=STARTUP_TIMEOUT)
@@ -326,7 +342,8 @@ class ShardedRuntime:
         """Load generation `gen` (its path in `opts`), exchange outcomes, switch together or drop it."""
         error, new = None, None
         try:
-            new = load_generation(json.loads(opts)["path"], self.rank, self.world_size, self.backend_name, self.verify)
+            new = load_generation(json.loads(opts)["path"], self.rank, self.world_size, self.backend_name, self.verify,
+                                  self.device)
         except SnapshotError as e:
             error = f"rank {self.rank}: {e}"
         except Exception as e:  # noqa: BLE001  (any failure refuses the snapshot, on every rank)
@@ -442,7 +459,8 @@ class RuntimeView:
         raise QueryError("sharded snapshots answer search requests; sharded recommendation models are not built yet")
 
 
-def spawn_workers(path: str | Path, world_size: int, init_method: str, timeout_s: float = 5.0, stderr=None) -> list:
+def spawn_workers(path: str | Path, world_size: int, init_method: str, timeout_s: float = 5.0, stderr=None,
+                  device: str = "cpu") -> list:
     """Ranks 1..world_size-1 as local subprocesses (this process then joins as rank 0): the
     launcher for tests, benchmarks and one-host deployments without torchrun."""
     import os
@@ -450,7 +468,8 @@ def spawn_workers(path: str | Path, world_size: int, init_method: str, timeout_s
 
     env = dict(os.environ, SILVERREC_QUIET="1")
     return [subprocess.Popen([sys.executable, "-m", "silverrec.serving.distributed", str(path), "--rank", str(r),
-                              "--world-size", str(world_size), "--init-method", init_method, "--timeout", str(timeout_s)],
+                              "--world-size", str(world_size), "--init-method", init_method, "--timeout", str(timeout_s),
+                              "--device", str(device)],
                              env=env, stdout=subprocess.DEVNULL, stderr=stderr or subprocess.DEVNULL)
             for r in range(1, world_size)]
 
@@ -492,7 +511,8 @@ def serve_http(path: str | Path, config, *, rank: int, world_size: int, init_met
 
     if rank == 0:
         check_bind(config)
-    rt = ShardedRuntime(path, rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s)
+    rt = ShardedRuntime(path, rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s,
+                        device=config.device)
     try:
         if rank != 0:
             print(f"silverrec: rank {rank}/{world_size} serving shards {rt.shard_ids} of {rt.path}", file=sys.stderr, flush=True)
@@ -529,10 +549,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--nprobe", type=int, default=None)
     p.add_argument("--filter", default=None)
+    p.add_argument("--device", default="cpu", help="where the shards' programs run: cpu (default), cuda, cuda:N")
     args = p.parse_args(argv)
     try:
         rt = ShardedRuntime(args.snapshot, rank=args.rank, world_size=args.world_size,
-                            init_method=args.init_method, timeout_s=args.timeout)
+                            init_method=args.init_method, timeout_s=args.timeout, device=args.device)
     except SilverrecError as e:
         print(f"silverrec: error: {e}", file=sys.stderr)
         return 2
