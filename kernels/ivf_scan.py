@@ -46,6 +46,7 @@ O(CHUNK_ROWS * B + B * k): no [B, N] matrix, no copy of the probed rows. CUDA: t
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import numpy as np
@@ -326,8 +327,6 @@ def _(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None, w
 
 def ivf_scan_cuda(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None, window_words=0):
     """The op on CUDA: the Triton scan (tests run it on CPU tensors under TRITON_INTERPRET=1)."""
-    from functools import partial
-
     from silverrec.kernels.ivf_scan_triton import scan_keys_triton
 
     keys_fn = partial(scan_keys_triton, window_words=window_words)

@@ -17,11 +17,31 @@ import numpy as np
 from silverrec.errors import QueryError
 
 
+def newest_unique_grouped(rows: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Groups of rows in time order (CSR: group g is rows[offsets[g]:offsets[g + 1]], int64; -1
+    entries skipped) -> (each group's rows once, newest occurrence first, int64; their offsets
+    [G + 1]). One pass for every group: the stored users at once, or a request batch's histories."""
+    rows = np.asarray(rows, dtype=np.int64)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    G = len(offsets) - 1
+    owner = np.repeat(np.arange(G, dtype=np.int64), np.diff(offsets))
+    n = np.int64(max(int(rows.max(initial=-1)) + 1, 1))
+    pos = np.flatnonzero(rows >= 0)  # time order: a larger position is newer within a group
+    keys = owner[pos] * n + rows[pos]
+    order = np.lexsort((-pos, keys))  # by key, the newest occurrence first
+    k = keys[order]
+    first = np.ones(k.size, dtype=bool)
+    first[1:] = k[1:] != k[:-1]
+    newest_key, newest_pos = k[first], pos[order][first]
+    by_group = np.lexsort((-newest_pos, newest_key // n))  # groups in order, newest first in each
+    newest_off = np.zeros(G + 1, dtype=np.int64)
+    np.cumsum(np.bincount(newest_key // n, minlength=G), out=newest_off[1:])
+    return (newest_key % n)[by_group], newest_off
+
+
 def newest_unique(rows: np.ndarray) -> np.ndarray:
     """Rows in time order -> each row once, newest occurrence first (int64)."""
-    rev = rows[::-1]
-    _, first = np.unique(rev, return_index=True)
-    return rev[np.sort(first)]
+    return newest_unique_grouped(rows, np.array([0, len(rows)]))[0]
 
 
 class UserHistories:
@@ -72,20 +92,8 @@ class UserHistories:
         U = len(self.user_ids)
         rows = self._to_rows(self.item_ids)
         owner = np.repeat(np.arange(U, dtype=np.int64), np.diff(self.offsets))
-        valid = rows >= 0
         bad = np.zeros(U, dtype=bool)
-        bad[owner[~valid]] = True
-        n = np.int64(max(int(rows.max(initial=-1)) + 1, 1))
-        pos = np.flatnonzero(valid)  # time order: a larger position is newer within a user
-        keys = owner[pos] * n + rows[pos]
-        order = np.lexsort((-pos, keys))  # by key, the newest occurrence first
-        k = keys[order]
-        first = np.ones(k.size, dtype=bool)
-        first[1:] = k[1:] != k[:-1]
-        newest_key, newest_pos = k[first], pos[order][first]
-        by_user = np.lexsort((-newest_pos, newest_key // n))  # users in order, newest first in each
-        newest = (newest_key % n)[by_user]
-        newest_off = np.zeros(U + 1, dtype=np.int64)
-        np.cumsum(np.bincount(newest_key // n, minlength=U), out=newest_off[1:])
+        bad[owner[rows < 0]] = True
+        newest, newest_off = newest_unique_grouped(rows, self.offsets)
         self._built = (rows, bad, newest, newest_off)
         return self._built

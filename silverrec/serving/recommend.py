@@ -33,7 +33,7 @@ from silverrec.generative.source import request_tensors
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 from silverrec.serving.device import exported_module
-from silverrec.serving.histories import UserHistories, newest_unique
+from silverrec.serving.histories import UserHistories, newest_unique_grouped
 from silverrec.threads import OMP_PASSIVE, num_threads
 
 ITEMS_FILE = "items.npz"
@@ -179,7 +179,13 @@ class RecHandler:
         return np.where(self.sorted_ids[pos] == item_ids, self.order[pos], -1).astype(np.int64)
 
     def encode(self, requests: Sequence[RecRequest], exclude_history: bool, exclude_limit: int):
-        """-> (values, lengths, dense, exclude int64 [B, E] sorted per request, -1 padded at the front).
+        """-> (values, lengths, dense, exclude int64 [B, E] sorted per request, -1 padded at the front)
+        (`encode_rows`, without the history rows)."""
+        return self.encode_rows(requests, exclude_history, exclude_limit)[:4]
+
+    def encode_rows(self, requests: Sequence[RecRequest], exclude_history: bool, exclude_limit: int):
+        """-> (values, lengths, dense, exclude int64 [B, E] sorted per request, -1 padded at the front,
+        each request's history as rows int64 in time order).
 
         A request's exclusions are its `exclude` ids, then its history, newest first, up to
         `exclude_limit` rows in all: with a longer history, its oldest items may be returned. E is
@@ -216,7 +222,10 @@ class RecHandler:
         starts = np.concatenate([[0], np.cumsum(counts)])
         for j, b in enumerate(sent):
             histories[b] = all_rows[starts[j]:starts[j + 1]]
-            newest[b] = newest_unique(histories[b]) if exclude_history else None
+        if exclude_history and sent:  # the sent histories' newest-first rows, in one pass
+            rows_new, off_new = newest_unique_grouped(all_rows[:starts[len(sent)]], starts[:len(sent) + 1])
+            for j, b in enumerate(sent):
+                newest[b] = rows_new[off_new[j]:off_new[j + 1]]
         ex_rows, ex_counts = all_rows[starts[len(sent)]:], counts[len(sent):]
         n = np.int64(len(self.row_to_item))
         # exclusions as keys request * n + row: sorted keys are sorted per request, requests in order
@@ -248,7 +257,7 @@ class RecHandler:
             raise QueryError(f"unknown numeric user feature {unknown[0]!r}: the user tower reads "
                              f"{sorted(self.spec.user_numeric) or 'none'}")
         values, lengths, dense = self.encoder.encode(histories, [dict(r.features) for r in requests], numeric)
-        return values, lengths, dense, torch.from_numpy(exclude)
+        return values, lengths, dense, torch.from_numpy(exclude), histories
 
     def _raise_first_error(self, requests: Sequence[RecRequest], exclude_limit: int) -> None:
         """The request-by-request lookups, in request order: raises the first request's QueryError."""
@@ -289,14 +298,12 @@ class RecHandler:
         if self.template:
             check_request_features(self.template, [dict(r.features) for r in requests])
             exclude_history = exclude_history or self.template["excludes_history"]
-        values, lengths, dense, exclude = self.encode(requests, exclude_history, limit)
+        values, lengths, dense, exclude, histories = self.encode_rows(requests, exclude_history, limit)
         filters = [r.filter for r in requests]
         modes = torch.tensor([MODES["probed"] if f is None and not self.template else MODES[mode] for f in filters],
                              dtype=torch.int64)
         if beams:  # hybrid: + the histories (the decoder's input) and the source flags
-            hist = [self.history_rows(r.user_id, f"request {b}")[0] if r.user_id is not None else
-                    self.rows(r.history, f"request {b} history") for b, r in enumerate(requests)]
-            extra = request_tensors(hist, [r.sources for r in requests], sources)
+            extra = request_tensors(histories, [r.sources for r in requests], sources)
         elif any(r.sources is not None and list(r.sources) != ["ann"] for r in requests):
             raise QueryError("this snapshot has one retrieval source, 'ann' (publish with sources = ['ann', 'generative'])")
         else:
