@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from silverrec.kernels.cpu_ext import cpu_ext
+from silverrec.kernels import candidate_rows as _candidate_rows
 from silverrec.kernels.rows_to_items import register_cpu_fallback
 
 
@@ -119,6 +120,8 @@ if _ext is None or not hasattr(_ext, "filtered_ivf_search"):  # no extension: th
 torch.library.impl("silverrec::filtered_ivf_search", "CUDA", filtered_ivf_search_cuda)
 if _ext is None or not hasattr(_ext, "rows_to_items"):  # the extension registers the C++ one
     register_cpu_fallback()
+if _ext is None or not hasattr(_ext, "candidate_rows"):
+    _candidate_rows.register_cpu_fallback()
 
 
 @torch.library.register_fake("silverrec::filtered_ivf_search")

@@ -3,8 +3,9 @@
     request (KJT of user features, dense, filter program, rows to exclude, k)
       -> user tower (TorchRec EBC + MLP)                      -> T query rows [B*T, D]
       -> filtered int8 IVF search (K0 + overfetch rows per task) -> rows [B*T, K0 + overfetch]
-      -> drop excluded rows; embedding cache: exact re-score, each task's best K0
-      -> merge tasks (union or intersection, rank by rank, at most K1) -> rows [B, C = K1 or T*K0]
+      -> drop excluded rows; embedding cache: exact re-score, each task's best K0;
+         merge tasks (union or intersection, rank by rank, at most K1)
+         (one op, silverrec::candidate_rows)                 -> rows [B, C = K1 or T*K0]
       -> OverArch (MLP | mixture-of-logits | list-wise; its item side cached) -> task scores [B, C, T]
       -> value model (compiled formula)                       -> value [B, C]
       -> top-k rows -> item ids
@@ -36,85 +37,11 @@ from torch import Tensor, nn
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
 from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 from silverrec.ranking.cache import EmbeddingCache
+from silverrec.kernels.candidate_rows import exclude_rows
 from silverrec.retrieval.item_ids import rows_to_items
 from silverrec.filtering.template import FilterTemplate
 
 MERGES = ("union", "intersection")
-# pools of at most this many rows merge and exclude through [B, N + 1] tables (merge_tasks, exclude_rows)
-DENSE_MAX_ROWS = 1 << 16
-
-
-def merge_tasks(rows: Tensor, intersection: bool, limit: int, num_rows: int = -1,
-                dense_max_rows: int = DENSE_MAX_ROWS) -> Tensor:
-    """Each task's candidate rows, best first, int64 [B, T, K] (-1 = none; no task lists a row twice)
-    -> one list per request int64 [B, limit]: the tasks' rows taken rank by rank (every task's
-    first row, then every task's second, ...), each row once (union) or only the rows every task
-    holds (intersection), the first `limit` of them; -1 pads.
-
-    Rank-by-rank order caps the list without comparing scores across tasks (their scales differ):
-    with `limit` >= T*K it is the whole union. All static shapes. A pool of `num_rows` <=
-    `dense_max_rows` rows: a [B, N + 1] table holds each row's first position (scatter-min; and
-    its count, for the intersection), and a running count of the kept entries places them
-    (TorchScript, 1 thread, T 2, K 200: 0.089 vs 0.108 ms at B 1; 0.28 vs 0.42 ms at B 16 when the
-    allocator reuses the table's memory, about the sort's time when a fresh table page-faults).
-    Otherwise (or `num_rows` -1): a stable sort finds each row's first occurrence and a top-k of
-    positions compacts the kept rows to the front (the list is padded by `limit` empty slots
-    first, so any limit works whatever K is). `num_rows` is the snapshot's constant: the choice is
-    fixed at publish.
-    """
-    B, T, K = rows.shape
-    if 0 <= num_rows <= dense_max_rows:
-        order = rows.transpose(1, 2).reshape(B, K * T)  # rank-major
-        m = order.shape[1]
-        col = order + 1  # row -1 -> column 0
-        pos = torch.arange(m, device=rows.device).expand(B, m)
-        first = torch.full((B, num_rows + 1), m, dtype=order.dtype, device=rows.device).scatter_reduce(
-            1, col, pos, "amin")
-        keep = (first.gather(1, col) == pos) & (order >= 0)
-        if intersection and T > 1:
-            count = torch.zeros(B, num_rows + 1, dtype=order.dtype, device=rows.device).scatter_add(
-                1, col, torch.ones_like(order))
-            keep = keep & (count.gather(1, col) == T)
-        slot = torch.cumsum(keep.to(order.dtype), dim=1) - 1  # where each kept entry goes
-        slot = torch.where(keep & (slot < limit), slot, torch.full_like(slot, limit))  # the rest: a spare column
-        out = torch.full((B, limit + 1), -1, dtype=order.dtype, device=rows.device).scatter(1, slot, order)
-        return out[:, :limit]
-    empty = torch.full((B, limit), -1, dtype=rows.dtype, device=rows.device)
-    order = torch.cat([rows.transpose(1, 2).reshape(B, K * T), empty], dim=1)
-    srt, perm = torch.sort(order, dim=1, stable=True)
-    first = torch.cat([torch.ones_like(srt[:, :1], dtype=torch.bool), srt[:, 1:] != srt[:, :-1]], dim=1)
-    keep = first & (srt >= 0)
-    if intersection and T > 1:  # a row's first copy is kept when the T-1 next entries repeat it
-        shifted = torch.cat([srt[:, T - 1:], torch.full_like(srt[:, : T - 1], -1)], dim=1)
-        keep = keep & (shifted == srt)
-    kept = torch.zeros_like(keep).scatter(1, perm, keep)  # back in rank-major order
-    pos = torch.arange(order.shape[1], device=rows.device).expand(B, -1)
-    front = torch.topk(torch.where(kept, pos, pos + order.shape[1]), limit, dim=1, largest=False).indices
-    return torch.where(kept.gather(1, front), order.gather(1, front), torch.full_like(front, -1))
-
-
-def exclude_rows(rows: Tensor, exclude: Tensor, num_rows: int, dense_max_rows: int = DENSE_MAX_ROWS) -> Tensor:
-    """rows int64 [B, M] (-1 = none), exclude int64 [B, E >= 1] sorted ascending, -1 padded (first)
-    -> rows with every excluded row set to -1.
-
-    A pool of at most `dense_max_rows` rows: one bool table [B, N + 1] per batch (column 0 is
-    row -1), the exclusions scattered in, the rows gathered (MovieLens, B 16, M 912, E 500, 1 thread:
-    about 0.1 ms against 0.8 ms for the search below). A larger pool: one 1-D search over every
-    request's exclusions: row b's values are shifted by b * (N + 2) so that the flattened
-    exclusions stay sorted (a batched searchsorted would guard the batch size). `num_rows` is the
-    snapshot's constant, so the choice is fixed at publish (no shape guard).
-    """
-    if num_rows <= dense_max_rows:
-        table = torch.zeros(rows.shape[0], num_rows + 1, dtype=torch.bool, device=rows.device)
-        table.scatter_(1, exclude + 1, torch.ones_like(exclude, dtype=torch.bool))
-        hit = table.gather(1, rows + 1)
-        return torch.where(hit | (rows < 0), torch.full_like(rows, -1), rows)
-    base = torch.arange(rows.shape[0], device=rows.device)[:, None] * (num_rows + 2)
-    ex = (exclude + 1 + base).reshape(-1)
-    q = rows + 1 + base
-    pos = torch.searchsorted(ex, q.reshape(-1)).clamp_max(ex.shape[0] - 1)
-    hit = ex[pos].reshape(q.shape) == q
-    return torch.where(hit | (rows < 0), torch.full_like(rows, -1), rows)
 
 
 class RecModel(nn.Module):
@@ -130,7 +57,7 @@ class RecModel(nn.Module):
         merge: "union" or "intersection" of the tasks' candidates.
         overfetch: rows searched per task beyond k0, a constant (not the request's exclusion count)
             so that no answer depends on the other requests of its batch.
-        candidates: K1, the most candidates the ranking stage scores per request (`merge_tasks`:
+        candidates: K1, the most candidates the ranking stage scores per request (kernels/candidate_rows.py `merge_tasks`:
             the tasks' lists rank by rank); 0 = all T*k0 slots.
         template: a FilterTemplate (silverrec/filtering/template.py) filled from the request's user
             features and ANDed with its filter programs, or None.
@@ -215,19 +142,10 @@ class RecModel(nn.Module):
             k0 + self.overfetch, nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
             idx.num_items, idx.exact_cost_ratio, idx.posting_limit,
         )
-        # per task: drop the excluded rows, keep the best k0 by exact re-score, then merge the tasks
-        K = found.shape[1]
-        flat = exclude_rows(found.reshape(-1, T * K), exclude, idx.num_items)  # [B, T*K], task-major
-        emb = self.cache.embeddings(flat).reshape(-1, K, user.shape[-1])  # [B*T, K, D]
-        # task t's rows by task t only: [B*T, 1, D] x [B*T, D, K] (the row-vector form: as [B*T, K, D] x
-        # [B*T, D, 1] the batched matmul took 7x longer, 1.03 vs 0.15 ms at B 16, K 456, 1 thread)
-        own = torch.bmm(q.unsqueeze(1), emb.transpose(1, 2)).reshape(-1, T, K)  # [B, T, K]
-        own = torch.where(flat.reshape(-1, T, K) >= 0, own, float("-inf"))
-        top = torch.topk(own, k0, dim=2)  # [B, T, k0]
-        rows_t = flat.reshape(-1, T, K).gather(2, top.indices)
-        rows_t = torch.where(top.values > float("-inf"), rows_t, torch.full_like(rows_t, -1))
-        return merge_tasks(rows_t, self.intersection, self.candidates if self.candidates > 0 else T * k0,
-                           idx.num_items)
+        # per task: the excluded rows dropped, the best k0 by exact re-score kept, the tasks merged (one op)
+        return torch.ops.silverrec.candidate_rows(q, found, exclude, self.cache.emb, k0,
+                                                  self.candidates if self.candidates > 0 else T * k0,
+                                                  self.intersection)
 
     def forward(self, values: Tensor, lengths: Tensor, dense: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor,
                 vops: Tensor, vrows: Tensor, lists: Tensor, mode: Tensor, k: int, k0: int, nprobe: int,

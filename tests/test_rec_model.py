@@ -18,7 +18,8 @@ from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.ranking import ListwiseOverArch
 from silverrec.ranking.value_model import evaluate_formula
-from silverrec.rec_model import RecModel, exclude_rows, merge_tasks
+from silverrec.kernels.candidate_rows import exclude_rows, merge_tasks
+from silverrec.rec_model import RecModel
 from silverrec.serving.recommend import RecRequest
 
 from tests.rec_fixtures import FORMULA, K0, N_ITEMS, NLIST, TASKS, rec_setup

@@ -18,6 +18,11 @@
 #include "topk_state.h"
 
 namespace silverrec {
+
+// kernels/csrc/candidates.cpp
+at::Tensor candidate_rows(const at::Tensor& queries, const at::Tensor& found, const at::Tensor& exclude,
+                          const at::Tensor& emb, int64_t k0, int64_t limit, bool intersection);
+
 namespace {
 
 ScanInput base_input(const at::Tensor& qcodes, const at::Tensor& codes, int64_t k) {
@@ -417,6 +422,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lists"), py::arg("post_sizes"), py::arg("mode"), py::arg("k"), py::arg("nprobe"), py::arg("max_probe"),
         py::arg("window_words"), py::arg("match_factor"), py::arg("avg_cluster"), py::arg("num_items"),
         py::arg("exact_cost_ratio"), py::arg("posting_limit"), nogil);
+  m.def("candidate_rows", &silverrec::candidate_rows, "the retrieval tail: exclude, re-score, best k0 per task, merge",
+        py::arg("queries"), py::arg("found"), py::arg("exclude"), py::arg("emb"), py::arg("k0"), py::arg("limit"),
+        py::arg("intersection"), nogil);
   m.def("rows_to_items", &silverrec::rows_to_items, "rows -> item ids int64 (-1 kept)", py::arg("row_to_item"), py::arg("rows"), nogil);
   m.def("filtered_ivf_search", &filtered_ivf_search, "the filtered IVF search in one call", py::arg("queries"),
         py::arg("codes"), py::arg("dim_scale"), py::arg("dim_offset"), py::arg("cluster_offsets"), py::arg("centroids"),
