@@ -3,7 +3,7 @@
     cand = torch.ops.silverrec.candidate_rows(queries, found, exclude, emb, k0, limit, intersection)
     # queries float32 [B*T, D] (request b's task t at row b*T + t), found int64 [B*T, K] (the
     # search's rows per query, -1 = none, no row twice in a query's list), exclude int64 [B, E]
-    # (rows never to return, sorted ascending, -1 padded at the front), emb [N, D] (the embedding
+    # (rows never to return, any order, -1 = none), emb [N, D] (the embedding
     # cache, bfloat16 or float32), k0 <= K, limit >= 1 -> int64 [B, limit], -1 padded
 
 Per request and task: the excluded rows dropped, the rest re-scored exactly (<query, emb[row]> in
@@ -76,8 +76,8 @@ def merge_tasks(rows: Tensor, intersection: bool, limit: int, num_rows: int = -1
 
 
 def exclude_rows(rows: Tensor, exclude: Tensor, num_rows: int, dense_max_rows: int = DENSE_MAX_ROWS) -> Tensor:
-    """rows int64 [B, M] (-1 = none), exclude int64 [B, E >= 1] sorted ascending, -1 padded (first)
-    -> rows with every excluded row set to -1.
+    """rows int64 [B, M] (-1 = none), exclude int64 [B, E >= 1] (any order, -1 = none) -> rows with
+    every excluded row set to -1.
 
     A pool of at most `dense_max_rows` rows: one bool table [B, N + 1] per batch (column 0 is
     row -1), the exclusions scattered in, the rows gathered. A larger pool: one 1-D search over every
@@ -91,7 +91,7 @@ def exclude_rows(rows: Tensor, exclude: Tensor, num_rows: int, dense_max_rows: i
         hit = table.gather(1, rows + 1)
         return torch.where(hit | (rows < 0), torch.full_like(rows, -1), rows)
     base = torch.arange(rows.shape[0], device=rows.device)[:, None] * (num_rows + 2)
-    ex = (exclude + 1 + base).reshape(-1)
+    ex = (torch.sort(exclude, dim=1).values + 1 + base).reshape(-1)
     q = rows + 1 + base
     pos = torch.searchsorted(ex, q.reshape(-1)).clamp_max(ex.shape[0] - 1)
     hit = ex[pos].reshape(q.shape) == q

@@ -154,7 +154,7 @@ class RecModel(nn.Module):
 
         Args:
             values int64 [nnz], lengths int32 [F*B], dense float32 [B, Fd]: the user features (a KJT).
-            exclude int64 [B, E]: rows never to return, sorted ascending, padded with -1 (E >= 1).
+            exclude int64 [B, E]: rows never to return, any order, -1 = none (E >= 1).
             ops, rows, vops, vrows, lists: the B filter programs (filter_program.compile_request).
             mode int64 [B]: filter search mode per request (filtered_ivf.MODES).
             k <= C results (C = `candidates`, or T*k0); k0 candidates per task; 1 <= nprobe <= max_probe <= nlist.

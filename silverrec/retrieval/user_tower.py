@@ -87,13 +87,16 @@ def _csr(lists: Sequence[Sequence[str]], vocab: Sequence[str]) -> tuple[np.ndarr
     return offsets, np.asarray(codes, dtype=np.int64)
 
 
-def gather_csr(offsets: np.ndarray, codes: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The CSR entries of `rows`, concatenated in row order: (codes int64 [sum counts], counts int64 [len(rows)])."""
+def gather_csr(offsets: np.ndarray, codes: np.ndarray, rows: np.ndarray,
+               bounds: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """The CSR entries of `rows`, concatenated in row order: (codes int64 [sum counts], counts int64
+    [len(rows)]); with `bounds` int64 [G + 1] (groups of consecutive rows), the counts per group
+    int64 [G] instead."""
     starts = offsets[rows]
-    counts = offsets[rows + 1] - starts
-    total = int(counts.sum())
-    base = np.repeat(starts - (np.cumsum(counts) - counts), counts)
-    return codes[base + np.arange(total)], counts
+    csum = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(offsets[rows + 1] - starts, out=csum[1:])
+    counts = np.diff(csum) if bounds is None else csum[bounds[1:]] - csum[bounds[:-1]]
+    return codes[np.repeat(starts - csum[:-1], np.diff(csum)) + np.arange(csum[-1])], counts
 
 
 class FeatureEncoder:
@@ -130,19 +133,22 @@ class FeatureEncoder:
         used) -> (values int64 [nnz], lengths int32 [F * B], dense float32 [B, Fd])."""
         spec, B = self.spec, len(histories)
         hist = [np.asarray(h, dtype=np.int64)[-spec.history_len:] for h in histories]
-        for b, h in enumerate(hist):
-            if h.size and (h.min() < 0 or h.max() >= spec.num_items):
-                raise QueryError(f"history {b} holds item row {int(h[(h < 0) | (h >= spec.num_items)][0])}, "
-                                 f"outside the pool's [0, {spec.num_items})")
-        recent = [h[-spec.recent_len:] for h in hist]
-        values: list[np.ndarray] = [*hist, *recent]
-        lengths: list[np.ndarray] = [np.asarray([h.size for h in hist]), np.asarray([r.size for r in recent])]
         flat = np.concatenate(hist) if B else np.zeros(0, np.int64)
-        owner = np.repeat(np.arange(B), lengths[0])
+        if flat.size and (flat.min() < 0 or flat.max() >= spec.num_items):
+            for b, h in enumerate(hist):
+                bad = h[(h < 0) | (h >= spec.num_items)]
+                if bad.size:
+                    raise QueryError(f"history {b} holds item row {int(bad[0])}, outside the pool's [0, {spec.num_items})")
+        recent = [h[-spec.recent_len:] for h in hist]
+        values: list[np.ndarray] = [flat, *recent]
+        sizes = np.asarray([h.size for h in hist], dtype=np.int64)
+        lengths: list[np.ndarray] = [sizes, np.minimum(sizes, spec.recent_len)]
+        bounds = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(sizes, out=bounds[1:])
         for f in spec.item_vocabs:
-            codes, counts = gather_csr(*self.item_csr[f], flat)
+            codes, counts = gather_csr(*self.item_csr[f], flat, bounds)
             values.append(codes)
-            lengths.append(np.bincount(owner, weights=counts, minlength=B).astype(np.int64))
+            lengths.append(counts)
         feats = list(user_features) if user_features is not None else [{}] * B
         if len(feats) != B:
             raise QueryError(f"got user features for {len(feats)} users, {B} histories")
@@ -164,7 +170,8 @@ class FeatureEncoder:
                 x = nums[b].get(g)
                 dense[b, j] = 0.0 if x is None else (float(x) - mean) / std
         vals = np.concatenate(values) if values else np.zeros(0, np.int64)
-        return (torch.from_numpy(vals.astype(np.int64)), torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
+        return (torch.from_numpy(vals.astype(np.int64, copy=False)),
+                torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
                 torch.from_numpy(dense))
 
 

@@ -102,6 +102,14 @@ class Recommendations:
         return out
 
 
+def _is_empty(ids) -> bool:
+    """True for an empty id list (len 0); anything else, bad values included, is looked up."""
+    try:
+        return len(ids) == 0
+    except TypeError:
+        return False
+
+
 class RecHandler:
     """Everything the predictor needs beside the program: id maps, the request encoder, the filter
     plan, the stored user histories. Built once per loaded snapshot from its manifest and side files."""
@@ -179,12 +187,12 @@ class RecHandler:
         return np.where(self.sorted_ids[pos] == item_ids, self.order[pos], -1).astype(np.int64)
 
     def encode(self, requests: Sequence[RecRequest], exclude_history: bool, exclude_limit: int):
-        """-> (values, lengths, dense, exclude int64 [B, E] sorted per request, -1 padded at the front)
-        (`encode_rows`, without the history rows)."""
+        """-> (values, lengths, dense, exclude int64 [B, E], -1 = none) (`encode_rows`, without the
+        history rows)."""
         return self.encode_rows(requests, exclude_history, exclude_limit)[:4]
 
     def encode_rows(self, requests: Sequence[RecRequest], exclude_history: bool, exclude_limit: int):
-        """-> (values, lengths, dense, exclude int64 [B, E] sorted per request, -1 padded at the front,
+        """-> (values, lengths, dense, exclude int64 [B, E] (-1 = none; in no particular order),
         each request's history as rows int64 in time order).
 
         A request's exclusions are its `exclude` ids, then its history, newest first, up to
@@ -195,13 +203,15 @@ class RecHandler:
 
         A stored user's rows come from `UserHistories` (computed once); the ids a request sends
         (histories, exclude ids) are looked up in one vectorised search, and the exclusions are built
-        as sorted (request, row) keys. Any bad id or too many exclusions re-runs the lookups request
-        by request (`_raise_first_error`) for the error that names them.
+        as sorted (request, row) keys. The common request, a stored user without exclude ids, takes
+        its newest-first rows as they are (no lookup, no sort). Any bad id or too many exclusions
+        re-runs the lookups request by request (`_raise_first_error`) for the error that names them.
         """
         B = len(requests)
         histories: list = [None] * B
         newest: list = [None] * B
         sent = []  # requests that send their history
+        sends_ids = False  # any history or exclude ids sent
         for b, r in enumerate(requests):
             if (r.user_id is None) == (r.history is None):
                 raise QueryError(f"request {b}: give exactly one of user_id and history")
@@ -209,6 +219,27 @@ class RecHandler:
                 histories[b], newest[b] = self.history_rows(r.user_id, f"request {b}")
             else:
                 sent.append(b)
+            sends_ids = sends_ids or r.user_id is None or not _is_empty(r.exclude)
+        if sends_ids:
+            exclude = self._lookup_and_exclude(requests, sent, histories, newest, exclude_history, exclude_limit)
+        else:  # each request's newest-first history rows, the first exclude_limit of them
+            rows = [x[:exclude_limit] if exclude_history else x[:0] for x in newest]
+            exclude = np.full((B, max(1, max(x.size for x in rows))), -1, dtype=np.int64)
+            for b, x in enumerate(rows):
+                exclude[b, :x.size] = x
+        numeric = [dict(r.numeric) for r in requests]
+        unknown = sorted({g for m in numeric for g in m} - set(self.spec.user_numeric))
+        if unknown:
+            raise QueryError(f"unknown numeric user feature {unknown[0]!r}: the user tower reads "
+                             f"{sorted(self.spec.user_numeric) or 'none'}")
+        values, lengths, dense = self.encoder.encode(histories, [dict(r.features) for r in requests], numeric)
+        return values, lengths, dense, torch.from_numpy(exclude), histories
+
+    def _lookup_and_exclude(self, requests: Sequence[RecRequest], sent: list, histories: list, newest: list,
+                            exclude_history: bool, exclude_limit: int) -> np.ndarray:
+        """`encode_rows` for a batch that sends ids: looks up the sent histories (into `histories`,
+        `newest`) and exclude ids -> exclude int64 [B, E], sorted per request, -1 padded first."""
+        B = len(requests)
         try:
             parts = [np.asarray(x, dtype=np.int64).reshape(-1) for x in
                      (*(requests[b].history for b in sent), *(r.exclude for r in requests))]
@@ -251,13 +282,7 @@ class RecHandler:
         width = max(1, int(per.max()) if B else 1)
         exclude = np.full((B, width), -1, dtype=np.int64)
         exclude[owner, width - per[owner] + np.arange(keys.size) - (np.cumsum(per) - per)[owner]] = keys - owner * n
-        numeric = [dict(r.numeric) for r in requests]
-        unknown = sorted({g for m in numeric for g in m} - set(self.spec.user_numeric))
-        if unknown:
-            raise QueryError(f"unknown numeric user feature {unknown[0]!r}: the user tower reads "
-                             f"{sorted(self.spec.user_numeric) or 'none'}")
-        values, lengths, dense = self.encoder.encode(histories, [dict(r.features) for r in requests], numeric)
-        return values, lengths, dense, torch.from_numpy(exclude), histories
+        return exclude
 
     def _raise_first_error(self, requests: Sequence[RecRequest], exclude_limit: int) -> None:
         """The request-by-request lookups, in request order: raises the first request's QueryError."""
