@@ -52,9 +52,17 @@ class RowCounts {
 };
 
 inline float value(float x) { return x; }
-inline float value(const at::BFloat16& x) { return float(x); }
+inline float value(const at::BFloat16& x) {  // the bfloat16 bits are a float32's upper half
+  uint16_t h;
+  std::memcpy(&h, &x, 2);
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
-// <q, e> in float32, 16 independent lanes (vectorised without reassociating one sum), then the lanes.
+// <q, e> in float32, 16 independent lanes (vectorised without reassociating one sum), then the lanes
+// summed as a tree.
 template <typename E>
 float dot(const float* q, const E* e, int64_t D) {
   float lane[16] = {};
@@ -62,9 +70,9 @@ float dot(const float* q, const E* e, int64_t D) {
   for (; d + 16 <= D; d += 16)
     for (int l = 0; l < 16; ++l) lane[l] += q[d + l] * value(e[d + l]);
   for (int l = 0; d < D; ++d, ++l) lane[l] += q[d] * value(e[d]);
-  float s = 0.0f;
-  for (int l = 0; l < 16; ++l) s += lane[l];
-  return s;
+  for (int w = 8; w > 0; w >>= 1)  // a tree, not a chain of 16 dependent adds
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
 }
 
 struct Scored {
@@ -87,7 +95,13 @@ void one_request(const float* q, const int64_t* found, const int64_t* ex, int64_
     const int64_t* f = found + t * K;
     const float* qt = q + t * D;
     int64_t m = 0;
+    constexpr int64_t kAhead = 8;  // rows are random: fetch the row kAhead positions on while this one is scored
+    const int64_t row_bytes = D * int64_t(sizeof(E));
     for (int64_t j = 0; j < K; ++j) {
+      if (j + kAhead < K && f[j + kAhead] >= 0 && f[j + kAhead] < n) {
+        const char* p = reinterpret_cast<const char*>(emb + f[j + kAhead] * D);
+        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o);
+      }
       const int64_t r = f[j];
       if (r < 0 || excluded.get(r)) continue;
       TORCH_CHECK_INDEX(r < n, "candidate_rows: row ", r, " out of range for ", n, " cached rows");
@@ -96,9 +110,11 @@ void one_request(const float* q, const int64_t* found, const int64_t* ex, int64_
       scored[m++] = {s, int32_t(j), r};
     }
     const int64_t top = std::min(keep, m);
-    std::partial_sort(scored.begin(), scored.begin() + top, scored.begin() + m, [](const Scored& a, const Scored& b) {
+    const auto better = [](const Scored& a, const Scored& b) {
       return a.score > b.score || (a.score == b.score && a.pos < b.pos);
-    });
+    };
+    if (top < m) std::nth_element(scored.begin(), scored.begin() + top, scored.begin() + m, better);
+    std::sort(scored.begin(), scored.begin() + top, better);
     for (int64_t i = 0; i < top; ++i) lists[t * keep + i] = scored[i].row;
     sizes[t] = top;
   }
