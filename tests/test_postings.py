@@ -129,6 +129,24 @@ def test_filter_plan_cpu_equals_torch(built, k, nprobe, max_probe):
     assert set(r1.tolist()) == {0, 1, 2}
 
 
+@pytest.mark.parametrize("nprobe, max_probe", [(4, 16), (3, 3), (6, 90)])  # insertion / selection of the candidates
+def test_filter_plan_of_unfiltered_probed_queries_equals_torch(built, nprobe, max_probe):
+    """A batch of probed queries without a filter: the C++ plan selects only the nprobe best
+    centroids (no counts, no mask), the same probes as the reference's first nprobe of max_probe."""
+    from tests.test_filtered_topk import _both_paths
+
+    module, _, plan, _, queries = built
+    max_probe = min(max_probe, module.nlist)
+    q = queries.repeat(4, 1) + 0.1 * torch.randn(4 * len(queries), queries.shape[1], generator=torch.Generator().manual_seed(5))
+    inputs = compile_request([None] * len(q), plan)
+    modes = torch.full((len(q),), MODE_PROBED)
+    (p1, _, r1), (p2, _, r2) = _both_paths(lambda: module.plan_probes(q, 20, nprobe, inputs[0], inputs[1], inputs[4], max_probe, modes))
+    assert torch.equal(r1, r2) and torch.equal(p1, p2)
+    assert bool((p1[:, :nprobe] >= 0).all()) and bool((p1[:, nprobe:] == -1).all())
+    best = torch.topk(q @ module.centroids.T, nprobe, dim=1).indices  # independent: the nprobe nearest centroids
+    assert [set(a) for a in p1[:, :nprobe].tolist()] == [set(b) for b in best.tolist()]
+
+
 @pytest.mark.parametrize("k, nprobe, max_probe", [(20, 4, 16), (7, 2, 2), (150, 8, 40)])
 def test_fused_search_equals_the_composition_of_its_ops(built, k, nprobe, max_probe):
     """silverrec::filtered_ivf_search on CPU (one C++ call) == the composition of the per-step ops

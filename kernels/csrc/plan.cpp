@@ -76,6 +76,25 @@ void top_p_rows(const float* sc, int64_t C, int64_t B, int64_t P, const std::vec
   }
 }
 
+// The best P centroids of each probing query (cand[b * P + j], best first, equal scores to the lower
+// centroid) from the scores sc float32 [C, B]: by insertion up to kInsertMax, else a selection and a
+// sort of the selected.
+void top_candidates(const float* sc, int64_t C, int64_t B, int64_t P, const std::vector<int64_t>& probing,
+                    int64_t* cand) {
+  if (P <= kInsertMax) return top_p_rows(sc, C, B, P, probing, cand);
+  std::vector<int64_t> idx(C);
+  std::vector<float> col(C);
+  for (int64_t b : probing) {
+    for (int64_t c = 0; c < C; ++c) col[c] = sc[c * B + b];
+    const float* s = col.data();
+    const auto better = [s](int64_t x, int64_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); };
+    std::iota(idx.begin(), idx.end(), 0);
+    if (P < C) std::nth_element(idx.begin(), idx.begin() + P, idx.end(), better);
+    std::sort(idx.begin(), idx.begin() + P, better);
+    std::copy(idx.begin(), idx.begin() + P, cand + b * P);
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
@@ -109,26 +128,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
   }
   at::Tensor probes = at::full({B, P}, -1, at::kLong);
   at::Tensor lo_t = at::full({B, P}, -1, at::kLong), hi_t = at::zeros({B, P}, at::kLong);
+  int64_t* pr = probes.data_ptr<int64_t>();
+  // the counts steer only auto queries, the mask filters only programs that push a bank row: a
+  // batch of probed queries without a filter (TRUE programs) needs neither (its scan, unmasked,
+  // visits the same rows), nor more than its nprobe best centroids
+  bool need_counts = false;
+  for (int64_t b : probing) need_counts |= md[b] != kModeProbed;
+  const bool unmasked = !mask_if_unused && !need_counts && program::pushes_nothing(ops.data_ptr<int64_t>(), ops.numel());
+  if (probing.empty() && !mask_if_unused) return {probes, at::Tensor(), route};  // every query on posting lists
+  // the reference's scores: centroids @ queries^T (MKL splits this form across threads; the
+  // queries @ centroids^T form ran on one), [C, B]
+  const at::Tensor scores = probing.empty() ? at::Tensor() : at::mm(centroids, queries.t()).contiguous();
+  if (unmasked) {
+    std::vector<int64_t> top(B * nprobe, -1);
+    top_candidates(scores.data_ptr<float>(), C, B, nprobe, probing, top.data());
+    for (int64_t b : probing) std::copy(top.begin() + b * nprobe, top.begin() + (b + 1) * nprobe, pr + b * P);
+    return {probes, at::Tensor(), route};
+  }
   std::vector<int64_t> cand(B * P, -1);
   if (!probing.empty()) {
-    // the reference's scores: centroids @ queries^T (MKL splits this form across threads; the
-    // queries @ centroids^T form ran on one), [C, B]
-    const at::Tensor scores = at::mm(centroids, queries.t()).contiguous();
-    const float* sc = scores.data_ptr<float>();
-    if (P <= kInsertMax) {
-      top_p_rows(sc, C, B, P, probing, cand.data());
-    } else {
-      std::vector<int64_t> idx(C);
-      std::vector<float> col(C);
-      for (int64_t b : probing) {
-        for (int64_t c = 0; c < C; ++c) col[c] = sc[c * B + b];
-        const float* s = col.data();
-        std::iota(idx.begin(), idx.end(), 0);
-        std::partial_sort(idx.begin(), idx.begin() + P, idx.end(),
-                          [s](int64_t x, int64_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); });
-        std::copy(idx.begin(), idx.begin() + P, cand.begin() + b * P);
-      }
-    }
+    top_candidates(scores.data_ptr<float>(), C, B, P, probing, cand.data());
     int64_t *lo = lo_t.data_ptr<int64_t>(), *hi = hi_t.data_ptr<int64_t>();
     for (int64_t b : probing)
       for (int64_t j = b * P; j < (b + 1) * P; ++j) {
@@ -136,17 +155,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
         hi[j] = off[cand[j] + 1];
       }
   }
-  int64_t* pr = probes.data_ptr<int64_t>();
-  // the counts steer only auto queries, the mask filters only programs that push a bank row: a
-  // batch of probed queries without a filter (TRUE programs) needs neither (its scan, unmasked,
-  // visits the same rows)
-  bool need_counts = false;
-  for (int64_t b : probing) need_counts |= md[b] != kModeProbed;
-  if (!mask_if_unused && !need_counts && program::pushes_nothing(ops.data_ptr<int64_t>(), ops.numel())) {
-    for (int64_t b : probing) std::copy(cand.begin() + b * P, cand.begin() + b * P + nprobe, pr + b * P);
-    return {probes, at::Tensor(), route};
-  }
-  if (probing.empty() && !mask_if_unused) return {probes, at::Tensor(), route};  // every query on posting lists
   at::Tensor bitmask, counts;
   std::tie(bitmask, counts) = bloom_filter_counts(bits, ops, rows, lo_t, hi_t, window_words);
   const int64_t* cnt = counts.data_ptr<int64_t>();
