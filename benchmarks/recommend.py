@@ -742,6 +742,7 @@ def main(argv=None) -> int:
                     "hybrid) with this generative checkpoint and --checkpoint")
     ap.add_argument("--sources-quality", metavar="LOGS", help="with --sources: also HR / NDCG of each source on the "
                     "interactions.parquet / items.parquet in LOGS (the logs both checkpoints were trained on)")
+    ap.add_argument("--end-to-end-only", action="store_true", help="only part 1 (results in recommend[_quick]_e2e.*)")
     args = ap.parse_args(argv)
     if args.sources:
         return sources_main(args)
@@ -750,7 +751,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     t_start = time.perf_counter()
     load_start = os.getloadavg()
-    name = ("recommend_quick" if args.quick else "recommend") + ("_omp_default" if OMP_DEFAULT else "")
+    name = ("recommend_quick" if args.quick else "recommend") + ("_omp_default" if OMP_DEFAULT else "") + \
+        ("_e2e" if args.end_to_end_only else "")
     minutes = args.minutes if args.minutes is not None else (0.3 if args.quick else 1.0)
     overarch_minutes = 0.15 if args.quick else 0.5
     repeats = {1: 10, 16: 5, 64: 3} if args.quick else {1: 60, 16: 20, 64: 8}  # more rounds: a shared, loaded machine
@@ -797,12 +799,13 @@ def main(argv=None) -> int:
 
         print("\n1. end to end (snap.recommend vs the pipeline), latency per batch:", flush=True)
         rows = end_to_end(snap, pipe, users, repeats)
-        print("\n2. early-stage ranking for one user (silverrec = cache + OverArch; recompute = item tower + OverArch):", flush=True)
-        request = {"history": users[0]}
-        rank_sizes = RANK_SIZES[:2] if args.quick else RANK_SIZES
-        rows += early_stage(snap, pipe, ckpt, request, rank_sizes, rank_repeats, rng)
-        print("\n3. bytes per item:", flush=True)
-        rows += sizes_part(manifest, pipe)
+        rank_sizes = [] if args.end_to_end_only else RANK_SIZES[:2] if args.quick else RANK_SIZES
+        if not args.end_to_end_only:
+            print("\n2. early-stage ranking for one user (silverrec = cache + OverArch; recompute = item tower + OverArch):", flush=True)
+            request = {"history": users[0]}
+            rows += early_stage(snap, pipe, ckpt, request, rank_sizes, rank_repeats, rng)
+            print("\n3. bytes per item:", flush=True)
+            rows += sizes_part(manifest, pipe)
 
     print("\nend to end (pipeline / silverrec latency ratio; > 1 = silverrec faster):")
     e2e = [r for r in rows if r["part"] == "end_to_end"]
@@ -810,11 +813,12 @@ def main(argv=None) -> int:
                 ["filter", "batch", "silverrec_ms", "pipeline_ms", "ratio", "paired_ratio", "pipeline_one_thread_ms",
                  "ratio_vs_pipeline_best", "silverrec_qps", "pipeline_qps", "top10_overlap", "silverrec_vs_exact",
                  "pipeline_vs_exact"])
-    print("\nearly-stage ranking (recompute / cache latency ratio):")
     es = [r for r in rows if r["part"] == "early_stage"]
-    print_table([{**r, "pool": r["pool"].split("_")[0], "what": r["what"].split(" ")[0]} for r in es],
-                ["pool", "what", "items", "silverrec_ms", "pipeline_ms", "ratio", "paired_ratio"])
-    print("(what: rank = user tower + embeddings + OverArch + value; embeddings = cache lookup vs item tower forward; "
+    if es:
+        print("\nearly-stage ranking (recompute / cache latency ratio):")
+        print_table([{**r, "pool": r["pool"].split("_")[0], "what": r["what"].split(" ")[0]} for r in es],
+                    ["pool", "what", "items", "silverrec_ms", "pipeline_ms", "ratio", "paired_ratio"])
+        print("(what: rank = user tower + embeddings + OverArch + value; embeddings = cache lookup vs item tower forward; "
           "OverArch = the whole OverArch alone, as the pipeline runs it)")
     for r in es:
         if "masked_gather" in r:

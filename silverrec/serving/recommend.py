@@ -220,8 +220,11 @@ class RecHandler:
             else:
                 sent.append(b)
             sends_ids = sends_ids or r.user_id is None or not _is_empty(r.exclude)
-        if sends_ids:
-            exclude = self._lookup_and_exclude(requests, sent, histories, newest, exclude_history, exclude_limit)
+        ex_rows, ex_counts = np.zeros(0, dtype=np.int64), np.zeros(B, dtype=np.int64)
+        if sends_ids:  # the sent histories (into histories, newest) and exclude ids, looked up at once
+            ex_rows, ex_counts = self._lookup(requests, sent, histories, newest, exclude_history, exclude_limit)
+        if ex_rows.size:
+            exclude = self._exclusions(newest, ex_rows, ex_counts, exclude_history, exclude_limit)
         else:  # each request's newest-first history rows, the first exclude_limit of them
             rows = [x[:exclude_limit] if exclude_history else x[:0] for x in newest]
             exclude = np.full((B, max(1, max(x.size for x in rows))), -1, dtype=np.int64)
@@ -235,11 +238,11 @@ class RecHandler:
         values, lengths, dense = self.encoder.encode(histories, [dict(r.features) for r in requests], numeric)
         return values, lengths, dense, torch.from_numpy(exclude), histories
 
-    def _lookup_and_exclude(self, requests: Sequence[RecRequest], sent: list, histories: list, newest: list,
-                            exclude_history: bool, exclude_limit: int) -> np.ndarray:
-        """`encode_rows` for a batch that sends ids: looks up the sent histories (into `histories`,
-        `newest`) and exclude ids -> exclude int64 [B, E], sorted per request, -1 padded first."""
-        B = len(requests)
+    def _lookup(self, requests: Sequence[RecRequest], sent: list, histories: list, newest: list,
+                exclude_history: bool, exclude_limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """`encode_rows`' lookup of the ids a batch sends, in one search: the sent histories' rows
+        (into `histories`, and their newest-first unique rows into `newest`) -> (the exclude ids' rows
+        int64, request by request; their count per request int64 [B])."""
         try:
             parts = [np.asarray(x, dtype=np.int64).reshape(-1) for x in
                      (*(requests[b].history for b in sent), *(r.exclude for r in requests))]
@@ -257,23 +260,30 @@ class RecHandler:
             rows_new, off_new = newest_unique_grouped(all_rows[:starts[len(sent)]], starts[:len(sent) + 1])
             for j, b in enumerate(sent):
                 newest[b] = rows_new[off_new[j]:off_new[j + 1]]
-        ex_rows, ex_counts = all_rows[starts[len(sent)]:], counts[len(sent):]
+        else:
+            for b in sent:
+                newest[b] = all_rows[:0]
+        return all_rows[starts[len(sent)]:], counts[len(sent):]
+
+    def _exclusions(self, newest: list, ex_rows: np.ndarray, ex_counts: np.ndarray, exclude_history: bool,
+                    exclude_limit: int) -> np.ndarray:
+        """A batch with exclude ids: each request's exclude rows, then its newest-first history rows
+        not among them, up to `exclude_limit` -> int64 [B, E], sorted per request, -1 padded first.
+        As sorted keys request * n + row (sorted keys are sorted per request, requests in order)."""
+        B = len(newest)
         n = np.int64(len(self.row_to_item))
-        # exclusions as keys request * n + row: sorted keys are sorted per request, requests in order
-        ex_keys, ex_count = ex_rows, np.zeros(B, dtype=np.int64)  # (no exclude ids: the common case)
-        if ex_rows.size:
-            ex_keys = np.unique(np.repeat(np.arange(B, dtype=np.int64), ex_counts) * n + ex_rows)
-            ex_count = np.bincount(ex_keys // n, minlength=B)
-            if (ex_count > exclude_limit).any():
-                self._raise_first_error(requests, exclude_limit)
+        ex_keys = np.unique(np.repeat(np.arange(B, dtype=np.int64), ex_counts) * n + ex_rows)
+        ex_count = np.bincount(ex_keys // n, minlength=B)
+        if (ex_count > exclude_limit).any():
+            b = int(np.flatnonzero(ex_count > exclude_limit)[0])
+            raise QueryError(f"request {b}: {int(ex_count[b])} exclude ids exceed the exclusion limit {exclude_limit}")
         keys = ex_keys
         if exclude_history and B and sum(x.size for x in newest):
             # each request's history rows once, newest first, after its exclude ids, up to the limit
             owner = np.repeat(np.arange(B, dtype=np.int64), [x.size for x in newest])
             hkeys = owner * n + np.concatenate(newest)
-            if ex_keys.size:
-                keep = ~np.isin(hkeys, ex_keys, assume_unique=True)
-                hkeys, owner = hkeys[keep], owner[keep]
+            keep = ~np.isin(hkeys, ex_keys, assume_unique=True)
+            hkeys, owner = hkeys[keep], owner[keep]
             per = np.bincount(owner, minlength=B)
             rank = np.arange(hkeys.size) - (np.cumsum(per) - per)[owner]  # newest = 0
             keys = np.sort(np.concatenate([ex_keys, hkeys[rank < exclude_limit - ex_count[owner]]]))
