@@ -95,6 +95,7 @@ from silverrec.ranking.cache import EmbeddingCache  # noqa: E402
 from silverrec.ranking.overarch import overarch_from_config  # noqa: E402
 from silverrec.ranking.value_model import compile_value_model  # noqa: E402
 from silverrec.rec_model import RecModel  # noqa: E402
+from silverrec.retrieval.item_ids import ItemRows  # noqa: E402
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec  # noqa: E402
 
 FILTER = "genre = Comedy AND NOT decade = '1990s'"
@@ -153,8 +154,7 @@ class Pipeline:
 
     def __init__(self, ckpt: dict, manifest: dict):
         self.item_ids = ckpt["item_ids"].numpy().astype(np.int64)
-        self.order = np.argsort(self.item_ids, kind="stable")
-        self.sorted_ids = self.item_ids[self.order]
+        self.item_rows = ItemRows(self.item_ids)  # the id -> row lookup silverrec's predictor runs
         self.spec = UserFeatureSpec.from_json(ckpt["spec"])
         self.encoder = FeatureEncoder(self.spec, ckpt["item_features"])
         self.user_tower = rebuild_user_tower(ckpt)
@@ -187,10 +187,10 @@ class Pipeline:
 
     def rows(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
-        pos = np.searchsorted(self.sorted_ids, ids).clip(0, self.n - 1)
-        if (self.sorted_ids[pos] != ids).any():
-            raise KeyError(f"unknown item id {int(ids[self.sorted_ids[pos] != ids][0])}")
-        return self.order[pos]
+        rows = self.item_rows.rows_or_minus_one(ids)
+        if (rows < 0).any():
+            raise KeyError(f"unknown item id {int(ids[rows < 0][0])}")
+        return rows
 
     def user(self, histories: list[np.ndarray]) -> torch.Tensor:
         with torch.inference_mode():

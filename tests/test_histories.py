@@ -1,11 +1,14 @@
-"""UserHistories (silverrec/serving/histories.py): the stored histories as rows, computed for every
-user at once, against a plain walk of each user's items."""
+"""The predictor's host-side lookups against plain walks: UserHistories and newest_unique_grouped
+(silverrec/serving/histories.py: the stored histories as rows, computed for every user at once, and
+a batch's sent histories newest first), ItemRows (silverrec/retrieval/item_ids.py: item id -> row,
+dense table or binary search)."""
 
 import numpy as np
 import pytest
 
 from silverrec.errors import QueryError
-from silverrec.serving.histories import UserHistories, newest_unique
+from silverrec.retrieval.item_ids import ItemRows
+from silverrec.serving.histories import UserHistories, newest_unique, newest_unique_grouped
 
 
 def _store(seed=0, users=40, pool=60):
@@ -57,3 +60,35 @@ def test_unknown_user_and_an_item_no_longer_in_the_pool_are_named_errors():
         h.rows(10_001, "request 0")
     others = [u for j, u in enumerate(store["user_ids"]) if all(int(i) != -7 for i in store["item_ids"][store["offsets"][j]:store["offsets"][j + 1]])]
     assert len(h.rows(int(others[0]), "request 0")[0]) >= 0  # users without the deleted item still answer
+
+
+def test_newest_unique_grouped_equals_a_walk():
+    """Groups with repeats, -1 entries and empty groups: each group's rows once, newest first."""
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(0, 25, 30)
+    lengths[[0, 7, 29]] = 0
+    rows = rng.integers(-1, 12, int(lengths.sum()))  # a small row space: many repeats; -1 skipped
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    got, got_off = newest_unique_grouped(rows, offsets)
+    for g in range(len(lengths)):
+        want = []
+        for r in reversed(rows[offsets[g]:offsets[g + 1]].tolist()):
+            if r >= 0 and r not in want:
+                want.append(r)
+        assert got[got_off[g]:got_off[g + 1]].tolist() == want, g
+    assert newest_unique_grouped(np.zeros(0, np.int64), np.zeros(1, np.int64))[0].size == 0
+
+
+@pytest.mark.parametrize("ids", [np.arange(50, 5000, 7), np.array([3, 2**40, 17, 2**62]), np.array([-5, 0, 9])])
+def test_item_rows_equal_a_dict(ids):
+    """Compact ids (a dense table), sparse ones (binary search), negative ones: rows of known ids,
+    -1 for unknown, negative and out-of-range ones."""
+    rng = np.random.default_rng(1)
+    ids = rng.permutation(ids).astype(np.int64)
+    lookup = ItemRows(ids)
+    assert (lookup.table is not None) == (ids.min() >= 0 and ids.max() < 2**20)
+    row_of = {int(i): r for r, i in enumerate(ids)}
+    queries = np.concatenate([ids, rng.choice(ids, 20), [-1, -2**40, int(ids.max()) + 1, int(ids.max()) + 2, 2**62 + 1, 4]])
+    got = lookup.rows_or_minus_one(queries.astype(np.int64))
+    assert got.dtype == np.int64
+    assert got.tolist() == [row_of.get(int(q), -1) for q in queries]

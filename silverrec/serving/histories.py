@@ -20,23 +20,25 @@ from silverrec.errors import QueryError
 def newest_unique_grouped(rows: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Groups of rows in time order (CSR: group g is rows[offsets[g]:offsets[g + 1]], int64; -1
     entries skipped) -> (each group's rows once, newest occurrence first, int64; their offsets
-    [G + 1]). One pass for every group: the stored users at once, or a request batch's histories."""
+    [G + 1]). One pass for every group: the stored users at once, or a request batch's histories.
+
+    Each group is read newest first (a mirror of its positions), so a row's first occurrence by
+    (group, row) key in that order is its newest: one stable sort of the keys (np.unique's) finds
+    them, and a mask over the mirrored positions keeps them in order, without a second sort."""
     rows = np.asarray(rows, dtype=np.int64)
     offsets = np.asarray(offsets, dtype=np.int64)
     G = len(offsets) - 1
     owner = np.repeat(np.arange(G, dtype=np.int64), np.diff(offsets))
+    mirror = offsets[:-1][owner] + offsets[1:][owner] - 1 - np.arange(rows.size)  # newest first per group
+    rev = rows[mirror]
     n = np.int64(max(int(rows.max(initial=-1)) + 1, 1))
-    pos = np.flatnonzero(rows >= 0)  # time order: a larger position is newer within a group
-    keys = owner[pos] * n + rows[pos]
-    order = np.lexsort((-pos, keys))  # by key, the newest occurrence first
-    k = keys[order]
-    first = np.ones(k.size, dtype=bool)
-    first[1:] = k[1:] != k[:-1]
-    newest_key, newest_pos = k[first], pos[order][first]
-    by_group = np.lexsort((-newest_pos, newest_key // n))  # groups in order, newest first in each
+    valid = np.flatnonzero(rev >= 0)
+    _, first = np.unique(owner[valid] * n + rev[valid], return_index=True)  # the first (newest) of each key
+    keep = np.zeros(rows.size, dtype=bool)
+    keep[valid[first]] = True
     newest_off = np.zeros(G + 1, dtype=np.int64)
-    np.cumsum(np.bincount(newest_key // n, minlength=G), out=newest_off[1:])
-    return (newest_key % n)[by_group], newest_off
+    np.cumsum(np.bincount(owner[keep], minlength=G), out=newest_off[1:])
+    return rev[keep], newest_off
 
 
 def newest_unique(rows: np.ndarray) -> np.ndarray:

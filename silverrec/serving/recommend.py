@@ -31,6 +31,7 @@ from silverrec.filtering.filter_program import FilterPlan, compile_request
 from silverrec.filtering.template import check_request_features
 from silverrec.generative.source import request_tensors
 from silverrec.retrieval.filtered_ivf import MODES
+from silverrec.retrieval.item_ids import ItemRows
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 from silverrec.serving.device import exported_module
 from silverrec.serving.histories import UserHistories, newest_unique_grouped
@@ -123,8 +124,7 @@ class RecHandler:
         self.tasks = list(config["tasks"])
         self.row_to_item = np.asarray(row_to_item, dtype=np.int64)
         self.encoder = FeatureEncoder.from_arrays(self.spec, item_csr)
-        self.order = np.argsort(self.row_to_item, kind="stable")
-        self.sorted_ids = self.row_to_item[self.order]
+        self.item_rows = ItemRows(self.row_to_item)
         self.plan = FilterPlan.from_config(config["filter"])
         self.template = config.get("filter_template")  # filled in the model from the user's features
         self.users = users
@@ -183,8 +183,7 @@ class RecHandler:
 
     def _rows_or_minus_one(self, item_ids: np.ndarray) -> np.ndarray:
         """Item ids int64 [n] -> rows int64 [n], -1 where an id is not in the pool (the one lookup)."""
-        pos = np.searchsorted(self.sorted_ids, item_ids).clip(0, len(self.sorted_ids) - 1)
-        return np.where(self.sorted_ids[pos] == item_ids, self.order[pos], -1).astype(np.int64)
+        return self.item_rows.rows_or_minus_one(item_ids)
 
     def encode(self, requests: Sequence[RecRequest], exclude_history: bool, exclude_limit: int):
         """-> (values, lengths, dense, exclude int64 [B, E], -1 = none) (`encode_rows`, without the
