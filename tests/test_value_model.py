@@ -234,3 +234,29 @@ def test_padding_scores_do_not_break_other_candidates():
     scores[0, 1] = -math.inf  # a padded candidate, as the cache's re-score reports it
     out = vm(scores, feats)
     assert out[0, 1] == -math.inf and bool(torch.isfinite(out[1]).all()) and bool(torch.isfinite(out[0, [0, 2, 3]]).all())
+
+
+@pytest.mark.parametrize("formula, linear", [
+    ({"weights": {"interacted": 1, "watch": 0.5}}, True),
+    ({"add": [{"sub": [{"mul": [2, "task:watch"]}, {"div": ["feature:price", 4]}]}, 3]}, True),
+    ({"div": ["task:watch", 0]}, True),  # safe division by a constant 0: 0
+    ({"add": [1.5]}, True),
+    ({"mul": ["task:watch", "feature:price"]}, False),
+    ({"sigmoid": "task:watch"}, False),
+])
+def test_linear_formulas_fold_into_weights(formula, linear):
+    """A linear formula runs as weights (one product per input), with the interpreted program's
+    values and the reference's; padding (-inf on every task) stays non-finite only where a weight
+    touches it."""
+    vm = compile_value_model(formula, TASKS, FEATURES)
+    assert vm.linear == linear
+    scores, feats = _random_inputs(4, 7)
+    got = vm(scores, feats)
+    torch.testing.assert_close(got.double(), _reference(formula, scores, feats), rtol=1e-5, atol=1e-5)
+    vm.linear = False  # the same module through its program
+    torch.testing.assert_close(got, vm(scores, feats), rtol=1e-6, atol=1e-5)
+    if linear:
+        vm.linear = True
+        scores[0, 2] = -math.inf
+        out = vm(scores, feats)
+        assert bool(torch.isfinite(out[1]).all()) and not bool(torch.isnan(out[0, 2]))

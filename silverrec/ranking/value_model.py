@@ -28,6 +28,11 @@ A formula may also be given as JSON text (a string), or as a bare number. Every 
 `ValueModelError` naming the bad term by its JSON path from the root `$`, e.g.
 `value model term $.add[1]: unknown task 'clikc' (tasks: interacted, rated_ge_4)`.
 
+A formula that is linear in the task scores and features (weights, add, sub, constants, mul / div
+by constants) is folded at compile time into weights: the forward is then one matrix-vector
+product per input instead of one tensor op per instruction (`linear_form`; the same values up to
+float32 rounding order).
+
 Arithmetic is float32. Task scores of padded candidates are -inf; the value computed for them is
 meaningless (it can be NaN) and the caller masks padded candidates after the value model.
 
@@ -108,6 +113,7 @@ class ValueModel(nn.Module):
     tasks: List[str]
     features: List[str]
     formula: str
+    __constants__ = ["linear", "linear_tasks", "linear_features", "bias"]
 
     def __init__(self, program: Program, tasks: Sequence[str], features: Sequence[str], formula: str) -> None:
         super().__init__()
@@ -126,6 +132,19 @@ class ValueModel(nn.Module):
         self.tasks = list(tasks)
         self.features = list(features)
         self.formula = formula
+        folded = linear_form(self.program, len(self.tasks), len(self.features))
+        self.linear = folded is not None
+        coef, self.bias = folded if folded is not None else ([0.0] * (len(tasks) + len(features)), 0.0)
+        # the terms with a non-zero weight only: a padded candidate's -inf times a zero weight would be NaN
+        t_used = [i for i in range(len(tasks)) if coef[i] != 0.0]
+        f_used = [j for j in range(len(features)) if coef[len(tasks) + j] != 0.0]
+        self.linear_tasks = len(t_used) > 0
+        self.linear_features = len(f_used) > 0
+        self.register_buffer("task_columns", torch.tensor(t_used, dtype=torch.int64), persistent=False)
+        self.register_buffer("task_weights", torch.tensor([coef[i] for i in t_used], dtype=torch.float32), persistent=False)
+        self.register_buffer("feature_columns", torch.tensor(f_used, dtype=torch.int64), persistent=False)
+        self.register_buffer("feature_weights", torch.tensor([coef[len(tasks) + j] for j in f_used], dtype=torch.float32),
+                             persistent=False)
 
     def config(self) -> Dict[str, Any]:
         """JSON-able description: `compile_value_model(**vm.config())` rebuilds the same module."""
@@ -138,6 +157,15 @@ class ValueModel(nn.Module):
         """
         task_scores = task_scores.float()
         feats = feats.float()
+        if self.linear:  # folded at compile time (linear_form)
+            out = task_scores.new_full([task_scores.shape[0], task_scores.shape[1]], self.bias)
+            if self.linear_tasks:
+                used = task_scores if self.task_columns.shape[0] == task_scores.shape[2] else \
+                    task_scores.index_select(2, self.task_columns)
+                out = out + used @ self.task_weights
+            if self.linear_features:
+                out = out + feats.index_select(2, self.feature_columns) @ self.feature_weights
+            return out
         zero = task_scores.new_zeros([task_scores.shape[0], task_scores.shape[1]])  # [B, K]
         stack: List[Tensor] = []
         for ins in self.program:
@@ -200,6 +228,41 @@ class ValueModel(nn.Module):
                 cond = stack.pop()
                 stack.append(torch.where(cond != 0, t, e))
         return stack[0]
+
+
+def linear_form(program: Program, tasks: int, features: int) -> Union[Tuple[List[float], float], None]:
+    """The program as weights (T task weights then F feature weights) and a constant, when it is
+    linear in its inputs (constants, tasks, features, add, sub, mul or div where one side is a
+    constant); None otherwise. Evaluated symbolically on the same stack as the forward."""
+    width = tasks + features
+    stack: List[Tuple[List[float], float]] = []  # (coefficients, constant) per stack slot
+
+    def constant(x: Tuple[List[float], float]) -> bool:
+        return not any(x[0])
+
+    for op, arg, c in program:
+        if op == OP_CONST:
+            stack.append(([0.0] * width, c))
+        elif op in (OP_TASK, OP_FEATURE):
+            coef = [0.0] * width
+            coef[arg if op == OP_TASK else tasks + arg] = 1.0
+            stack.append((coef, 0.0))
+        elif op in (OP_ADD, OP_SUB, OP_MUL, OP_DIV):
+            b, a = stack.pop(), stack.pop()
+            if op in (OP_ADD, OP_SUB):
+                sign = 1.0 if op == OP_ADD else -1.0
+                stack.append(([x + sign * y for x, y in zip(a[0], b[0])], a[1] + sign * b[1]))
+            elif op == OP_MUL and (constant(a) or constant(b)):
+                k, v = (a[1], b) if constant(a) else (b[1], a)
+                stack.append(([x * k for x in v[0]], v[1] * k))
+            elif op == OP_DIV and constant(b):  # x / 0 is 0 (safe division)
+                k = 0.0 if b[1] == 0.0 else 1.0 / b[1]
+                stack.append(([x * k for x in a[0]], a[1] * k))
+            else:
+                return None
+        else:
+            return None
+    return stack[0]
 
 
 # ------------------------------------------------------------------------------------ the compile

@@ -334,8 +334,11 @@ class RecHandler:
             exclude_history = exclude_history or self.template["excludes_history"]
         values, lengths, dense, exclude, histories = self.encode_rows(requests, exclude_history, limit)
         filters = [r.filter for r in requests]
-        modes = torch.tensor([MODES["probed"] if f is None and not self.template else MODES[mode] for f in filters],
-                             dtype=torch.int64)
+        if self.template or any(f is not None for f in filters):
+            modes = torch.tensor([MODES["probed"] if f is None and not self.template else MODES[mode] for f in filters],
+                                 dtype=torch.int64)
+        else:  # nothing filters: every query probes (one fill, not a tensor from a list)
+            modes = torch.full((len(filters),), MODES["probed"], dtype=torch.int64)
         if beams:  # hybrid: + the histories (the decoder's input) and the source flags
             extra = request_tensors(histories, [r.sources for r in requests], sources)
         elif any(r.sources is not None and list(r.sources) != ["ann"] for r in requests):
