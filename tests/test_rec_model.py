@@ -130,14 +130,23 @@ def test_candidate_cap_ranks_a_subset_of_the_union(rec):
         assert kept and kept <= set(full[0][b][full[0][b] >= 0].tolist())
 
 
-def test_listwise_variant_exports_equal_to_eager(rec):
-    """A RecModel with a list-wise OverArch (attention over its padded candidate list) exports with
-    the same dynamic shapes as the published one and answers as its eager self."""
+@pytest.mark.parametrize("kind", ["listwise", "linear_value_model"])
+def test_variant_exports_equal_to_eager(rec, kind):
+    """A RecModel with a list-wise OverArch (attention over its padded candidate list), or with a
+    linear value model (folded into weights, as the demo's), exports with the same dynamic shapes
+    as the published one and answers as its eager self, at batch 1 too."""
     from silverrec.publish.rec import dynamic_shapes, example_request
+    from silverrec.ranking.value_model import compile_value_model
     from silverrec.retrieval.user_tower import UserFeatureSpec
     from silverrec.snapshot import export_program
 
-    model = listwise_variant(rec.built)
+    if kind == "listwise":
+        model = listwise_variant(rec.built)
+    else:
+        m = rec.built.model
+        vm = compile_value_model({"weights": {"interacted": 1.0, "liked": 0.5}}, list(rec.built.manifest["tasks"]))
+        assert vm.linear
+        model = variant(rec.built, m.overarch if m.has_overarch else None, vm)
     spec = UserFeatureSpec.from_json(rec.built.manifest["user_features"])
     program = export_program(model, example_request(model, spec, model.cache.dim), dynamic_shapes(len(spec.keys))).module()
     handler = rec.snap().rec_handler()

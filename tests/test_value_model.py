@@ -260,3 +260,18 @@ def test_linear_formulas_fold_into_weights(formula, linear):
         scores[0, 2] = -math.inf
         out = vm(scores, feats)
         assert bool(torch.isfinite(out[1]).all()) and not bool(torch.isnan(out[0, 2]))
+
+
+def test_folded_value_model_exports_for_any_batch():
+    """The folded form under torch.export with dynamic batch and candidate dims (batch 1 included:
+    no shape guard), equal to eager."""
+    from torch.export import Dim
+
+    vm = compile_value_model({"weights": {"interacted": 1, "watch": 0.5}}, TASKS, FEATURES)
+    assert vm.linear
+    scores, feats = _random_inputs(3, 5)
+    prog = torch.export.export(vm, (scores, feats), dynamic_shapes=({0: Dim("b", max=64), 1: Dim("k", max=512)},
+                                                                    {0: Dim("b", max=64), 1: Dim("k", max=512)}))
+    for b in (1, 3):
+        s, f = _random_inputs(b, 7)
+        torch.testing.assert_close(prog.module()(s, f), vm(s, f))

@@ -29,8 +29,8 @@ A formula may also be given as JSON text (a string), or as a bare number. Every 
 `value model term $.add[1]: unknown task 'clikc' (tasks: interacted, rated_ge_4)`.
 
 A formula that is linear in the task scores and features (weights, add, sub, constants, mul / div
-by constants) is folded at compile time into weights: the forward is then one matrix-vector
-product per input instead of one tensor op per instruction (`linear_form`; the same values up to
+by constants) is folded at compile time into weights: the forward is then one weighted sum per
+input instead of one tensor op per instruction (`linear_form`; the same values up to
 float32 rounding order).
 
 Arithmetic is float32. Task scores of padded candidates are -inf; the value computed for them is
@@ -159,12 +159,13 @@ class ValueModel(nn.Module):
         feats = feats.float()
         if self.linear:  # folded at compile time (linear_form)
             out = task_scores.new_full([task_scores.shape[0], task_scores.shape[1]], self.bias)
+            # weighted sums as multiply + sum (a matmul with the [B, K, T] input guarded export on B != 1)
             if self.linear_tasks:
                 used = task_scores if self.task_columns.shape[0] == task_scores.shape[2] else \
                     task_scores.index_select(2, self.task_columns)
-                out = out + used @ self.task_weights
+                out = out + (used * self.task_weights).sum(2)
             if self.linear_features:
-                out = out + feats.index_select(2, self.feature_columns) @ self.feature_weights
+                out = out + (feats.index_select(2, self.feature_columns) * self.feature_weights).sum(2)
             return out
         zero = task_scores.new_zeros([task_scores.shape[0], task_scores.shape[1]])  # [B, K]
         stack: List[Tensor] = []
