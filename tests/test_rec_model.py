@@ -404,3 +404,30 @@ def test_full_probe_rescore_is_the_exact_top_k(rec):
         torch.testing.assert_close(scores[b], top.values, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(s[rows[b]], scores[b], atol=1e-5, rtol=1e-5)
         assert len(set(ids[b].tolist())) == k
+
+
+def test_native_encoding_equals_the_numpy_path(rec):
+    """The C++ request encoding (kernels/csrc/encode.cpp) == the numpy path: the same KJT values,
+    lengths and dense features, the same exclusion set per request (stored users, sent histories
+    with repeats, an empty one, histories beyond the limit; with and without exclude_history)."""
+    handler = rec.snap().rec_handler()
+    assert handler._native is not None, "the extension provides encode_histories"
+    lengths = {int(u): len(rec.logs.history(int(u))) for u in rec.logs.user_ids}
+    long_ = max(lengths, key=lengths.get)
+    hist = [int(i) for i in rec.logs.history(long_)]
+    reqs = [RecRequest.coerce(r, "r") for r in (
+        {"user_id": long_}, {"history": hist[:7] * 3 + hist[2:5]}, {"history": []},
+        {"user_id": min(lengths, key=lengths.get)}, {"history": rec.logs.item_ids[:300].tolist()})]
+    native = handler._native
+    for batch in (reqs, reqs[:1], reqs[2:3]):
+        for exclude_history, limit in ((True, 6), (True, 4096), (False, 4096)):
+            handler._native = native
+            got = handler.encode(batch, exclude_history, limit)
+            handler._native = None
+            want = handler.encode(batch, exclude_history, limit)
+            for g, w in zip(got[:3], want[:3]):
+                assert g.dtype == w.dtype and torch.equal(g, w)
+            assert got[3].shape == want[3].shape
+            for g, w in zip(got[3].tolist(), want[3].tolist()):
+                assert sorted(x for x in g if x >= 0) == sorted(x for x in w if x >= 0)
+    handler._native = native

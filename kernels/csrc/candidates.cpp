@@ -14,42 +14,10 @@
 #include <limits>
 #include <vector>
 
+#include "row_counts.h"
+
 namespace silverrec {
 namespace {
-
-// Rows (int64 >= 0) with a count each, open addressing: sized for `n` distinct rows, so that a
-// request's work never depends on the pool's size (a [N] table per request would, at 10M rows).
-class RowCounts {
- public:
-  explicit RowCounts(int64_t n) {
-    int64_t cap = 16;
-    while (cap < 2 * n) cap <<= 1;
-    keys_.assign(cap, -1);
-    counts_.assign(cap, 0);
-    mask_ = uint64_t(cap - 1);
-  }
-  // The row's count, inserted at 0 when absent.
-  int32_t& at(int64_t row) {
-    uint64_t i = slot(row);
-    while (keys_[i] != row && keys_[i] != -1) i = (i + 1) & mask_;
-    keys_[i] = row;
-    return counts_[i];
-  }
-  int32_t get(int64_t row) const {
-    uint64_t i = slot(row);
-    while (keys_[i] != -1) {
-      if (keys_[i] == row) return counts_[i];
-      i = (i + 1) & mask_;
-    }
-    return 0;
-  }
-
- private:
-  uint64_t slot(int64_t row) const { return (uint64_t(row) * 0x9E3779B97F4A7C15ull >> 17) & mask_; }
-  std::vector<int64_t> keys_;
-  std::vector<int32_t> counts_;
-  uint64_t mask_ = 0;
-};
 
 inline float value(float x) { return x; }
 inline float value(const at::BFloat16& x) {  // the bfloat16 bits are a float32's upper half

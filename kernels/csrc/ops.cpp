@@ -22,6 +22,10 @@ namespace silverrec {
 // kernels/csrc/candidates.cpp
 at::Tensor candidate_rows(const at::Tensor& queries, const at::Tensor& found, const at::Tensor& exclude,
                           const at::Tensor& emb, int64_t k0, int64_t limit, bool intersection);
+// kernels/csrc/encode.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
+    const at::Tensor& rows, const at::Tensor& offsets, int64_t exclude_limit, int64_t history_len, int64_t recent_len,
+    const std::vector<at::Tensor>& feature_offsets, const std::vector<at::Tensor>& feature_codes, int64_t num_items);
 
 namespace {
 
@@ -425,6 +429,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("candidate_rows", &silverrec::candidate_rows, "the retrieval tail: exclude, re-score, best k0 per task, merge",
         py::arg("queries"), py::arg("found"), py::arg("exclude"), py::arg("emb"), py::arg("k0"), py::arg("limit"),
         py::arg("intersection"), nogil);
+  m.def("encode_histories", &silverrec::encode_histories,
+        "history rows -> (exclusions [B, E], the user tower's item-key values, lengths)", py::arg("rows"),
+        py::arg("offsets"), py::arg("exclude_limit"), py::arg("history_len"), py::arg("recent_len"),
+        py::arg("feature_offsets"), py::arg("feature_codes"), py::arg("num_items"), nogil);
   m.def("rows_to_items", &silverrec::rows_to_items, "rows -> item ids int64 (-1 kept)", py::arg("row_to_item"), py::arg("rows"), nogil);
   m.def("filtered_ivf_search", &filtered_ivf_search, "the filtered IVF search in one call", py::arg("queries"),
         py::arg("codes"), py::arg("dim_scale"), py::arg("dim_offset"), py::arg("cluster_offsets"), py::arg("centroids"),

@@ -149,6 +149,21 @@ class FeatureEncoder:
             codes, counts = gather_csr(*self.item_csr[f], flat, bounds)
             values.append(codes)
             lengths.append(counts)
+        user_values, user_lengths, dense = self.user_part([len(h) for h in histories], user_features, user_numeric)
+        vals = np.concatenate(values + user_values) if values else np.zeros(0, np.int64)
+        return (torch.from_numpy(vals.astype(np.int64, copy=False)),
+                torch.from_numpy(np.concatenate(lengths + user_lengths).astype(np.int32)),
+                torch.from_numpy(dense))
+
+    def user_part(self, history_sizes: Sequence[int], user_features: Optional[Sequence[Mapping[str, Any]]] = None,
+                  user_numeric: Optional[Sequence[Mapping[str, float]]] = None
+                  ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+        """The keys and dense columns after the item keys: (user-feature values, their lengths: int64
+        arrays, key after key; dense float32 [B, Fd]: log1p of each full history's size, then the
+        standardised numeric features). `history_sizes`: each request's history length."""
+        spec, B = self.spec, len(history_sizes)
+        values: list[np.ndarray] = []
+        lengths: list[np.ndarray] = []
         feats = list(user_features) if user_features is not None else [{}] * B
         if len(feats) != B:
             raise QueryError(f"got user features for {len(feats)} users, {B} histories")
@@ -163,16 +178,13 @@ class FeatureEncoder:
         if unknown:
             raise QueryError(f"unknown user feature {sorted(unknown)[0]!r}: the user tower reads {sorted(self.user_index) or 'none'}")
         dense = np.zeros((B, spec.dense_dim), dtype=np.float32)
-        dense[:, 0] = np.log1p([len(h) for h in histories])
+        dense[:, 0] = np.log1p(history_sizes)
         nums = list(user_numeric) if user_numeric is not None else [{}] * B
         for j, (g, (mean, std)) in enumerate(spec.user_numeric.items(), start=1):
             for b in range(B):
                 x = nums[b].get(g)
                 dense[b, j] = 0.0 if x is None else (float(x) - mean) / std
-        vals = np.concatenate(values) if values else np.zeros(0, np.int64)
-        return (torch.from_numpy(vals.astype(np.int64, copy=False)),
-                torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
-                torch.from_numpy(dense))
+        return values, lengths, dense
 
 
 def _mlp(sizes: Sequence[int]) -> nn.Sequential:

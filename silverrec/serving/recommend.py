@@ -30,6 +30,7 @@ from silverrec.errors import QueryError
 from silverrec.filtering.filter_program import FilterPlan, compile_request
 from silverrec.filtering.template import check_request_features
 from silverrec.generative.source import request_tensors
+from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.item_ids import ItemRows
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
@@ -125,6 +126,11 @@ class RecHandler:
         self.row_to_item = np.asarray(row_to_item, dtype=np.int64)
         self.encoder = FeatureEncoder.from_arrays(self.spec, item_csr)
         self.item_rows = ItemRows(self.row_to_item)
+        # the C++ request encoding (encode_rows) and the item-feature CSRs it reads, in the tower's key order
+        self._native = getattr(cpu_ext(), "encode_histories", None)  # None: the numpy path
+        csr = [self.encoder.item_csr[f] for f in self.spec.item_vocabs]
+        self._native_csr = ([torch.from_numpy(np.ascontiguousarray(o, dtype=np.int64)) for o, _ in csr],
+                            [torch.from_numpy(np.ascontiguousarray(c, dtype=np.int64)) for _, c in csr])
         self.plan = FilterPlan.from_config(config["filter"])
         self.template = config.get("filter_template")  # filled in the model from the user's features
         self.users = users
@@ -201,16 +207,18 @@ class RecHandler:
         stage's cost grows with E (a fixed E = exclude_limit = 4096 made it 6% of a batch-16 forward).
 
         A stored user's rows come from `UserHistories` (computed once); the ids a request sends
-        (histories, exclude ids) are looked up in one vectorised search, and the exclusions are built
-        as sorted (request, row) keys. The common request, a stored user without exclude ids, takes
-        its newest-first rows as they are (no lookup, no sort). Any bad id or too many exclusions
-        re-runs the lookups request by request (`_raise_first_error`) for the error that names them.
+        (histories, exclude ids) are looked up in one vectorised search. A batch without exclude ids
+        (the common one) is then encoded by one C++ call (`_encode_native`: exclusions and item keys)
+        where the extension is built; otherwise stored users take their precomputed newest-first
+        rows, and with exclude ids the exclusions are built as sorted (request, row) keys. Any bad id
+        or too many exclusions re-runs the lookups request by request (`_raise_first_error`) for the
+        error that names them.
         """
         B = len(requests)
         histories: list = [None] * B
         newest: list = [None] * B
         sent = []  # requests that send their history
-        sends_ids = False  # any history or exclude ids sent
+        excludes = False  # any exclude ids sent
         for b, r in enumerate(requests):
             if (r.user_id is None) == (r.history is None):
                 raise QueryError(f"request {b}: give exactly one of user_id and history")
@@ -218,10 +226,20 @@ class RecHandler:
                 histories[b], newest[b] = self.history_rows(r.user_id, f"request {b}")
             else:
                 sent.append(b)
-            sends_ids = sends_ids or r.user_id is None or not _is_empty(r.exclude)
+            excludes = excludes or not _is_empty(r.exclude)
+        native = self._native is not None and not excludes
         ex_rows, ex_counts = np.zeros(0, dtype=np.int64), np.zeros(B, dtype=np.int64)
-        if sends_ids:  # the sent histories (into histories, newest) and exclude ids, looked up at once
-            ex_rows, ex_counts = self._lookup(requests, sent, histories, newest, exclude_history, exclude_limit)
+        if sent or excludes:  # the sent histories (into histories, newest) and exclude ids, looked up at once
+            ex_rows, ex_counts = self._lookup(requests, sent, histories, newest, exclude_history and not native,
+                                              exclude_limit)
+        numeric = [dict(r.numeric) for r in requests]
+        unknown = sorted({g for m in numeric for g in m} - set(self.spec.user_numeric))
+        if unknown:
+            raise QueryError(f"unknown numeric user feature {unknown[0]!r}: the user tower reads "
+                             f"{sorted(self.spec.user_numeric) or 'none'}")
+        if native:
+            return (*self._encode_native(histories, requests, numeric, exclude_limit if exclude_history else 0),
+                    histories)
         if ex_rows.size:
             exclude = self._exclusions(newest, ex_rows, ex_counts, exclude_history, exclude_limit)
         else:  # each request's newest-first history rows, the first exclude_limit of them
@@ -229,19 +247,31 @@ class RecHandler:
             exclude = np.full((B, max(1, max(x.size for x in rows))), -1, dtype=np.int64)
             for b, x in enumerate(rows):
                 exclude[b, :x.size] = x
-        numeric = [dict(r.numeric) for r in requests]
-        unknown = sorted({g for m in numeric for g in m} - set(self.spec.user_numeric))
-        if unknown:
-            raise QueryError(f"unknown numeric user feature {unknown[0]!r}: the user tower reads "
-                             f"{sorted(self.spec.user_numeric) or 'none'}")
         values, lengths, dense = self.encoder.encode(histories, [dict(r.features) for r in requests], numeric)
         return values, lengths, dense, torch.from_numpy(exclude), histories
 
+    def _encode_native(self, histories: list, requests: Sequence[RecRequest], numeric: list, exclude_limit: int):
+        """`encode_rows` without exclude ids, through the C++ `encode_histories` (kernels/csrc/encode.cpp:
+        the exclusions and the item keys in one call; the numpy path above is its reference) ->
+        (values, lengths, dense, exclude)."""
+        sizes = [h.size for h in histories]
+        offsets = np.zeros(len(histories) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        flat = np.concatenate(histories) if histories else np.zeros(0, dtype=np.int64)
+        spec = self.spec
+        exclude, values, lengths = self._native(torch.from_numpy(flat), torch.from_numpy(offsets), exclude_limit,
+                                                spec.history_len, spec.recent_len, *self._native_csr, spec.num_items)
+        user_values, user_lengths, dense = self.encoder.user_part(sizes, [dict(r.features) for r in requests], numeric)
+        if user_values:
+            values = torch.cat([values, torch.from_numpy(np.concatenate(user_values))])
+            lengths = torch.cat([lengths, torch.from_numpy(np.concatenate(user_lengths).astype(np.int32))])
+        return values, lengths, torch.from_numpy(dense), exclude
+
     def _lookup(self, requests: Sequence[RecRequest], sent: list, histories: list, newest: list,
-                exclude_history: bool, exclude_limit: int) -> tuple[np.ndarray, np.ndarray]:
+                want_newest: bool, exclude_limit: int) -> tuple[np.ndarray, np.ndarray]:
         """`encode_rows`' lookup of the ids a batch sends, in one search: the sent histories' rows
-        (into `histories`, and their newest-first unique rows into `newest`) -> (the exclude ids' rows
-        int64, request by request; their count per request int64 [B])."""
+        (into `histories`, and with `want_newest` their newest-first unique rows into `newest`, else
+        nothing) -> (the exclude ids' rows int64, request by request; their count per request int64 [B])."""
         try:
             parts = [np.asarray(x, dtype=np.int64).reshape(-1) for x in
                      (*(requests[b].history for b in sent), *(r.exclude for r in requests))]
@@ -255,7 +285,7 @@ class RecHandler:
         starts = np.concatenate([[0], np.cumsum(counts)])
         for j, b in enumerate(sent):
             histories[b] = all_rows[starts[j]:starts[j + 1]]
-        if exclude_history and sent:  # the sent histories' newest-first rows, in one pass
+        if want_newest and sent:  # the sent histories' newest-first rows, in one pass
             rows_new, off_new = newest_unique_grouped(all_rows[:starts[len(sent)]], starts[:len(sent) + 1])
             for j, b in enumerate(sent):
                 newest[b] = rows_new[off_new[j]:off_new[j + 1]]
