@@ -6,6 +6,8 @@
         ops, rows, vops, vrows, lists, mode,                                              # the request
         k, nprobe, max_probe, window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit)
     # -> scores float32 [B, k] (descending, -inf padding), item_ids int64 [B, k] (-1 padding)
+    # ops .. mode: one row per query, or one per group of B / ops.shape[0] consecutive queries (a
+    # request's T task queries, rows b*T .. b*T + T - 1, share its filter program)
 
 The steps are the ops of this package, in order (`compose_search`; `filtered_ivf_search_torch` composes
 the registered ops, `filtered_ivf_search_cuda`, the CUDA kernel, their CUDA kernels, the Triton
@@ -74,6 +76,9 @@ def compose_search(
     Triton workspace holds nothing proportional to N either (its `workspace_shapes`). With `cuda_steps` no step
     reads a value back to the host (tests/test_filter_plan_triton.py records every op outside the kernels).
     """
+    per = queries.shape[0] // ops.shape[0] if ops.shape[0] and queries.shape[0] % ops.shape[0] == 0 else 1
+    if per > 1:  # one program per request of `per` consecutive queries: repeated to one per query
+        ops, rows, vops, vrows, lists, mode = [x.repeat_interleave(per, dim=0) for x in (ops, rows, vops, vrows, lists, mode)]
     probes, bitmask, route = steps.filter_plan(
         queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k, nprobe, max_probe,
         window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit,

@@ -132,9 +132,7 @@ class RecModel(nn.Module):
         rows dropped, each task's best k0 by its exact re-score kept, the tasks merged -> int64
         [B, K1] rows (K1 = `candidates`, or T*k0), -1 = none."""
         T = self.tasks
-        q = user.reshape(-1, user.shape[-1])
-        reps = [ops, rows, vops, vrows, lists, mode]
-        ops, rows, vops, vrows, lists, mode = [x.repeat_interleave(T, dim=0) for x in reps]
+        q = user.reshape(-1, user.shape[-1])  # request b's task t at row b*T + t: the op repeats its program T times
         idx = self.index
         _, found = torch.ops.silverrec.filtered_ivf_search(
             q, idx.codes, idx.dim_scale, idx.dim_offset, idx.cluster_offsets, idx.centroids, self.row_ids,

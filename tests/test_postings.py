@@ -147,6 +147,33 @@ def test_filter_plan_of_unfiltered_probed_queries_equals_torch(built, nprobe, ma
     assert [set(a) for a in p1[:, :nprobe].tolist()] == [set(b) for b in best.tolist()]
 
 
+@pytest.mark.parametrize("per", [2, 3])
+def test_one_program_per_request_of_several_queries(built, per):
+    """Programs given once per request of `per` consecutive queries (a request's task queries) ==
+    the same programs repeated per query, through the C++ op and the composition alike."""
+    from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
+    from tests.test_filtered_topk import _both_paths
+
+    module, _, plan, _, queries = built
+    filters = FILTERS
+    q = queries.repeat_interleave(per, 0) + 0.1 * torch.randn(len(filters) * per, queries.shape[1],
+                                                               generator=torch.Generator().manual_seed(per))
+    inputs = compile_request(filters, plan)
+    modes = torch.arange(len(filters)) % 3
+    m = module
+    tail = (20, 4, 16, m.window_words, m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit)
+    head = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits, m.post_rows,
+            m.post_offsets, m.post_sizes)
+    repeated = [x.repeat_interleave(per, 0) for x in (*inputs, modes)]
+    with torch.inference_mode():
+        want = torch.ops.silverrec.filtered_ivf_search(*head, *repeated, *tail)
+        got = torch.ops.silverrec.filtered_ivf_search(*head, *inputs, modes, *tail)
+        composed, composed_torch = _both_paths(lambda: filtered_ivf_search_torch(*head, *inputs, modes, *tail))
+    for other in (got, composed, composed_torch):
+        assert torch.equal(want[1], other[1]) and torch.equal(want[0], other[0])
+    assert (want[1] >= 0).any()
+
+
 @pytest.mark.parametrize("k, nprobe, max_probe", [(20, 4, 16), (7, 2, 2), (150, 8, 40)])
 def test_fused_search_equals_the_composition_of_its_ops(built, k, nprobe, max_probe):
     """silverrec::filtered_ivf_search on CPU (one C++ call) == the composition of the per-step ops

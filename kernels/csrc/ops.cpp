@@ -271,12 +271,16 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   const at::Tensor post_rows = post_rows_in.contiguous();
   const at::Tensor post_offsets = post_offsets_in.contiguous();
   const at::Tensor post_sizes = post_sizes_in.contiguous();
-  const at::Tensor ops = ops_in.contiguous();
-  const at::Tensor rows = rows_in.contiguous();
-  const at::Tensor vops = vops_in.contiguous();
-  const at::Tensor vrows = vrows_in.contiguous();
-  const at::Tensor lists = lists_in.contiguous();
-  const at::Tensor mode = mode_in.contiguous();
+  // the request tensors: one row per query, or one per group of `per` consecutive queries (a
+  // request's task queries share its filter), repeated here to one per query
+  const int64_t per = ops_in.size(0) > 0 && queries_in.size(0) % ops_in.size(0) == 0 ? queries_in.size(0) / ops_in.size(0) : 1;
+  const auto per_query = [per](const at::Tensor& x) { return (per > 1 ? x.repeat_interleave(per, 0) : x).contiguous(); };
+  const at::Tensor ops = per_query(ops_in);
+  const at::Tensor rows = per_query(rows_in);
+  const at::Tensor vops = per_query(vops_in);
+  const at::Tensor vrows = per_query(vrows_in);
+  const at::Tensor lists = per_query(lists_in);
+  const at::Tensor mode = per_query(mode_in);
   if (k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(k));
   if (!(1 <= nprobe && nprobe <= max_probe && max_probe <= centroids.size(0)))
     throw std::invalid_argument("need 1 <= nprobe (" + std::to_string(nprobe) + ") <= max_probe (" +
