@@ -179,6 +179,7 @@ class MoLOverArch(nn.Module):
         self.gate_bias = nn.Parameter(torch.zeros(tasks, n_p))
         self.dot_scale = nn.Parameter(torch.full((tasks,), float(dot_scale)))
         log_scale = torch.full((tasks,), math.log(float(scale)))
+        self.register_buffer("component_eye", torch.eye(self.p_x), persistent=False)  # component_logits' block mask
         if self.learn_scale:
             self.log_scale = nn.Parameter(log_scale)
         else:
@@ -217,12 +218,13 @@ class MoLOverArch(nn.Module):
         K = 256, 2 threads: the p_x separate bmms + stack cost more than the p_x times larger
         matmul). Einsum, or flattening x into [B, K * p_x, c], made export guard on K != 1."""
         b, t_count, pq, px, c = user.shape[0], self.tasks, self.p_q, self.p_x, self.comp_dim
-        # per-task projection as a broadcast matmul (einsum or bmm here made export guard on B != 1)
-        q = torch.stack([F.linear(user[:, t], self.user_weight[t]) for t in range(t_count)], dim=1)
-        q = F.normalize((q + self.user_bias).unflatten(-1, [pq, c]), dim=-1)  # [B, T, p_q, c]
-        eye = torch.eye(px, dtype=q.dtype, device=q.device)
-        # [B, j', c, T, p_q, j] = q[b, t, i, c] * (j == j')
-        qbd = q.permute(0, 3, 1, 2)[:, None, :, :, :, None] * eye[None, :, None, None, None, :]
+        # per-task projection, one batched matmul over the tasks: [T, B, D] x [T, D, p_q c] (a batch
+        # over B, or einsum, made export guard on B != 1)
+        q = torch.baddbmm(self.user_bias.unsqueeze(1), user.transpose(0, 1), self.user_weight.transpose(1, 2))
+        q = F.normalize(q.unflatten(-1, [pq, c]), dim=-1)  # [T, B, p_q, c]
+        eye = self.component_eye.to(q.dtype)
+        # [B, j', c, T, p_q, j] = q[t, b, i, c] * (j == j')
+        qbd = q.permute(1, 3, 0, 2)[:, None, :, :, :, None] * eye[None, :, None, None, None, :]
         logits = torch.bmm(x, qbd.reshape(b, px * c, t_count * pq * px))  # [B, K, T * P]
         return logits.unflatten(2, [t_count, pq * px])
 
@@ -248,7 +250,7 @@ class MoLOverArch(nn.Module):
         lg = logits.reshape(b * k, t_count, n_p).transpose(0, 1)  # [T, B*K, P] (a strided view)
         # the user part per task, stacked task-major: [T, B, H] contiguous, so that the sum below is
         # [T, B, K, H] contiguous (`.contiguous()` of a transpose guarded export on B != 1)
-        hu = torch.stack([F.linear(user[:, t], w[:, :d]) for t in range(t_count)])
+        hu = torch.bmm(user.transpose(0, 1), w[:, :d].t().unsqueeze(0).expand(t_count, d, hid))
         h = (hu.unsqueeze(2) + item[:, :, nx:].unsqueeze(0)).reshape(t_count, b * k, hid)
         # [T, B*K, H]; silu in place: no second [T, B*K, H] buffer (at batch 64 a fresh 8 MB one per call,
         # whose page faults made the score 1.5x slower)
