@@ -64,7 +64,7 @@ class RecModel(nn.Module):
     """
 
     # constants to TorchScript, so that it compiles only the stages a configuration has
-    __constants__ = ["has_cache", "has_overarch", "has_value_model"]
+    __constants__ = ["has_cache", "has_overarch", "rows_overarch", "has_value_model"]
 
     def __init__(self, user_tower: nn.Module, index: FilteredIVFIndex, cache: Optional[EmbeddingCache],
                  overarch: Optional[nn.Module] = None, value_model: Optional[nn.Module] = None,
@@ -85,6 +85,8 @@ class RecModel(nn.Module):
         # the OverArch's item side, computed once per item and kept by row beside the embeddings
         self.cache = cache.with_ranker(overarch.item_side) if overarch is not None else cache
         self.has_overarch = overarch is not None
+        # an OverArch with `score_rows` scores cached rows in one op (MoLOverArch: silverrec::mol_score)
+        self.rows_overarch = overarch is not None and hasattr(overarch, "score_rows")
         self.overarch = overarch if overarch is not None else nn.Identity()
         self.has_value_model = value_model is not None
         self.value_model = value_model if value_model is not None else nn.Identity()
@@ -115,7 +117,10 @@ class RecModel(nn.Module):
     def rank_rows(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
         """user float32 [B, T, D], rows int64 [B, C] (-1 = none) -> (value float32 [B, C] with -inf
         at padding, task scores float32 [B, C, T])."""
-        if self.has_overarch:  # the OverArch scores the pairs: no exact re-score to compute
+        if self.rows_overarch:  # an OverArch that reads the cache's rows itself (MoL: one op)
+            scores = self.overarch.score_rows(user, rows, self.cache.emb, self.cache.ranker)
+            feats = self.cache.features(rows)
+        elif self.has_overarch:  # the OverArch scores the pairs: no exact re-score to compute
             emb, feats, ranker = self.cache.lookup(rows)
             scores = self.overarch.score(user, emb, ranker, rows >= 0)
         else:

@@ -15,19 +15,10 @@
 #include <vector>
 
 #include "row_counts.h"
+#include "widen.h"
 
 namespace silverrec {
 namespace {
-
-inline float value(float x) { return x; }
-inline float value(const at::BFloat16& x) {  // the bfloat16 bits are a float32's upper half
-  uint16_t h;
-  std::memcpy(&h, &x, 2);
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // <q, e> in float32, 16 independent lanes (vectorised without reassociating one sum), then the lanes
 // summed as a tree.
@@ -36,8 +27,8 @@ float dot(const float* q, const E* e, int64_t D) {
   float lane[16] = {};
   int64_t d = 0;
   for (; d + 16 <= D; d += 16)
-    for (int l = 0; l < 16; ++l) lane[l] += q[d + l] * value(e[d + l]);
-  for (int l = 0; d < D; ++d, ++l) lane[l] += q[d] * value(e[d]);
+    for (int l = 0; l < 16; ++l) lane[l] += q[d + l] * widen(e[d + l]);
+  for (int l = 0; d < D; ++d, ++l) lane[l] += q[d] * widen(e[d]);
   for (int w = 8; w > 0; w >>= 1)  // a tree, not a chain of 16 dependent adds
     for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
   return lane[0];

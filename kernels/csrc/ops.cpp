@@ -22,6 +22,11 @@ namespace silverrec {
 // kernels/csrc/candidates.cpp
 at::Tensor candidate_rows(const at::Tensor& queries, const at::Tensor& found, const at::Tensor& exclude,
                           const at::Tensor& emb, int64_t k0, int64_t limit, bool intersection);
+// kernels/csrc/mol.cpp
+at::Tensor mol_score(const at::Tensor& user, const at::Tensor& rows, const at::Tensor& emb, const at::Tensor& ranker,
+                     const at::Tensor& user_weight, const at::Tensor& user_bias, const at::Tensor& gate_in_weight,
+                     const at::Tensor& gate_weight, const at::Tensor& gate_bias, const at::Tensor& dot_scale,
+                     const at::Tensor& log_scale, int64_t p_q, int64_t p_x, int64_t comp_dim, int64_t feat_dim);
 // kernels/csrc/encode.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
     const at::Tensor& rows, const at::Tensor& offsets, int64_t exclude_limit, int64_t history_len, int64_t recent_len,
@@ -433,6 +438,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("candidate_rows", &silverrec::candidate_rows, "the retrieval tail: exclude, re-score, best k0 per task, merge",
         py::arg("queries"), py::arg("found"), py::arg("exclude"), py::arg("emb"), py::arg("k0"), py::arg("limit"),
         py::arg("intersection"), nogil);
+  m.def("mol_score", &silverrec::mol_score, "mixture-of-logits pair scores of cached candidate rows [B, K, T]",
+        py::arg("user"), py::arg("rows"), py::arg("emb"), py::arg("ranker"), py::arg("user_weight"), py::arg("user_bias"),
+        py::arg("gate_in_weight"), py::arg("gate_weight"), py::arg("gate_bias"), py::arg("dot_scale"),
+        py::arg("log_scale"), py::arg("p_q"), py::arg("p_x"), py::arg("comp_dim"), py::arg("feat_dim"), nogil);
   m.def("encode_histories", &silverrec::encode_histories,
         "history rows -> (exclusions [B, E], the user tower's item-key values, lengths)", py::arg("rows"),
         py::arg("offsets"), py::arg("exclude_limit"), py::arg("history_len"), py::arg("recent_len"),

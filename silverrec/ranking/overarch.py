@@ -208,61 +208,90 @@ class MoLOverArch(nn.Module):
         hv = F.linear(cand, w[:, d : 2 * d]) + F.linear(feats.to(w.dtype), w[:, 2 * d : 2 * d + f], self.gate_in.bias)
         return torch.cat([x, hv], dim=-1)
 
-    def component_logits(self, user: Tensor, x: Tensor) -> Tensor:
-        """user [B, T, D], x [B, K, p_x * c] normalised item components, j-major (parameter dtype) ->
-        l [B, K, T, P], P = p_q * p_x (i-major).
-
-        One batched matmul for every (t, i, j): the user components go into a block-diagonal
-        [B, p_x * c, T * P] matrix (column (t, i, j) holds q_ti in row block j), so x is read once
-        and no per-component slices, stack or permute are needed (measured on MovieLens shapes,
-        K = 256, 2 threads: the p_x separate bmms + stack cost more than the p_x times larger
-        matmul). Einsum, or flattening x into [B, K * p_x, c], made export guard on K != 1."""
-        b, t_count, pq, px, c = user.shape[0], self.tasks, self.p_q, self.p_x, self.comp_dim
-        # per-task projection, one batched matmul over the tasks: [T, B, D] x [T, D, p_q c] (a batch
-        # over B, or einsum, made export guard on B != 1)
-        q = torch.baddbmm(self.user_bias.unsqueeze(1), user.transpose(0, 1), self.user_weight.transpose(1, 2))
-        q = F.normalize(q.unflatten(-1, [pq, c]), dim=-1)  # [T, B, p_q, c]
-        eye = self.component_eye.to(q.dtype)
-        # [B, j', c, T, p_q, j] = q[t, b, i, c] * (j == j')
-        qbd = q.permute(1, 3, 0, 2)[:, None, :, :, :, None] * eye[None, :, None, None, None, :]
-        logits = torch.bmm(x, qbd.reshape(b, px * c, t_count * pq * px))  # [B, K, T * P]
-        return logits.unflatten(2, [t_count, pq * px])
-
     def score(self, user: Tensor, cand: Tensor, item: Tensor, valid: Tensor) -> Tensor:
         """user float32 [B, T, D], cand [B, K, D], item [B, K, E] (`item_side`), valid (unused) ->
-        float32 [B, K, T].
+        float32 [B, K, T] (`mol_pair_scores`)."""
+        return mol_pair_scores(user, cand, item, self.user_weight, self.user_bias, self.gate_in.weight, self.gate_weight,
+                               self.gate_bias, self.dot_scale, self.log_scale, self.p_q, self.p_x, self.comp_dim,
+                               self.feat_dim, self.component_eye)
 
-        The gate runs task-major, [T, B*K, .]: its hidden layer accumulates the logit columns onto
-        (user part + item part) in place (one baddbmm_) and its T output layers are one batched
-        matmul [T, B*K, H] x [T, H, P] (no block-diagonal [T*P, T*H] map that multiplies T-1 zero
-        blocks, no copy of the hidden layer). Measured on MovieLens' MoL (B 16, K 256, 1 thread,
-        TorchScript, alternated): 0.87x the block-diagonal version's time (0.82x at B 64, 0.89x at B 1).
-        """
-        w = self.gate_in.weight  # [H, 2D + F + P]
-        d, f = self.dim, self.feat_dim
-        user = user.to(w.dtype)
-        cand = cand.to(w.dtype)
-        item = item.to(w.dtype)
-        b, k = item.shape[0], item.shape[1]
-        t_count, n_p, hid = self.tasks, self.p_q * self.p_x, self.gate_hidden
-        nx = self.p_x * self.comp_dim
-        logits = self.component_logits(user, item[:, :, :nx])  # [B, K, T, P]
-        lg = logits.reshape(b * k, t_count, n_p).transpose(0, 1)  # [T, B*K, P] (a strided view)
-        # the user part per task, stacked task-major: [T, B, H] contiguous, so that the sum below is
-        # [T, B, K, H] contiguous (`.contiguous()` of a transpose guarded export on B != 1)
-        hu = torch.bmm(user.transpose(0, 1), w[:, :d].t().unsqueeze(0).expand(t_count, d, hid))
-        h = (hu.unsqueeze(2) + item[:, :, nx:].unsqueeze(0)).reshape(t_count, b * k, hid)
-        # [T, B*K, H]; silu in place: no second [T, B*K, H] buffer (at batch 64 a fresh 8 MB one per call,
-        # whose page faults made the score 1.5x slower)
-        h = F.silu(h.baddbmm_(lg, w[:, 2 * d + f :].t().unsqueeze(0).expand(t_count, n_p, hid)), inplace=True)
-        g = torch.baddbmm(self.gate_bias.to(h.dtype).unsqueeze(1), h, self.gate_weight.to(h.dtype).transpose(1, 2))
-        mixed = (torch.softmax(g, dim=-1) * lg).sum(-1).reshape(t_count, b, k).permute(1, 2, 0)  # [B, K, T]
-        dot = torch.bmm(cand, user.transpose(1, 2)) * self.dot_scale.to(w.dtype)  # [B, K, T]
-        return (mixed * self.log_scale.exp().clamp(max=100.0) + dot).float()
+    @torch.jit.export
+    def score_rows(self, user: Tensor, rows: Tensor, emb: Tensor, ranker: Tensor) -> Tensor:
+        """`score` of cached candidates: user float32 [B, T, D], rows int64 [B, K] (-1 = padding) of the
+        embedding cache's emb [N, D] and ranker [N, E] (this OverArch's `item_side`) -> float32
+        [B, K, T], 0 at padding: one op, `silverrec::mol_score` (kernels/mol_score.py), for float32
+        weights; a bfloat16 module gathers and scores."""
+        if self.gate_in.weight.dtype == torch.float32:
+            return torch.ops.silverrec.mol_score(user.float(), rows, emb, ranker, self.user_weight, self.user_bias,
+                                                 self.gate_in.weight, self.gate_weight, self.gate_bias, self.dot_scale,
+                                                 self.log_scale, self.p_q, self.p_x, self.comp_dim, self.feat_dim)
+        flat = rows.clamp(min=0).reshape(-1)
+        cand = emb.index_select(0, flat).reshape(rows.shape[0], rows.shape[1], emb.shape[1])
+        item = ranker.index_select(0, flat).reshape(rows.shape[0], rows.shape[1], ranker.shape[1])
+        scores = self.score(user, cand, item, rows >= 0)
+        return torch.where((rows >= 0).unsqueeze(-1), scores, torch.zeros_like(scores))
 
     def forward(self, user: Tensor, cand: Tensor, feats: Tensor) -> Tensor:
         """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]."""
         return self.score(user, cand, self.item_side(cand, feats), _all_valid(cand))
+
+
+def mol_component_logits(user: Tensor, x: Tensor, user_weight: Tensor, user_bias: Tensor, p_q: int, p_x: int,
+                         comp_dim: int, eye: Tensor) -> Tensor:
+    """user [B, T, D], x [B, K, p_x * c] normalised item components, j-major (parameter dtype) ->
+    l [B, K, T, P], P = p_q * p_x (i-major).
+
+    One batched matmul for every (t, i, j): the user components go into a block-diagonal
+    [B, p_x * c, T * P] matrix (column (t, i, j) holds q_ti in row block j), so x is read once
+    and no per-component slices, stack or permute are needed (measured on MovieLens shapes,
+    K = 256, 2 threads: the p_x separate bmms + stack cost more than the p_x times larger
+    matmul). Einsum, or flattening x into [B, K * p_x, c], made export guard on K != 1."""
+    b, t_count, pq, px, c = user.shape[0], user.shape[1], p_q, p_x, comp_dim
+    # per-task projection, one batched matmul over the tasks: [T, B, D] x [T, D, p_q c] (a batch
+    # over B, or einsum, made export guard on B != 1)
+    q = torch.baddbmm(user_bias.unsqueeze(1), user.transpose(0, 1), user_weight.transpose(1, 2))
+    q = F.normalize(q.unflatten(-1, [pq, c]), dim=-1)  # [T, B, p_q, c]
+    eye = eye.to(q.dtype)
+    # [B, j', c, T, p_q, j] = q[t, b, i, c] * (j == j')
+    qbd = q.permute(1, 3, 0, 2)[:, None, :, :, :, None] * eye[None, :, None, None, None, :]
+    logits = torch.bmm(x, qbd.reshape(b, px * c, t_count * pq * px))  # [B, K, T * P]
+    return logits.unflatten(2, [t_count, pq * px])
+
+
+def mol_pair_scores(user: Tensor, cand: Tensor, item: Tensor, user_weight: Tensor, user_bias: Tensor,
+                    gate_in_weight: Tensor, gate_weight: Tensor, gate_bias: Tensor, dot_scale: Tensor,
+                    log_scale: Tensor, p_q: int, p_x: int, comp_dim: int, feat_dim: int, eye: Tensor) -> Tensor:
+    """MoLOverArch's pair scores (the formula in its docstring): user float32 [B, T, D], cand [B, K, D],
+    item [B, K, E] (`item_side`), the module's weights -> float32 [B, K, T]. The one place of the
+    math: the module's `score` and the torch form of `silverrec::mol_score` call it.
+
+    The gate runs task-major, [T, B*K, .]: its hidden layer accumulates the logit columns onto
+    (user part + item part) in place (one baddbmm_) and its T output layers are one batched
+    matmul [T, B*K, H] x [T, H, P] (no block-diagonal [T*P, T*H] map that multiplies T-1 zero
+    blocks, no copy of the hidden layer). Measured on MovieLens' MoL (B 16, K 256, 1 thread,
+    TorchScript, alternated): 0.87x the block-diagonal version's time (0.82x at B 64, 0.89x at B 1).
+    """
+    w = gate_in_weight  # [H, 2D + F + P]
+    d, f = user.shape[2], feat_dim
+    user = user.to(w.dtype)
+    cand = cand.to(w.dtype)
+    item = item.to(w.dtype)
+    b, k = item.shape[0], item.shape[1]
+    t_count, n_p, hid = user.shape[1], p_q * p_x, w.shape[0]
+    nx = p_x * comp_dim
+    logits = mol_component_logits(user, item[:, :, :nx], user_weight, user_bias, p_q, p_x, comp_dim, eye)  # [B, K, T, P]
+    lg = logits.reshape(b * k, t_count, n_p).transpose(0, 1)  # [T, B*K, P] (a strided view)
+    # the user part per task, task-major: [T, B, H] contiguous, so that the sum below is
+    # [T, B, K, H] contiguous (`.contiguous()` of a transpose guarded export on B != 1)
+    hu = torch.bmm(user.transpose(0, 1), w[:, :d].t().unsqueeze(0).expand(t_count, d, hid))
+    h = (hu.unsqueeze(2) + item[:, :, nx:].unsqueeze(0)).reshape(t_count, b * k, hid)
+    # [T, B*K, H]; silu in place: no second [T, B*K, H] buffer (at batch 64 a fresh 8 MB one per call,
+    # whose page faults made the score 1.5x slower)
+    h = F.silu(h.baddbmm_(lg, w[:, 2 * d + f :].t().unsqueeze(0).expand(t_count, n_p, hid)), inplace=True)
+    g = torch.baddbmm(gate_bias.to(h.dtype).unsqueeze(1), h, gate_weight.to(h.dtype).transpose(1, 2))
+    mixed = (torch.softmax(g, dim=-1) * lg).sum(-1).reshape(t_count, b, k).permute(1, 2, 0)  # [B, K, T]
+    dot = torch.bmm(cand, user.transpose(1, 2)) * dot_scale.to(w.dtype)  # [B, K, T]
+    return (mixed * log_scale.exp().clamp(max=100.0) + dot).float()
 
 
 class ListwiseOverArch(nn.Module):

@@ -1,0 +1,245 @@
+// silverrec::mol_score (kernels/mol_score.py): the mixture-of-logits OverArch's pair scores for
+// candidate rows, read from the embedding cache, in one pass per (request, candidate). The math of
+// silverrec/ranking/overarch.py `MoLOverArch.score` (its torch form, `mol_score_torch`, is the
+// reference and the CUDA path), without its [T, B*K, H] intermediates: per pair, the P component
+// logits, the gate's hidden layer, its softmax and the mixture stay in a few hundred bytes.
+// The extension builds with -ffp-contract=off (other kernels match torch bit for bit); this one agrees
+// with its reference only up to rounding anyway, so its multiply-adds may fuse.
+#pragma GCC optimize("fp-contract=fast")
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "widen.h"
+
+namespace silverrec {
+namespace {
+
+// x / max(|x|, 1e-12), F.normalize's formula
+void normalize(float* x, int64_t n) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
+  const float inv = 1.0f / std::max(std::sqrt(s), 1e-12f);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+// <a, b> in 16 independent lanes summed as a tree (vectorised without reassociating one sum)
+inline float dot16(const float* a, const float* b, int64_t n) {
+  float lane[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lane[l] += a[i + l] * b[i + l];
+  for (int l = 0; i < n; ++i, ++l) lane[l] += a[i] * b[i];
+  for (int w = 8; w > 0; w >>= 1)
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
+}
+
+struct Weights {
+  int64_t T, D, F, H, P, pq, px, c;
+  std::vector<float> qbd;     // per (b, t): the user components as a block matrix [px * c, P]: column
+                              // i * px + j holds q_i in row block j, so l = x^T qbd (one pass over x)
+  std::vector<float> hu;      // per (b, t): the gate's user part W[:, :D] u_t [H]
+  std::vector<float> wl_t;    // the gate's logit columns, transposed: [P, H]
+  std::vector<float> gate_t;  // per task, the gate's output layer transposed: [T, H, P]
+  const float* gate_bias;     // [T, P]
+  std::vector<float> dot_scale, temperature;  // [T]: r_t, min(exp(log_scale_t), 100)
+};
+
+constexpr int kLanes = 16;  // candidates scored together: every vector op runs across 16 candidates
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));      // GCC vector extensions: one
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));  // lane per candidate
+
+// exp(x) on every lane, to ~1e-7 relative error, branch-free: 2^floor by the exponent bits, 2^fraction
+// by a degree-6 polynomial (the gate's SiLU and softmax)
+inline vf vexp(vf x) {
+  const vf lo = vf{} - 87.0f, hi = vf{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf t = x * 1.44269504088896341f;
+  vf fi = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
+  fi = fi > t ? fi - 1.0f : fi;  // floor
+  const vf f = t - fi;
+  vf p = vf{} + 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const vi bits = (__builtin_convertvector(fi, vi) + 127) << 23;
+  return p * (vf)bits;
+}
+
+// Scores of up to kLanes candidates (rows r[0..m), m <= kLanes) for every task of request b. Lane
+// q holds candidate q (lanes past m repeat candidate 0): every step of the formula is a vector
+// operation across the candidates (no reduction across lanes); the weights are broadcast scalars.
+template <typename Emb, typename Rank>
+void score_block(const Weights& w, int64_t b, const float* user, const int64_t* r, int64_t m, const Emb* emb,
+                 const Rank* ranker, int64_t E, float* out, std::vector<vf>& buf) {
+  const int64_t T = w.T, D = w.D, H = w.H, P = w.P, nx = w.px * w.c, c = w.c, px = w.px;
+  vf* v = buf.data();  // [D]
+  vf* x = v + D;       // [nx]
+  vf* hv = x + nx;     // [H]
+  vf* l = hv + H;      // [P]
+  vf* g = l + P;       // [P]
+  for (int q = 0; q < kLanes; ++q) {  // the block, transposed
+    const int64_t row = r[q < m ? q : 0];
+    for (int64_t d = 0; d < D; ++d) v[d][q] = widen(emb[row * D + d]);
+    const Rank* it = ranker + row * E;
+    for (int64_t i = 0; i < nx; ++i) x[i][q] = widen(it[i]);
+    for (int64_t j = 0; j < H; ++j) hv[j][q] = widen(it[nx + j]);
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const float* qbd = w.qbd.data() + (b * T + t) * nx * P;
+    for (int64_t p = 0; p < P; ++p) {  // l[i * px + j] = <q_i, x_j>: x_j's rows only
+      const int64_t j = p % px;
+      vf acc = {};
+      for (int64_t e = 0; e < c; ++e) acc += qbd[(j * c + e) * P + p] * x[j * c + e];
+      l[p] = acc;
+    }
+    const float* hu = w.hu.data() + (b * T + t) * H;
+    const float* gt = w.gate_t.data() + t * H * P;
+    for (int64_t p = 0; p < P; ++p) g[p] = vf{} + w.gate_bias[t * P + p];
+    for (int64_t j = 0; j < H; ++j) {  // the hidden unit j, then its share of every gate output
+      vf hj = hv[j] + hu[j];
+      for (int64_t p = 0; p < P; ++p) hj += w.wl_t[p * H + j] * l[p];
+      hj = hj / (1.0f + vexp(-hj));  // SiLU
+      for (int64_t p = 0; p < P; ++p) g[p] += gt[j * P + p] * hj;
+    }
+    vf top = g[0];
+    for (int64_t p = 1; p < P; ++p) top = g[p] > top ? g[p] : top;
+    vf z = {}, mixed = {}, dot = {};
+    for (int64_t p = 0; p < P; ++p) {
+      const vf e = vexp(g[p] - top);
+      z += e;
+      mixed += e * l[p];
+    }
+    const float* u = user + (b * T + t) * D;
+    for (int64_t d = 0; d < D; ++d) dot += u[d] * v[d];
+    const vf s = mixed / z * w.temperature[t] + dot * w.dot_scale[t];
+    for (int64_t q = 0; q < m; ++q) out[q * T + t] = s[q];
+  }
+}
+
+template <typename Emb, typename Rank>
+void score_request(const Weights& w, int64_t b, const float* user, const int64_t* rows, int64_t K, const Emb* emb,
+                   const Rank* ranker, int64_t E, int64_t n, float* out) {
+  const int64_t T = w.T;
+  std::vector<vf> buf(w.D + w.px * w.c + w.H + 2 * w.P);
+  std::vector<int64_t> live(kLanes), slot(kLanes);
+  std::vector<float> scores(kLanes * T);
+  int64_t m = 0;
+  const auto flush = [&]() {
+    score_block(w, b, user, live.data(), m, emb, ranker, (int64_t)E, scores.data(), buf);
+    for (int64_t q = 0; q < m; ++q) std::copy_n(scores.data() + q * T, T, out + slot[q] * T);
+    m = 0;
+  };
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t r = rows[k];
+    if (r < 0) {  // padding: a finite score the caller masks
+      std::fill(out + k * T, out + (k + 1) * T, 0.0f);
+      continue;
+    }
+    TORCH_CHECK_INDEX(r < n, "mol_score: row ", r, " out of range for ", n, " cached rows");
+    live[m] = r;
+    slot[m++] = k;
+    if (m == kLanes) flush();
+  }
+  if (m) flush();
+}
+
+}  // namespace
+
+at::Tensor mol_score(const at::Tensor& user_in, const at::Tensor& rows_in, const at::Tensor& emb_in,
+                     const at::Tensor& ranker_in, const at::Tensor& user_weight_in, const at::Tensor& user_bias_in,
+                     const at::Tensor& gate_in_weight_in, const at::Tensor& gate_weight_in,
+                     const at::Tensor& gate_bias_in, const at::Tensor& dot_scale_in, const at::Tensor& log_scale_in,
+                     int64_t p_q, int64_t p_x, int64_t comp_dim, int64_t feat_dim) {
+  const at::Tensor user = user_in.contiguous(), rows = rows_in.contiguous(), emb = emb_in.contiguous();
+  const at::Tensor ranker = ranker_in.contiguous();
+  const at::Tensor uw = user_weight_in.contiguous(), ub = user_bias_in.contiguous(), gw = gate_in_weight_in.contiguous();
+  const at::Tensor gout = gate_weight_in.contiguous(), gbias = gate_bias_in.contiguous();
+  for (const at::Tensor* t : {&user, &uw, &ub, &gw, &gout, &gbias, &dot_scale_in, &log_scale_in})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "mol_score: user and weights must be float32");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2, "mol_score: rows must be int64 [B, K]");
+  TORCH_CHECK(emb.scalar_type() == at::kFloat || emb.scalar_type() == at::kBFloat16, "mol_score: emb must be float32 or bfloat16");
+  TORCH_CHECK(ranker.scalar_type() == at::kFloat || ranker.scalar_type() == at::kBFloat16,
+              "mol_score: ranker must be float32 or bfloat16");
+  Weights w;
+  w.T = user.size(1), w.D = user.size(2), w.F = feat_dim, w.H = gw.size(0), w.pq = p_q, w.px = p_x, w.c = comp_dim;
+  w.P = p_q * p_x;
+  const int64_t B = user.size(0), K = rows.size(1), T = w.T, D = w.D, H = w.H, P = w.P;
+  const int64_t E = ranker.size(1), n = emb.size(0);
+  TORCH_CHECK(user.dim() == 3 && rows.size(0) == B && emb.dim() == 2 && emb.size(1) == D && ranker.size(0) == n &&
+                  E >= p_x * comp_dim + H && uw.sizes() == at::IntArrayRef({T, p_q * comp_dim, D}) &&
+                  gw.size(1) == 2 * D + feat_dim + P && gout.sizes() == at::IntArrayRef({T, P, H}) &&
+                  gbias.sizes() == at::IntArrayRef({T, P}) && dot_scale_in.numel() == T && log_scale_in.numel() == T,
+              "mol_score: shapes disagree (user [B, T, D], rows [B, K], emb [N, D], ranker [N, E], weights of a "
+              "MoLOverArch(D, F, T, p_q, p_x, comp_dim, H))");
+  const float* u = user.data_ptr<float>();
+  const float* W = gw.data_ptr<float>();  // [H, 2D + F + P]
+  const int64_t ld = gw.size(1), pqc = p_q * comp_dim;
+  const int64_t nx = p_x * comp_dim;
+  w.qbd.assign(B * T * nx * P, 0.0f);
+  w.hu.resize(B * T * H);
+  std::vector<float> q(pqc);
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const int64_t t = bt % T;
+    const float* ut = u + bt * D;
+    for (int64_t m = 0; m < pqc; ++m)
+      q[m] = ub.data_ptr<float>()[t * pqc + m] + dot16(uw.data_ptr<float>() + (t * pqc + m) * D, ut, D);
+    for (int64_t i = 0; i < p_q; ++i) normalize(q.data() + i * comp_dim, comp_dim);
+    float* qbd = w.qbd.data() + bt * nx * P;  // row j * c + e, column i * px + j: q[i][e]
+    for (int64_t i = 0; i < p_q; ++i)
+      for (int64_t j = 0; j < p_x; ++j)
+        for (int64_t e = 0; e < comp_dim; ++e) qbd[(j * comp_dim + e) * P + i * p_x + j] = q[i * comp_dim + e];
+    for (int64_t j = 0; j < H; ++j) w.hu[bt * H + j] = dot16(W + j * ld, ut, D);
+  }
+  w.wl_t.resize(P * H);
+  for (int64_t j = 0; j < H; ++j)
+    for (int64_t p = 0; p < P; ++p) w.wl_t[p * H + j] = W[j * ld + 2 * D + feat_dim + p];
+  w.gate_t.resize(T * H * P);
+  const float* go = gout.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t j = 0; j < H; ++j) w.gate_t[(t * H + j) * P + p] = go[(t * P + p) * H + j];
+  w.gate_bias = gbias.data_ptr<float>();
+  w.dot_scale.resize(T);
+  w.temperature.resize(T);
+  const at::Tensor ds = dot_scale_in.contiguous(), ls = log_scale_in.contiguous();
+  for (int64_t t = 0; t < T; ++t) {
+    w.dot_scale[t] = ds.data_ptr<float>()[t];
+    w.temperature[t] = std::min(std::exp(ls.data_ptr<float>()[t]), 100.0f);
+  }
+  at::Tensor out = at::empty({B, K, T}, at::kFloat);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      if (emb.scalar_type() == at::kFloat && ranker.scalar_type() == at::kFloat)
+        score_request(w, b, u, r + b * K, K, emb.data_ptr<float>(), ranker.data_ptr<float>(), E, n, o + b * K * T);
+      else if (emb.scalar_type() == at::kBFloat16 && ranker.scalar_type() == at::kFloat)
+        score_request(w, b, u, r + b * K, K, emb.data_ptr<at::BFloat16>(), ranker.data_ptr<float>(), E, n, o + b * K * T);
+      else if (emb.scalar_type() == at::kFloat)
+        score_request(w, b, u, r + b * K, K, emb.data_ptr<float>(), ranker.data_ptr<at::BFloat16>(), E, n, o + b * K * T);
+      else
+        score_request(w, b, u, r + b * K, K, emb.data_ptr<at::BFloat16>(), ranker.data_ptr<at::BFloat16>(), E, n,
+                      o + b * K * T);
+    }
+  });
+  return out;
+}
+
+}  // namespace silverrec
+
+// The CPU kernel of silverrec::mol_score (the op, its fake and CUDA kernel: kernels/mol_score.py).
+TORCH_LIBRARY_IMPL(silverrec, CPU, m) { m.impl("mol_score", &silverrec::mol_score); }
