@@ -417,7 +417,8 @@ def early_stage(snap, pipe: Pipeline, ckpt: dict, request: dict, sizes, repeats:
     # as publish builds it: the OverArch's item side computed once per item, kept beside the embeddings
     cache = EmbeddingCache(emb, torch.from_numpy(dense), names).with_ranker(pipe.overarch.item_side)
     vm = compile_value_model(VALUE_MODEL, tasks, names)
-    holder = types.SimpleNamespace(cache=cache, has_overarch=True, overarch=pipe.overarch, has_value_model=True, value_model=vm)
+    holder = types.SimpleNamespace(cache=cache, has_overarch=True, rows_overarch=hasattr(pipe.overarch, "score_rows"),
+                                   overarch=pipe.overarch, has_value_model=True, value_model=vm)
     print(f"  synthetic pool of {n_syn:,} items built in {time.perf_counter() - t0:.1f}s", flush=True)
     hist = pipe.rows(request["history"])
 

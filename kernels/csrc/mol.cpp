@@ -130,20 +130,14 @@ void score_block(const Weights& w, int64_t b, const float* user, const int64_t* 
   }
 }
 
+// Candidates [k0, k0 + kLanes) of request b (fewer at the end of the list): padding rows score 0,
+// the others one score_block. buf: a worker's scratch.
 template <typename Emb, typename Rank>
-void score_request(const Weights& w, int64_t b, const float* user, const int64_t* rows, int64_t K, const Emb* emb,
-                   const Rank* ranker, int64_t E, int64_t n, float* out) {
+void score_span(const Weights& w, int64_t b, int64_t k0, const float* user, const int64_t* rows, int64_t K,
+                const Emb* emb, const Rank* ranker, int64_t E, int64_t n, float* out, std::vector<vf>& buf) {
   const int64_t T = w.T;
-  std::vector<vf> buf(w.D + w.px * w.c + w.H + 2 * w.P);
-  std::vector<int64_t> live(kLanes), slot(kLanes);
-  std::vector<float> scores(kLanes * T);
-  int64_t m = 0;
-  const auto flush = [&]() {
-    score_block(w, b, user, live.data(), m, emb, ranker, (int64_t)E, scores.data(), buf);
-    for (int64_t q = 0; q < m; ++q) std::copy_n(scores.data() + q * T, T, out + slot[q] * T);
-    m = 0;
-  };
-  for (int64_t k = 0; k < K; ++k) {
+  int64_t live[kLanes], slot[kLanes], m = 0;
+  for (int64_t k = k0; k < std::min(K, k0 + kLanes); ++k) {
     const int64_t r = rows[k];
     if (r < 0) {  // padding: a finite score the caller masks
       std::fill(out + k * T, out + (k + 1) * T, 0.0f);
@@ -152,9 +146,17 @@ void score_request(const Weights& w, int64_t b, const float* user, const int64_t
     TORCH_CHECK_INDEX(r < n, "mol_score: row ", r, " out of range for ", n, " cached rows");
     live[m] = r;
     slot[m++] = k;
-    if (m == kLanes) flush();
   }
-  if (m) flush();
+  if (!m) return;
+  float scores[kLanes * 8];
+  std::vector<float> wide;
+  float* sc = scores;
+  if (T > 8) {
+    wide.resize(kLanes * T);
+    sc = wide.data();
+  }
+  score_block(w, b, user, live, m, emb, ranker, E, sc, buf);
+  for (int64_t q = 0; q < m; ++q) std::copy_n(sc + q * T, T, out + slot[q] * T);
 }
 
 }  // namespace
@@ -223,17 +225,22 @@ at::Tensor mol_score(const at::Tensor& user_in, const at::Tensor& rows_in, const
   at::Tensor out = at::empty({B, K, T}, at::kFloat);
   const int64_t* r = rows.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) {
+  // one task per (request, block of kLanes candidates): a batch of one long list splits across threads too
+  const int64_t blocks = (K + kLanes - 1) / kLanes;
+  at::parallel_for(0, B * blocks, 4, [&](int64_t lo, int64_t hi) {
+    std::vector<vf> buf(D + p_x * comp_dim + H + 2 * P);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t b = i / blocks, k0 = (i % blocks) * kLanes;
+      const int64_t* rb = r + b * K;
+      float* ob = o + b * K * T;
       if (emb.scalar_type() == at::kFloat && ranker.scalar_type() == at::kFloat)
-        score_request(w, b, u, r + b * K, K, emb.data_ptr<float>(), ranker.data_ptr<float>(), E, n, o + b * K * T);
+        score_span(w, b, k0, u, rb, K, emb.data_ptr<float>(), ranker.data_ptr<float>(), E, n, ob, buf);
       else if (emb.scalar_type() == at::kBFloat16 && ranker.scalar_type() == at::kFloat)
-        score_request(w, b, u, r + b * K, K, emb.data_ptr<at::BFloat16>(), ranker.data_ptr<float>(), E, n, o + b * K * T);
+        score_span(w, b, k0, u, rb, K, emb.data_ptr<at::BFloat16>(), ranker.data_ptr<float>(), E, n, ob, buf);
       else if (emb.scalar_type() == at::kFloat)
-        score_request(w, b, u, r + b * K, K, emb.data_ptr<float>(), ranker.data_ptr<at::BFloat16>(), E, n, o + b * K * T);
+        score_span(w, b, k0, u, rb, K, emb.data_ptr<float>(), ranker.data_ptr<at::BFloat16>(), E, n, ob, buf);
       else
-        score_request(w, b, u, r + b * K, K, emb.data_ptr<at::BFloat16>(), ranker.data_ptr<at::BFloat16>(), E, n,
-                      o + b * K * T);
+        score_span(w, b, k0, u, rb, K, emb.data_ptr<at::BFloat16>(), ranker.data_ptr<at::BFloat16>(), E, n, ob, buf);
     }
   });
   return out;
