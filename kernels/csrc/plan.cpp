@@ -26,7 +26,7 @@ namespace silverrec {
 
 namespace {
 constexpr int64_t kModeAuto = 0, kModeProbed = 1, kModeUnprobed = 2;
-constexpr int64_t kInsertMax = 64;  // candidates up to which the top-P is kept by insertion
+constexpr int64_t kInsertMax = 16;  // candidates up to which the top-P is kept by insertion (beyond: select + sort)
 #if defined(__AVX2__)
 // Queries b0 .. b0 + 7 whose score of a centroid (row[b]) beats their threshold: an 8-bit mask.
 inline int beats8(const float* row, const float* thr) {
