@@ -147,3 +147,24 @@ def test_ivf_index_forward_is_captured(cuda):
         got = graphed(queries.to(cuda), 30, 8)
         assert_same(tuple(t.cpu() for t in got), want, "Int8IVFIndex.forward")
     assert graphed.captures == 1 and not any(e is EAGER for e in graphed.graphs.values())
+
+
+def test_candidate_rows(cuda):
+    """The retrieval tail on the device (the torch composition) == the C++ op on CPU (integer-valued
+    queries and embeddings: every sum exact, so equal rows whatever the summation order)."""
+    from ..test_candidate_rows import _case
+
+    q, found, ex, emb = _case(3, 4, 2, 40, 16, 60, 9)
+    for intersection in (False, True):
+        args = (q, found, ex, emb, 20, 30, intersection)
+        assert_same(torch.ops.silverrec.candidate_rows(*to_device(args, cuda)),
+                    torch.ops.silverrec.candidate_rows(*args), "candidate_rows")
+
+
+def test_mol_score(cuda):
+    """The MoL pair scores on the device (gather + mol_pair_scores) == the C++ op on CPU."""
+    from ..test_mol_score import _args, _setup
+
+    arch, user, rows, emb, ranker = _setup(2, 3, 40, 2, 32, 3, 50, dtype=torch.bfloat16)
+    args = _args(arch, user, rows, emb, ranker)
+    assert_same(torch.ops.silverrec.mol_score(*to_device(args, cuda)), torch.ops.silverrec.mol_score(*args), "mol_score")
