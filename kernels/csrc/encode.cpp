@@ -101,4 +101,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
   return {exclude, values, lengths};
 }
 
+// Item ids of sent histories -> canonical rows by the predictor's dense id table (ItemRows.table:
+// int32, one slot per id up to the largest, a -1 sentinel in the last slot) in one call: (rows int64
+// [sum of sizes], offsets int64 [L + 1], the first list holding an unknown id or -1). Replaces a
+// numpy conversion, concatenation, lookup and check per batch (~50 us at batch 1 after a forward).
+std::tuple<at::Tensor, at::Tensor, int64_t> lookup_ids(const std::vector<std::vector<int64_t>>& lists,
+                                                       const at::Tensor& table_in) {
+  const at::Tensor table = table_in.contiguous();
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 1 && table.numel() >= 1,
+              "lookup_ids: table must be int32 [M] with a -1 sentinel last");
+  const int32_t* t = table.data_ptr<int32_t>();
+  const int64_t last = table.numel() - 1;
+  const int64_t L = int64_t(lists.size());
+  at::Tensor offsets = at::empty({L + 1}, at::kLong);
+  int64_t* off = offsets.data_ptr<int64_t>();
+  off[0] = 0;
+  for (int64_t j = 0; j < L; ++j) off[j + 1] = off[j] + int64_t(lists[j].size());
+  at::Tensor rows = at::empty({off[L]}, at::kLong);
+  int64_t* r = rows.data_ptr<int64_t>();
+  int64_t bad = -1;
+  for (int64_t j = 0; j < L; ++j)
+    for (const int64_t id : lists[j]) {
+      const int64_t row = t[id < 0 || id > last ? last : id];  // outside the table: the sentinel
+      if (row < 0 && bad < 0) bad = j;
+      *r++ = row;
+    }
+  return {rows, offsets, bad};
+}
+
 }  // namespace silverrec

@@ -31,6 +31,8 @@ at::Tensor mol_score(const at::Tensor& user, const at::Tensor& rows, const at::T
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
     const at::Tensor& rows, const at::Tensor& offsets, int64_t exclude_limit, int64_t history_len, int64_t recent_len,
     const std::vector<at::Tensor>& feature_offsets, const std::vector<at::Tensor>& feature_codes, int64_t num_items);
+std::tuple<at::Tensor, at::Tensor, int64_t> lookup_ids(const std::vector<std::vector<int64_t>>& lists,
+                                                       const at::Tensor& table);
 
 namespace {
 
@@ -450,6 +452,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("user"), py::arg("rows"), py::arg("emb"), py::arg("ranker"), py::arg("user_weight"), py::arg("user_bias"),
         py::arg("gate_in_weight"), py::arg("gate_weight"), py::arg("gate_bias"), py::arg("dot_scale"),
         py::arg("log_scale"), py::arg("p_q"), py::arg("p_x"), py::arg("comp_dim"), py::arg("feat_dim"), nogil);
+  m.def("lookup_ids", &silverrec::lookup_ids, "id lists -> (rows int64, offsets int64, first list with an unknown id or -1)",
+        py::arg("lists"), py::arg("table"));
   m.def("encode_histories", &silverrec::encode_histories,
         "history rows -> (exclusions [B, E], the user tower's item-key values, lengths)", py::arg("rows"),
         py::arg("offsets"), py::arg("exclude_limit"), py::arg("history_len"), py::arg("recent_len"),

@@ -42,6 +42,7 @@ class ItemRows:
         if ids.size and ids.min() >= 0 and ids.max() < max(16 * ids.size, 1 << 20):
             self.table = np.full(int(ids.max()) + 2, -1, dtype=np.int32)  # the last slot: the sentinel
             self.table[ids] = np.arange(ids.size, dtype=np.int32)
+        self.torch_table = None if self.table is None else torch.from_numpy(self.table)  # the C++ lookup's view
 
     def rows_or_minus_one(self, item_ids):
         """Item ids int64 [n] -> rows int64 [n], -1 where an id is not in the pool."""

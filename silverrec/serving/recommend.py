@@ -128,6 +128,7 @@ class RecHandler:
         self.item_rows = ItemRows(self.row_to_item)
         # the C++ request encoding (encode_rows) and the item-feature CSRs it reads, in the tower's key order
         self._native = getattr(cpu_ext(), "encode_histories", None)  # None: the numpy path
+        self._lookup_ids = getattr(cpu_ext(), "lookup_ids", None) if self.item_rows.table is not None else None
         csr = [self.encoder.item_csr[f] for f in self.spec.item_vocabs]
         self._native_csr = ([torch.from_numpy(np.ascontiguousarray(o, dtype=np.int64)) for o, _ in csr],
                             [torch.from_numpy(np.ascontiguousarray(c, dtype=np.int64)) for _, c in csr])
@@ -271,7 +272,19 @@ class RecHandler:
                 want_newest: bool, exclude_limit: int) -> tuple[np.ndarray, np.ndarray]:
         """`encode_rows`' lookup of the ids a batch sends, in one search: the sent histories' rows
         (into `histories`, and with `want_newest` their newest-first unique rows into `newest`, else
-        nothing) -> (the exclude ids' rows int64, request by request; their count per request int64 [B])."""
+        nothing) -> (the exclude ids' rows int64, request by request; their count per request int64 [B]).
+        Sent histories alone, with a dense id table: one C++ call (`lookup_ids`, kernels/csrc/encode.cpp)."""
+        if self._lookup_ids is not None and not want_newest and not any(not _is_empty(r.exclude) for r in requests):
+            try:
+                rows, off, bad = self._lookup_ids([requests[b].history for b in sent], self.item_rows.torch_table)
+            except (TypeError, ValueError, RuntimeError):  # not lists of ints: the numpy path names the problem
+                bad = 0
+            if bad >= 0:
+                self._raise_first_error(requests, exclude_limit)
+            rows, off = rows.numpy(), off.tolist()
+            for j, b in enumerate(sent):
+                histories[b], newest[b] = rows[off[j]:off[j + 1]], rows[:0]
+            return rows[:0], np.zeros(len(requests), dtype=np.int64)
         try:
             parts = [np.asarray(x, dtype=np.int64).reshape(-1) for x in
                      (*(requests[b].history for b in sent), *(r.exclude for r in requests))]
