@@ -23,17 +23,12 @@ from torch import Tensor
 def mol_score_torch(user: Tensor, rows: Tensor, emb: Tensor, ranker: Tensor, user_weight: Tensor, user_bias: Tensor,
                     gate_in_weight: Tensor, gate_weight: Tensor, gate_bias: Tensor, dot_scale: Tensor,
                     log_scale: Tensor, p_q: int, p_x: int, comp_dim: int, feat_dim: int) -> Tensor:
-    """The reference (device-generic): the rows gathered, `mol_pair_scores`, 0 at padding."""
-    from silverrec.ranking.overarch import mol_pair_scores
+    """The reference (device-generic): the rows gathered, `mol_pair_scores`, 0 at padding (`mol_row_scores`)."""
+    from silverrec.ranking.overarch import mol_row_scores
 
-    flat = rows.clamp(min=0).reshape(-1)
-    b, k = rows.shape
-    cand = emb.index_select(0, flat).reshape(b, k, emb.shape[1])
-    item = ranker.index_select(0, flat).reshape(b, k, ranker.shape[1])
     eye = torch.eye(p_x, dtype=user_weight.dtype, device=user_weight.device)
-    scores = mol_pair_scores(user, cand, item, user_weight, user_bias, gate_in_weight, gate_weight, gate_bias, dot_scale,
-                             log_scale, p_q, p_x, comp_dim, feat_dim, eye)
-    return torch.where((rows >= 0).unsqueeze(-1), scores, torch.zeros_like(scores))
+    return mol_row_scores(user, rows, emb, ranker, user_weight, user_bias, gate_in_weight, gate_weight, gate_bias,
+                          dot_scale, log_scale, p_q, p_x, comp_dim, feat_dim, eye)
 
 
 # Defined before kernels/filtered_ivf_search.py loads the C++ extension, which registers the CPU kernel.

@@ -20,20 +20,6 @@
 namespace silverrec {
 namespace {
 
-// <q, e> in float32, 16 independent lanes (vectorised without reassociating one sum), then the lanes
-// summed as a tree.
-template <typename E>
-float dot(const float* q, const E* e, int64_t D) {
-  float lane[16] = {};
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16)
-    for (int l = 0; l < 16; ++l) lane[l] += q[d + l] * widen(e[d + l]);
-  for (int l = 0; d < D; ++d, ++l) lane[l] += q[d] * widen(e[d]);
-  for (int w = 8; w > 0; w >>= 1)  // a tree, not a chain of 16 dependent adds
-    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
-  return lane[0];
-}
-
 struct Scored {
   float score;
   int32_t pos;  // position in the search's list: the tie-break
@@ -64,7 +50,7 @@ void one_request(const float* q, const int64_t* found, const int64_t* ex, int64_
       const int64_t r = f[j];
       if (r < 0 || excluded.get(r)) continue;
       TORCH_CHECK_INDEX(r < n, "candidate_rows: row ", r, " out of range for ", n, " cached rows");
-      const float s = dot(qt, emb + r * D, D);
+      const float s = dot_lanes(qt, emb + r * D, D);
       if (!(s > -std::numeric_limits<float>::infinity())) continue;  // NaN or -inf: dropped
       scored[m++] = {s, int32_t(j), r};
     }

@@ -31,18 +31,6 @@ void normalize(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
-// <a, b> in 16 independent lanes summed as a tree (vectorised without reassociating one sum)
-inline float dot16(const float* a, const float* b, int64_t n) {
-  float lane[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) lane[l] += a[i + l] * b[i + l];
-  for (int l = 0; i < n; ++i, ++l) lane[l] += a[i] * b[i];
-  for (int w = 8; w > 0; w >>= 1)
-    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
-  return lane[0];
-}
-
 struct Weights {
   int64_t T, D, F, H, P, pq, px, c;
   std::vector<float> qbd;     // per (b, t): the user components as a block matrix [px * c, P]: column
@@ -198,13 +186,13 @@ at::Tensor mol_score(const at::Tensor& user_in, const at::Tensor& rows_in, const
     const int64_t t = bt % T;
     const float* ut = u + bt * D;
     for (int64_t m = 0; m < pqc; ++m)
-      q[m] = ub.data_ptr<float>()[t * pqc + m] + dot16(uw.data_ptr<float>() + (t * pqc + m) * D, ut, D);
+      q[m] = ub.data_ptr<float>()[t * pqc + m] + dot_lanes(uw.data_ptr<float>() + (t * pqc + m) * D, ut, D);
     for (int64_t i = 0; i < p_q; ++i) normalize(q.data() + i * comp_dim, comp_dim);
     float* qbd = w.qbd.data() + bt * nx * P;  // row j * c + e, column i * px + j: q[i][e]
     for (int64_t i = 0; i < p_q; ++i)
       for (int64_t j = 0; j < p_x; ++j)
         for (int64_t e = 0; e < comp_dim; ++e) qbd[(j * comp_dim + e) * P + i * p_x + j] = q[i * comp_dim + e];
-    for (int64_t j = 0; j < H; ++j) w.hu[bt * H + j] = dot16(W + j * ld, ut, D);
+    for (int64_t j = 0; j < H; ++j) w.hu[bt * H + j] = dot_lanes(W + j * ld, ut, D);
   }
   w.wl_t.resize(P * H);
   for (int64_t j = 0; j < H; ++j)

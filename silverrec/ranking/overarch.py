@@ -225,11 +225,9 @@ class MoLOverArch(nn.Module):
             return torch.ops.silverrec.mol_score(user.float(), rows, emb, ranker, self.user_weight, self.user_bias,
                                                  self.gate_in.weight, self.gate_weight, self.gate_bias, self.dot_scale,
                                                  self.log_scale, self.p_q, self.p_x, self.comp_dim, self.feat_dim)
-        flat = rows.clamp(min=0).reshape(-1)
-        cand = emb.index_select(0, flat).reshape(rows.shape[0], rows.shape[1], emb.shape[1])
-        item = ranker.index_select(0, flat).reshape(rows.shape[0], rows.shape[1], ranker.shape[1])
-        scores = self.score(user, cand, item, rows >= 0)
-        return torch.where((rows >= 0).unsqueeze(-1), scores, torch.zeros_like(scores))
+        return mol_row_scores(user, rows, emb, ranker, self.user_weight, self.user_bias, self.gate_in.weight,
+                              self.gate_weight, self.gate_bias, self.dot_scale, self.log_scale, self.p_q, self.p_x,
+                              self.comp_dim, self.feat_dim, self.component_eye)
 
     def forward(self, user: Tensor, cand: Tensor, feats: Tensor) -> Tensor:
         """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]."""
@@ -292,6 +290,20 @@ def mol_pair_scores(user: Tensor, cand: Tensor, item: Tensor, user_weight: Tenso
     mixed = (torch.softmax(g, dim=-1) * lg).sum(-1).reshape(t_count, b, k).permute(1, 2, 0)  # [B, K, T]
     dot = torch.bmm(cand, user.transpose(1, 2)) * dot_scale.to(w.dtype)  # [B, K, T]
     return (mixed * log_scale.exp().clamp(max=100.0) + dot).float()
+
+
+def mol_row_scores(user: Tensor, rows: Tensor, emb: Tensor, ranker: Tensor, user_weight: Tensor, user_bias: Tensor,
+                   gate_in_weight: Tensor, gate_weight: Tensor, gate_bias: Tensor, dot_scale: Tensor, log_scale: Tensor,
+                   p_q: int, p_x: int, comp_dim: int, feat_dim: int, eye: Tensor) -> Tensor:
+    """`mol_pair_scores` of cached rows: rows int64 [B, K] (-1 = padding) of emb [N, D] and ranker [N, E]
+    gathered -> float32 [B, K, T], 0 at padding. The torch form of `silverrec::mol_score`
+    (kernels/mol_score.py) and `score_rows` of a module whose weights are not float32."""
+    flat = rows.clamp(min=0).reshape(-1)
+    cand = emb.index_select(0, flat).reshape(rows.shape[0], rows.shape[1], emb.shape[1])
+    item = ranker.index_select(0, flat).reshape(rows.shape[0], rows.shape[1], ranker.shape[1])
+    scores = mol_pair_scores(user, cand, item, user_weight, user_bias, gate_in_weight, gate_weight, gate_bias,
+                             dot_scale, log_scale, p_q, p_x, comp_dim, feat_dim, eye)
+    return torch.where((rows >= 0).unsqueeze(-1), scores, torch.zeros_like(scores))
 
 
 class ListwiseOverArch(nn.Module):

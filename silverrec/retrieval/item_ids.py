@@ -36,19 +36,20 @@ class ItemRows:
 
     def __init__(self, row_to_item) -> None:
         ids = np.asarray(row_to_item, dtype=np.int64)
-        self.order = np.argsort(ids, kind="stable")
-        self.sorted_ids = ids[self.order]
         self.table = None
         if ids.size and ids.min() >= 0 and ids.max() < max(16 * ids.size, 1 << 20):
             self.table = np.full(int(ids.max()) + 2, -1, dtype=np.int32)  # the last slot: the sentinel
             self.table[ids] = np.arange(ids.size, dtype=np.int32)
+        else:  # the binary search's arrays
+            self.order = np.argsort(ids, kind="stable")
+            self.sorted_ids = ids[self.order]
         self.torch_table = None if self.table is None else torch.from_numpy(self.table)  # the C++ lookup's view
 
     def rows_or_minus_one(self, item_ids):
         """Item ids int64 [n] -> rows int64 [n], -1 where an id is not in the pool."""
         if self.table is not None:  # an id < 0 clips to -1 and one above the largest to the last slot: the sentinel
             return self.table[item_ids.clip(-1, len(self.table) - 1)].astype(np.int64)
-        if not len(self.sorted_ids):
+        if not len(self.sorted_ids):  # an empty pool
             return np.full(len(item_ids), -1, dtype=np.int64)
         pos = np.searchsorted(self.sorted_ids, item_ids).clip(0, len(self.sorted_ids) - 1)
         return np.where(self.sorted_ids[pos] == item_ids, self.order[pos], -1).astype(np.int64)

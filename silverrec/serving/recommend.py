@@ -232,7 +232,7 @@ class RecHandler:
         ex_rows, ex_counts = np.zeros(0, dtype=np.int64), np.zeros(B, dtype=np.int64)
         if sent or excludes:  # the sent histories (into histories, newest) and exclude ids, looked up at once
             ex_rows, ex_counts = self._lookup(requests, sent, histories, newest, exclude_history and not native,
-                                              exclude_limit)
+                                              excludes, exclude_limit)
         numeric = [dict(r.numeric) for r in requests]
         unknown = sorted({g for m in numeric for g in m} - set(self.spec.user_numeric))
         if unknown:
@@ -269,12 +269,13 @@ class RecHandler:
         return values, lengths, torch.from_numpy(dense), exclude
 
     def _lookup(self, requests: Sequence[RecRequest], sent: list, histories: list, newest: list,
-                want_newest: bool, exclude_limit: int) -> tuple[np.ndarray, np.ndarray]:
+                want_newest: bool, excludes: bool, exclude_limit: int) -> tuple[np.ndarray, np.ndarray]:
         """`encode_rows`' lookup of the ids a batch sends, in one search: the sent histories' rows
         (into `histories`, and with `want_newest` their newest-first unique rows into `newest`, else
         nothing) -> (the exclude ids' rows int64, request by request; their count per request int64 [B]).
-        Sent histories alone, with a dense id table: one C++ call (`lookup_ids`, kernels/csrc/encode.cpp)."""
-        if self._lookup_ids is not None and not want_newest and not any(not _is_empty(r.exclude) for r in requests):
+        `excludes`: any request sends exclude ids. Sent histories alone, with a dense id table: one C++
+        call (`lookup_ids`, kernels/csrc/encode.cpp)."""
+        if self._lookup_ids is not None and not want_newest and not excludes:
             try:
                 rows, off, bad = self._lookup_ids([requests[b].history for b in sent], self.item_rows.torch_table)
             except (TypeError, ValueError, RuntimeError):  # not lists of ints: the numpy path names the problem
