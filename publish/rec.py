@@ -393,13 +393,14 @@ def scriptable(model: RecModel) -> torch.jit.ScriptModule:
     optimize_for_inference on top measured no better)."""
     import copy
 
-    import torchrec.fx
-
     clone = copy.copy(model)
     clone._modules = dict(model._modules)
-    tower = model.user_tower  # a user's tower (publish/byo.py) scripts as it is
-    clone._modules["user_tower"] = torch.jit.script(tower if getattr(tower, "script_directly", False)
-                                                    else torchrec.fx.symbolic_trace(tower))
+    tower = model.user_tower
+    if not getattr(tower, "script_directly", False):  # a user's tower (publish/byo.py) scripts as it is
+        import torchrec.fx
+
+        tower = torchrec.fx.symbolic_trace(tower)
+    clone._modules["user_tower"] = torch.jit.script(tower)
     return torch.jit.freeze(torch.jit.script(clone).eval(), preserved_attrs=["rank"])
 
 

@@ -174,6 +174,14 @@ BUILD_PACKAGES = {"torch": "torch", "silverrec": "silverrec", "torchrec": "torch
 _NEEDS_TORCHREC = ("rec",)
 
 
+def needs_torchrec(manifest: dict[str, Any]) -> bool:
+    """Whether a snapshot's program holds TorchRec / fbgemm ops: a recommendation model with
+    silverrec's own (TorchRec) user tower. A query tower holds none, and a team's own plain-PyTorch
+    tower (byo) needs neither package (one that does use them loads where they are installed)."""
+    tower = manifest.get("config", {}).get("spec", {}).get("tower")
+    return manifest.get("kind") in _NEEDS_TORCHREC and tower not in ("query", "byo")
+
+
 def build_versions() -> dict[str, str]:
     """The versions of Python and of BUILD_PACKAGES in this process (those installed)."""
     import platform
@@ -198,7 +206,7 @@ def check_build(manifest: dict[str, Any], path: str | os.PathLike = "snapshot") 
     built.setdefault("torch", manifest.get("torch_version"))  # format 3 snapshots before `build`
     built.setdefault("silverrec", manifest.get("silverrec_version"))
     here = build_versions()
-    wanted = ["torch", "silverrec"] + (["torchrec", "fbgemm_gpu"] if manifest.get("kind") in _NEEDS_TORCHREC else [])
+    wanted = ["torch", "silverrec"] + (["torchrec", "fbgemm_gpu"] if needs_torchrec(manifest) else [])
     checked = []
     for pkg in wanted:
         theirs, ours = built.get(pkg), here.get(pkg)

@@ -29,10 +29,13 @@ N, GENRES, DIM, K0, K = 90, ["a", "b", "c", "d", "e"], 8, 12, 5
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """Tiny logs, the user's three modules (random weights) saved in the three forms."""
+    return make_world(tmp_path_factory.mktemp("byo"))
+
+
+def make_world(d: Path) -> dict:
+    """Tiny logs in `d`, the user's three modules (random weights) saved in the three forms."""
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
-    d = tmp_path_factory.mktemp("byo")
     item_ids = 1000 + 7 * np.arange(N)
     genres = [sorted(set(rng.choice(GENRES, size=rng.integers(1, 3)).tolist())) for _ in range(N)]
     quality = (np.arange(N) % 4) * 0.25

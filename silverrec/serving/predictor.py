@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import silverrec.kernels  # noqa: F401  (ops must be registered before deseriali
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
 from silverrec.retrieval.filtered_search import search_index
 from silverrec.serving.device import CPU, exported_on, moves, resolve_device, serving_module
-from silverrec.snapshot import SCRIPT_FILE, check_build, load_exported, load_scripted, read_manifest
+from silverrec.snapshot import SCRIPT_FILE, check_build, load_exported, load_scripted, needs_torchrec, read_manifest
 from silverrec.bitmask import pack_bits, unpack_bits
 from silverrec.spec import ModelSpec
 
@@ -220,10 +221,13 @@ def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True,
     check_build(manifest, root)  # the versions that built it against this process's, before deserialising
     if backend == "auto":
         backend = manifest.get("config", {}).get("backend", {}).get("preferred", "export")
-    if manifest.get("kind") == "rec" and manifest["config"].get("spec", {}).get("tower") != "query":
-        # the trained user tower's program holds fbgemm / torchrec ops (a query tower has none)
+    if needs_torchrec(manifest):  # the trained user tower's program holds fbgemm / torchrec ops
         import fbgemm_gpu  # noqa: F401
         import torchrec  # noqa: F401
+    elif manifest.get("kind") == "rec":  # a team's own tower may use them: register their ops if installed
+        with contextlib.suppress(ImportError):
+            import fbgemm_gpu  # noqa: F401
+            import torchrec  # noqa: F401
     try:
         if backend == "export":
             # Unbacked size symbols of data-dependent ops are re-created on load; torch warns once

@@ -130,6 +130,39 @@ def test_recommendation_model(backend, cuda, tmp_path_factory):
     torch.testing.assert_close(got.scores, want.scores, **FLOAT_TOL)
 
 
+@pytest.mark.parametrize("user_form", ["pt2", "entry"])
+def test_byo_recommendation_model(user_form, cuda, tmp_path):
+    """The recommendation model without TorchRec (a team's own plain-PyTorch towers and list-wise
+    OverArch, examples/byo): the whole forward (user tower, filtered IVF search, candidate_rows,
+    the OverArch, top-k) on the device, replayed from CUDA graphs, == the same snapshot on the CPU,
+    with and without a request filter and a filter template that excludes the history."""
+    from silverrec.publish.byo import publish_byo
+
+    from ..test_byo import DIM, GENRES, K, N, config, make_world
+
+    (tmp_path / "world").mkdir()
+    world = make_world(tmp_path / "world")
+    arch = {"entry": "models:ListwiseRanker", "args": {"dim": DIM, "feat_dim": 1, "width": 16, "heads": 2},
+            "path": "arch_state.pt", "mask": True}
+    user = ({"path": "user.pt2"} if user_form == "pt2" else
+            {"entry": "models:UserTower", "path": "user_state.pt",
+             "args": {"num_items": N, "num_values": len(GENRES), "dim": DIM, "hidden": 16}})
+    out = publish_byo(config(world, user, arch, filter_template="NOT item_id IN $history"), tmp_path / "snap")
+    backends = ["export"] + (["torchscript"] if (out / "model.ts").exists() else [])
+    rng = np.random.default_rng(3)
+    histories = [world["item_ids"][rng.choice(N, size=int(rng.integers(1, 7)), replace=False)].tolist()
+                 for _ in range(6)]
+    for backend in backends:
+        cpu, dev = _on_device(out, backend, cuda)
+        for filt in (None, "genre IN (a, b)"):
+            for requests in ([{"history": histories[0], "filter": filt}],
+                             [{"history": h, "filter": filt} for h in histories]):
+                want = cpu.recommend(requests, k=K)
+                for _ in range(3):  # eager, capture, replay (GraphedForward)
+                    got = dev.recommend(requests, k=K)
+                    assert_ranking_close(got.item_ids, got.scores, want.item_ids, want.scores)
+
+
 def test_sharded_runtime_on_device(cuda, tmp_path):
     """`silverrec serve --sharded --device cuda`'s runtime (one rank, gloo): its shards loaded onto
     the device answer like the same sharded snapshot served on the CPU in one process."""
