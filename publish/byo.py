@@ -300,6 +300,12 @@ def check_exportable(user: UserModule, module: nn.Module, example: tuple, dynami
     try:
         export_program(module, example, dynamic)
     except Exception as e:
+        guard = next((line.strip(" -") for line in str(e).splitlines() if "Not all values of" in line), None)
+        if guard is not None:  # a shape guard, not an untraceable op
+            raise ByoError(f"{what} cannot be exported with a dynamic batch: its code specialises the batch size "
+                           f"({guard}). Python branches on a shape do this, and so does a 4-D "
+                           "scaled_dot_product_attention whose mask is broadcast over the heads on torch < 2.13 "
+                           "(fold the batch into the heads there: silverrec/attention.py)") from e
         raise ByoError(f"{what} cannot be exported with torch.export: the first failing op is at "
                        f"{_first_failing_line(e)} ({type(e).__name__}: {_first_line(e)}); make it traceable "
                        "(no data-dependent Python control flow, no .item() / .tolist() / numpy)") from e

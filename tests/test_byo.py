@@ -182,6 +182,20 @@ def test_each_form_loads_and_runs_like_the_module(world, form):
         torch.testing.assert_close(spec.load()(*inputs), world["user"](*inputs))
 
 
+def test_example_attention_block_equals_the_plain_call():
+    """examples/byo's Block folds the batch into the heads (export on torch < 2.13): the plain 4-D
+    attention with the broadcast mask gives the same tokens."""
+    torch.manual_seed(1)
+    block = models.Block(8, 2).eval()
+    x = torch.randn(3, 5, 8)
+    mask = (torch.rand(3, 1, 1, 5) < 0.7) | (torch.arange(5) == 0)
+    qkv = block.qkv(block.norm1(x)).reshape(3, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+    a = torch.nn.functional.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
+    h = x + block.proj(a.transpose(1, 2).reshape(3, 5, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, mask), h + block.ffn(block.norm2(h)))
+
+
 class DataDependentTower(torch.nn.Module):
     """A user tower torch.export cannot trace: Python control flow on a tensor's value."""
 
@@ -222,6 +236,22 @@ def test_unexportable_module_is_named_and_leaves_nothing(world, tmp_path, tower,
     cfg = config(world, user, {"entry": f"tests.test_byo:{arch}"} if arch else None)
     name = tower or arch
     with pytest.raises(ByoError, match=rf"{what} \(tests.test_byo:{name}.*cannot be exported.*test_byo.py:\d+ `{line}"):
+        publish_byo(cfg, tmp_path / "snap")
+    assert list(tmp_path.iterdir()) == []
+
+
+class BatchSpecialisedArch(torch.nn.Module):
+    """An OverArch that branches on the batch size (a shape guard, not an untraceable op)."""
+
+    def forward(self, user, cand, feats):
+        scores = torch.bmm(cand, user.transpose(1, 2))
+        return scores * 2 if user.shape[0] == 1 else scores
+
+
+def test_batch_specialised_module_is_named_with_the_guard(world, tmp_path):
+    cfg = config(world, {"path": "user.pt2"}, {"entry": "tests.test_byo:BatchSpecialisedArch"})
+    with pytest.raises(ByoError, match=r"OverArch \(tests.test_byo:BatchSpecialisedArch.*\) cannot be exported with a "
+                                       r"dynamic batch: .*Not all values of batch.*torch < 2.13"):
         publish_byo(cfg, tmp_path / "snap")
     assert list(tmp_path.iterdir()) == []
 

@@ -119,7 +119,7 @@ def test_prefill_and_staged_decode_match_forward():
 
 
 def test_prefill_with_batch_folded_into_heads_is_equal():
-    """The prefill's batch-in-heads attention (torch < 2.13, see decoder.SDPA_BATCH_IN_HEADS) gives
+    """The prefill's batch-in-heads attention (torch < 2.13, see silverrec/attention.py) gives
     the plain 4-D attention's logits and KV, padded rows included."""
     cfg = _cfg()
     model = _random_model(cfg)

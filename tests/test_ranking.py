@@ -278,9 +278,13 @@ def test_mol_matches_loop_reference(feat_dim):
     torch.testing.assert_close(module(*args).double(), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("batch_in_heads", [False, True])
 @pytest.mark.parametrize("feat_dim", [FEAT, 0])
-def test_listwise_matches_reference_and_ignores_padding(feat_dim):
+def test_listwise_matches_reference_and_ignores_padding(feat_dim, batch_in_heads):
+    """Both attention forms (silverrec/attention.py: the batch folded into the heads on torch < 2.13)."""
     module = ListwiseOverArch(D, feat_dim, T, model_dim=8, heads=2, layers=2, ffn=12).double()
+    for block in module.blocks:
+        block.batch_in_heads = batch_in_heads
     with torch.no_grad():  # off the init (LayerNorm weights 1, biases 0) so the test sees every parameter
         for p in module.parameters():
             p.add_(torch.randn_like(p) * 0.3)

@@ -90,9 +90,12 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         B, S, M = x.shape
-        q, k, v = self.qkv(self.norm1(x)).reshape(B, S, 3, self.heads, M // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, S, M))
+        H, d = self.heads, M // self.heads
+        q, k, v = self.qkv(self.norm1(x)).reshape(B, S, 3, H, d).permute(2, 0, 3, 1, 4).reshape(3, 1, B * H, S, d).unbind(0)
+        # the batch folded into the heads: torch.export of the plain 4-D call with a mask broadcast over the
+        # heads guards `batch != 1` on torch < 2.13, so the published program could not answer one request
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(B, H, S, S).reshape(1, B * H, S, S))
+        x = x + self.proj(a.view(B, H, S, d).transpose(1, 2).reshape(B, S, M))
         return x + self.ffn(self.norm2(x))
 
 

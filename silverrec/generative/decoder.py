@@ -39,17 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.staged_attention)
+from silverrec.attention import SDPA_BATCH_IN_HEADS, masked_attention
 
 PAD = 0
 BOS = 1
 N_SPECIAL = 2
 
-# The prefill's attention folds the batch into the heads (one 4-D SDPA call of batch 1 over B x H
-# heads) on torch releases whose torch.export guards `batch != 1` on a 4-D SDPA with a [B, 1, T, T]
-# mask: seen on torch 2.11 (the GPU machine's), so a snapshot published there could not answer a
-# batch of 1; torch 2.13 does not guard. Folded is equal (tests/test_decoder.py) but slower on the
-# CPU (the mask is expanded to every head): 1.2x per attention at 513 tokens, 1.8x at 2,049.
-SDPA_BATCH_IN_HEADS: bool = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
 
 
 def level_offsets(level_sizes: list[int]) -> list[int]:
@@ -212,14 +207,7 @@ class Attention(nn.Module):
         group = self.n_heads // self.n_kv_heads
         kx = k[:, :, None].expand(B, self.n_kv_heads, group, T, self.head_dim).reshape(B, self.n_heads, T, self.head_dim)
         vx = v[:, :, None].expand(B, self.n_kv_heads, group, T, self.head_dim).reshape(B, self.n_heads, T, self.head_dim)
-        if self.batch_in_heads:
-            BH = B * self.n_heads
-            y = F.scaled_dot_product_attention(
-                q.reshape(1, BH, T, self.head_dim), kx.reshape(1, BH, T, self.head_dim),
-                vx.reshape(1, BH, T, self.head_dim), attn_mask=mask.expand(B, self.n_heads, T, T).reshape(1, BH, T, T),
-            ).view(B, self.n_heads, T, self.head_dim)
-        else:
-            y = F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask)
+        y = masked_attention(q, kx, vx, mask, self.batch_in_heads)  # batch folded into heads on torch < 2.13
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return linear(y, self.wo.weight), k, v
 

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from silverrec.attention import SDPA_BATCH_IN_HEADS, masked_attention
+
 
 class MLPOverArch(nn.Module):
     """MLP over [u_t, v, u_t * v, feats] with a shared trunk and one linear head per task.
@@ -392,6 +394,7 @@ class _Block(nn.Module):
     def __init__(self, model_dim: int, heads: int, ffn: int) -> None:
         super().__init__()
         self.heads = heads
+        self.batch_in_heads: bool = SDPA_BATCH_IN_HEADS  # torch < 2.13 exports a dynamic batch only so
         self.norm1 = nn.LayerNorm(model_dim)
         self.qkv = nn.Linear(model_dim, 3 * model_dim)
         self.proj = nn.Linear(model_dim, model_dim)
@@ -402,7 +405,7 @@ class _Block(nn.Module):
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         """x [B, S, M], mask bool [B, 1, 1, S] (True = may attend) -> [B, S, M]."""
         qkv = self.qkv(self.norm1(x)).unflatten(-1, [3, self.heads, -1]).permute(2, 0, 3, 1, 4).unbind(0)
-        a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)  # [B, H, S, M/H]
+        a = masked_attention(qkv[0], qkv[1], qkv[2], mask, self.batch_in_heads)  # [B, H, S, M/H]
         x = x + self.proj(a.transpose(1, 2).flatten(2))
         return x + self.ffn_out(F.gelu(self.ffn_in(self.norm2(x))))
 

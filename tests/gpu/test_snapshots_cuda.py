@@ -133,8 +133,8 @@ def test_recommendation_model(backend, cuda, tmp_path_factory):
 @pytest.mark.parametrize("user_form", ["pt2", "entry"])
 def test_byo_recommendation_model(user_form, cuda, tmp_path):
     """The recommendation model without TorchRec (a team's own plain-PyTorch towers and list-wise
-    OverArch, examples/byo): the whole forward (user tower, filtered IVF search, candidate_rows,
-    the OverArch, top-k) on the device, replayed from CUDA graphs, == the same snapshot on the CPU,
+    OverArch, examples/byo; an entry-point tower without an OverArch): the whole forward (user
+    tower, filtered IVF search, candidate_rows, the OverArch, top-k) on the device, replayed from CUDA graphs, == the same snapshot on the CPU,
     with and without a request filter and a filter template that excludes the history."""
     from silverrec.publish.byo import publish_byo
 
@@ -147,6 +147,7 @@ def test_byo_recommendation_model(user_form, cuda, tmp_path):
     user = ({"path": "user.pt2"} if user_form == "pt2" else
             {"entry": "models:UserTower", "path": "user_state.pt",
              "args": {"num_items": N, "num_values": len(GENRES), "dim": DIM, "hidden": 16}})
+    arch = arch if user_form == "pt2" else None  # with and without the OverArch stage
     out = publish_byo(config(world, user, arch, filter_template="NOT item_id IN $history"), tmp_path / "snap")
     backends = ["export"] + (["torchscript"] if (out / "model.ts").exists() else [])
     rng = np.random.default_rng(3)
