@@ -348,3 +348,24 @@ def test_user_features_and_numeric_from_the_users_file(world, tmp_path):
     dense = torch.tensor([[np.log1p(2), (41.0 - ages.mean()) / ages.std()]], dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(built.model.user_tower(*inputs)[:, 0], built.model.user_tower.module(values, lengths, dense))
+
+
+def test_byo_snapshot_loads_and_answers_without_torchrec(world, tmp_path):
+    """A team's plain-PyTorch towers need neither torchrec nor fbgemm to load (the GPU machine has
+    neither): a fresh process with both imports blocked loads the snapshot and recommends; only
+    silverrec's own TorchRec tower needs them (snapshot.needs_torchrec)."""
+    import subprocess
+
+    from silverrec.snapshot import needs_torchrec
+
+    out = publish_byo(config(world, {"path": "user.pt2"}, None), tmp_path / "snap")
+    assert not needs_torchrec(silverrec.load(out).manifest)
+    assert needs_torchrec({"kind": "rec", "config": {"spec": {"tower": "two_tower"}}})
+    assert not needs_torchrec({"kind": "rec", "config": {"spec": {"tower": "query"}}})
+    history = world["item_ids"][:3].tolist()
+    code = ("import sys; sys.modules['torchrec'] = None; sys.modules['fbgemm_gpu'] = None; import silverrec; "
+            f"print(silverrec.load({str(out)!r}).recommend({{'history': {history}}}, k={K}).item_ids.tolist())")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr[-2000:]
+    want = silverrec.load(out).recommend({"history": history}, k=K).item_ids.tolist()
+    assert got.stdout.strip().splitlines()[-1] == str(want)
