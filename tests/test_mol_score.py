@@ -81,6 +81,21 @@ def test_mol_score_equals_the_module_and_a_python_walk(B, K, T, D, F_, n, dtype)
             torch.testing.assert_close(got[b, k].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mol_score_at_the_demo_shape(dtype):
+    """MovieLens' MoL (D 64, 4 x 4 components of 32, 64 hidden units): every gather of the kernel
+    is whole 16 x 16 blocks (transposed in registers with AVX-512), 40 candidates (a ragged last
+    block of 8), padding among them."""
+    arch, user, rows, emb, ranker = _setup(11, 2, 40, 2, 64, 5, 300, p_q=4, p_x=4, c=32, hidden=64, dtype=dtype)
+    rows[1, 5] = rows[0, 39] = -1
+    with torch.no_grad():
+        got = torch.ops.silverrec.mol_score(*_args(arch, user, rows, emb, ranker))
+        ref = mol_score_torch(*_args(arch, user, rows, emb, ranker))
+    valid = (rows >= 0).unsqueeze(-1).expand_as(got)
+    torch.testing.assert_close(got[valid], ref[valid], rtol=1e-4, atol=1e-4)
+    assert bool((got[~valid] == 0).all())
+
+
 def test_score_rows_of_a_bfloat16_module_gathers_and_scores():
     """A bfloat16 OverArch takes the torch form (the op is float32): the same scores as `score`."""
     arch, user, rows, emb, ranker = _setup(3, 2, 6, 2, 16, 2, 20)

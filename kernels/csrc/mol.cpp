@@ -9,6 +9,10 @@
 
 #include <torch/extension.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -67,6 +71,74 @@ inline vf vexp(vf x) {
   return p * (vf)bits;
 }
 
+// 1 / x on every lane: the hardware's 14-bit estimate and one Newton step (~1e-7 relative error,
+// like vexp) where AVX-512 has it; a divide (16-cycle throughput per vector) otherwise
+inline vf recip(vf x) {
+#ifdef __AVX512F__
+  const vf r = (vf)_mm512_rcp14_ps((__m512)x);
+  return r * (2.0f - x * r);
+#else
+  return 1.0f / x;
+#endif
+}
+
+#ifdef __AVX512F__
+// 16 consecutive values of a row as float32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bfloat16: the upper halves of float32s
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// r[i][q] <- r[q][i] for a 16 x 16 block of float32 in registers: pairs of rows interleaved by
+// floats, then by pairs of floats, then 128-bit lanes exchanged twice (64 shuffles)
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+#endif
+
+// out[i] (lane q) = widen(base[rows[q] * stride + i]) for i in [0, n): the kLanes rows transposed,
+// 16 x 16 blocks in registers where AVX-512 has the shuffles, one value at a time otherwise (and
+// for a ragged tail)
+template <typename E>
+void gather_transposed(const E* base, int64_t stride, const int64_t* rows, int64_t n, vf* out) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  static_assert(kLanes == 16, "transpose16 transposes 16 lanes");
+  for (; i + 16 <= n; i += 16) {
+    __m512 blk[16];
+    for (int q = 0; q < 16; ++q) blk[q] = load16(base + rows[q] * stride + i);
+    transpose16(blk);
+    for (int q = 0; q < 16; ++q) out[i + q] = (vf)blk[q];
+  }
+#endif
+  for (; i < n; ++i)
+    for (int q = 0; q < kLanes; ++q) out[i][q] = widen(base[rows[q] * stride + i]);
+}
+
+constexpr int kOut = 8;  // gate outputs accumulated together (8 vector registers)
+
 // Scores of up to kLanes candidates (rows r[0..m), m <= kLanes) for every task of request b. Lane
 // q holds candidate q (lanes past m repeat candidate 0): every step of the formula is a vector
 // operation across the candidates (no reduction across lanes); the weights are broadcast scalars.
@@ -79,13 +151,12 @@ void score_block(const Weights& w, int64_t b, const float* user, const int64_t* 
   vf* hv = x + nx;     // [H]
   vf* l = hv + H;      // [P]
   vf* g = l + P;       // [P]
-  for (int q = 0; q < kLanes; ++q) {  // the block, transposed
-    const int64_t row = r[q < m ? q : 0];
-    for (int64_t d = 0; d < D; ++d) v[d][q] = widen(emb[row * D + d]);
-    const Rank* it = ranker + row * E;
-    for (int64_t i = 0; i < nx; ++i) x[i][q] = widen(it[i]);
-    for (int64_t j = 0; j < H; ++j) hv[j][q] = widen(it[nx + j]);
-  }
+  vf* h = g + P;       // [H]: the gate's hidden layer
+  int64_t rr[kLanes];  // the block's rows, lanes past m repeating the first
+  for (int q = 0; q < kLanes; ++q) rr[q] = r[q < m ? q : 0];
+  gather_transposed(emb, D, rr, D, v);  // the block, transposed: lane q of v[d] = emb[rr[q], d]
+  gather_transposed(ranker, E, rr, nx, x);
+  gather_transposed(ranker + nx, E, rr, H, hv);
   for (int64_t t = 0; t < T; ++t) {
     const float* qbd = w.qbd.data() + (b * T + t) * nx * P;
     for (int64_t p = 0; p < P; ++p) {  // l[i * px + j] = <q_i, x_j>: x_j's rows only
@@ -96,12 +167,23 @@ void score_block(const Weights& w, int64_t b, const float* user, const int64_t* 
     }
     const float* hu = w.hu.data() + (b * T + t) * H;
     const float* gt = w.gate_t.data() + t * H * P;
-    for (int64_t p = 0; p < P; ++p) g[p] = vf{} + w.gate_bias[t * P + p];
-    for (int64_t j = 0; j < H; ++j) {  // the hidden unit j, then its share of every gate output
+    // the gate in two passes whose accumulators stay in registers (one pass that added each hidden
+    // unit's share into all P outputs kept them in memory: a load and a store per multiply-add)
+    for (int64_t j = 0; j < H; ++j) {  // hidden unit j: item part + user part + logit columns, SiLU
       vf hj = hv[j] + hu[j];
       for (int64_t p = 0; p < P; ++p) hj += w.wl_t[p * H + j] * l[p];
-      hj = hj / (1.0f + vexp(-hj));  // SiLU
-      for (int64_t p = 0; p < P; ++p) g[p] += gt[j * P + p] * hj;
+      h[j] = hj * recip(1.0f + vexp(-hj));
+    }
+    for (int64_t p0 = 0; p0 < P; p0 += kOut) {  // kOut gate outputs at a time over every hidden unit
+      const int64_t np = std::min<int64_t>(kOut, P - p0);
+      vf acc[kOut];
+      for (int64_t i = 0; i < kOut; ++i) acc[i] = vf{} + (i < np ? w.gate_bias[t * P + p0 + i] : 0.0f);
+      for (int64_t j = 0; j < H; ++j) {
+        const vf hj = h[j];
+        const float* gj = gt + j * P + p0;
+        for (int64_t i = 0; i < kOut; ++i) acc[i] += (i < np ? gj[i] : 0.0f) * hj;
+      }
+      for (int64_t i = 0; i < np; ++i) g[p0 + i] = acc[i];
     }
     vf top = g[0];
     for (int64_t p = 1; p < P; ++p) top = g[p] > top ? g[p] : top;
@@ -123,7 +205,7 @@ void score_block(const Weights& w, int64_t b, const float* user, const int64_t* 
 template <typename Emb, typename Rank>
 void score_span(const Weights& w, int64_t b, int64_t k0, const float* user, const int64_t* rows, int64_t K,
                 const Emb* emb, const Rank* ranker, int64_t E, int64_t n, float* out, std::vector<vf>& buf) {
-  const int64_t T = w.T;
+  const int64_t T = w.T, D = w.D;
   int64_t live[kLanes], slot[kLanes], m = 0;
   for (int64_t k = k0; k < std::min(K, k0 + kLanes); ++k) {
     const int64_t r = rows[k];
@@ -134,6 +216,14 @@ void score_span(const Weights& w, int64_t b, int64_t k0, const float* user, cons
     TORCH_CHECK_INDEX(r < n, "mol_score: row ", r, " out of range for ", n, " cached rows");
     live[m] = r;
     slot[m++] = k;
+  }
+  // the next block's rows towards the cache while this one computes (rows are random in a pool of
+  // megabytes: the transposing loads below stalled on them)
+  for (int64_t k = k0 + kLanes; k < std::min(K, k0 + 2 * kLanes); ++k) {
+    const int64_t r = rows[k];
+    if (r < 0 || r >= n) continue;
+    for (int64_t o = 0; o < int64_t(D * sizeof(Emb)); o += 64) __builtin_prefetch(reinterpret_cast<const char*>(emb + r * D) + o);
+    for (int64_t o = 0; o < int64_t(E * sizeof(Rank)); o += 64) __builtin_prefetch(reinterpret_cast<const char*>(ranker + r * E) + o);
   }
   if (!m) return;
   float scores[kLanes * 8];
@@ -216,7 +306,7 @@ at::Tensor mol_score(const at::Tensor& user_in, const at::Tensor& rows_in, const
   // one task per (request, block of kLanes candidates): a batch of one long list splits across threads too
   const int64_t blocks = (K + kLanes - 1) / kLanes;
   at::parallel_for(0, B * blocks, 4, [&](int64_t lo, int64_t hi) {
-    std::vector<vf> buf(D + p_x * comp_dim + H + 2 * P);
+    std::vector<vf> buf(D + p_x * comp_dim + 2 * H + 2 * P);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / blocks, k0 = (i % blocks) * kLanes;
       const int64_t* rb = r + b * K;
