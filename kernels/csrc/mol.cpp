@@ -37,8 +37,7 @@ void normalize(float* x, int64_t n) {
 
 struct Weights {
   int64_t T, D, F, H, P, pq, px, c;
-  std::vector<float> qbd;     // per (b, t): the user components as a block matrix [px * c, P]: column
-                              // i * px + j holds q_i in row block j, so l = x^T qbd (one pass over x)
+  std::vector<float> q;       // per (b, t): the user components q_i, normalised [pq, c]
   std::vector<float> hu;      // per (b, t): the gate's user part W[:, :D] u_t [H]
   std::vector<float> wl_t;    // the gate's logit columns, transposed: [P, H]
   std::vector<float> gate_t;  // per task, the gate's output layer transposed: [T, H, P]
@@ -137,7 +136,7 @@ void gather_transposed(const E* base, int64_t stride, const int64_t* rows, int64
     for (int q = 0; q < kLanes; ++q) out[i][q] = widen(base[rows[q] * stride + i]);
 }
 
-constexpr int kOut = 8;  // gate outputs accumulated together (8 vector registers)
+constexpr int kAcc = 8;  // accumulators of one loop (8 vector registers)
 
 // Scores of up to kLanes candidates (rows r[0..m), m <= kLanes) for every task of request b. Lane
 // q holds candidate q (lanes past m repeat candidate 0): every step of the formula is a vector
@@ -158,30 +157,40 @@ void score_block(const Weights& w, int64_t b, const float* user, const int64_t* 
   gather_transposed(ranker, E, rr, nx, x);
   gather_transposed(ranker + nx, E, rr, H, hv);
   for (int64_t t = 0; t < T; ++t) {
-    const float* qbd = w.qbd.data() + (b * T + t) * nx * P;
-    for (int64_t p = 0; p < P; ++p) {  // l[i * px + j] = <q_i, x_j>: x_j's rows only
-      const int64_t j = p % px;
-      vf acc = {};
-      for (int64_t e = 0; e < c; ++e) acc += qbd[(j * c + e) * P + p] * x[j * c + e];
-      l[p] = acc;
-    }
+    // Every loop below keeps kAcc accumulators in registers and loads each candidate vector once for
+    // all of them (one accumulator per loop kept it in memory: two loads per multiply-add).
+    const float* qt = w.q.data() + (b * T + t) * w.pq * c;
+    for (int64_t j = 0; j < px; ++j)  // l[i * px + j] = <q_i, x_j>
+      for (int64_t i0 = 0; i0 < w.pq; i0 += kAcc) {
+        const int64_t ni = std::min<int64_t>(kAcc, w.pq - i0);
+        vf acc[kAcc] = {};
+        for (int64_t e = 0; e < c; ++e) {
+          const vf xe = x[j * c + e];
+          for (int64_t i = 0; i < kAcc; ++i) acc[i] += (i < ni ? qt[(i0 + i) * c + e] : 0.0f) * xe;
+        }
+        for (int64_t i = 0; i < ni; ++i) l[(i0 + i) * px + j] = acc[i];
+      }
     const float* hu = w.hu.data() + (b * T + t) * H;
     const float* gt = w.gate_t.data() + t * H * P;
-    // the gate in two passes whose accumulators stay in registers (one pass that added each hidden
-    // unit's share into all P outputs kept them in memory: a load and a store per multiply-add)
-    for (int64_t j = 0; j < H; ++j) {  // hidden unit j: item part + user part + logit columns, SiLU
-      vf hj = hv[j] + hu[j];
-      for (int64_t p = 0; p < P; ++p) hj += w.wl_t[p * H + j] * l[p];
-      h[j] = hj * recip(1.0f + vexp(-hj));
+    for (int64_t j0 = 0; j0 < H; j0 += kAcc) {  // hidden units: item part + user part + logit columns, SiLU
+      const int64_t nj = std::min<int64_t>(kAcc, H - j0);
+      vf acc[kAcc];
+      for (int64_t i = 0; i < kAcc; ++i) acc[i] = i < nj ? hv[j0 + i] + hu[j0 + i] : vf{};
+      for (int64_t p = 0; p < P; ++p) {
+        const vf lp = l[p];
+        const float* wp = w.wl_t.data() + p * H + j0;
+        for (int64_t i = 0; i < kAcc; ++i) acc[i] += (i < nj ? wp[i] : 0.0f) * lp;
+      }
+      for (int64_t i = 0; i < nj; ++i) h[j0 + i] = acc[i] * recip(1.0f + vexp(-acc[i]));
     }
-    for (int64_t p0 = 0; p0 < P; p0 += kOut) {  // kOut gate outputs at a time over every hidden unit
-      const int64_t np = std::min<int64_t>(kOut, P - p0);
-      vf acc[kOut];
-      for (int64_t i = 0; i < kOut; ++i) acc[i] = vf{} + (i < np ? w.gate_bias[t * P + p0 + i] : 0.0f);
+    for (int64_t p0 = 0; p0 < P; p0 += kAcc) {  // the gate's outputs over every hidden unit
+      const int64_t np = std::min<int64_t>(kAcc, P - p0);
+      vf acc[kAcc];
+      for (int64_t i = 0; i < kAcc; ++i) acc[i] = vf{} + (i < np ? w.gate_bias[t * P + p0 + i] : 0.0f);
       for (int64_t j = 0; j < H; ++j) {
         const vf hj = h[j];
         const float* gj = gt + j * P + p0;
-        for (int64_t i = 0; i < kOut; ++i) acc[i] += (i < np ? gj[i] : 0.0f) * hj;
+        for (int64_t i = 0; i < kAcc; ++i) acc[i] += (i < np ? gj[i] : 0.0f) * hj;
       }
       for (int64_t i = 0; i < np; ++i) g[p0 + i] = acc[i];
     }
@@ -268,20 +277,15 @@ at::Tensor mol_score(const at::Tensor& user_in, const at::Tensor& rows_in, const
   const float* u = user.data_ptr<float>();
   const float* W = gw.data_ptr<float>();  // [H, 2D + F + P]
   const int64_t ld = gw.size(1), pqc = p_q * comp_dim;
-  const int64_t nx = p_x * comp_dim;
-  w.qbd.assign(B * T * nx * P, 0.0f);
+  w.q.resize(B * T * pqc);
   w.hu.resize(B * T * H);
-  std::vector<float> q(pqc);
   for (int64_t bt = 0; bt < B * T; ++bt) {
     const int64_t t = bt % T;
     const float* ut = u + bt * D;
+    float* q = w.q.data() + bt * pqc;
     for (int64_t m = 0; m < pqc; ++m)
       q[m] = ub.data_ptr<float>()[t * pqc + m] + dot_lanes(uw.data_ptr<float>() + (t * pqc + m) * D, ut, D);
-    for (int64_t i = 0; i < p_q; ++i) normalize(q.data() + i * comp_dim, comp_dim);
-    float* qbd = w.qbd.data() + bt * nx * P;  // row j * c + e, column i * px + j: q[i][e]
-    for (int64_t i = 0; i < p_q; ++i)
-      for (int64_t j = 0; j < p_x; ++j)
-        for (int64_t e = 0; e < comp_dim; ++e) qbd[(j * comp_dim + e) * P + i * p_x + j] = q[i * comp_dim + e];
+    for (int64_t i = 0; i < p_q; ++i) normalize(q + i * comp_dim, comp_dim);
     for (int64_t j = 0; j < H; ++j) w.hu[bt * H + j] = dot_lanes(W + j * ld, ut, D);
   }
   w.wl_t.resize(P * H);
