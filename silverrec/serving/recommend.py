@@ -230,16 +230,22 @@ class RecHandler:
             excludes = excludes or not _is_empty(r.exclude)
         native = self._native is not None and not excludes
         ex_rows, ex_counts = np.zeros(0, dtype=np.int64), np.zeros(B, dtype=np.int64)
+        flat = None  # with every history sent and looked up in C++: their rows int64 and offsets [B + 1]
         if sent or excludes:  # the sent histories (into histories, newest) and exclude ids, looked up at once
-            ex_rows, ex_counts = self._lookup(requests, sent, histories, newest, exclude_history and not native,
-                                              excludes, exclude_limit)
+            ex_rows, ex_counts, flat = self._lookup(requests, sent, histories, newest, exclude_history and not native,
+                                                    excludes, exclude_limit)
         numeric = [dict(r.numeric) for r in requests]
         unknown = sorted({g for m in numeric for g in m} - set(self.spec.user_numeric))
         if unknown:
             raise QueryError(f"unknown numeric user feature {unknown[0]!r}: the user tower reads "
                              f"{sorted(self.spec.user_numeric) or 'none'}")
         if native:
-            return (*self._encode_native(histories, requests, numeric, exclude_limit if exclude_history else 0),
+            if flat is None or len(sent) < B:  # stored users' rows among them: the batch's rows joined
+                sizes = [h.size for h in histories]
+                offsets = np.zeros(B + 1, dtype=np.int64)
+                np.cumsum(sizes, out=offsets[1:])
+                flat = (torch.from_numpy(np.concatenate(histories)), torch.from_numpy(offsets))
+            return (*self._encode_native(*flat, requests, numeric, exclude_limit if exclude_history else 0),
                     histories)
         if ex_rows.size:
             exclude = self._exclusions(newest, ex_rows, ex_counts, exclude_history, exclude_limit)
@@ -251,17 +257,15 @@ class RecHandler:
         values, lengths, dense = self.encoder.encode(histories, [dict(r.features) for r in requests], numeric)
         return values, lengths, dense, torch.from_numpy(exclude), histories
 
-    def _encode_native(self, histories: list, requests: Sequence[RecRequest], numeric: list, exclude_limit: int):
+    def _encode_native(self, rows: torch.Tensor, offsets: torch.Tensor, requests: Sequence[RecRequest], numeric: list,
+                       exclude_limit: int):
         """`encode_rows` without exclude ids, through the C++ `encode_histories` (kernels/csrc/encode.cpp:
-        the exclusions and the item keys in one call; the numpy path above is its reference) ->
-        (values, lengths, dense, exclude)."""
-        sizes = [h.size for h in histories]
-        offsets = np.zeros(len(histories) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        flat = np.concatenate(histories) if histories else np.zeros(0, dtype=np.int64)
+        the exclusions and the item keys in one call; the numpy path above is its reference): the
+        batch's history rows int64 and their offsets int64 [B + 1] -> (values, lengths, dense, exclude)."""
         spec = self.spec
-        exclude, values, lengths = self._native(torch.from_numpy(flat), torch.from_numpy(offsets), exclude_limit,
+        exclude, values, lengths = self._native(rows, offsets, exclude_limit,
                                                 spec.history_len, spec.recent_len, *self._native_csr, spec.num_items)
+        sizes = offsets.diff().numpy()
         user_values, user_lengths, dense = self.encoder.user_part(sizes, [dict(r.features) for r in requests], numeric)
         if user_values:
             values = torch.cat([values, torch.from_numpy(np.concatenate(user_values))])
@@ -269,10 +273,11 @@ class RecHandler:
         return values, lengths, torch.from_numpy(dense), exclude
 
     def _lookup(self, requests: Sequence[RecRequest], sent: list, histories: list, newest: list,
-                want_newest: bool, excludes: bool, exclude_limit: int) -> tuple[np.ndarray, np.ndarray]:
+                want_newest: bool, excludes: bool, exclude_limit: int) -> tuple[np.ndarray, np.ndarray, Optional[tuple]]:
         """`encode_rows`' lookup of the ids a batch sends, in one search: the sent histories' rows
         (into `histories`, and with `want_newest` their newest-first unique rows into `newest`, else
-        nothing) -> (the exclude ids' rows int64, request by request; their count per request int64 [B]).
+        nothing) -> (the exclude ids' rows int64, request by request; their count per request int64 [B];
+        from the C++ lookup, the sent histories' rows as one tensor and its offsets [len(sent) + 1], else None).
         `excludes`: any request sends exclude ids. Sent histories alone, with a dense id table: one C++
         call (`lookup_ids`, kernels/csrc/encode.cpp)."""
         if self._lookup_ids is not None and not want_newest and not excludes:
@@ -282,10 +287,11 @@ class RecHandler:
                 bad = 0
             if bad >= 0:
                 self._raise_first_error(requests, exclude_limit)
+            flat = rows, off
             rows, off = rows.numpy(), off.tolist()
             for j, b in enumerate(sent):
                 histories[b], newest[b] = rows[off[j]:off[j + 1]], rows[:0]
-            return rows[:0], np.zeros(len(requests), dtype=np.int64)
+            return rows[:0], np.zeros(len(requests), dtype=np.int64), flat
         try:
             parts = [np.asarray(x, dtype=np.int64).reshape(-1) for x in
                      (*(requests[b].history for b in sent), *(r.exclude for r in requests))]
@@ -306,7 +312,7 @@ class RecHandler:
         else:
             for b in sent:
                 newest[b] = all_rows[:0]
-        return all_rows[starts[len(sent)]:], counts[len(sent):]
+        return all_rows[starts[len(sent)]:], counts[len(sent):], None
 
     def _exclusions(self, newest: list, ex_rows: np.ndarray, ex_counts: np.ndarray, exclude_history: bool,
                     exclude_limit: int) -> np.ndarray:
