@@ -89,6 +89,41 @@ def test_triton_plan_equals_cpu_and_torch(params, b):
         assert g_.dtype == w.dtype and torch.equal(g_, w), name
 
 
+@pytest.mark.parametrize("max_probe", [24, 60])
+def test_many_probes_with_tied_centroids_equal_torch(max_probe):
+    """More candidate centroids than the insertion path keeps (plan.cpp kInsertMax): the C++ selection
+    by sort keys gives the torch plan's centroids in its order, ties (integer scores, duplicate and
+    zero-score centroids, -0.0 among them) to the lower centroid, with and without a filter."""
+    g = torch.Generator().manual_seed(max_probe)
+    C = 60
+    sizes = torch.randint(0, 40, (C,), generator=g)
+    off = torch.zeros(C + 1, dtype=torch.int64)
+    off[1:] = torch.cumsum(sizes, 0)
+    n = int(off[-1])
+    centroids = torch.randint(-2, 3, (C, D), generator=g).float()
+    centroids[[7, 19, 40]] = centroids[3].clone()
+    centroids[11] = -0.0
+    queries = torch.randint(-2, 3, (3, D), generator=g).float()
+    bits = torch.randint(-(2**63), 2**63 - 1, (R, (n + 63) // 64), generator=g)
+    lists = torch.full((3, 3), -1, dtype=torch.int64)
+    lists[:, 0] = NO_LISTS
+    post_sizes = torch.tensor([3, 40, 0, 500, 7, 0])
+    mode = torch.zeros(3, dtype=torch.int64)
+    for filtered in (False, True):
+        ops, rows = _programs(3, 7, 2, R, g)
+        if not filtered:  # every query matches everything (TRUE programs)
+            ops, rows = torch.zeros_like(ops), torch.zeros_like(rows)
+            ops[:, 0] = OP_TRUE
+            mode[:] = 1  # probed: the plan's unmasked branch keeps nprobe centroids
+        tensors = (queries, centroids, off, bits, ops, rows, lists, post_sizes, mode)
+        scalars = (10, 20, max_probe, bitmask_words(off), 2, 0, n, 1e9, 100)
+        want = filter_plan_torch(*_checked_args(*tensors, *scalars))
+        for got in _both_paths(lambda: torch.ops.silverrec.filter_plan(*tensors, *scalars)):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])  # probes, route
+            if filtered:
+                assert torch.equal(got[1], want[1])  # the bitmask (none needed unfiltered)
+
+
 def test_cases_hit_every_route():
     """The batches above exercise what they claim (guards the test against a fixture that drifts)."""
     routes, widened, tie_order = set(), False, False

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <tuple>
@@ -21,6 +22,7 @@
 
 #include "program.h"
 #include "scan.h"
+#include "topk_state.h"
 
 namespace silverrec {
 
@@ -82,16 +84,21 @@ void top_p_rows(const float* sc, int64_t C, int64_t B, int64_t P, const std::vec
 void top_candidates(const float* sc, int64_t C, int64_t B, int64_t P, const std::vector<int64_t>& probing,
                     int64_t* cand) {
   if (P <= kInsertMax) return top_p_rows(sc, C, B, P, probing, cand);
-  std::vector<int64_t> idx(C);
-  std::vector<float> col(C);
+  // as the scan's sort keys (topk_state.h): the score's bits made to order as signed ints in the high
+  // half, the centroid in the low half, so that one vectorised selection and one radix sort of
+  // distinct int64 keys give the order (higher score, then lower centroid) without a comparator
+  std::vector<int64_t> keys(C), scratch;
+  std::vector<uint64_t> tmp;
   for (int64_t b : probing) {
-    for (int64_t c = 0; c < C; ++c) col[c] = sc[c * B + b];
-    const float* s = col.data();
-    const auto better = [s](int64_t x, int64_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); };
-    std::iota(idx.begin(), idx.end(), 0);
-    if (P < C) std::nth_element(idx.begin(), idx.begin() + P, idx.end(), better);
-    std::sort(idx.begin(), idx.begin() + P, better);
-    std::copy(idx.begin(), idx.begin() + P, cand + b * P);
+    for (int64_t c = 0; c < C; ++c) {
+      const float x = sc[c * B + b] + 0.0f;  // -0 as +0: equal scores, equal keys' high halves
+      int32_t bits;
+      std::memcpy(&bits, &x, 4);
+      keys[c] = make_key(bits < 0 ? bits ^ 0x7FFFFFFF : bits, c);
+    }
+    select_top(keys.data(), C, P, scratch);
+    sort_keys_descending(keys.data(), P, tmp);
+    for (int64_t j = 0; j < P; ++j) cand[b * P + j] = int64_t{0xFFFFFFFF} - (keys[j] & int64_t{0xFFFFFFFF});
   }
 }
 
