@@ -128,6 +128,7 @@ class RecHandler:
         self.item_rows = ItemRows(self.row_to_item)
         # the C++ request encoding (encode_rows) and the item-feature CSRs it reads, in the tower's key order
         self._native = getattr(cpu_ext(), "encode_histories", None)  # None: the numpy path
+        self._probed_modes: dict[int, torch.Tensor] = {}  # batch size -> its all-probed mode tensor
         self._lookup_ids = getattr(cpu_ext(), "lookup_ids", None) if self.item_rows.table is not None else None
         csr = [self.encoder.item_csr[f] for f in self.spec.item_vocabs]
         self._native_csr = ([torch.from_numpy(np.ascontiguousarray(o, dtype=np.int64)) for o, _ in csr],
@@ -265,7 +266,8 @@ class RecHandler:
         spec = self.spec
         exclude, values, lengths = self._native(rows, offsets, exclude_limit,
                                                 spec.history_len, spec.recent_len, *self._native_csr, spec.num_items)
-        sizes = offsets.diff().numpy()
+        off = offsets.numpy()
+        sizes = off[1:] - off[:-1]
         user_values, user_lengths, dense = self.encoder.user_part(sizes, [dict(r.features) for r in requests], numeric)
         if user_values:
             values = torch.cat([values, torch.from_numpy(np.concatenate(user_values))])
@@ -387,8 +389,12 @@ class RecHandler:
         if self.template or any(f is not None for f in filters):
             modes = torch.tensor([MODES["probed"] if f is None and not self.template else MODES[mode] for f in filters],
                                  dtype=torch.int64)
-        else:  # nothing filters: every query probes (one fill, not a tensor from a list)
-            modes = torch.full((len(filters),), MODES["probed"], dtype=torch.int64)
+        else:  # nothing filters: every query probes (a constant per batch size; the forward only reads it)
+            modes = self._probed_modes.get(len(filters))
+            if modes is None:
+                modes = torch.full((len(filters),), MODES["probed"], dtype=torch.int64)
+                if len(self._probed_modes) < 64:
+                    self._probed_modes[len(filters)] = modes
         if beams:  # hybrid: + the histories (the decoder's input) and the source flags
             extra = request_tensors(histories, [r.sources for r in requests], sources)
         elif any(r.sources is not None and list(r.sources) != ["ann"] for r in requests):
@@ -402,7 +408,8 @@ class RecHandler:
         with torch.inference_mode(), num_threads(threads):
             out = self.module(values, lengths, dense, exclude, *compile_request(filters, self.plan), modes, *extra,
                               k, k0, nprobe, max_probe)
-        return Recommendations(out[0], out[1], out[2][:, :, :T], self.tasks, *out[4:])
+        tasks = out[2] if out[2].shape[2] == T else out[2][:, :, :T]
+        return Recommendations(out[0], out[1], tasks, self.tasks, *out[4:])
 
     def rank(self, request, item_ids: Sequence[int]) -> Recommendations:
         """Early-stage ranking: score `item_ids` (1 .. 2^20 of them) for one user; returned in the
