@@ -67,15 +67,25 @@ class RecRequest:
     sources: Optional[Sequence[str]] = None  # hybrid snapshots: "ann" and / or "generative" (default both)
 
     @classmethod
-    def coerce(cls, r: Union["RecRequest", Mapping[str, Any]], where: str) -> "RecRequest":
+    def coerce(cls, r: Union["RecRequest", Mapping[str, Any]], where: Union[str, int]) -> "RecRequest":
+        """A RecRequest from itself or a dict of its fields; `where`: the request's name in errors
+        (an int b: "request b")."""
         if isinstance(r, RecRequest):
             return r
-        if not isinstance(r, Mapping):
-            raise QueryError(f"{where} must be a RecRequest or a dict, got {type(r).__name__}")
-        unknown = sorted(set(r) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise QueryError(f"{where}: unknown request field {unknown[0]!r} (fields: {', '.join(cls.__dataclass_fields__)})")
+        if not isinstance(r, (dict, Mapping)):
+            raise QueryError(f"{_where(where)} must be a RecRequest or a dict, got {type(r).__name__}")
+        if not _REQUEST_FIELDS.issuperset(r):
+            unknown = sorted(set(r) - _REQUEST_FIELDS)
+            raise QueryError(f"{_where(where)}: unknown request field {unknown[0]!r} "
+                             f"(fields: {', '.join(cls.__dataclass_fields__)})")
         return cls(**r)
+
+
+_REQUEST_FIELDS = frozenset(RecRequest.__dataclass_fields__)
+
+
+def _where(where: Union[str, int]) -> str:
+    return f"request {where}" if isinstance(where, int) else where
 
 
 @dataclass
@@ -363,9 +373,9 @@ class RecHandler:
         the forward's intra-op threads: "auto" (one thread for at most ONE_THREAD_MAX_BATCH
         requests, else the process's setting), an int, or None (the process's setting); the
         process's setting is restored after the call."""
-        if isinstance(requests, (RecRequest, Mapping)):
+        if not isinstance(requests, list) and isinstance(requests, (RecRequest, Mapping)):
             requests = [requests]
-        requests = [RecRequest.coerce(r, f"request {b}") for b, r in enumerate(requests)]
+        requests = [RecRequest.coerce(r, b) for b, r in enumerate(requests)]
         if not requests:
             raise QueryError("recommend needs at least one request")
         cfg = self.config
