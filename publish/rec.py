@@ -44,7 +44,7 @@ from silverrec.generative import source as generative_source
 from silverrec.generative.source import PRIORITIES, SOURCES, HybridRecModel
 from silverrec.spec import ModelSpec
 from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, export_program, preferred_backend, write_snapshot
-from silverrec.retrieval.user_tower import UserFeatureSpec, _csr
+from silverrec.retrieval.user_tower import UserFeatureSpec, _csr, direct_tower
 
 RANK_FILE = "rank.pt2"
 ITEMS_FILE = "items.npz"
@@ -208,7 +208,7 @@ def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor,
     if mlp_dtype == "bf16" and bf_overlap >= min_overlap or mlp_dtype == "auto" and bf_overlap >= min_overlap and t_bf16 < t_fp32:
         report["mlp"] = "bf16"
         tower = bf
-    return tower, report
+    return direct_tower(tower), report  # int8 tables: the TBE called without torchrec's KJT bookkeeping
 
 
 @torch.no_grad()
@@ -395,13 +395,18 @@ def scriptable(model: RecModel) -> torch.jit.ScriptModule:
 
     clone = copy.copy(model)
     clone._modules = dict(model._modules)
-    tower = model.user_tower
-    if not getattr(tower, "script_directly", False):  # a user's tower (publish/byo.py) scripts as it is
+    clone._modules["user_tower"] = scriptable_tower(model.user_tower)
+    return torch.jit.freeze(torch.jit.script(clone).eval(), preserved_attrs=["rank"])
+
+
+def scriptable_tower(tower: torch.nn.Module) -> torch.jit.ScriptModule:
+    """The user tower as TorchScript: silverrec's (TorchRec modules) fx-traced by torchrec first, a
+    user's tower (publish/byo.py, `script_directly`) scripted as it is."""
+    if not getattr(tower, "script_directly", False):
         import torchrec.fx
 
         tower = torchrec.fx.symbolic_trace(tower)
-    clone._modules["user_tower"] = torch.jit.script(tower)
-    return torch.jit.freeze(torch.jit.script(clone).eval(), preserved_attrs=["rank"])
+    return torch.jit.script(tower)
 
 
 def rec_spec(model: RecModel, manifest: dict) -> ModelSpec:

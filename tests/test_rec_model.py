@@ -431,3 +431,30 @@ def test_native_encoding_equals_the_numpy_path(rec):
             for g, w in zip(got[3].tolist(), want[3].tolist()):
                 assert sorted(x for x in g if x >= 0) == sorted(x for x in w if x >= 0)
     handler._native = native
+
+
+def test_int8_user_tower_calls_the_tbe_directly_with_torchrecs_answers(rec):
+    """int8 tables: `direct_tower` gives a DirectTBEUserTower (fbgemm's TBE without torchrec's KJT
+    bookkeeping) whose user embeddings equal torchrec's quantised tower's bit for bit, eagerly, as
+    TorchScript (publish's fx trace) and exported; the published snapshot holds it."""
+    from torchrec.inference.modules import quantize_embeddings
+
+    from silverrec.publish.rec import rebuild_user_tower, scriptable_tower
+    from silverrec.retrieval.user_tower import DirectTBEUserTower, direct_tower
+
+    tower = quantize_embeddings(rebuild_user_tower(rec.ckpt), dtype=torch.qint8, inplace=False).eval()
+    direct = direct_tower(tower)
+    assert isinstance(direct, DirectTBEUserTower)
+    assert direct_tower(rebuild_user_tower(rec.ckpt)) is not direct  # float tables: unchanged
+    assert not isinstance(direct_tower(rebuild_user_tower(rec.ckpt)), DirectTBEUserTower)
+    handler = rec.snap().rec_handler()
+    requests = [RecRequest(history=rec.logs.history(u)) for u in users(rec, 5)]
+    values, lengths, dense, _ = handler.encode(requests, exclude_history=False, exclude_limit=1)
+    with torch.inference_mode():
+        want = tower(values, lengths, dense)
+        assert torch.equal(direct(values, lengths, dense), want)
+        assert torch.equal(scriptable_tower(direct)(values, lengths, dense), want)
+        exported = torch.export.export(direct, (values, lengths, dense), strict=False).module()
+        assert torch.equal(exported(values, lengths, dense), want)
+    assert isinstance(rec.built.model.user_tower, DirectTBEUserTower) == (
+        rec.snap().config["quantization_user_tower"]["tables"] == "int8")
