@@ -255,7 +255,8 @@ class RecHandler:
                 sizes = [h.size for h in histories]
                 offsets = np.zeros(B + 1, dtype=np.int64)
                 np.cumsum(sizes, out=offsets[1:])
-                flat = (torch.from_numpy(np.concatenate(histories)), torch.from_numpy(offsets))
+                rows = np.concatenate(histories) if histories else np.zeros(0, dtype=np.int64)
+                flat = (torch.from_numpy(rows), torch.from_numpy(offsets))
             return (*self._encode_native(*flat, requests, numeric, exclude_limit if exclude_history else 0),
                     histories)
         if ex_rows.size:
