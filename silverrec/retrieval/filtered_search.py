@@ -45,14 +45,19 @@ def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
-def _modes(mode: Union[str, Sequence[str]], batch: int) -> torch.Tensor:
-    names = [mode] * batch if isinstance(mode, str) else list(mode)
+def _modes(mode: Union[str, Sequence[str]], batch: int) -> np.ndarray:
+    """The search mode of each query row, int64 [batch] (filtered_ivf.MODES); named errors."""
+    if isinstance(mode, str):
+        if mode not in MODES:
+            raise QueryError(f"unknown search mode {mode!r}: use one of {sorted(MODES)}")
+        return np.full(batch, MODES[mode], dtype=np.int64)
+    names = list(mode)
     if len(names) != batch:
         raise QueryError(f"got {len(names)} modes for {batch} query rows")
     bad = [m for m in names if m not in MODES]
     if bad:
         raise QueryError(f"unknown search mode {bad[0]!r}: use one of {sorted(MODES)}")
-    return torch.tensor([MODES[m] for m in names], dtype=torch.int64)
+    return np.asarray([MODES[m] for m in names], dtype=np.int64)
 
 
 def whole_pool_by_estimate(estimates, k: int, nprobe: int, num_items: int, nlist: int, match_factor: int,
@@ -91,16 +96,17 @@ def search_index(
     filters = normalize_filters(filter, batch)
     plan = filter_plan(snap)
     if filters is None:  # unfiltered request: plain IVF semantics, exactly nprobe clusters
-        filters, modes, max_probe = [None] * batch, torch.full((batch,), MODE_PROBED, dtype=torch.int64), nprobe
-    else:
+        filters, modes, max_probe = [None] * batch, np.full(batch, MODE_PROBED, dtype=np.int64), nprobe
+    else:  # (numpy, not torch, for these [B] decisions: each torch op here cost a few us per call)
         modes = _modes(mode, batch)
         if max_probe is None:
             max_probe = max(nprobe, min(nlist, int(cfg["search"]["default_max_probe"])))
         max_probe = _check_int("max_probe", max_probe, nprobe, nlist)
-        if plan.num_items and bool((modes == MODE_AUTO).any()):  # selective filters: whole pool, no probing
+        if plan.num_items and (modes == MODE_AUTO).any():  # selective filters: whole pool, no probing
             whole = whole_pool_by_estimate(compile_estimates(filters, plan), k, nprobe, plan.num_items, nlist,
                                            int(cfg["search"]["match_factor"]), float(cfg["search"]["exact_cost_ratio"]))
-            modes = torch.where((modes == MODE_AUTO) & torch.from_numpy(whole), MODE_UNPROBED, modes)
+            modes = np.where((modes == MODE_AUTO) & whole, MODE_UNPROBED, modes)
+    modes = torch.from_numpy(modes)
     values, lengths, exclude = _NO_USER_FEATURES
     item_ids, scores, _, _ = snap.module(values, lengths, queries, exclude.expand(batch, 1), *compile_request(filters, plan),
                                          modes, k, k, nprobe, max_probe)
