@@ -169,6 +169,23 @@ def test_snapshot_export_round_trip_and_cli(built, tmp_path):
             snap.search(q, 5, filter="colour = red")
         with pytest.raises(silverrec.QueryError, match="position 8"):
             snap.search(q, 5, filter="country c1")
+    # a repeated request takes its route decisions from the plan's LRU: the same answers as the
+    # first call and as a fresh plan; a request that fails is not cached (it fails again)
+    from silverrec.retrieval.filtered_search import filter_plan
+
+    snap = silverrec.load(out)
+    first = [snap.search(q, 30, filter=filters, mode=m) for m in ("auto", ["probed", "unprobed", "auto", "auto", "probed"])]
+    again = [snap.search(q, 30, filter=filters, mode=m) for m in ("auto", ["probed", "unprobed", "auto", "auto", "probed"])]
+    assert sum(k[0] == "modes" for k in filter_plan(snap)._batches) == 2
+    filter_plan(snap)._batches.clear()
+    fresh = [snap.search(q, 30, filter=filters, mode=m) for m in ("auto", ["probed", "unprobed", "auto", "auto", "probed"])]
+    for a, b, c in zip(first, again, fresh):
+        assert torch.equal(a.item_ids, b.item_ids) and torch.equal(a.item_ids, c.item_ids)
+        assert torch.equal(a.scores, b.scores) and torch.equal(a.scores, c.scores)
+    assert torch.equal(first[0].item_ids, eager.item_ids)
+    for _ in range(2):
+        with pytest.raises(silverrec.QueryError, match="unknown feature 'colour'"):
+            snap.search(q, 5, filter="colour = red")
     # batch size 1 through the exported program, and the CLI in a fresh process
     one = silverrec.load(out).search(q[:1], 7, filter="country = c0", mode="unprobed")
     assert one.item_ids.shape == (1, 7)
