@@ -192,8 +192,8 @@ struct TopK {
 
 namespace silverrec {
 
-// Sort int64 keys descending: LSD radix sort on bytes (passes whose byte is the same for every
-// key are skipped: high score bytes, high row bytes), std::sort for short arrays. tmp: scratch.
+// Sort int64 keys descending: LSD radix sort on the bytes that vary (a byte equal in every key --
+// high score bytes, high row bytes -- is neither counted nor passed over), std::sort for short arrays. tmp: scratch.
 inline void sort_keys_descending(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp) {
   if (n <= 256) {
     std::sort(keys, keys + n, std::greater<int64_t>());
@@ -201,15 +201,22 @@ inline void sort_keys_descending(int64_t* keys, int64_t n, std::vector<uint64_t>
   }
   // descending signed order == ascending order of ~(key ^ sign bit) as unsigned
   uint64_t* a = reinterpret_cast<uint64_t*>(keys);
-  for (int64_t i = 0; i < n; ++i) a[i] = ~(a[i] ^ (uint64_t{1} << 63));
+  uint64_t varies = 0;  // the bits where some key differs from the first: only their bytes are sorted
+  for (int64_t i = 0; i < n; ++i) {
+    a[i] = ~(a[i] ^ (uint64_t{1} << 63));
+    varies |= a[i] ^ a[0];
+  }
+  int digits[8], nd = 0;
+  for (int p = 0; p < 8; ++p)
+    if ((varies >> (8 * p)) & 0xFF) digits[nd++] = p;
   static thread_local uint32_t count[8][256];
-  std::memset(count, 0, sizeof(count));
+  for (int j = 0; j < nd; ++j) std::memset(count[digits[j]], 0, sizeof(count[0]));
   for (int64_t i = 0; i < n; ++i)
-    for (int p = 0; p < 8; ++p) ++count[p][(a[i] >> (8 * p)) & 0xFF];
+    for (int j = 0; j < nd; ++j) ++count[digits[j]][(a[i] >> (8 * digits[j])) & 0xFF];
   tmp.resize(n);
   uint64_t *src = a, *dst = tmp.data();
-  for (int p = 0; p < 8; ++p) {
-    if (count[p][(src[0] >> (8 * p)) & 0xFF] == uint64_t(n)) continue;  // one digit value: no-op pass
+  for (int j = 0; j < nd; ++j) {
+    const int p = digits[j];
     uint32_t pos[256], sum = 0;
     for (int d = 0; d < 256; ++d) {
       pos[d] = sum;
