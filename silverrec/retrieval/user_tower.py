@@ -187,6 +187,15 @@ class FeatureEncoder:
         return values, lengths, dense
 
 
+def tower_head(mlp: nn.Module, heads: nn.Linear, tasks: int, dim: int, pooled: torch.Tensor,
+               dense: torch.Tensor) -> torch.Tensor:
+    """The user tower after its tables: pooled float [B, P] + dense float32 [B, Fd] -> MLP -> T
+    heads -> unit user embeddings float32 [B, T, D] (the MLP may be bf16)."""
+    x = torch.cat([pooled.float(), dense.float()], dim=1).to(heads.weight.dtype)
+    u = heads(mlp(x)).reshape(-1, tasks, dim).float()
+    return torch.nn.functional.normalize(u, dim=-1)
+
+
 @torch.fx.wrap  # a leaf of torchrec's fx trace (the TorchScript path): its branch runs per call
 def _tbe_inputs(values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The TBE's index dtypes, as torchrec's `_fx_trec_unwrap_kjt` makes them: on the CPU int32 or
@@ -220,9 +229,7 @@ class DirectTBEUserTower(nn.Module):
         """values int64 [nnz], lengths int32 [F * B] (key-major), dense float32 [B, Fd] -> float32 [B, T, D]."""
         indices, offsets = _tbe_inputs(values, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths))
         pooled = self.ebc._emb_modules[0].forward(indices=indices, offsets=offsets)
-        x = torch.cat([pooled.float(), dense.float()], dim=1).to(self.heads.weight.dtype)
-        u = self.heads(self.mlp(x)).reshape(-1, self.tasks, self.dim).float()
-        return torch.nn.functional.normalize(u, dim=-1)
+        return tower_head(self.mlp, self.heads, self.tasks, self.dim, pooled, dense)
 
 
 def direct_tower(tower: nn.Module) -> nn.Module:
@@ -277,7 +284,4 @@ class UserTower(nn.Module):
         from torchrec import KeyedJaggedTensor
 
         kjt = KeyedJaggedTensor.from_lengths_sync(self.keys, values, lengths)
-        pooled = self.ebc(kjt).values()
-        x = torch.cat([pooled.float(), dense.float()], dim=1).to(self.heads.weight.dtype)  # MLP may be bf16
-        u = self.heads(self.mlp(x)).reshape(-1, self.tasks, self.dim).float()
-        return torch.nn.functional.normalize(u, dim=-1)
+        return tower_head(self.mlp, self.heads, self.tasks, self.dim, self.ebc(kjt).values(), dense)
