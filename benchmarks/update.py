@@ -2,6 +2,7 @@
 
     python benchmarks/update.py            # 1M items; --n for another size
     python benchmarks/update.py --compare-flat   # + flat vs two-level k-means on the final pool (slow)
+    python benchmarks/update.py --drift 0 --name update_drift0   # updates from the pool's own distribution
 
 1. Update time for 0.1%, 1% and 10% of the pool (half changed embeddings, a quarter new items, a
    quarter deleted), each applied to the same parent, against a full publish of the same pool.
@@ -12,7 +13,7 @@
    nprobe 8..128: recall@100, rows scanned per query (to compare at equal work) and recall on the
    drifted vs the other true neighbours. --compare-flat: the final pool's IVF built with flat and with
    two-level k-means (publish_scale.compare_flat: recall at equal nprobe, rows scanned, imbalance).
-Writes benchmarks/results/update.json and update.png.
+Writes benchmarks/results/update.json and update.png (--name NAME: NAME.json and NAME.png).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--drift", type=float, default=0.3, help="shift of the upserted embeddings per step")
     ap.add_argument("--compare-flat", action="store_true", help="also flat vs two-level k-means on the final pool")
+    ap.add_argument("--name", default="update", help="results name (benchmarks/results/NAME.json and NAME.png)")
     args = ap.parse_args()
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -124,8 +126,8 @@ def main() -> None:
             print(r, flush=True)
     if args.compare_flat:
         rows += [{"what": "final pool, k-means method"} | r for r in compare_flat(cur_x, q, truth(cur_x, q, 100), [16, 32, 64])]
-    write_results("update", vars(args), rows)
-    plot(rows, RESULTS / "update.png")
+    write_results(args.name, vars(args), rows)
+    plot(rows, RESULTS / f"{args.name}.png")
 
 
 def recall_by_nprobe(path: Path, q: np.ndarray, ids: np.ndarray, gt_rows: np.ndarray, drifted: np.ndarray, nprobes) -> list[dict]:
