@@ -53,6 +53,8 @@ from silverrec.publish.kmeans import default_nlist, kmeans  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 16
+TIMED_QUERIES = 2 * BATCH  # timed per point; recall is measured over --recall-queries (more, untimed)
+RECALL_SLACK = 0.005  # "equal recall" with slack: within this of the reference's recall
 
 
 def quantiles(ts) -> dict:
@@ -116,11 +118,24 @@ def movielens(n_queries: int):
 
 
 def equal_recall_ratio(ours: list[dict], theirs: list[dict]):
-    """For each of our points: our latency / the fastest of their points with recall >= ours."""
+    """For each of our points: our latency / the fastest of their points with recall >= ours. Past
+    the recall plateau this charges every extra nprobe to us: Faiss scored against itself this way
+    gives its nprobe 128 5.6x its nprobe 8 (both at recall 0.992, gmm1000k)."""
     out = []
     for p in ours:
         ok = [t["latency_ms"]["median"] for t in theirs if t["recall"] >= p["recall"] - 1e-9]
         out.append(None if not ok else p["latency_ms"]["median"] / min(ok))
+    return out
+
+
+def at_their_recall_ratio(ours: list[dict], theirs: list[dict], slack: float = 0.0):
+    """For each of THEIR points (each nprobe of the reference): the fastest of our points whose
+    recall reaches theirs less `slack` / their latency (None when none of ours does): can a user
+    of ours match each reference configuration in recall, and how fast."""
+    out = []
+    for t in theirs:
+        ok = [p["latency_ms"]["median"] for p in ours if p["recall"] >= t["recall"] - slack - 1e-9]
+        out.append(None if not ok else min(ok) / t["latency_ms"]["median"])
     return out
 
 
@@ -140,15 +155,19 @@ def api_snapshot(index, out: Path):
     return silverrec.load(out)
 
 
-def run_dataset(name, x, q, args, nprobes, ks):
+def run_dataset(name, x, q_recall, args, nprobes, ks):
+    """q_recall [Q, D]: the first TIMED_QUERIES are timed (batches of BATCH), recall is over all Q."""
     import faiss
     from faiss.contrib.ivf_tools import add_preassigned
 
     n, d = x.shape
     nlist = default_nlist(n)
+    q = q_recall[:TIMED_QUERIES]
     batches = [q[i : i + BATCH] for i in range(0, q.shape[0], BATCH)]
+    extra = [q_recall[i : i + BATCH] for i in range(TIMED_QUERIES, q_recall.shape[0], BATCH)]
     print(f"\n== {name}: N={n:,} D={d} nlist={nlist} queries={q.shape[0]} (batches of {BATCH}) ==", flush=True)
-    res = {"dataset": name, "n": n, "dim": d, "nlist": nlist, "queries": int(q.shape[0]), "rows": [], "build": {}}
+    res = {"dataset": name, "n": n, "dim": d, "nlist": nlist, "queries": int(q.shape[0]),
+           "recall_queries": int(q_recall.shape[0]), "rows": [], "build": {}}
 
     t0 = time.perf_counter()
     km = kmeans(x, nlist, niter=args.niter, seed=0, max_points_per_centroid=args.train_per_centroid,
@@ -208,7 +227,7 @@ def run_dataset(name, x, q, args, nprobes, ks):
         if k > n:
             print(f"k={k} exceeds N={n}: skipped")
             continue
-        truth = brute_force(x, q, k)
+        truth = brute_force(x, q_recall, k)
         print(header, flush=True)
         rows = {"silverrec": [], "silverrec-api": [], "IVFFlat": [], "IVF-SQ8": [], "hnswlib": []}
         with torch.inference_mode():
@@ -220,8 +239,9 @@ def run_dataset(name, x, q, args, nprobes, ks):
                        **{kind: (lambda qb, fi=fi: fi.search(qb.numpy(), k)[1]) for kind, fi in faiss_idx.items()}}
                 outs, lat = timed_alternating(fns, batches, args.reps)
                 load = os.getloadavg()[0]
-                for system in fns:
-                    rows[system].append({"nprobe": nprobe, "recall": recall(np.concatenate(outs[system]), truth),
+                for system, fn in fns.items():  # recall over every query: the timed batches + the untimed rest
+                    found = np.concatenate(outs[system] + [fn(qb) for qb in extra])
+                    rows[system].append({"nprobe": nprobe, "recall": recall(found, truth),
                                          "latency_ms": lat[system], "load_avg": load})
                 for system in ("silverrec", "silverrec-api", "IVF-SQ8", "IVFFlat"):
                     r = rows[system][-1]
@@ -231,8 +251,10 @@ def run_dataset(name, x, q, args, nprobes, ks):
         if hnsw is not None and k <= args.hnsw_max_k:
             for ef in (k, 2 * k):
                 hnsw.set_ef(ef)
-                outs, lat = timed(lambda qb: hnsw.knn_query(qb.numpy(), k=k)[0].astype(np.int64), batches, 1)
-                rows["hnswlib"].append({"ef": ef, "recall": recall(np.concatenate(outs), truth), "latency_ms": lat})
+                hfn = lambda qb: hnsw.knn_query(qb.numpy(), k=k)[0].astype(np.int64)  # noqa: E731
+                outs, lat = timed(hfn, batches, 1)
+                found = np.concatenate(outs + [hfn(qb) for qb in extra])
+                rows["hnswlib"].append({"ef": ef, "recall": recall(found, truth), "latency_ms": lat})
                 print(f"{k:>6} {'hnswlib':<10} {'ef=' + str(ef):>9} {rows['hnswlib'][-1]['recall']:>7.4f} "
                       f"{lat['median']:>10.2f} {lat['p20']:>8.2f} {lat['p80']:>8.2f}", flush=True)
         ratios = equal_recall_ratio(rows["silverrec"], rows["IVF-SQ8"])
@@ -249,11 +271,16 @@ def run_dataset(name, x, q, args, nprobes, ks):
             "latency_ratio_vs_sq8_same_nprobe": same_np,
             "api_latency_ratio_vs_sq8_equal_recall": api_ratios,
             "api_latency_ratio_vs_sq8_equal_recall_max": max(api_valid) if api_valid else None,
+            # anchored at each SQ8 nprobe: our fastest API point reaching its recall (strict, then within RECALL_SLACK)
+            "api_latency_ratio_at_sq8_recall": at_their_recall_ratio(rows["silverrec-api"], rows["IVF-SQ8"]),
+            "api_latency_ratio_at_sq8_recall_slack": at_their_recall_ratio(rows["silverrec-api"], rows["IVF-SQ8"], RECALL_SLACK),
         }
         print(f"k={k}: max |recall - SQ8 recall| at equal nprobe = {summary['max_recall_gap_vs_sq8_same_nprobe']:.4f}; "
               f"latency / SQ8 at equal recall: " + ", ".join("-" if r is None else f"{r:.2f}" for r in ratios)
               + "; at equal nprobe: " + ", ".join(f"{r:.2f}" for r in same_np)
-              + "; public API / SQ8 at equal recall: " + ", ".join("-" if r is None else f"{r:.2f}" for r in api_ratios),
+              + "; public API / SQ8 at equal recall: " + ", ".join("-" if r is None else f"{r:.2f}" for r in api_ratios)
+              + "; public API at each SQ8 nprobe's recall: " + ", ".join("-" if r is None else f"{r:.2f}" for r in summary["api_latency_ratio_at_sq8_recall"])
+              + f" (within {RECALL_SLACK}: " + ", ".join("-" if r is None else f"{r:.2f}" for r in summary["api_latency_ratio_at_sq8_recall_slack"]) + ")",
               flush=True)
         res["rows"].append({"k": k, "systems": rows, "summary": summary})
     return res
@@ -274,6 +301,12 @@ def targets(results: list[dict]) -> list[dict]:
                 v = s["api_latency_ratio_vs_sq8_equal_recall_max"]
                 out.append({"dataset": ds["dataset"], "target": "k=100: public API snap.search / IVF-SQ8 at equal recall, every nprobe",
                             "value": v, "limit": 1.0, "met": v <= 1.0})
+                for key, what in (("api_latency_ratio_at_sq8_recall", "reaching"), ("api_latency_ratio_at_sq8_recall_slack",
+                                                                                     f"within {RECALL_SLACK} of")):
+                    at = s.get(key) or []
+                    v = float("inf") if (not at or None in at) else max(at)
+                    out.append({"dataset": ds["dataset"], "value": v, "limit": 1.0, "met": v <= 1.0,
+                                "target": f"k=100: public API's fastest point {what} each IVF-SQ8 nprobe's recall / that point's latency"})
             limit = 1.0 if k <= 100 else (0.5 if k >= 4096 else None)
             if limit is not None and s["latency_ratio_vs_sq8_equal_recall_median"] is not None:
                 v = s["latency_ratio_vs_sq8_equal_recall_median"]
@@ -294,6 +327,8 @@ def main(argv=None):
     p.add_argument("--nprobes", default=None, help="comma-separated nprobe sweep (default quick 8,32,128; full 8..256)")
     p.add_argument("--ks", default=None, help="comma-separated k values (default quick 100,4096; full 100..20000)")
     p.add_argument("--name", default=None, help="results file name (default ann / ann_quick)")
+    p.add_argument("--recall-queries", type=int, default=2 * BATCH,
+                   help="queries recall is measured over (the first 32 are timed; more give recall to ~0.001)")
     p.add_argument("--no-hnsw", action="store_true")
     p.add_argument("--hnsw-m", type=int, default=16)
     p.add_argument("--hnsw-efc", type=int, default=64)
@@ -316,10 +351,10 @@ def main(argv=None):
     results = []
     for name in args.datasets.split(","):
         if name == "gmm":
-            x, q = gmm(n, 128, max(10, n // 1000), 2 * BATCH)
+            x, q = gmm(n, 128, max(10, n // 1000), max(TIMED_QUERIES, args.recall_queries))
             results.append(run_dataset(f"gmm{n // 1000}k", x, q, args, nprobes, ks))
         elif name == "movielens":
-            x, q = movielens(2 * BATCH)
+            x, q = movielens(max(TIMED_QUERIES, args.recall_queries))
             results.append(run_dataset(f"movielens-svd{x.shape[1]}", x, q, args, nprobes, ks))
         else:
             sys.exit(f"unknown dataset {name}")
