@@ -49,7 +49,8 @@ def test_filtered_index_program_moves_whole(tmp_path):
                torch.full((2, 1), -1), *compile_request(["country = c1", None], filter_plan(snap)),
                torch.zeros(2, dtype=torch.int64), 5, 5, 4, 8)
     assert (snap.module(*request)[0] >= 0).all()  # the request is valid on CPU
-    _assert_on_meta(_run_on_meta(path, *request), [(2, 5), (2, 5), (2, 5, 1), (2, 5)])
+    # rows [B, 0]: a pure-ANN search without exclusions maps straight to item ids (RecModel.search_rows)
+    _assert_on_meta(_run_on_meta(path, *request), [(2, 5), (2, 5), (2, 5, 1), (2, 0)])
 
 
 def test_generative_program_moves_whole(tmp_path):
