@@ -100,6 +100,14 @@ class FilterPlan:
         return cls(int(bloom["bits"]), int(bloom["hashes"]), int(bloom["seed"]), vocab, exact, int(cfg["rows"]), postings, counts,
                    planes, int(cfg.get("items", 0)))
 
+    def cached_batch(self, key):
+        """The batch LRU's entry for `key` (a request's compiled tensors or route decisions), or None."""
+        return _lru_get(self._batches, key)
+
+    def cache_batch(self, key, value) -> None:
+        """Remember `value` for `key` in the batch LRU (the least recently used entry goes)."""
+        _lru_put(self._batches, key, value, self.batch_cache_size)
+
     @property
     def approximate_not(self) -> list[str]:
         """Features whose negation falls back to NOT of the Bloom test (may drop true matches)."""
@@ -265,7 +273,7 @@ def compile_batch(
     bkey = None
     if cache and all(f is None or isinstance(f, str) for f in filters):
         bkey = (tuple(filters), exact_positive)
-        hit = _lru_get(plan._batches, bkey)
+        hit = plan.cached_batch(bkey)
         if hit is not None:
             return hit[0].clone(), hit[1].clone()
     if cache:
@@ -283,7 +291,7 @@ def compile_batch(
         rows[b, :n, t:] = r[:, :1]
     ops_t, rows_t = torch.from_numpy(ops), torch.from_numpy(rows)
     if bkey is not None:
-        _lru_put(plan._batches, bkey, (ops_t, rows_t), plan.batch_cache_size)
+        plan.cache_batch(bkey, (ops_t, rows_t))
         return ops_t.clone(), rows_t.clone()
     return ops_t, rows_t
 

@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from silverrec.errors import QueryError
-from silverrec.filtering.filter_program import (FilterPlan, _lru_get, _lru_put, compile_estimates, compile_request,
-                                              normalize_filters)
+from silverrec.filtering.filter_program import FilterPlan, compile_estimates, compile_request, normalize_filters
 from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED, MODES
 
 
@@ -102,7 +101,7 @@ def search_index(
     if filters is None or all(f is None or isinstance(f, str) for f in filters):
         key = ("modes", None if filters is None else tuple(filters), mode if isinstance(mode, str) else tuple(mode),
                batch, k, nprobe, max_probe)
-        hit = _lru_get(plan._batches, key)
+        hit = plan.cached_batch(key)
         if hit is not None:
             filters, modes, max_probe = hit
             return _forward(snap, queries, filters, plan, modes, k, nprobe, max_probe)
@@ -120,7 +119,7 @@ def search_index(
     modes = torch.from_numpy(modes)
     scores_ids = _forward(snap, queries, filters, plan, modes, k, nprobe, max_probe)
     if key is not None:  # after the forward: a request that failed to compile is not cached
-        _lru_put(plan._batches, key, (filters, modes, max_probe), plan.batch_cache_size)
+        plan.cache_batch(key, (filters, modes, max_probe))
     return scores_ids
 
 
