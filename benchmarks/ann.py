@@ -17,6 +17,10 @@ Prints one table per dataset and writes benchmarks/results/ann.json (ann_quick.j
 recall@k against float brute force, latency per batch of 16 (warm-up excluded; median, p20, p80; the
 systems alternated in blocks of 5 calls with the same repeat count, load average recorded per point),
 latency ratio at equal recall, build time, index memory, and the issue's targets met / not met.
+`--recall-queries Q` measures recall over Q queries (the first 32 timed, the rest untimed): 32 queries
+are 3,200 neighbours at k 100, too few to compare recalls 0.005 apart. Equal recall is read both
+ways: at each of our points (the fastest SQ8 point reaching our recall) and at each SQ8 point (our
+fastest point reaching its recall, strictly and within RECALL_SLACK).
 
     python3 benchmarks/ann.py --device cuda [--quick]    # on a GPU: results/ann_cuda[_quick].json
 
