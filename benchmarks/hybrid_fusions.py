@@ -22,7 +22,8 @@ NDCG@10 / HR@10 mean and sample std over seeds, on both splits:
 - the decoder's full log-prob alone over the union (how good the decoder is as a ranker).
 
 A family beats "the better source" only if it does so on both splits. Writes
-benchmarks/results/hybrid_fusions.json.
+benchmarks/results/hybrid_fusions.json (--name: another name; hybrid_fusions_4000steps.json holds
+the same study with decoders trained for 4,000 steps instead of 1,000).
 
 Checkpoints of the session-12 run: two-tower `benchmarks/quality.py` (1,500 / 150 steps, its temporary
 directory's seed{S}.ckpt), stage valid the same config with `stage = "valid"`; decoders
@@ -152,6 +153,7 @@ def main() -> int:
     p.add_argument("--valid", nargs=2, required=True, metavar=("TTV", "GENV"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--logs", default="/tmp/silverrec_movielens_logs")
+    p.add_argument("--name", default="hybrid_fusions", help="results name (hybrid_fusions_4000steps: 4,000-step decoders)")
     args = p.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     movielens.write_logs(args.logs)
@@ -179,7 +181,7 @@ def main() -> int:
             print(f"  {r['fusion']:<48} NDCG@10 {r['NDCG@10'][0]:.4f} +- {r['NDCG@10'][1]:.4f}  HR@10 {r['HR@10'][0]:.4f}")
     verdict = f"fusions above the better source on both splits: {beats or 'none'}"
     print(verdict)
-    write_results("hybrid_fusions", {"seeds": args.seeds, "test": args.test, "valid": args.valid, "k_eval": K_EVAL},
+    write_results(args.name, {"seeds": args.seeds, "test": args.test, "valid": args.valid, "k_eval": K_EVAL},
                   rows + [{"better_source_ndcg10": best, "verdict": verdict}])
     return 0
 
