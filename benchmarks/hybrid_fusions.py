@@ -54,10 +54,9 @@ from silverrec.publish import movielens  # noqa: E402
 from silverrec.publish.evaluate import mean_and_spread, metrics_from_ranks, ranks_from_topk  # noqa: E402
 from silverrec.publish.fusion import WEIGHTS, fused_topk, union_tensors  # noqa: E402
 from silverrec.publish.logs import leave_one_out, read_logs  # noqa: E402
-from silverrec.publish.quality import handler_for  # noqa: E402
+from silverrec.publish.quality import K_EVAL, handler_for  # noqa: E402
 from silverrec.publish.rec import PublishConfig, build_rec_model  # noqa: E402
 
-K_EVAL = 100
 
 
 @torch.no_grad()

@@ -29,10 +29,10 @@ from silverrec.generative.source import FOUND_ANN, FOUND_GENERATIVE, PRIORITIES,
 from silverrec.publish.config import ConfigError
 from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk
 from silverrec.publish.logs import Split, leave_one_out, read_logs
+from silverrec.publish.quality import K_EVAL  # the protocol's top list
 
 WEIGHTS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)  # the log-prob weights tried (log-probs of MovieLens beams: -11 .. -3)
 METRIC = "NDCG@10"
-K_EVAL = 100  # the protocol's top list (publish/quality.py)
 
 
 @torch.no_grad()
