@@ -600,7 +600,7 @@ class _DecodeOnly(torch.nn.Module):
 
     def forward(self, exclude: torch.Tensor, vops: torch.Tensor, vrows: torch.Tensor, history: torch.Tensor):
         allowed = self.generative.allowed_rows(self.index.bits, vops, vrows, exclude)
-        rows, scores = self.generative(history, allowed)
+        rows, scores, _ = self.generative(history, allowed, history[:, :0])  # no ANN candidates to score
         return self.index.row_to_item[rows.clamp_min(0)], scores
 
 

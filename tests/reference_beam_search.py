@@ -87,6 +87,19 @@ def reference_beam_search(
     return out_ids, out_scores
 
 
+@torch.no_grad()
+def reference_log_prob(decoder: RecDecoder, history: torch.Tensor, path: torch.Tensor, level_sizes: list[int]) -> float:
+    """The decoder's summed log-prob of one item, teacher-forced the plain way: history int64 [T]
+    (left-padded) + the item's first L-1 tokens through `RecDecoder.forward`, full-vocabulary
+    log-softmax at each of the last L positions, the item's code at each level (path int64 [L])."""
+    offsets = level_offsets(level_sizes)
+    L = len(level_sizes)
+    seq = torch.cat([history, paths_to_tokens(path[None, : L - 1], level_sizes[: L - 1])[0]])
+    logits = decoder(seq[None])[0, -L:]
+    lp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return float(sum(lp[level, offsets[level] + int(path[level])] for level in range(L)))
+
+
 # ---------------------------------------------------------------- synthetic setups
 
 

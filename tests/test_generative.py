@@ -252,3 +252,69 @@ def test_matches_hf_constrained_beam_search(pool):
     hf_ids = [item_of[tuple(s)] for s in out.sequences[:, T:].tolist()]
     assert ids[0].tolist() == hf_ids
     torch.testing.assert_close(scores[0], out.sequences_scores.float(), atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def _first_codes_kept(dec, hist_row, trie, W):
+    """The step-0 beam's first codes, the plain way: the W best valid first codes by log-prob."""
+    lp = torch.log_softmax(dec(hist_row[None])[0, -1].float(), dim=-1)[2 : 2 + trie.level_sizes[0]]
+    lp = lp.masked_fill(~trie.first_mask, float("-inf"))
+    return set(torch.sort(lp, descending=True, stable=True).indices[:W].tolist())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("sizes,W,k,extra", [([8, 6], 3, 2, 16), ([8, 6], 3, 2, 0), ([8, 6, 5, 3], 4, 3, 6),
+                                             ([12], 4, 4, 3)])
+def test_candidate_log_probs_are_exact_or_a_first_code_bound(sizes, W, k, extra):
+    """decode_rows' candidate log-probs against teacher forcing (reference_log_prob): exact for the
+    rows the beam found, for every candidate whose first code the step-0 beam kept when L = 2 (the
+    last step extends all their prefixes), for the first `extra` distinct prefixes of the other
+    candidates in candidate order; otherwise the first code's log-prob, an upper bound; -inf at -1."""
+    from .reference_beam_search import reference_log_prob
+
+    paths = random_paths(90, sizes, seed=5)
+    trie = ValidPathTrie(paths, sizes)
+    dec = random_decoder(sizes, seed=6)
+    module = GenerativeRetrieval(dec, trie, torch.arange(paths.shape[0]), W, k).eval()
+    hist = random_histories(paths, sizes, 3, 4, seed=7)
+    N = trie.n_items
+    g = torch.Generator().manual_seed(8)
+    cand = torch.stack([torch.randperm(N, generator=g)[:30] for _ in range(3)])
+    cand[:, 5::7] = -1
+    rows, scores, lp = module.decode_rows(hist, torch.ones(3, N, dtype=torch.bool), cand, extra)
+    L = len(sizes)
+    off = [2]
+    for s in sizes[:-1]:
+        off.append(off[-1] + s)
+    n_exact = n_bound = 0
+    for b in range(3):
+        kept = _first_codes_kept(dec, hist[b], trie, W)
+        found = {int(r): float(s) for r, s in zip(rows[b], scores[b]) if r >= 0}
+        extras: list[tuple] = []
+        for r in cand[b].tolist():
+            if r >= 0 and int(trie.leaf_paths[r, 0]) not in kept:
+                p = tuple(trie.leaf_paths[r, : L - 1].tolist())
+                if p not in extras and len(extras) < extra:
+                    extras.append(p)
+        for j, r in enumerate(cand[b].tolist()):
+            if r < 0:
+                assert lp[b, j] == float("-inf")
+                continue
+            path = trie.leaf_paths[r]
+            exact = reference_log_prob(dec, hist[b], path, sizes)
+            first = float(torch.log_softmax(dec(hist[b][None])[0, -1].float(), dim=-1)[2 + int(path[0])])
+            must_be_exact = (L == 1 or r in found or tuple(path[: L - 1].tolist()) in extras
+                             or (L == 2 and int(path[0]) in kept))
+            if must_be_exact or abs(float(lp[b, j]) - exact) < 1e-4:
+                assert float(lp[b, j]) == pytest.approx(exact, abs=1e-4), (b, r)
+                n_exact += 1
+            else:
+                assert float(lp[b, j]) == pytest.approx(first, abs=1e-5) and first >= exact, (b, r)
+                n_bound += 1
+            if r in found:
+                assert float(lp[b, j]) == pytest.approx(found[r], abs=1e-5)
+    assert n_exact > 0
+    if L == 2 and extra >= sizes[0] or L == 1:
+        assert n_bound == 0, "the extra prefixes cover every candidate the beam's codes miss"
+    elif L == 2 and extra == 0 or L > 2:
+        assert n_bound > 0, "some candidates are left at the bound: the test tells exact from bound"

@@ -110,7 +110,7 @@ def test_filtered_decode_equals_the_reference_beam_search(rec, source):
     for b, h in enumerate(hist_rows):
         history[b, H - len(h):] = torch.tensor(h)  # oldest first
     allowed = source.allowed_rows(rec.built.model.index.bits, vops, vrows, _exclude(hist_rows, H))
-    rows, scores = source(history, allowed)
+    rows, scores, _ = source(history, allowed, history[:, :0])
     ids = torch.where(rows >= 0, rec.built.model.index.row_to_item[rows.clamp_min(0)].to(torch.int64), -1)
 
     paths = semantic_paths(len(rec.logs.item_ids), SIZES)  # pool order, as decode_module built them

@@ -90,19 +90,20 @@ def test_merge_sources_matches_python_sets():
     gen[:, -2:] = -1
     gen[0] = -1
     scores = torch.randn(B, Wd, generator=g)
-    rows, found, gscore = merge_sources(ann, gen, scores)
+    ann_lp = torch.randn(B, K, generator=g)
+    rows, found, gscore = merge_sources(ann, ann_lp, gen, scores)
     assert rows.shape == found.shape == gscore.shape == (B, K + Wd)
     for b in range(B):
-        a = {int(x) for x in ann[b] if x >= 0}
+        a = {int(x): float(v) for x, v in zip(ann[b], ann_lp[b]) if x >= 0}
         s = {int(x): float(v) for x, v in zip(gen[b], scores[b]) if x >= 0}
         got = [int(x) for x in rows[b] if x >= 0]
-        assert len(got) == len(set(got)) and set(got) == a | set(s)
+        assert len(got) == len(set(got)) and set(got) == set(a) | set(s)
         for j, r in enumerate(rows[b].tolist()):
             if r < 0:
                 assert found[b, j] == 0 and gscore[b, j] == float("-inf")
                 continue
             assert int(found[b, j]) == (FOUND_ANN if r in a else 0) | (FOUND_GENERATIVE if r in s else 0)
-            assert float(gscore[b, j]) == (s[r] if r in s else float("-inf"))
+            assert float(gscore[b, j]) == max(s.get(r, float("-inf")), a.get(r, float("-inf")))
 
 
 def _gen_alone(hybrid, args):
@@ -144,7 +145,9 @@ def test_union_equals_the_two_sources_run_alone(rec, hybrid):
             if r < 0:
                 continue
             assert int(by[b, j]) == (FOUND_ANN if r in a else 0) | (FOUND_GENERATIVE if r in g else 0)
-            assert float(src_scores[b, j, 1]) == pytest.approx(g.get(r, float("-inf")), abs=1e-5)
+            if r in g:  # an ANN-only row's log-prob: tests/test_generative.py (exact or a bound)
+                assert float(src_scores[b, j, 1]) == pytest.approx(g[r], abs=1e-5)
+            assert float(src_scores[b, j, 1]) > float("-inf")
             assert (src_scores[b, j, 0] > float("-inf")) == (r in a)
     # each source alone through the hybrid's own switch gives that source's candidates
     only_ann = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2, sources=["ann"]))
@@ -152,6 +155,7 @@ def test_union_equals_the_two_sources_run_alone(rec, hybrid):
     assert _row_sets(only_ann[3]) == _row_sets(ann_rows)
     assert _row_sets(only_gen[3]) == [{row_of[int(i)] for i in g[g >= 0].tolist()} for g in gen_ids]
     assert bool((only_ann[4][only_ann[3] >= 0] == FOUND_ANN).all())
+    assert bool((only_ann[5][:, :, 1] == float("-inf")).all()), "the decode switched off adds no log-prob"
     assert bool((only_gen[4][only_gen[3] >= 0] == FOUND_GENERATIVE).all())
 
 
@@ -172,9 +176,9 @@ def test_ranking_of_the_union_equals_rank_on_the_union(rec, hybrid):
 
 
 def test_generative_weight_ranks_by_value_plus_weighted_log_prob(rec, hybrid):
-    """With generative_weight w the top-k is the best k of the union by value + w * log-prob, a row the
-    decode missed counting at its request's lowest beam log-prob (reference: numpy over the union run
-    with w = 0, whose outputs give each candidate's value and log-prob)."""
+    """With generative_weight w the top-k is the best k of the union by value + w * the decoder's
+    log-prob of each row (reference: numpy over the union run with w = 0, whose outputs give each
+    candidate's value and log-prob)."""
     handler = rec.snap().rec_handler()
     requests = [{"user_id": u} for u in users(rec, 4, start=5)]
     K1 = hybrid.candidates or T * K0
@@ -186,9 +190,8 @@ def test_generative_weight_ranks_by_value_plus_weighted_log_prob(rec, hybrid):
     fused_any = False
     for b in range(len(requests)):
         real = rows[b] >= 0
-        found = np.isfinite(logp[b]) & real
-        lowest = logp[b][found].min() if found.any() else 0.0
-        fused = value[b][real] + 2.0 * np.where(found[real], logp[b][real], lowest)
+        assert np.isfinite(logp[b][real]).all()
+        fused = value[b][real] + 2.0 * logp[b][real]
         order = np.argsort(-fused, kind="stable")[:10]
         np.testing.assert_allclose(top[1][b].numpy()[: len(order)], fused[order], rtol=1e-5, atol=1e-4)
         assert set(top[3][b].tolist()) - {-1} <= set(rows[b][real].tolist())

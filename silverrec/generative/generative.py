@@ -116,24 +116,42 @@ class GenerativeRetrieval(nn.Module):
             alive: Optional[torch.Tensor] = None
             if item_bitmask is not None:
                 alive = self.trie.node_alive(item_bitmask)  # [B, n_nodes]
-            rows, scores = self._search(history, alive)
+            rows, scores, _ = self._search(history, alive, history.new_zeros(history.shape[0], 0), 0)
             item_ids = torch.where(rows >= 0, self.row_to_item[rows.clamp_min(0)], torch.full_like(rows, -1))
             return item_ids, scores
 
-    def decode_rows(self, history: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode over an unpacked leaf mask: history int64 [B, T] (contract), allowed bool [B, N]
-        (trie leaf order) -> (rows int64 [B, W] in trie leaf order, -1 = none; scores float32 [B, W]).
+    def decode_rows(self, history: torch.Tensor, allowed: torch.Tensor, candidates: torch.Tensor, extra: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode over an unpacked leaf mask, and the decoder's log-prob of other candidates.
+
+        Args:
+            history int64 [B, T] (contract); allowed bool [B, N] (trie leaf order);
+            candidates int64 [B, K]: rows (trie leaf order, -1 = none) found elsewhere, best first;
+            extra: how many more prefixes the last step extends for them (see `_search`).
+        Returns:
+            rows int64 [B, W] in trie leaf order (-1 = none), scores float32 [B, W], and the candidates'
+            log-probs float32 [B, K] (exact or an upper bound, -inf at -1).
 
         The entry point of a model that evaluates the filter itself (silverrec/generative/source.py):
         no packing of the mask it just computed."""
         with torch.no_grad():
-            return self._search(history, self.trie.alive_nodes(allowed))
+            return self._search(history, self.trie.alive_nodes(allowed), candidates, extra)
 
-    def _search(self, history: torch.Tensor, alive: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """history [B, T], alive bool [B, n_nodes] or None -> (rows int64 [B, W] trie order, -1 = none;
-        scores float32 [B, W])."""
+    def _search(self, history: torch.Tensor, alive: Optional[torch.Tensor], candidates: torch.Tensor, extra: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """history [B, T], alive bool [B, n_nodes] or None, candidates int64 [B, K] (trie rows, -1 =
+        none, best first), extra static int -> (rows int64 [B, W] trie order, -1 = none; scores
+        float32 [B, W]; the candidates' log-probs float32 [B, K]).
+
+        A candidate's log-prob is exact when the last step extends its prefix (its first L - 1 codes):
+        a beam's, or one of `extra` more prefixes, those of the best candidates whose first code the
+        beam did not keep at step 0 (teacher-forced beside the beams, M = min(extra, K) more rows per
+        step, none of them in the beam's selection). Any other candidate gets its first code's
+        log-prob, an upper bound. (L = 1: every candidate is exact.)
+        """
         B = history.shape[0]
         W = self.beam_width
+        L = self.n_levels
         dec = self.decoder
         key_valid = history != 0  # [B, T], 0 = PAD
         n_real = key_valid.to(torch.int64).sum(dim=1)  # [B] positions of the first generated token
@@ -145,34 +163,98 @@ class GenerativeRetrieval(nn.Module):
 
         # step 0: one start beam per request; it keeps up to W codes (not top_k: a per-beam cut
         # below W on the single start beam would leave only top_k beams for the whole decode)
-        logprobs = self._level_logprobs(last_logits, 0)[:, None, :]  # [B, 1, C0]
+        lp0 = self._level_logprobs(last_logits, 0)  # [B, C0], unmasked: the candidates' first factor
         child = self.trie.child_table(torch.zeros(B, dtype=torch.int64, device=history.device), 0)[:, None, :]
-        logprobs = self._mask(logprobs, child, alive)
+        logprobs = self._mask(lp0[:, None, :], child, alive)
         scores, parent, code = torch.ops.silverrec.beam_topk(
             logprobs.new_zeros(B, 1), logprobs, max(self.top_k, W), W
         )  # [B, W] each
         nodes = self._advance(child, parent, code, scores, 1)  # [B, W] depth-1 node ids
         tokens = code + self.level_offsets[0]
 
-        # unshared KV, preallocated once as a ping-pong pair of [K|V, n_layers, B*W, L-1, KV, hd]
-        n_slots = max(self.n_levels - 1, 1)
-        cache = shared_k.new_zeros(2, dec.n_layers, B * W, n_slots, dec.n_kv_heads, dec.head_dim)
+        cand = candidates.clamp_min(0)
+        first_lp = lp0.gather(1, self.trie.leaf_paths[:, 0][cand])  # [B, K] every candidate's upper bound
+        M = min(extra, candidates.shape[1]) if L > 1 else 0
+        extra_prefix, extra_codes, extra_lp = self._extra_prefixes(candidates, code, scores, lp0, M)
+        if M > 0:
+            tokens = torch.cat([tokens, extra_codes[:, :, 0] + self.level_offsets[0]], dim=1)  # [B, W + M]
+        rows_per = W + M
+        keep_extra = torch.arange(W, rows_per, device=history.device).expand(B, M)  # extra rows never move
+
+        # unshared KV, preallocated once as a ping-pong pair of [K|V, n_layers, B*(W+M), L-1, KV, hd]
+        n_slots = max(L - 1, 1)
+        cache = shared_k.new_zeros(2, dec.n_layers, B * rows_per, n_slots, dec.n_kv_heads, dec.head_dim)
         spare = torch.zeros_like(cache)
-        for level in range(1, self.n_levels):
+        prefix_nodes, prefix_lp, last_lp = nodes, scores, lp0[:, None, :]
+        for level in range(1, L):
             logits = dec.decode(
                 tokens, n_real + (level - 1), shared_k, shared_v, key_valid, cache[0], cache[1], level - 1
-            )  # [B, W, V]; writes this step's K/V into slot level - 1 of `cache`
+            )  # [B, W + M, V]; writes this step's K/V into slot level - 1 of `cache`
+            lp = self._level_logprobs(logits, level)  # [B, W + M, C]
+            if level == L - 1:  # the prefixes the last step extends, their log-probs, its log-probs
+                prefix_nodes, prefix_lp, last_lp = nodes, scores, lp
             child = self.trie.child_table(nodes.reshape(B * W), level).reshape(B, W, self.level_sizes[level])
-            logprobs = self._mask(self._level_logprobs(logits, level), child, alive)
+            logprobs = self._mask(lp[:, :W], child, alive)
             scores, parent, code = torch.ops.silverrec.beam_topk(scores, logprobs, self.top_k, W)
             nodes = self._advance(child, parent, code, scores, level + 1)
             tokens = code + self.level_offsets[level]
-            if level < self.n_levels - 1:
-                cache, spare = reorder_beams(cache, parent, spare, dim=2), cache
+            if level < L - 1:
+                if M > 0:  # the extra prefixes' next codes, teacher-forced
+                    extra_lp = extra_lp + lp[:, W:].gather(2, extra_codes[:, :, level : level + 1]).squeeze(2)
+                    tokens = torch.cat([tokens, extra_codes[:, :, level] + self.level_offsets[level]], dim=1)
+                cache, spare = reorder_beams(cache, torch.cat([parent, keep_extra], dim=1), spare, dim=2), cache
 
         found = scores > float("-inf")
         rows = (nodes - self.trie.leaf_base).clamp(0, self.trie.n_items - 1)
-        return torch.where(found, rows, torch.full_like(rows, -1)), scores.to(torch.float32)
+        rows = torch.where(found, rows, torch.full_like(rows, -1))
+        if candidates.shape[1] == 0:
+            return rows, scores.to(torch.float32), first_lp.to(torch.float32)
+        if L == 1:
+            return rows, scores.to(torch.float32), torch.where(candidates >= 0, first_lp, float("-inf")).to(torch.float32)
+        # each candidate's prefix -> the last step's row extending it (-1: none) -> exact log-prob
+        n_pre = self.trie.n_prefixes
+        local = torch.where(prefix_lp > float("-inf"), prefix_nodes - self.trie.level_base[L - 1],
+                            torch.full_like(prefix_nodes, n_pre))  # [B, W]
+        local = torch.cat([local, torch.where(extra_lp > float("-inf"), extra_prefix, torch.full_like(extra_prefix, n_pre))], dim=1)
+        step_row = torch.full((B, n_pre + 1), -1, dtype=torch.int64, device=history.device).scatter(
+            1, local, torch.arange(rows_per, device=history.device).expand(B, rows_per))[:, :n_pre]
+        at = step_row.gather(1, self.trie.leaf_prefix[cand])  # [B, K]
+        C = self.level_sizes[L - 1]
+        base = torch.cat([prefix_lp, extra_lp], dim=1).gather(1, at.clamp_min(0))
+        last = last_lp.reshape(B, rows_per * C).gather(1, at.clamp_min(0) * C + self.trie.leaf_paths[:, L - 1][cand])
+        cand_lp = torch.where(at >= 0, base + last, first_lp)
+        cand_lp = torch.where(candidates >= 0, cand_lp, torch.full_like(cand_lp, float("-inf")))
+        return rows, scores.to(torch.float32), cand_lp.to(torch.float32)
+
+    def _extra_prefixes(self, candidates: torch.Tensor, code: torch.Tensor, scores: torch.Tensor, lp0: torch.Tensor,
+                        M: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The last step's M extra prefixes: those of the first candidates (by position) whose first
+        code is not among the step-0 beam's codes (code, scores [B, W]), each prefix once ->
+        (prefix index int64 [B, M] among depth L-1 nodes, its codes int64 [B, M, L - 1], its
+        level-0 log-prob float [B, M]; -inf where fewer than M such prefixes exist)."""
+        B, K = candidates.shape
+        dev = candidates.device
+        if M == 0:
+            empty = candidates.new_zeros(B, 0)
+            return empty, candidates.new_zeros(B, 0, max(self.n_levels - 1, 1)), lp0.new_zeros(B, 0)
+        C0 = self.level_sizes[0]
+        n_pre = self.trie.n_prefixes
+        cand = candidates.clamp_min(0)
+        first = self.trie.leaf_paths[:, 0][cand]  # [B, K]
+        kept = torch.where(scores > float("-inf"), code, torch.full_like(code, C0))
+        in_beam = torch.zeros(B, C0 + 1, dtype=torch.bool, device=dev).scatter(1, kept, torch.ones_like(kept, dtype=torch.bool))
+        ok = (candidates >= 0) & ~in_beam.gather(1, first)
+        prefix = self.trie.leaf_prefix[cand]  # [B, K]
+        pos = torch.arange(K, device=dev).expand(B, K)
+        first_pos = torch.full((B, n_pre + 1), K, dtype=torch.int64, device=dev).scatter_reduce(
+            1, torch.where(ok, prefix, torch.full_like(prefix, n_pre)), pos, "amin")
+        ok = ok & (first_pos.gather(1, prefix) == pos)  # the prefix's first candidate
+        at = torch.topk(torch.where(ok, pos, pos + K), M, dim=1, largest=False).indices  # [B, M]
+        valid = ok.gather(1, at)
+        chosen = torch.where(valid, prefix.gather(1, at), torch.zeros_like(at))
+        codes = self.trie.prefix_codes[chosen]  # [B, M, L - 1]
+        first_lp = lp0.gather(1, codes[:, :, 0])
+        return chosen, codes, torch.where(valid, first_lp, torch.full_like(first_lp, float("-inf")))
 
     def _mask(self, logprobs: torch.Tensor, child: torch.Tensor, alive: Optional[torch.Tensor]) -> torch.Tensor:
         """-inf where child [B, W', C] is not a valid node or (with a bitmask) has no passing item."""

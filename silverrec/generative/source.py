@@ -4,6 +4,7 @@ union of the ANN's and the decode's candidates in one forward.
     request -> user tower -> filtered IVF search (RecModel.retrieve)  -> ANN rows  [B, K1]
             -> filter program over the whole pool (bloom_filter, the verify program) & not excluded
                -> allowed rows [B, N] -> (trie order) beam decode     -> decode rows [B, W]
+                  (+ EXTRA_PREFIXES rows in its last step: the ANN rows' exact log-probs)
             -> union (each row once; which source found it; each source's score) [B, K1 + W]
             -> embedding cache re-score, OverArch, value model (RecModel.rank_rows)
             -> + w x the decode's log-prob, source priority (fuse_sources) -> top-k
@@ -41,6 +42,11 @@ SOURCES = ("ann", "generative")
 SOURCE_ANN, SOURCE_GENERATIVE = 0, 1
 FOUND_ANN, FOUND_GENERATIVE = 1, 2  # bits of `found_by`
 PRIORITIES = ("none", "ann", "generative", "both")  # which candidates rank first (fuse_sources)
+# the decode's last step extends this many more prefixes, of the ANN's best candidates, beside its
+# beams: the log-prob those candidates are ranked with is then exact, not a bound (issue 13: on
+# MovieLens 8 gave what exact log-probs of every candidate give, 16 and 32 no more, for 8 more
+# rows in a step of 64)
+EXTRA_PREFIXES = 8
 
 
 class GenerativeSource(nn.Module):
@@ -52,13 +58,19 @@ class GenerativeSource(nn.Module):
             set of items as the decode's, else ValueError naming a missing item.
         max_items: the most history items fed to the decoder, the newest (its training history
             length; None: as many as its RoPE table holds). The prefill costs grow with it.
+        extra_prefixes: prefixes of the ANN's best candidates that the decode's last step extends
+            beside its beams, so those candidates get exact log-probs (`EXTRA_PREFIXES`).
     Buffers:
         trie_to_canon int64 [N], canon_to_trie int64 [N]: the row permutations;
         canon_tokens int64 [N, L]: each canonical row's L decoder tokens.
     """
 
-    def __init__(self, retrieval: GenerativeRetrieval, row_to_item: Tensor, max_items: Optional[int] = None):
+    def __init__(self, retrieval: GenerativeRetrieval, row_to_item: Tensor, max_items: Optional[int] = None,
+                 extra_prefixes: int = EXTRA_PREFIXES):
         super().__init__()
+        if extra_prefixes < 0:
+            raise ValueError(f"extra_prefixes must be >= 0, got {extra_prefixes}")
+        self.extra_prefixes = int(extra_prefixes)
         gen_ids = retrieval.row_to_item.to(torch.int64)
         canon_ids = torch.as_tensor(row_to_item).to(torch.int64)
         n = canon_ids.shape[0]
@@ -113,63 +125,67 @@ class GenerativeSource(nn.Module):
         dropped = dropped.scatter(1, spare, torch.ones_like(spare, dtype=torch.bool))
         return passing & ~dropped[:, : self.num_items]
 
-    def forward(self, history: Tensor, allowed: Tensor) -> Tuple[Tensor, Tensor]:
-        """history int64 [B, H] canonical rows (see `history_tokens`), allowed bool [B, N] canonical
-        -> (rows int64 [B, W] canonical, -1 = none; scores float32 [B, W] summed log-probs, -inf = none)."""
-        trie_rows, scores = self.retrieval.decode_rows(self.history_tokens(history), allowed[:, self.trie_to_canon])
+    def forward(self, history: Tensor, allowed: Tensor, candidates: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """history int64 [B, H] canonical rows (see `history_tokens`), allowed bool [B, N] canonical,
+        candidates int64 [B, K] canonical rows found elsewhere (the ANN's, best first; -1 = none)
+        -> (rows int64 [B, W] canonical, -1 = none; scores float32 [B, W] summed log-probs, -inf = none;
+        the candidates' log-probs float32 [B, K]: exact where the decode's last step extended their
+        prefix, the beam's or one of `extra_prefixes` more, else their first code's, an upper bound)."""
+        trie_cand = torch.where(candidates >= 0, self.canon_to_trie[candidates.clamp_min(0)], torch.full_like(candidates, -1))
+        trie_rows, scores, cand_lp = self.retrieval.decode_rows(self.history_tokens(history), allowed[:, self.trie_to_canon],
+                                                                trie_cand, self.extra_prefixes)
         rows = torch.where(trie_rows >= 0, self.trie_to_canon[trie_rows.clamp_min(0)], torch.full_like(trie_rows, -1))
-        return rows, scores
+        return rows, scores, cand_lp
 
 
-def merge_sources(ann: Tensor, gen: Tensor, gen_scores: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def merge_sources(ann: Tensor, ann_log_prob: Tensor, gen: Tensor, gen_scores: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """The union of two candidate lists, each row once.
 
     Args:
         ann int64 [B, K], gen int64 [B, W]: rows (-1 = none; no list holds a row twice);
-        gen_scores float32 [B, W]: the decode's score of each gen entry.
+        ann_log_prob float32 [B, K], gen_scores float32 [B, W]: the decoder's log-prob of each entry.
     Returns:
         rows int64 [B, K + W] (ascending, -1 = none, padding anywhere), found_by int64 [B, K + W]
-        (FOUND_ANN | FOUND_GENERATIVE bits, 0 at padding), the decode's score float32 [B, K + W]
-        (-inf where the decode did not find the row).
+        (FOUND_ANN | FOUND_GENERATIVE bits, 0 at padding), the decoder's log-prob float32 [B, K + W]
+        (the larger of a row's two entries; -inf at padding).
 
     Static shapes: one stable sort; equal rows form a group whose slot is its rank among the
     groups (cumsum of group starts); the members' flags add up (a row appears once per source).
     """
     both = torch.cat([ann, gen], dim=1)
     flags = torch.cat([torch.full_like(ann, 1), torch.full_like(gen, 2)], dim=1)  # FOUND_ANN, FOUND_GENERATIVE
-    scores = torch.cat([torch.full_like(ann, float("-inf"), dtype=gen_scores.dtype), gen_scores], dim=1)
+    scores = torch.cat([ann_log_prob.to(gen_scores.dtype), gen_scores], dim=1)
     srt, perm = torch.sort(both, dim=1, stable=True)
     start = torch.cat([torch.ones_like(srt[:, :1], dtype=torch.bool), srt[:, 1:] != srt[:, :-1]], dim=1)
     slot = torch.cumsum(start.to(torch.int64), dim=1) - 1
     rows = torch.full_like(both, -1).scatter(1, slot, srt)
     found = torch.zeros_like(both).scatter_add(1, slot, flags.gather(1, perm))
-    gen_best = torch.full_like(scores, float("-inf")).scatter_reduce(1, slot, scores.gather(1, perm), "amax")
+    best = torch.full_like(scores, float("-inf")).scatter_reduce(1, slot, scores.gather(1, perm), "amax")
     real = rows >= 0
-    return rows, torch.where(real, found, torch.zeros_like(found)), torch.where(real, gen_best, torch.full_like(gen_best, float("-inf")))
+    return rows, torch.where(real, found, torch.zeros_like(found)), torch.where(real, best, torch.full_like(best, float("-inf")))
 
 
-def fuse_sources(value: Tensor, gen_scores: Tensor, found_by: Tensor, weight: float, tiers: Tensor
+def fuse_sources(value: Tensor, log_prob: Tensor, found_by: Tensor, weight: float, tiers: Tensor
                  ) -> Tuple[Tensor, Tensor]:
-    """The union's ranking: value float32 [B, C] (-inf at padding), the decode's log-prob gen_scores
-    float32 [B, C] (-inf where it did not find the row), found_by int64 [B, C] (FOUND_* bits), the
+    """The union's ranking: value float32 [B, C] (-inf at padding), the decoder's log-prob float32
+    [B, C] (exact, or an upper bound for a row neither the beam found nor the last step extended;
+    -inf where the request's decode is switched off), found_by int64 [B, C] (FOUND_* bits), the
     log-prob's weight w and the source priority's tiers float32 [4] (by found_by, `PRIORITIES`) ->
 
-        score float32 [B, C] = value + w * log-prob, a row the decode missed counting at the request's
-            lowest beam log-prob (an upper bound of what the decode gives it; 0 where the decode found
-            nothing), so ANN-only rows are not dropped;
+        score float32 [B, C] = value + w * log-prob (a -inf log-prob adds nothing: the ANN alone);
         key float32 [B, C]: the order of the top-k, score + tier * (the request's score range + 1):
             every row of a higher tier before every row of a lower one, by score within a tier.
 
     Priority "generative" (the decode's rows first) ranks the top-k as the decode alone does, and
     "ann" (the ANN's rows first) at w = 0 as the ANN alone does (by value), so a grid over (w,
     priority) on the validation split (publish/fusion.py) cannot choose a fusion worse there than
-    the better source; "both" puts the rows both sources found first. Without the log-prob term the OverArch, trained on the ANN's
-    candidates, ranks the union as it ranks the ANN's list (MovieLens: hybrid = ANN only).
+    the better source; "both" puts the rows both sources found first. Without the log-prob term the
+    OverArch, trained on the ANN's candidates, ranks the union as it ranks the ANN's list
+    (MovieLens: hybrid = ANN only). The log-prob of an ANN row is exact for the rows whose prefix the
+    decode's last step extends (GenerativeSource.extra_prefixes): with a bound in their place (the
+    decode's lowest beam log-prob, sessions 9-12) no fusion beat the better source on MovieLens.
     """
-    found = gen_scores > float("-inf")
-    lowest = torch.where(found, gen_scores, torch.full_like(gen_scores, float("inf"))).amin(dim=1, keepdim=True)
-    lowest = torch.where(lowest < float("inf"), lowest, torch.zeros_like(lowest))
-    score = value + weight * torch.where(found, gen_scores, lowest)
+    score = value + weight * torch.where(log_prob > float("-inf"), log_prob, torch.zeros_like(log_prob))
     real = score > float("-inf")
     hi = torch.where(real, score, torch.full_like(score, float("-inf"))).amax(dim=1, keepdim=True)
     lo = torch.where(real, score, torch.full_like(score, float("inf"))).amin(dim=1, keepdim=True)
@@ -216,8 +232,10 @@ class HybridRecModel(RecModel):
         Returns RecModel.forward's (item_ids, scores, task scores, rows) over the union (k <= K1 + W;
         scores: `fuse_sources`' score, in the order of its key),
         plus found_by int64 [B, k] (FOUND_ANN | FOUND_GENERATIVE; 0 = none) and source scores
-        float32 [B, k, 2]: the exact re-score of task 0 (ANN) and the decode's summed log-prob,
-        -inf where that source did not find the item.
+        float32 [B, k, 2]: the exact re-score of task 0 (ANN; -inf where the ANN did not find the
+        item) and the decoder's summed log-prob of the item (exact where the decode found it or
+        extended its prefix, else its first code's log-prob, an upper bound; -inf where the
+        request's decode was switched off).
         """
         # (literal columns and bits: TorchScript does not read module globals; SOURCE_* and FOUND_* name them)
         user, ops, rows, vops, vrows, lists = self.request(values, lengths, dense, ops, rows, vops, vrows, lists)
@@ -225,8 +243,9 @@ class HybridRecModel(RecModel):
         ann = torch.where(sources[:, 0:1], ann, torch.full_like(ann, -1))
         allowed = self.generative.allowed_rows(self.index.bits, vops, vrows, exclude)
         allowed = allowed & sources[:, 1:2]
-        gen, gen_scores = self.generative(history, allowed)
-        cand, found_by, gen_feature = merge_sources(ann, gen, gen_scores)
+        gen, gen_scores, ann_log_prob = self.generative(history, allowed, ann)
+        ann_log_prob = torch.where(sources[:, 1:2], ann_log_prob, float("-inf"))  # decode off: the ANN alone
+        cand, found_by, gen_feature = merge_sources(ann, ann_log_prob, gen, gen_scores)
         value, task_scores = self.rank_rows(user, cand)
         score, key = fuse_sources(value, gen_feature, found_by, self.generative_weight, self.tiers)
         ids, _, tasks_out, top_rows, top = self.best(cand, key, task_scores, k)
@@ -235,7 +254,7 @@ class HybridRecModel(RecModel):
         by = torch.where(found, found_by.gather(1, top), torch.zeros_like(top))
         ann_score = (self.cache.embeddings(top_rows) * user[:, :1, :]).sum(dim=2)  # task 0's exact re-score
         ann_score = torch.where((by & 1) != 0, ann_score, float("-inf"))
-        gen_score = torch.where(found, gen_feature.gather(1, top), float("-inf"))
+        gen_score = torch.where(found, gen_feature.gather(1, top), float("-inf"))  # the log-prob ranked with
         return ids, top_scores, tasks_out, top_rows, by, torch.stack([ann_score, gen_score], dim=2)
 
 

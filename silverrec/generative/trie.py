@@ -43,10 +43,12 @@ class ValidPathTrie(nn.Module):
         level_sizes: codes per level, length L.
     Attributes:
         level_sizes, level_base (first node id of each depth 0..L), max_children (per depth < L),
-        n_items, n_levels, leaf_base: Python ints/lists (static per snapshot).
+        n_items, n_levels, leaf_base, n_prefixes (depth L-1 nodes): Python ints/lists (static per snapshot).
     Buffers:
         offsets, child_codes, first_child, first_mask (see module docstring); row_order int64 [N];
-        leaf_paths int64 [N, L] (the sorted paths).
+        leaf_paths int64 [N, L] (the sorted paths); leaf_prefix int64 [N] (each row's depth L-1
+        node, as an index among those nodes) and prefix_codes int64 [n_prefixes, L - 1] (their codes):
+        the prefixes the decode's last step extends (GenerativeRetrieval's candidate log-probs).
     """
 
     level_sizes: List[int]
@@ -55,6 +57,7 @@ class ValidPathTrie(nn.Module):
     n_levels: int
     n_items: int
     leaf_base: int
+    n_prefixes: int
 
     def __init__(self, paths: torch.Tensor, level_sizes: list[int]):
         super().__init__()
@@ -104,6 +107,13 @@ class ValidPathTrie(nn.Module):
         self.register_buffer("first_mask", first_child >= 0)
         self.register_buffer("row_order", order)
         self.register_buffer("leaf_paths", sorted_paths)
+        # the prefixes the last decode step extends (depth L-1 nodes): each row's, and each one's codes
+        # (derived from the paths, so not saved: a checkpoint's state dict stays as it was)
+        last = L - 1
+        self.n_prefixes = n_nodes[last]
+        self.register_buffer("leaf_prefix", node_of_row[last], persistent=False)
+        first_rows = _new_prefix(sorted_paths, last).nonzero().squeeze(1)
+        self.register_buffer("prefix_codes", sorted_paths[first_rows, :last].contiguous(), persistent=False)
 
     def child_table(self, nodes: torch.Tensor, depth: int) -> torch.Tensor:
         """Dense child table of nodes at `depth`.
