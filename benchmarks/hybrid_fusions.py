@@ -14,8 +14,9 @@ NDCG@10 / HR@10 mean and sample std over seeds, on both splits:
 
 - the sources alone, as the snapshot serves them (`fused_topk`: ANN by value; the decode's rows by
   value + 0.5 x log-prob);
-- publish/fusion.py's family: value + w x beam log-prob (a missed row at the request's lowest beam
-  log-prob), w in `WEIGHTS`, with each source priority;
+- publish/fusion.py's family: value + w x the log-prob the forward ranks with (exact for the
+  decode's rows and the ANN rows whose prefix its last step extends, else the first code's; until
+  session 12: a missed row at the request's lowest beam log-prob), w in `WEIGHTS`, each priority;
 - reciprocal rank fusion (Cormack et al. 2009; c 10 and 60) of the value ranking of the ANN's rows
   and the log-prob ranking of the decode's rows;
 - value + w x the decoder's full log-prob of every candidate (no lower bound);

@@ -39,8 +39,8 @@ METRIC = "NDCG@10"
 def union_tensors(handler, split: Split, stage: str = "valid", batch: int = 32) -> dict[str, torch.Tensor]:
     """Every candidate of the hybrid `handler` (fusion w 0, priority none) for one request per eval
     user, its known items excluded -> item_ids int64 [U, C] (-1 = none), value float32 [U, C],
-    log_prob float32 [U, C] (-inf where the decode missed the row), found_by int64 [U, C], targets
-    int64 [U] (item ids)."""
+    log_prob float32 [U, C] (the decoder's log-prob the forward ranks with: exact, or a first-code
+    bound; `fuse_sources`), found_by int64 [U, C], targets int64 [U] (item ids)."""
     cfg = handler.config
     k = min(int(cfg.get("candidates") or len(handler.row_to_item)) + int(cfg["generative"]["beam_width"]),
             len(handler.row_to_item))

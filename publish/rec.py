@@ -83,9 +83,10 @@ class PublishConfig:
     # hybrid ranking: value + generative_weight * the decode's log-prob, source_priority's rows first
     # (source.fuse_sources); with validation_checkpoint and validation_generative_checkpoint (the same
     # trainings at stage "valid") both are chosen on the validation split instead (publish/fusion.py).
-    # Defaults: the best MovieLens validation NDCG@10 averaged over 3 seeds (0.0454; ANN alone 0.0453,
-    # the decode alone 0.0452: a tie; benchmarks/results/generative_quality_hybrid.json)
-    generative_weight: float = 0.5
+    # Defaults: the best MovieLens validation NDCG@10 averaged over 3 seeds with 4,000-step decoders
+    # (0.0560; the decode alone at its best w 0.0547, ANN alone 0.0461; on test 0.0519 vs 0.0515 / 0.0452:
+    # benchmarks/results/generative_quality_hybrid_exact.json)
+    generative_weight: float = 1.0
     source_priority: str = "none"
     validation_checkpoint: Optional[str] = None
     validation_generative_checkpoint: Optional[str] = None
