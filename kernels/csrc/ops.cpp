@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -195,6 +196,20 @@ inline void decode_key(int64_t key, float mul, float add, float& score, int64_t&
 // Sort keys -> (scores float32 [B, k], rows int64 [B, k]), exactly like kernels/common.py
 // split_keys + dequantize_scores: float(score) * (scale * qscale[b]) + offset * qsum[b] with one
 // rounding per operation (built with -ffp-contract=off: no FMA); padding -> (-inf, -1).
+// keys int64 [B, k] -> (scores float32, rows int64) [B, k]: score = key score x scale x qs[b] + offset x qm[b]
+std::tuple<at::Tensor, at::Tensor> decode_keys(const at::Tensor& keys, const float* qs, const float* qm, float sc, float of) {
+  const int64_t B = keys.size(0), k = keys.size(1);
+  at::Tensor scores = at::empty({B, k}, at::kFloat), rows = at::empty({B, k}, at::kLong);
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  float* sp = scores.data_ptr<float>();
+  int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float mul = sc * qs[b], add = of * qm[b];
+    for (int64_t i = b * k; i < (b + 1) * k; ++i) decode_key(kp[i], mul, add, sp[i], rp[i]);
+  }
+  return {scores, rows};
+}
+
 std::tuple<at::Tensor, at::Tensor> keys_to_results(const at::Tensor& keys, const at::Tensor& qscale,
                                                    const at::Tensor& qsum, const at::Tensor& scale,
                                                    const at::Tensor& offset) {
@@ -203,17 +218,7 @@ std::tuple<at::Tensor, at::Tensor> keys_to_results(const at::Tensor& keys, const
   check(qsum, at::kFloat, 1, "qsum");
   const int64_t B = keys.size(0), k = keys.size(1);
   TORCH_CHECK(qscale.size(0) == B && qsum.size(0) == B, "qscale / qsum must have B entries");
-  const float sc = scale.item<float>(), of = offset.item<float>();
-  at::Tensor scores = at::empty({B, k}, at::kFloat), rows = at::empty({B, k}, at::kLong);
-  const int64_t* kp = keys.data_ptr<int64_t>();
-  const float *qs = qscale.data_ptr<float>(), *qm = qsum.data_ptr<float>();
-  float* sp = scores.data_ptr<float>();
-  int64_t* rp = rows.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    const float mul = sc * qs[b], add = of * qm[b];
-    for (int64_t i = b * k; i < (b + 1) * k; ++i) decode_key(kp[i], mul, add, sp[i], rp[i]);
-  }
-  return {scores, rows};
+  return decode_keys(keys, qscale.data_ptr<float>(), qsum.data_ptr<float>(), scale.item<float>(), offset.item<float>());
 }
 
 // o[i] = id[r[i]] as int64, -1 where r[i] < 0; a row >= n is an IndexError. A run of padding (the
@@ -300,18 +305,36 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   if (!(1 <= nprobe && nprobe <= max_probe && max_probe <= centroids.size(0)))
     throw std::invalid_argument("need 1 <= nprobe (" + std::to_string(nprobe) + ") <= max_probe (" +
                                 std::to_string(max_probe) + ") <= nlist (" + std::to_string(centroids.size(0)) + ")");
-  const int64_t B = queries.size(0);
+  const int64_t B = queries.size(0), D = queries.size(1);
+  // the request's small tensors are made with plain loops, not ATen calls: after other work has
+  // evicted libtorch's code, each ATen call costs tens of microseconds (a k 4096 search of 241
+  // matches: 20% of the op's time went to zeros / full / clone / ones calls on a few hundred bytes)
+  const auto as_float = [](const at::Tensor& x) { return x.scalar_type() == at::kFloat ? x : x.to(at::kFloat).contiguous(); };
+  const at::Tensor q = as_float(queries);
   at::Tensor probes, bitmask, route;
   std::tie(probes, bitmask, route) =
-      filter_plan(queries.to(at::kFloat).contiguous(), centroids.to(at::kFloat).contiguous(), cluster_offsets, bits, ops,
-                  rows, lists, post_sizes, mode.to(at::kLong).contiguous(), k, nprobe, max_probe, window_words,
-                  match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit, /*mask_if_unused=*/false);
-  const at::Tensor q = queries.to(at::kFloat);
-  const at::Tensor folded = at::mul(q, dim_scale).contiguous(), constant = at::matmul(q, dim_offset).contiguous();
-  const at::Tensor one = at::ones({}, at::kFloat), zero = at::zeros({}, at::kFloat);
+      filter_plan(q, as_float(centroids), cluster_offsets, bits, ops, rows, lists, post_sizes,
+                  mode.scalar_type() == at::kLong ? mode : mode.to(at::kLong).contiguous(), k, nprobe, max_probe,
+                  window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit,
+                  /*mask_if_unused=*/false);
+  TORCH_CHECK(dim_scale.scalar_type() == at::kFloat && (dim_scale.numel() == D || dim_scale.numel() == 1),
+              "dim_scale: float32 [D] (or one value) expected");
+  const int64_t step = dim_scale.numel() == 1 ? 0 : 1;
+  const at::Tensor constant = at::matmul(q, dim_offset).contiguous();  // BLAS, as the composition: identical sums
+  // folded = q x dim_scale (elementwise: identical to at::mul); qsum its row sums (only ever x 0: the
+  // composition's keys_to_results offset, so its rounding cannot show)
+  at::Tensor folded = at::empty({B, D}, at::kFloat), qsum = at::empty({B}, at::kFloat);
+  {
+    const float *qp = q.data_ptr<float>(), *ds = dim_scale.data_ptr<float>();
+    float *fp = folded.data_ptr<float>(), *sp = qsum.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      float sum = 0.0f;
+      for (int64_t d = 0; d < D; ++d) sum += (fp[b * D + d] = qp[b * D + d] * ds[d * step]);
+      sp[b] = sum;
+    }
+  }
   at::Tensor qcodes, qscale;
   std::tie(qcodes, qscale) = quantize_queries(folded);
-  const at::Tensor qsum = folded.sum(1);
   const int64_t* rt = route.data_ptr<int64_t>();
   // probed route: scan with a margin for Bloom false positives, keep the best k that verify. Programs
   // that push no bank row (no filter: TRUE) have no false positives: scan k, nothing to verify (the
@@ -330,7 +353,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
     const std::optional<at::Tensor> mask = bitmask.defined() ? std::optional<at::Tensor>(bitmask) : std::nullopt;
     keys_pr = ivf_scan_keys(qcodes, codes, cluster_offsets, probes, mask, k2);
     if (!unfiltered) {
-      std::tie(s_ivf, r_ivf) = keys_to_results(keys_pr, qscale, qsum, one, zero);
+      std::tie(s_ivf, r_ivf) = decode_keys(keys_pr, qscale.data_ptr<float>(), qsum.data_ptr<float>(), 1.0f, 0.0f);
       std::tie(s_ivf, r_ivf) = verify_topk(bits, vops, vrows, s_ivf, r_ivf, k);
     }
   }
@@ -339,7 +362,8 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   at::Tensor keys_ex;
   std::vector<int64_t> count_ex(B, 0);
   if (any_exact) {
-    at::Tensor src = lists.clone(), exact = at::empty({B}, at::kBool);
+    at::Tensor src = at::empty_like(lists), exact = at::empty({B}, at::kBool);
+    std::memcpy(src.data_ptr<int64_t>(), lists.data_ptr<int64_t>(), lists.numel() * sizeof(int64_t));
     int64_t* sp = src.data_ptr<int64_t>();
     bool* ep = exact.data_ptr<bool>();
     for (int64_t b = 0; b < B; ++b) {

@@ -119,8 +119,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
   const int64_t *off = cluster_offsets.data_ptr<int64_t>(), *ls = lists.data_ptr<int64_t>(),
                 *psz = post_sizes.data_ptr<int64_t>(), *md = mode.data_ptr<int64_t>();
 
-  at::Tensor route = at::zeros({B}, at::kLong);
+  // (at::empty + fill, not at::zeros / at::full: see filtered_ivf_search in ops.cpp)
+  at::Tensor route = at::empty({B}, at::kLong);
   int64_t* rt = route.data_ptr<int64_t>();
+  std::fill(rt, rt + B, int64_t{0});
   std::vector<int64_t> probing;  // queries that need centroid candidates
   for (int64_t b = 0; b < B; ++b) {
     int64_t size = 0;
@@ -133,9 +135,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
     else if (md[b] == kModeUnprobed) rt[b] = 1;  // whole pool, decided by the caller: no candidates
     else probing.push_back(b);
   }
-  at::Tensor probes = at::full({B, P}, -1, at::kLong);
-  at::Tensor lo_t = at::full({B, P}, -1, at::kLong), hi_t = at::zeros({B, P}, at::kLong);
+  at::Tensor probes = at::empty({B, P}, at::kLong);
   int64_t* pr = probes.data_ptr<int64_t>();
+  std::fill(pr, pr + B * P, int64_t{-1});
   // the counts steer only auto queries, the mask filters only programs that push a bank row: a
   // batch of probed queries without a filter (TRUE programs) needs neither (its scan, unmasked,
   // visits the same rows), nor more than its nprobe best centroids
@@ -153,6 +155,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
     return {probes, at::Tensor(), route};
   }
   std::vector<int64_t> cand(B * P, -1);
+  at::Tensor lo_t = at::empty({B, P}, at::kLong), hi_t = at::empty({B, P}, at::kLong);
+  std::fill(lo_t.data_ptr<int64_t>(), lo_t.data_ptr<int64_t>() + B * P, int64_t{-1});
+  std::fill(hi_t.data_ptr<int64_t>(), hi_t.data_ptr<int64_t>() + B * P, int64_t{0});
   if (!probing.empty()) {
     top_candidates(scores.data_ptr<float>(), C, B, P, probing, cand.data());
     int64_t *lo = lo_t.data_ptr<int64_t>(), *hi = hi_t.data_ptr<int64_t>();
