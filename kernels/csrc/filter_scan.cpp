@@ -34,8 +34,6 @@ using namespace program;
 // below that, copying the passing rows' codes (D bytes each) costs less than the dot products of
 // the rows the mask would drag along (16-row blocks with any passing row are scored whole).
 constexpr int64_t kMaskDivisor = 2;
-// rows prefetched ahead of the copy into the compact buffer
-constexpr size_t kCopyAhead = 16;
 
 // Program b on rows[0, n) (n <= kBlock, each row >= 0): pass[i] = bit (row & 63) of its word.
 void eval_rows(const int64_t* bank, int64_t W, const int64_t* ops, const int64_t* prog_rows, int64_t L, int64_t T,
@@ -229,11 +227,7 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     }
     const int8_t* src = codes.data_ptr<int8_t>();  // once, not per row (its checks were 4% of a search)
     int8_t* dst = buf.data() + buf_start[g] * D;
-    // the passing rows are scattered over the pool: prefetch kCopyAhead rows ahead so their cache
-    // (and TLB) misses overlap instead of queueing one behind the other
     for (size_t i = 0; i < p.size(); ++i) {
-      if (i + kCopyAhead < p.size())
-        for (int64_t o = 0; o < D; o += 64) __builtin_prefetch(src + p[i + kCopyAhead] * D + o);
       std::memcpy(dst + i * D, src + p[i] * D, D);
       buf_row[buf_start[g] + i] = p[i];
     }
