@@ -35,6 +35,7 @@ import torch
 from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels import candidate_rows as _candidate_rows
 from silverrec.kernels import mol_score as _mol_score
+from silverrec.kernels import rescore_rows as _rescore_rows
 from silverrec.kernels.rows_to_items import register_cpu_fallback
 
 
@@ -130,6 +131,8 @@ if _ext is None or not hasattr(_ext, "candidate_rows"):
     _candidate_rows.register_cpu_fallback()
 if _ext is None or not hasattr(_ext, "mol_score"):
     _mol_score.register_cpu_fallback()
+if _ext is None or not hasattr(_ext, "rescore_rows"):
+    _rescore_rows.register_cpu_fallback()
 
 
 @torch.library.register_fake("silverrec::filtered_ivf_search")

@@ -199,8 +199,9 @@ DYNAMIC = {
 
 def search_model(index: FilteredIVFIndex) -> RecModel:
     """The pure-ANN configuration of the root module: the query embedding is the user (one task), no
-    embedding cache, no ranking stages (rec_model.py)."""
-    return RecModel(QueryTower(index.codes.shape[1]), index, None, overfetch=0).eval()
+    embedding cache, no ranking stages, the scan's top rows re-scored with the float query
+    (rec_model.py)."""
+    return RecModel(QueryTower(index.codes.shape[1]), index, None, overfetch=0, rescore=True).eval()
 
 
 def search_example(model: RecModel) -> tuple:
@@ -279,6 +280,7 @@ def write_index(
     config.backend (an update: the parent's measurement of the same program)."""
     clock = clock or StageClock()
     model = search_model(index)
+    manifest.setdefault("search", {})["rescore"] = model.rescore
     manifest["spec"] = ModelSpec.search(index.codes.shape[1], index.nlist).to_json()
     if torchscript is None:
         torchscript = tensor_bytes(index) <= TORCHSCRIPT_MAX_BYTES

@@ -12,8 +12,10 @@
 
 A pure-ANN snapshot (`silverrec publish --pool`) is the same module without ranking stages: its
 user tower is `QueryTower` (the request's dense tensor is the query embedding, one task) and it
-has no embedding cache, so the search op's int8 scores rank the rows (`search_rows`); an exact
-index is the configuration with one cluster (nlist 1).
+has no embedding cache, so the search ranks the rows: with `rescore` (publish's default) the scan's
+top k + k/16 + 4 rows re-scored with the float query on the same int8 codes (silverrec::rescore_rows),
+otherwise the scan's int8 scores (`search_rows`); an exact index is the configuration with one
+cluster (nlist 1).
 
 Every stage passes **rows** of one canonical row space (the IVF's cluster-major order); item ids
 appear only at the end (`row_to_item`). The search returns rows because it is handed the identity
@@ -39,6 +41,7 @@ import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
 from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 from silverrec.ranking.cache import EmbeddingCache
 from silverrec.kernels.candidate_rows import exclude_rows
+from silverrec.kernels.rescore_rows import rescore_margin
 from silverrec.retrieval.item_ids import rows_to_items
 from silverrec.filtering.template import FilterTemplate
 
@@ -62,15 +65,17 @@ class RecModel(nn.Module):
             the tasks' lists rank by rank); 0 = all T*k0 slots.
         template: a FilterTemplate (silverrec/filtering/template.py) filled from the request's user
             features and ANDed with its filter programs, or None.
+        rescore: retrieval only (no cache): rank the scan's top k + `rescore_margin(k)` rows by the
+            float query on their int8 codes (kernels/rescore_rows.py) instead of the int8 scores.
     """
 
     # constants to TorchScript, so that it compiles only the stages a configuration has
-    __constants__ = ["has_cache", "has_overarch", "rows_overarch", "has_value_model"]
+    __constants__ = ["has_cache", "has_overarch", "rows_overarch", "has_value_model", "rescore"]
 
     def __init__(self, user_tower: nn.Module, index: FilteredIVFIndex, cache: Optional[EmbeddingCache],
                  overarch: Optional[nn.Module] = None, value_model: Optional[nn.Module] = None,
                  tasks: int = 1, merge: str = "union", overfetch: int = 256, candidates: int = 0,
-                 template: Optional[FilterTemplate] = None):
+                 template: Optional[FilterTemplate] = None, rescore: bool = False):
         super().__init__()
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
@@ -79,6 +84,9 @@ class RecModel(nn.Module):
             if overarch is not None or value_model is not None or tasks != 1:
                 raise ValueError("a model without an embedding cache has one task and no OverArch or value model")
             cache = EmbeddingCache(torch.zeros(1, index.codes.shape[1]))
+        if rescore and self.has_cache:
+            raise ValueError("rescore is for a model without an embedding cache (the cache re-scores exactly)")
+        self.rescore = bool(rescore)
         if self.has_cache and cache.num_items != index.num_items:
             raise ValueError(f"cache holds {cache.num_items} rows, the index {index.num_items}")
         self.user_tower = user_tower
@@ -100,27 +108,35 @@ class RecModel(nn.Module):
 
     def search_rows(self, user: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor, vops: Tensor, vrows: Tensor,
                     lists: Tensor, mode: Tensor, k: int, nprobe: int, max_probe: int) -> Tuple[Tensor, Tensor, Tensor]:
-        """Retrieval alone (no cache): user float32 [B, 1, D] -> (int8 scores float32 [B, k], -inf =
+        """Retrieval alone (no cache): user float32 [B, 1, D] -> (scores float32 [B, k], -inf =
         none; item ids int64 [B, k], -1 = none; rows int64 [B, k], -1 = none), excluded rows dropped
-        when `overfetch` > 0. Without exclusions nothing needs the rows: the search maps straight to
-        item ids (`row_to_item` where it is otherwise handed `row_ids`) and rows is [B, 0]: no second
+        when `overfetch` > 0; with `rescore`, the scan's top rows re-scored with the float query.
+        Without exclusions nothing needs the rows: rows is [B, 0], and without `rescore` the search
+        maps straight to item ids (`row_to_item` where it is otherwise handed `row_ids`): no second
         pass over [B, k] rows at large k (the public search at k 4096, 241 matches x 16 queries:
         250 -> 184 us)."""
         idx = self.index
-        direct = self.overfetch == 0
+        margin = rescore_margin(k) if self.rescore else 0
+        direct = self.overfetch == 0 and not self.rescore
         scores, found = torch.ops.silverrec.filtered_ivf_search(
             user[:, 0], idx.codes, idx.dim_scale, idx.dim_offset, idx.cluster_offsets, idx.centroids,
             idx.row_to_item if direct else self.row_ids,
             idx.bits, idx.post_rows, idx.post_offsets, idx.post_sizes, ops, rows, vops, vrows, lists, mode,
-            k + self.overfetch, nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
+            k + self.overfetch + margin, nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
             idx.num_items, idx.exact_cost_ratio, idx.posting_limit,
         )
         if direct:
             return scores, found, found[:, :0]
-        found = exclude_rows(found, exclude, idx.num_items)
-        scores, top = torch.topk(torch.where(found >= 0, scores, float("-inf")), k, dim=1)
-        found = found.gather(1, top)
-        return scores, rows_to_items(idx.row_to_item, found), found
+        if self.overfetch > 0:
+            found = exclude_rows(found, exclude, idx.num_items)
+        if self.rescore:
+            scores, found = torch.ops.silverrec.rescore_rows(user[:, 0], found, idx.codes, idx.dim_scale,
+                                                             idx.dim_offset, k)
+        else:
+            scores, top = torch.topk(torch.where(found >= 0, scores, float("-inf")), k, dim=1)
+            found = found.gather(1, top)
+        ids = rows_to_items(idx.row_to_item, found)
+        return scores, ids, found if self.overfetch > 0 else found[:, :0]
 
     def rank_rows(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
         """user float32 [B, T, D], rows int64 [B, C] (-1 = none) -> (value float32 [B, C] with -inf

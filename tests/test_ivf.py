@@ -9,6 +9,7 @@ import silverrec
 from silverrec.errors import QueryError
 from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.kernels.common import quantize_queries, split_keys
+from silverrec.kernels.rescore_rows import rescore_margin, rescore_rows_torch
 from silverrec.kernels.ivf_scan import bitmask_words, canonical_probes, ivf_scan_reference, scan_keys_cpu
 from silverrec.publish.filtered_ivf import publish_index
 from silverrec.publish.ivf import IVFConfig, build_ivf
@@ -52,6 +53,20 @@ def exact_int8(index, q, k):
     folded, constant = index.fold(q)
     scores, rows = torch.ops.silverrec.int8_topk(folded, index.codes, torch.tensor(1.0), torch.tensor(0.0), k)
     return scores + constant[:, None], rows
+
+
+def rescored(index, q, rows, k):
+    """A published snapshot's ranking of the scan's rows int64 [B, k'] (publish/filtered_ivf.py
+    search_model): the float query on their codes, best k (kernels/rescore_rows.py's composition)
+    -> (scores float32 [B, k], item ids int64 [B, k])."""
+    scores, top = rescore_rows_torch(q, rows, index.codes, index.dim_scale, index.dim_offset, k)
+    return scores, torch.where(top >= 0, index.row_to_item[top.clamp_min(0)].long(), -1)
+
+
+def _rows_of(index, ids):
+    """Item ids int64 [B, K] (-1 = none) -> the index's rows."""
+    inverse = {int(i): r for r, i in enumerate(index.row_to_item.tolist())}
+    return torch.tensor([[inverse.get(int(i), -1) for i in row] for row in ids.tolist()], dtype=torch.int64)
 
 
 def _index(x, nlist, seed=0):
@@ -278,7 +293,9 @@ def test_export_round_trip_and_cli(tmp_path, capsys):
     # a fresh process loads the exported program (ops registered by importing silverrec)
     out = run_cli("query", snap, "--queries", qfile, "--k", "300", "--nprobe", "7", "--json")
     got = json.loads(out.stdout)
-    exp_scores, exp_ids = index(queries, 300, 7)
+    kk = 300 + rescore_margin(300)
+    found = index(queries, kk, 7)[1]
+    exp_scores, exp_ids = rescored(index, queries, _rows_of(index, found), 300)
     assert got["item_ids"] == exp_ids.tolist()
     got_scores = np.array([[-np.inf if v is None else v for v in row] for row in got["scores"]])
     np.testing.assert_allclose(got_scores, exp_scores.numpy(), rtol=1e-6)
@@ -287,7 +304,7 @@ def test_export_round_trip_and_cli(tmp_path, capsys):
 
     assert main(["query", snap, "--queries", qfile, "--k", "9", "--nprobe", "5", "--json", "--backend", "torchscript"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["item_ids"] == index(queries, 9, 5)[1].tolist()
+    assert got["item_ids"] == rescored(index, queries, _rows_of(index, index(queries, 9 + rescore_margin(9), 5)[1]), 9)[1].tolist()
     assert main(["query", snap, "--queries", qfile, "--k", "9", "--nprobe", "25"]) == 2
     assert "nprobe" in capsys.readouterr().err
 
@@ -303,8 +320,10 @@ def test_predictor_nprobe_validation(tmp_path):
             snap.search(q[:2], 5, nprobe=bad)
     with pytest.raises(QueryError, match="filter"):
         snap.search(q[:2], 5, filter="genre = x")
-    # nprobe = nlist through the snapshot equals exact int8 search
+    # nprobe = nlist through the snapshot equals exact int8 search, its top rows re-scored
     index, _ = build_ivf(Pool(np.arange(500, dtype=np.int64), x.numpy()), IVFConfig(nlist=10))
     r = snap.search(q, 20, nprobe=10)
-    _, e_rows = exact_int8(index, q, 20)
-    assert torch.equal(r.item_ids, index.row_to_item[e_rows])
+    _, e_rows = exact_int8(index, q, 20 + rescore_margin(20))
+    e_scores, e_ids = rescored(index, q, e_rows, 20)
+    assert torch.equal(r.item_ids, e_ids)
+    torch.testing.assert_close(r.scores, e_scores)

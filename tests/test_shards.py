@@ -20,7 +20,7 @@ from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool, write_pool
 from silverrec.publish.shards import ShardSpec, clusters_to_shards, hash_items, publish_sharded
 from silverrec.serving.sharded import ShardedSnapshot, ShardVerificationError
-from tests.helpers import inner_product_topk, load_ann, recall, run_cli
+from tests.helpers import check_rescored_topk, inner_product_topk, load_ann, recall, run_cli
 
 N, D, NLIST = 3001, 24, 40
 GENRES = ["a", "b", "c", "d"]
@@ -54,8 +54,8 @@ def matches(pool: Pool, filt) -> np.ndarray:
 def reference_scores(queries: np.ndarray, x: np.ndarray, per_dim: bool) -> tuple[np.ndarray, np.ndarray]:
     """Brute force as the int8 index defines it, written out here: items through min/max int8
     quantisation (global, or per dimension with the scale folded into the query), queries through
-    symmetric per-row int8 quantisation. -> (integer dot products int64 [B, N] that rank the items,
-    float64 [B, N] the dequantised scores)."""
+    symmetric per-row int8 quantisation. -> (integer dot products int64 [B, N] that rank the scan,
+    float64 [B, N] the float query on the decoded codes, which rank its top rows)."""
     f32 = np.float32
     lo = x.min(axis=0) if per_dim else x.min()
     hi = x.max(axis=0) if per_dim else x.max()
@@ -65,33 +65,13 @@ def reference_scores(queries: np.ndarray, x: np.ndarray, per_dim: bool) -> tuple
     q = (queries * scale).astype(f32) if per_dim else queries
     qscale = np.maximum(np.abs(q).max(axis=1), f32(1e-30)) / f32(127.0)
     qcodes = np.clip(np.round(q / qscale[:, None]), -127, 127).astype(np.int64)
-    ints = qcodes @ codes.T
-    if per_dim:
-        approx = ints * qscale[:, None].astype(np.float64) + (queries.astype(np.float64) @ offset.astype(np.float64))[:, None]
-    else:
-        approx = ints * (qscale[:, None].astype(np.float64) * float(scale)) + float(offset) * queries.astype(np.float64).sum(1)[:, None]
-    return ints, approx
+    decoded = codes * np.asarray(scale, np.float64) + np.asarray(offset, np.float64)
+    return qcodes @ codes.T, queries.astype(np.float64) @ decoded.T
 
 
 def check_topk(ids, scores, ref: tuple[np.ndarray, np.ndarray], item_ids: np.ndarray, allowed: np.ndarray, k: int):
-    """Tie-tolerant top-k check against brute force: per row, the returned items are allowed and
-    distinct, their integer scores are the best k integer scores (id sets equal up to ties), and
-    each returned float score is that item's dequantised score."""
-    ints, approx = ref
-    pos = {int(i): r for r, i in enumerate(item_ids)}
-    for b in range(ids.shape[0]):
-        s = np.where(allowed[b], ints[b], np.iinfo(np.int64).min)
-        n_valid = min(k, int(allowed[b].sum()))
-        want = np.sort(s)[::-1][:n_valid]
-        got_ids = ids[b].tolist()
-        assert all(i == -1 for i in got_ids[n_valid:]), "padding must be -1"
-        got = got_ids[:n_valid]
-        assert len(set(got)) == n_valid and -1 not in got
-        rows = np.array([pos[i] for i in got], dtype=np.int64)
-        assert allowed[b, rows].all()
-        np.testing.assert_array_equal(ints[b, rows], want)
-        np.testing.assert_allclose(scores[b, :n_valid], approx[b, rows], rtol=1e-4, atol=1e-4)
-        assert np.isneginf(scores[b, n_valid:]).all()
+    """`check_rescored_topk` (tests/helpers.py) with `reference_scores`'s (ints, floats)."""
+    check_rescored_topk(ids, scores, *ref, item_ids, allowed, k)
 
 
 @pytest.fixture(scope="module")

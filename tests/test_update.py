@@ -16,7 +16,7 @@ from silverrec.publish.pool import Pool, write_pool
 from silverrec.publish.quantize import quantize_global, quantize_per_dim
 from silverrec.publish.update import DeltaError, update_snapshot
 from silverrec.snapshot import read_manifest, read_tensors, write_snapshot
-from tests.helpers import run_cli
+from tests.helpers import check_rescored_topk, run_cli
 
 N, D, NLIST = 3000, 20, 12
 COLORS = ["red", "green", "blue", "black"]
@@ -64,44 +64,38 @@ def _codes(x, scale, offset):
 
 
 def _per_dim(parent_x):
-    """Item codes with the parent's per-dimension ranges, and the query transform folded into them."""
+    """Item codes with the parent's per-dimension ranges, the query transform folded into them, and
+    the decoded items (float64) that the float re-score reads."""
     _, scale, offset = quantize_per_dim(torch.from_numpy(parent_x))
-    return (lambda x: _codes(x, scale, offset)), (lambda q: q * scale)
+    return (lambda x: _codes(x, scale, offset)), (lambda q: q * scale), scale.double(), offset.double()
 
 
 def _global(parent_x):
     _, scale, offset = quantize_global(torch.from_numpy(parent_x))
-    return (lambda x: _codes(x, scale, offset)), (lambda q: q)
+    return (lambda x: _codes(x, scale, offset)), (lambda q: q), scale.double(), offset.double()
 
 
 def _reference(final: Pool, quant, queries, k, filt=None):
     """Brute force over the final pool's int8 codes (parent ranges) and int8 queries (per-query
-    symmetric, as the scan ops quantise them), with the exact filter: (ids, int scores) [Q, k]."""
-    codes_fn, fold = quant
+    symmetric, as the scan ops quantise them), with the exact filter: (int scores int64 [Q, N] that
+    rank the scan, float64 [Q, N] the float query on the decoded codes, allowed bool [Q, N])."""
+    codes_fn, fold, scale, offset = quant
     q = fold(torch.from_numpy(queries).float())
     qs = q.abs().amax(dim=1, keepdim=True) / 127.0
     qc = torch.round(q / qs).clamp(-127, 127).to(torch.int64)
-    s = (qc @ codes_fn(final.embeddings).t()).double()
+    codes = codes_fn(final.embeddings)
+    floats = torch.from_numpy(queries).double() @ (codes.double() * scale + offset).t()
+    allowed = np.ones((queries.shape[0], codes.shape[0]), dtype=bool)
     if filt is not None:
-        s[:, ~ForwardIndex.from_lists(final.features).evaluate(filt)] = -np.inf
-    top = torch.topk(s, k, dim=1)
-    ids = torch.from_numpy(final.item_ids)[top.indices]
-    return torch.where(torch.isfinite(top.values), ids, torch.full_like(ids, -1)), s
+        allowed[:] = ForwardIndex.from_lists(final.features).evaluate(filt)
+    return (qc @ codes.t()).numpy(), floats.numpy(), allowed
 
 
 def _assert_same(res, ref, final: Pool):
-    """Item for item: the returned ids' reference scores are the reference top-k scores (so the ids
-    are the same up to exact ties), padding where fewer items match."""
-    ref_ids, s = ref
-    k = ref_ids.shape[1]
-    pos = {int(i): r for r, i in enumerate(final.item_ids)}
-    for b in range(ref_ids.shape[0]):
-        got = res.item_ids[b].tolist()
-        n_ref = int((ref_ids[b] >= 0).sum())
-        assert sum(g >= 0 for g in got) == n_ref and all(g == -1 for g in got[n_ref:])
-        got_s = sorted((float(s[b, pos[g]]) for g in got[:n_ref]), reverse=True)
-        want_s = torch.topk(s[b], k).values[:n_ref].tolist()
-        assert got_s == want_s
+    """The snapshot's answer is the re-scored exact search over the final pool (`check_rescored_topk`)."""
+    ints, floats, allowed = ref
+    check_rescored_topk(res.item_ids.numpy(), res.scores.numpy(), ints, floats, final.item_ids, allowed,
+                        res.item_ids.shape[1])
 
 
 FILTERS = [None, "color = violet", "color = red", "NOT color = red AND tag IN (t3, t4, t5)", "tag = t7 OR color = violet",

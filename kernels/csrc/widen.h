@@ -1,6 +1,6 @@
-// widen: a stored value as float32 (bfloat16: its bits are a float32's upper half), and dot_lanes, a
-// float32 dot product with such values, for the kernels that read the embedding cache in either
-// dtype (candidates.cpp, mol.cpp). Both are static: each file compiles its own copy under its own
+// widen: a stored value as float32 (bfloat16: its bits are a float32's upper half; int8: a code), and
+// dot_lanes, a float32 dot product with such values, for the kernels that read the embedding cache in
+// either dtype (candidates.cpp, mol.cpp) or re-score int8 codes (rescore.cpp). Both are static: each file compiles its own copy under its own
 // floating-point flags (mol.cpp fuses multiply-adds, candidates.cpp does not).
 #pragma once
 
@@ -12,6 +12,7 @@
 namespace silverrec {
 
 static inline float widen(float x) { return x; }
+static inline float widen(int8_t x) { return float(x); }
 static inline float widen(const c10::BFloat16& x) {
   uint16_t h;
   std::memcpy(&h, &x, 2);

@@ -1,0 +1,100 @@
+// silverrec::rescore_rows (kernels/rescore_rows.py): the int8 scan's top rows re-scored with the float
+// query on the same codes, the best k kept (ties by position in the scan's list). One pass per query:
+// the query folded by the per-dimension scales, each row's codes widened and dotted in float32 lanes
+// (widen.h), a partial sort. The same results as the composition `rescore_rows_torch` up to float
+// rounding of the dot products, whose summation order differs from the batched matmul's.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "widen.h"
+
+namespace silverrec {
+namespace {
+
+struct Scored {
+  float score;
+  int32_t pos;  // position in the scan's list: the tie-break
+  int64_t row;
+};
+
+void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* codes, int64_t n, int64_t D,
+               const float* dim_scale, const float* dim_offset, int64_t k, float* out_scores, int64_t* out_rows) {
+  std::vector<float> folded(D);
+  for (int64_t d = 0; d < D; ++d) folded[d] = q[d] * dim_scale[d];
+  const float constant = dot_lanes(q, dim_offset, D);
+  std::vector<Scored> scored;
+  scored.reserve(K);
+  constexpr int64_t kAhead = 8;  // rows are scattered: fetch the row kAhead positions on while this one is scored
+  for (int64_t j = 0; j < K; ++j) {
+    if (j + kAhead < K && found[j + kAhead] >= 0 && found[j + kAhead] < n) {
+      const char* p = reinterpret_cast<const char*>(codes + found[j + kAhead] * D);
+      for (int64_t o = 0; o < D; o += 64) __builtin_prefetch(p + o);
+    }
+    const int64_t r = found[j];
+    if (r < 0) continue;
+    TORCH_CHECK_INDEX(r < n, "rescore_rows: row ", r, " out of range for ", n, " coded rows");
+    const float s = dot_lanes(folded.data(), codes + r * D, D) + constant;
+    if (!(s > -std::numeric_limits<float>::infinity())) continue;  // NaN or -inf: dropped
+    scored.push_back({s, int32_t(j), r});
+  }
+  const int64_t m = int64_t(scored.size()), top = std::min(k, m);
+  const auto better = [](const Scored& a, const Scored& b) {
+    return a.score > b.score || (a.score == b.score && a.pos < b.pos);
+  };
+  if (top < m) std::nth_element(scored.begin(), scored.begin() + top, scored.end(), better);
+  std::sort(scored.begin(), scored.begin() + top, better);
+  for (int64_t i = 0; i < top; ++i) {
+    out_scores[i] = scored[i].score;
+    out_rows[i] = scored[i].row;
+  }
+  std::fill(out_scores + top, out_scores + k, -std::numeric_limits<float>::infinity());
+  std::fill(out_rows + top, out_rows + k, int64_t{-1});
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, const at::Tensor& found_in,
+                                                const at::Tensor& codes_in, const at::Tensor& dim_scale_in,
+                                                const at::Tensor& dim_offset_in, int64_t k) {
+  const at::Tensor queries = queries_in.contiguous(), found = found_in.contiguous(), codes = codes_in.contiguous();
+  const at::Tensor dim_scale = dim_scale_in.contiguous(), dim_offset = dim_offset_in.contiguous();
+  TORCH_CHECK(queries.dim() == 2 && queries.scalar_type() == at::kFloat, "rescore_rows: queries must be float32 [B, D], got ",
+              queries.scalar_type(), " ", queries.sizes());
+  TORCH_CHECK(found.dim() == 2 && found.scalar_type() == at::kLong, "rescore_rows: found must be int64 [B, K], got ",
+              found.scalar_type(), " ", found.sizes());
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar, "rescore_rows: codes must be int8 [N, D], got ",
+              codes.scalar_type(), " ", codes.sizes());
+  TORCH_CHECK(dim_scale.scalar_type() == at::kFloat && dim_offset.scalar_type() == at::kFloat,
+              "rescore_rows: dim_scale and dim_offset must be float32 [D]");
+  const int64_t B = found.size(0), K = found.size(1), D = codes.size(1), n = codes.size(0);
+  TORCH_CHECK(queries.size(0) == B && queries.size(1) == D && dim_scale.dim() == 1 && dim_scale.size(0) == D &&
+                  dim_offset.dim() == 1 && dim_offset.size(0) == D,
+              "rescore_rows: queries ", queries.sizes(), ", found ", found.sizes(), ", codes ", codes.sizes(),
+              ", dim_scale ", dim_scale.sizes(), " and dim_offset ", dim_offset.sizes(),
+              " disagree (queries [B, D], found [B, K], codes [N, D], [D], [D])");
+  TORCH_CHECK(k >= 1, "rescore_rows: k must be >= 1, got ", k);
+  at::Tensor scores = at::empty({B, k}, at::kFloat), rows = at::empty({B, k}, at::kLong);
+  const float* q = queries.data_ptr<float>();
+  const int64_t* f = found.data_ptr<int64_t>();
+  const int8_t* c = codes.data_ptr<int8_t>();
+  float* s = scores.data_ptr<float>();
+  int64_t* r = rows.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b)
+      one_query(q + b * D, f + b * K, K, c, n, D, dim_scale.data_ptr<float>(), dim_offset.data_ptr<float>(), k,
+                s + b * k, r + b * k);
+  });
+  return {scores, rows};
+}
+
+}  // namespace silverrec
+
+// The CPU kernel of silverrec::rescore_rows, registered with the dispatcher (the op, its fake and CUDA
+// kernel are defined in kernels/rescore_rows.py, imported before this library loads).
+TORCH_LIBRARY_IMPL(silverrec, CPU, m) { m.impl("rescore_rows", &silverrec::rescore_rows); }

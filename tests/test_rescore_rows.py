@@ -1,0 +1,123 @@
+"""`silverrec::rescore_rows` (kernels/rescore_rows.py, kernels/csrc/rescore.cpp) against a per-query
+float64 Python re-score, and the pure-ANN root module's re-scored search against float brute force on
+the decoded codes (the re-score's own definition, independent of the scan).
+
+The C++ kernel's dot products sum in another order than the composition's batched matmul, so the
+op-vs-reference tests use integer-valued queries, codes, scales and offsets (every sum is exact), where
+the two orders agree bit for bit and ties are common: the tie rule (position in the scan's list) is
+exercised too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import silverrec.kernels  # noqa: F401  (registers the ops)
+from silverrec.kernels.cpu_ext import cpu_ext
+from silverrec.kernels.rescore_rows import rescore_margin, rescore_rows_torch
+
+
+def _reference(q, found, codes, scale, offset, k):
+    """Per query, in Python: the found rows scored <q, scale * code + offset> in float64, the best k by
+    (score desc, position asc), -inf / -1 padded."""
+    q, codes, scale, offset = q.double().numpy(), codes.double().numpy(), scale.double().numpy(), offset.double().numpy()
+    scores = np.full((q.shape[0], k), -np.inf)
+    rows = np.full((q.shape[0], k), -1, dtype=np.int64)
+    for b in range(q.shape[0]):
+        scored = sorted((-float(q[b] @ (scale * codes[r] + offset)), j, r)
+                        for j, r in enumerate(found[b].tolist()) if r >= 0)[:k]
+        for i, (s, _, r) in enumerate(scored):
+            scores[b, i], rows[b, i] = -s, r
+    return torch.from_numpy(scores).float(), torch.from_numpy(rows)
+
+
+def _case(seed, B, K, D, n, pad=3):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-3, 4, (B, D), generator=g).float()
+    codes = torch.randint(-128, 128, (n, D), generator=g).to(torch.int8)
+    scale = torch.randint(1, 4, (D,), generator=g).float()
+    offset = torch.randint(-2, 3, (D,), generator=g).float()
+    found = torch.stack([torch.randperm(n, generator=g)[:K] for _ in range(B)])
+    found[:, K - pad:] = -1  # the scan's padding
+    if B > 1:
+        found[1] = -1  # a query the scan found nothing for
+    return q, found, codes, scale, offset
+
+
+@pytest.mark.parametrize("B,K,D,n,k", [
+    (1, 40, 16, 60, 20),    # one query, k below K
+    (5, 17, 7, 25, 17),     # D below one 16-lane block, k = K
+    (4, 33, 40, 90, 8),     # D with a ragged tail
+    (3, 12, 16, 30, 50),    # k above K: -inf / -1 padding
+    (6, 25, 128, 200, 1),   # k 1
+])
+def test_rescore_rows_equals_the_reference(B, K, D, n, k):
+    q, found, codes, scale, offset = _case(B * 100 + K, B, K, D, n)
+    scores, rows = torch.ops.silverrec.rescore_rows(q, found, codes, scale, offset, k)
+    assert scores.shape == rows.shape == (B, k) and scores.dtype == torch.float32 and rows.dtype == torch.int64
+    want_scores, want_rows = _reference(q, found, codes, scale, offset, k)
+    assert torch.equal(rows, want_rows) and torch.equal(scores, want_scores)
+    got_t = rescore_rows_torch(q, found, codes, scale, offset, k)  # the CUDA path's composition
+    assert torch.equal(got_t[0], scores) and torch.equal(got_t[1], rows)
+
+
+def test_rescore_rows_runs_the_cpp_kernel_and_drops_nan_scores():
+    assert cpu_ext() is not None and hasattr(cpu_ext(), "rescore_rows"), "the extension registers the C++ kernel"
+    q, found, codes, scale, offset = _case(7, 3, 20, 16, 40)
+    q[0] = float("nan")  # query 0 scores NaN everywhere: nothing returned
+    scores, rows = torch.ops.silverrec.rescore_rows(q, found, codes, scale, offset, 10)
+    assert bool((rows[0] == -1).all()) and bool((scores[0] == float("-inf")).all())
+    want = _reference(q[2:], found[2:], codes, scale, offset, 10)
+    assert torch.equal(rows[2:], want[1]) and torch.equal(scores[2:], want[0])
+    got_t = rescore_rows_torch(q, found, codes, scale, offset, 10)
+    assert torch.equal(got_t[0], scores) and torch.equal(got_t[1], rows)
+
+
+def test_rescore_rows_bad_input_is_named():
+    q, found, codes, scale, offset = _case(3, 2, 10, 8, 20)
+    bad = found.clone()
+    bad[0, 0] = 20  # one past the last of 20 coded rows
+    with pytest.raises(IndexError, match="row 20 out of range"):
+        torch.ops.silverrec.rescore_rows(q, bad, codes, scale, offset, 5)
+    with pytest.raises(RuntimeError, match="disagree"):
+        torch.ops.silverrec.rescore_rows(q[:, :4], found, codes, scale, offset, 5)
+    with pytest.raises(RuntimeError, match="codes must be int8"):
+        torch.ops.silverrec.rescore_rows(q, found, codes.float(), scale, offset, 5)
+
+
+def test_rescore_margin_grows_with_k():
+    assert [rescore_margin(k) for k in (1, 100, 4096)] == [4, 10, 260]
+
+
+def test_published_search_ranks_by_the_float_query_on_the_codes(tmp_path):
+    """A pure-ANN snapshot searched over every cluster (the scan is then exact up to the int8 query)
+    returns the float brute-force top-k of <q, dim_scale * code + dim_offset> (the re-score's own
+    definition, computed here in float64), scores included: the int8 scan alone misses some of them,
+    which the margin's rows catch."""
+    import silverrec
+    from silverrec.publish.ivf import IVFConfig, build_ivf
+    from silverrec.publish.pool import Pool
+    from silverrec.publish.filtered_ivf import publish_index
+    from tests.helpers import recall
+
+    g = torch.Generator().manual_seed(11)
+    centers = 3.0 * torch.randn(20, 32, generator=g)
+    x = centers[torch.randint(0, 20, (4000,), generator=g)] + torch.randn(4000, 32, generator=g)
+    q = centers[torch.randint(0, 20, (64,), generator=g)] + torch.randn(64, 32, generator=g)
+    pool = Pool(np.arange(4000, dtype=np.int64) * 3 + 5, x.numpy())
+    snap = silverrec.load(publish_index(pool, tmp_path / "s", config=IVFConfig(nlist=16, seed=0), torchscript=False))
+    index, _ = build_ivf(pool, IVFConfig(nlist=16, seed=0))  # the published index (seeded)
+    decoded = index.codes.double() * index.dim_scale.double() + index.dim_offset.double()
+    exact = q.double() @ decoded.t()
+    k = 50
+    truth = index.row_to_item[torch.topk(exact, k, dim=1).indices].numpy()
+    got = snap.search(q, k, nprobe=16)
+    assert snap.config["search"]["rescore"] is True
+    assert recall(got.item_ids.numpy(), truth) == 1.0
+    rows = {int(i): r for r, i in enumerate(index.row_to_item.tolist())}
+    want = torch.stack([exact[b, [rows[int(i)] for i in got.item_ids[b]]] for b in range(64)]).float()
+    torch.testing.assert_close(got.scores, want, rtol=1e-5, atol=1e-4)
+    int8_only = index(q, k, 16)[1].numpy()  # the scan's own ranking misses some of them
+    assert recall(int8_only, truth) < 1.0
