@@ -1,7 +1,7 @@
 // silverrec::rescore_rows (kernels/rescore_rows.py): the int8 scan's top rows re-scored with the float
 // query on the same codes, the best k kept (ties by position in the scan's list). One pass per query:
 // the query folded by the per-dimension scales, each row's codes widened and dotted in float32 lanes
-// (widen.h), a partial sort. The same results as the composition `rescore_rows_torch` up to float
+// (AVX-512, or widen.h's portable lanes), a partial sort. The same results as the composition `rescore_rows_torch` up to float
 // rounding of the dot products, whose summation order differs from the batched matmul's.
 #include <torch/extension.h>
 
@@ -12,10 +12,39 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "widen.h"
 
 namespace silverrec {
 namespace {
+
+// <q, codes> in float32: 16 codes widened per AVX-512 register, two accumulators, one reduction at
+// the end (dot_lanes's portable form kept its 16 lanes in memory: 2x slower here).
+static inline float dot_codes(const float* q, const int8_t* c, int64_t D) {
+#if defined(__AVX512F__)
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  const auto widened = [](const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  };
+  int64_t i = 0;
+  for (; i + 32 <= D; i += 32) {
+    acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_loadu_ps(q + i), widened(c + i)));
+    acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(_mm512_loadu_ps(q + i + 16), widened(c + i + 16)));
+  }
+  if (i + 16 <= D) {
+    acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_loadu_ps(q + i), widened(c + i)));
+    i += 16;
+  }
+  float tail = 0.0f;
+  for (; i < D; ++i) tail += q[i] * float(c[i]);
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + tail;
+#else
+  return dot_lanes(q, c, D);
+#endif
+}
 
 struct Scored {
   float score;
@@ -39,7 +68,7 @@ void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* co
     const int64_t r = found[j];
     if (r < 0) continue;
     TORCH_CHECK_INDEX(r < n, "rescore_rows: row ", r, " out of range for ", n, " coded rows");
-    const float s = dot_lanes(folded.data(), codes + r * D, D) + constant;
+    const float s = dot_codes(folded.data(), codes + r * D, D) + constant;
     if (!(s > -std::numeric_limits<float>::infinity())) continue;  // NaN or -inf: dropped
     scored.push_back({s, int32_t(j), r});
   }
