@@ -5,7 +5,8 @@
         bits, post_rows, post_offsets, post_sizes,                                        # filter indexes
         ops, rows, vops, vrows, lists, mode,                                              # the request
         k, nprobe, max_probe, window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit)
-    # -> scores float32 [B, k] (descending, -inf padding), item_ids int64 [B, k] (-1 padding)
+    # -> scores float32 [B, k] (descending, -inf padding), item_ids int64 [B, k] (-1 padding);
+    # a zero-length row_to_item returns the rows themselves (what RecModel's later stages read)
     # ops .. mode: one row per query, or one per group of B / ops.shape[0] consecutive queries (a
     # request's T task queries, rows b*T .. b*T + T - 1, share its filter program)
 
@@ -99,7 +100,8 @@ def compose_search(
         folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k, posting_limit
     )
     scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
-    return scores, steps.rows_to_items(row_to_item, torch.where(exact[:, None], r_ex, r_ivf))
+    found = torch.where(exact[:, None], r_ex, r_ivf)
+    return scores, found if row_to_item.numel() == 0 else steps.rows_to_items(row_to_item, found)
 
 
 def filtered_ivf_search_torch(*args) -> tuple[torch.Tensor, torch.Tensor]:

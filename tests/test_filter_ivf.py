@@ -247,3 +247,33 @@ def test_pool_without_posting_lists_publishes_and_searches_exactly(tmp_path):
             got = snap.search(q, 20, filter=filters, mode=mode, nprobe=30, max_probe=30)
             for b in range(len(filters)):
                 assert_same_ranking(got.item_ids[b].tolist(), want[b])
+
+
+def test_a_request_without_a_lists_column_is_refused(built):
+    """lists int64 [B, 0] (compile_request always emits at least the -1 column) is a named error,
+    not a read past the tensor."""
+    _, module, _, plan, _, queries = built
+    ops, rows, vops, vrows, lists = _programs(["country = c0"] * 2, plan)
+    with pytest.raises(RuntimeError, match=r"lists must be int64 \[B, T2 >= 1\]"):
+        module(queries[:2], 5, 2, ops, rows, vops, vrows, lists[:, :0], 4, torch.zeros(2, dtype=torch.int64))
+
+
+def test_an_empty_row_map_returns_rows(built):
+    """row_to_item of length 0 (RecModel's `rows_as_ids`): the op returns rows, the same as mapping
+    them through an identity table, in the C++ op and in the composition."""
+    from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
+
+    _, module, _, plan, _, queries = built
+    filters = ["country = c0", None, "rare IN (r7, r8, r9)", "NOT lang = l1"] * 2
+    request = (*_programs(filters, plan), torch.tensor([0, 1, 0, 2] * 2))
+    m = module
+    for k in (1, 30):
+        args = lambda table: (queries[:8], m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, table,  # noqa: E731
+                              m.bits, m.post_rows, m.post_offsets, m.post_sizes, *request, k, 3, 9, m.window_words,
+                              m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit)
+        identity = torch.arange(m.num_items, dtype=torch.int32)
+        want = torch.ops.silverrec.filtered_ivf_search(*args(identity))
+        for fn in (torch.ops.silverrec.filtered_ivf_search, filtered_ivf_search_torch):
+            got = fn(*args(identity[:0]))
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert bool((want[1] >= 0).any()) and bool((want[1] < m.num_items).all())

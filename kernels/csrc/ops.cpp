@@ -383,6 +383,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   const float* cst = constant.data_ptr<float>();
   const bool ids32 = row_to_item.scalar_type() == at::kInt;
   TORCH_CHECK(ids32 || row_to_item.scalar_type() == at::kLong, "row_to_item must be int32 or int64");
+  const bool as_rows = row_to_item.numel() == 0;  // an empty map: the rows themselves (RecModel's stages)
   const int64_t* k_pr = unfiltered && keys_pr.defined() ? keys_pr.data_ptr<int64_t>() : nullptr;
   const float* s_pr = s_ivf.defined() ? s_ivf.data_ptr<float>() : nullptr;
   const int64_t* r_pr = r_ivf.defined() ? r_ivf.data_ptr<int64_t>() : nullptr;
@@ -406,13 +407,13 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
         int64_t r;
         decode_key(key[i], mul, add, sc, r);
         sb[i] = sc + cst[b];
-        ib[i] = r < 0 ? -1 : (id32 ? int64_t(id32[r]) : id64[r]);
+        ib[i] = r < 0 ? -1 : as_rows ? r : (id32 ? int64_t(id32[r]) : id64[r]);
       }
     } else if (s_pr) {
       for (; i < k; ++i) {
         const int64_t r = r_pr[b * k + i];
         sb[i] = s_pr[b * k + i] + cst[b];
-        ib[i] = r < 0 ? -1 : (id32 ? int64_t(id32[r]) : id64[r]);
+        ib[i] = r < 0 ? -1 : as_rows ? r : (id32 ? int64_t(id32[r]) : id64[r]);
       }
     }
     std::fill(sb + i, sb + k, none + cst[b]);

@@ -116,6 +116,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
   const int64_t V = post_sizes.size(0) - 1;
   TORCH_CHECK(P >= 1 && P <= C && nprobe >= 1 && nprobe <= P, "filter_plan: need 1 <= nprobe <= max_probe <= nlist");
   TORCH_CHECK(lists.size(0) == B && mode.size(0) == B, "filter_plan: lists / mode must have B rows");
+  TORCH_CHECK(T2 >= 1, "filter_plan: lists must be int64 [B, T2 >= 1] (-1 = no list), got ", lists.sizes());
   const int64_t *off = cluster_offsets.data_ptr<int64_t>(), *ls = lists.data_ptr<int64_t>(),
                 *psz = post_sizes.data_ptr<int64_t>(), *md = mode.data_ptr<int64_t>();
 
