@@ -12,9 +12,9 @@
 
 A pure-ANN snapshot (`silverrec publish --pool`) is the same module without ranking stages: its
 user tower is `QueryTower` (the request's dense tensor is the query embedding, one task) and it
-has no embedding cache, so the search ranks the rows: with `rescore` (publish's default) the scan's
-top k + k/16 + 4 rows re-scored with the float query on the same int8 codes (silverrec::rescore_rows),
-otherwise the scan's int8 scores (`search_rows`); an exact index is the configuration with one
+has no embedding cache, so the search ranks the rows: with `rescore` (publish's default) and k <= 256
+the scan's top k + k/16 + 4 rows re-scored with the float query on the same int8 codes
+(silverrec::rescore_rows), otherwise the scan's int8 scores (`search_rows`); an exact index is the configuration with one
 cluster (nlist 1).
 
 Every stage passes **rows** of one canonical row space (the IVF's cluster-major order); item ids
@@ -43,7 +43,7 @@ import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
 from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 from silverrec.ranking.cache import EmbeddingCache
 from silverrec.kernels.candidate_rows import exclude_rows
-from silverrec.kernels.rescore_rows import rescore_margin
+from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin
 from silverrec.retrieval.item_ids import rows_to_items
 from silverrec.filtering.template import FilterTemplate
 
@@ -68,7 +68,8 @@ class RecModel(nn.Module):
         template: a FilterTemplate (silverrec/filtering/template.py) filled from the request's user
             features and ANDed with its filter programs, or None.
         rescore: retrieval only (no cache): rank the scan's top k + `rescore_margin(k)` rows by the
-            float query on their int8 codes (kernels/rescore_rows.py) instead of the int8 scores.
+            float query on their int8 codes (kernels/rescore_rows.py) instead of the int8 scores, for
+            k <= RESCORE_MAX_K.
     """
 
     # constants to TorchScript, so that it compiles only the stages a configuration has
@@ -89,6 +90,7 @@ class RecModel(nn.Module):
         if rescore and self.has_cache:
             raise ValueError("rescore is for a model without an embedding cache (the cache re-scores exactly)")
         self.rescore = bool(rescore)
+        self.rescore_max_k = RESCORE_MAX_K  # an attribute: TorchScript reads no module globals
         if self.has_cache and cache.num_items != index.num_items:
             raise ValueError(f"cache holds {cache.num_items} rows, the index {index.num_items}")
         self.user_tower = user_tower
@@ -133,8 +135,8 @@ class RecModel(nn.Module):
         if self.overfetch > 0:
             found = exclude_rows(found, exclude, idx.num_items)
         if self.rescore:
-            scores, found = torch.ops.silverrec.rescore_rows(user[:, 0], found, idx.codes, idx.dim_scale,
-                                                             idx.dim_offset, k)
+            scores, found = torch.ops.silverrec.rescore_rows(user[:, 0], scores, found, idx.codes, idx.dim_scale,
+                                                             idx.dim_offset, k, self.rescore_max_k)
         else:
             scores, top = torch.topk(torch.where(found >= 0, scores, float("-inf")), k, dim=1)
             found = found.gather(1, top)

@@ -44,15 +44,19 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def check_rescored_topk(ids: np.ndarray, scores: np.ndarray, ints: np.ndarray, floats: np.ndarray,
-                        item_ids: np.ndarray, allowed: np.ndarray, k: int, tol: float = 1e-4) -> None:
+                        item_ids: np.ndarray, allowed: np.ndarray, k: int, scan_scores: np.ndarray,
+                        tol: float = 1e-4) -> None:
     """Tie-tolerant check of a pure-ANN snapshot's exact answer against brute force. The snapshot
     ranks the int8 scan's top k' = k + rescore_margin(k) rows by the float query on their codes
-    (kernels/rescore_rows.py). ints int64 [B, N]: the int8 dot products that rank the scan; floats
-    float64 [B, N]: the float query on the decoded codes; allowed bool [B, N]; item_ids [N]. Per row:
-    min(k, allowed) distinct allowed items, -1 / -inf padded; each score is its item's float score,
-    descending; and no allowed item that every scan keeps (int score above the k'-th best: in any
-    shard's top k' too) is left out with a float score above the lowest returned one."""
-    from silverrec.kernels.rescore_rows import rescore_margin
+    (kernels/rescore_rows.py); above RESCORE_MAX_K it returns the scan's top k as they are.
+    ints int64 [B, N]: the int8 dot products that rank the scan; floats float64 [B, N]: the float
+    query on the decoded codes; scan_scores float64 [B, N]: the scan's dequantised scores; allowed
+    bool [B, N]; item_ids [N]. Per row: min(k, allowed) distinct allowed items, -1 / -inf padded,
+    scores descending. Re-scored: each score is its item's float score, and no allowed item that
+    every scan keeps (int score above the k'-th best: in any shard's top k' too) is left out with
+    a float score above the lowest returned one. Above RESCORE_MAX_K: the items' int scores are the
+    best k (the same items up to ties), each score its item's dequantised scan score."""
+    from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin
 
     pos = {int(i): r for r, i in enumerate(item_ids)}
     kk = k + rescore_margin(k)
@@ -65,12 +69,16 @@ def check_rescored_topk(ids: np.ndarray, scores: np.ndarray, ints: np.ndarray, f
         assert len(set(got)) == n_valid and -1 not in got
         rows = np.array([pos[i] for i in got], dtype=np.int64)
         assert allowed[b, rows].all()
-        np.testing.assert_allclose(scores[b, :n_valid], floats[b, rows], rtol=tol, atol=tol)
         assert np.isneginf(scores[b, n_valid:]).all()
         assert np.all(np.diff(scores[b, :n_valid]) <= 0), "scores must descend"
+        s = np.where(allowed[b], ints[b], np.iinfo(np.int64).min)
+        if k > RESCORE_MAX_K:  # the scan's ranking
+            np.testing.assert_array_equal(np.sort(ints[b, rows])[::-1], np.sort(s)[::-1][:n_valid])
+            np.testing.assert_allclose(scores[b, :n_valid], scan_scores[b, rows], rtol=tol, atol=tol)
+            continue
+        np.testing.assert_allclose(scores[b, :n_valid], floats[b, rows], rtol=tol, atol=tol)
         sure = allowed[b].copy()
         if n_allowed > kk:
-            s = np.where(allowed[b], ints[b], np.iinfo(np.int64).min)
             sure &= ints[b] > np.sort(s)[::-1][kk - 1]
         sure[rows] = False
         if n_valid:

@@ -9,7 +9,7 @@ import silverrec
 from silverrec.errors import QueryError
 from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.kernels.common import quantize_queries, split_keys
-from silverrec.kernels.rescore_rows import rescore_margin, rescore_rows_torch
+from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin, rescore_rows_torch
 from silverrec.kernels.ivf_scan import bitmask_words, canonical_probes, ivf_scan_reference, scan_keys_cpu
 from silverrec.publish.filtered_ivf import publish_index
 from silverrec.publish.ivf import IVFConfig, build_ivf
@@ -55,11 +55,12 @@ def exact_int8(index, q, k):
     return scores + constant[:, None], rows
 
 
-def rescored(index, q, rows, k):
-    """A published snapshot's ranking of the scan's rows int64 [B, k'] (publish/filtered_ivf.py
-    search_model): the float query on their codes, best k (kernels/rescore_rows.py's composition)
-    -> (scores float32 [B, k], item ids int64 [B, k])."""
-    scores, top = rescore_rows_torch(q, rows, index.codes, index.dim_scale, index.dim_offset, k)
+def rescored(index, q, scores, rows, k):
+    """A published snapshot's ranking of the scan's results (scores float32, rows int64 [B, k'];
+    publish/filtered_ivf.py search_model): the float query on their codes, best k, or above
+    RESCORE_MAX_K the scan's own first k (kernels/rescore_rows.py's composition) -> (scores float32
+    [B, k], item ids int64 [B, k])."""
+    scores, top = rescore_rows_torch(q, scores, rows, index.codes, index.dim_scale, index.dim_offset, k, RESCORE_MAX_K)
     return scores, torch.where(top >= 0, index.row_to_item[top.clamp_min(0)].long(), -1)
 
 
@@ -294,8 +295,9 @@ def test_export_round_trip_and_cli(tmp_path, capsys):
     out = run_cli("query", snap, "--queries", qfile, "--k", "300", "--nprobe", "7", "--json")
     got = json.loads(out.stdout)
     kk = 300 + rescore_margin(300)
-    found = index(queries, kk, 7)[1]
-    exp_scores, exp_ids = rescored(index, queries, _rows_of(index, found), 300)
+    scan_scores, found = index(queries, kk, 7)
+    exp_scores, exp_ids = rescored(index, queries, scan_scores, _rows_of(index, found), 300)  # k 300: the scan's
+    assert exp_ids.tolist() == index(queries, 300, 7)[1].tolist()
     assert got["item_ids"] == exp_ids.tolist()
     got_scores = np.array([[-np.inf if v is None else v for v in row] for row in got["scores"]])
     np.testing.assert_allclose(got_scores, exp_scores.numpy(), rtol=1e-6)
@@ -304,7 +306,8 @@ def test_export_round_trip_and_cli(tmp_path, capsys):
 
     assert main(["query", snap, "--queries", qfile, "--k", "9", "--nprobe", "5", "--json", "--backend", "torchscript"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["item_ids"] == rescored(index, queries, _rows_of(index, index(queries, 9 + rescore_margin(9), 5)[1]), 9)[1].tolist()
+    scan_scores, found = index(queries, 9 + rescore_margin(9), 5)
+    assert got["item_ids"] == rescored(index, queries, scan_scores, _rows_of(index, found), 9)[1].tolist()
     assert main(["query", snap, "--queries", qfile, "--k", "9", "--nprobe", "25"]) == 2
     assert "nprobe" in capsys.readouterr().err
 
@@ -323,7 +326,7 @@ def test_predictor_nprobe_validation(tmp_path):
     # nprobe = nlist through the snapshot equals exact int8 search, its top rows re-scored
     index, _ = build_ivf(Pool(np.arange(500, dtype=np.int64), x.numpy()), IVFConfig(nlist=10))
     r = snap.search(q, 20, nprobe=10)
-    _, e_rows = exact_int8(index, q, 20 + rescore_margin(20))
-    e_scores, e_ids = rescored(index, q, e_rows, 20)
+    e_scores, e_rows = exact_int8(index, q, 20 + rescore_margin(20))
+    e_scores, e_ids = rescored(index, q, e_scores, e_rows, 20)
     assert torch.equal(r.item_ids, e_ids)
     torch.testing.assert_close(r.scores, e_scores)

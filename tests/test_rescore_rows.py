@@ -16,7 +16,7 @@ import torch
 
 import silverrec.kernels  # noqa: F401  (registers the ops)
 from silverrec.kernels.cpu_ext import cpu_ext
-from silverrec.kernels.rescore_rows import rescore_margin, rescore_rows_torch
+from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin, rescore_rows_torch
 
 
 def _reference(q, found, codes, scale, offset, k):
@@ -34,6 +34,7 @@ def _reference(q, found, codes, scale, offset, k):
 
 
 def _case(seed, B, K, D, n, pad=3):
+    """(queries, the scan's scores, its rows, codes, scale, offset): integer values throughout."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-3, 4, (B, D), generator=g).float()
     codes = torch.randint(-128, 128, (n, D), generator=g).to(torch.int8)
@@ -43,7 +44,9 @@ def _case(seed, B, K, D, n, pad=3):
     found[:, K - pad:] = -1  # the scan's padding
     if B > 1:
         found[1] = -1  # a query the scan found nothing for
-    return q, found, codes, scale, offset
+    scan = torch.sort(torch.randint(-50, 50, (B, K), generator=g).float(), dim=1, descending=True).values
+    scan = torch.where(found >= 0, scan, float("-inf"))
+    return q, scan, found, codes, scale, offset
 
 
 @pytest.mark.parametrize("B,K,D,n,k", [
@@ -54,37 +57,53 @@ def _case(seed, B, K, D, n, pad=3):
     (6, 25, 128, 200, 1),   # k 1
 ])
 def test_rescore_rows_equals_the_reference(B, K, D, n, k):
-    q, found, codes, scale, offset = _case(B * 100 + K, B, K, D, n)
-    scores, rows = torch.ops.silverrec.rescore_rows(q, found, codes, scale, offset, k)
+    q, scan, found, codes, scale, offset = _case(B * 100 + K, B, K, D, n)
+    scores, rows = torch.ops.silverrec.rescore_rows(q, scan, found, codes, scale, offset, k, RESCORE_MAX_K)
     assert scores.shape == rows.shape == (B, k) and scores.dtype == torch.float32 and rows.dtype == torch.int64
     want_scores, want_rows = _reference(q, found, codes, scale, offset, k)
     assert torch.equal(rows, want_rows) and torch.equal(scores, want_scores)
-    got_t = rescore_rows_torch(q, found, codes, scale, offset, k)  # the CUDA path's composition
+    got_t = rescore_rows_torch(q, scan, found, codes, scale, offset, k, RESCORE_MAX_K)  # the CUDA path's composition
     assert torch.equal(got_t[0], scores) and torch.equal(got_t[1], rows)
+
+
+@pytest.mark.parametrize("k", [5, 22, 40])
+def test_above_max_k_the_scan_ranking_is_returned_without_its_holes(k):
+    """k > max_k: the scan's first k results as they are, excluded rows (-1 with a score) dropped."""
+    q, scan, found, codes, scale, offset = _case(5, 4, 22, 16, 60)
+    found[0, [1, 4]] = -1  # exclusions: holes that still carry the scan's score
+    for fn in (torch.ops.silverrec.rescore_rows, rescore_rows_torch):
+        scores, rows = fn(q, scan, found, codes, scale, offset, k, 4)
+        for b in range(4):
+            keep = [(float(s), int(r)) for s, r in zip(scan[b], found[b]) if r >= 0][:k]
+            want = keep + [(float("-inf"), -1)] * (k - len(keep))
+            assert list(zip(scores[b].tolist(), rows[b].tolist())) == want, (fn, b)
 
 
 def test_rescore_rows_runs_the_cpp_kernel_and_drops_nan_scores():
     assert cpu_ext() is not None and hasattr(cpu_ext(), "rescore_rows"), "the extension registers the C++ kernel"
-    q, found, codes, scale, offset = _case(7, 3, 20, 16, 40)
+    q, scan, found, codes, scale, offset = _case(7, 3, 20, 16, 40)
     q[0] = float("nan")  # query 0 scores NaN everywhere: nothing returned
-    scores, rows = torch.ops.silverrec.rescore_rows(q, found, codes, scale, offset, 10)
+    scores, rows = torch.ops.silverrec.rescore_rows(q, scan, found, codes, scale, offset, 10, RESCORE_MAX_K)
     assert bool((rows[0] == -1).all()) and bool((scores[0] == float("-inf")).all())
     want = _reference(q[2:], found[2:], codes, scale, offset, 10)
     assert torch.equal(rows[2:], want[1]) and torch.equal(scores[2:], want[0])
-    got_t = rescore_rows_torch(q, found, codes, scale, offset, 10)
+    got_t = rescore_rows_torch(q, scan, found, codes, scale, offset, 10, RESCORE_MAX_K)
     assert torch.equal(got_t[0], scores) and torch.equal(got_t[1], rows)
 
 
 def test_rescore_rows_bad_input_is_named():
-    q, found, codes, scale, offset = _case(3, 2, 10, 8, 20)
+    q, scan, found, codes, scale, offset = _case(3, 2, 10, 8, 20)
     bad = found.clone()
     bad[0, 0] = 20  # one past the last of 20 coded rows
+    op = torch.ops.silverrec.rescore_rows
     with pytest.raises(IndexError, match="row 20 out of range"):
-        torch.ops.silverrec.rescore_rows(q, bad, codes, scale, offset, 5)
+        op(q, scan, bad, codes, scale, offset, 5, RESCORE_MAX_K)
     with pytest.raises(RuntimeError, match="disagree"):
-        torch.ops.silverrec.rescore_rows(q[:, :4], found, codes, scale, offset, 5)
+        op(q[:, :4], scan, found, codes, scale, offset, 5, RESCORE_MAX_K)
     with pytest.raises(RuntimeError, match="codes must be int8"):
-        torch.ops.silverrec.rescore_rows(q, found, codes.float(), scale, offset, 5)
+        op(q, scan, found, codes.float(), scale, offset, 5, RESCORE_MAX_K)
+    with pytest.raises(RuntimeError, match="found_scores must be float32"):
+        op(q, scan[:, :3], found, codes, scale, offset, 5, RESCORE_MAX_K)
 
 
 def test_rescore_margin_grows_with_k():
@@ -121,3 +140,8 @@ def test_published_search_ranks_by_the_float_query_on_the_codes(tmp_path):
     torch.testing.assert_close(got.scores, want, rtol=1e-5, atol=1e-4)
     int8_only = index(q, k, 16)[1].numpy()  # the scan's own ranking misses some of them
     assert recall(int8_only, truth) < 1.0
+    # above RESCORE_MAX_K the snapshot returns the scan's ranking as it is
+    big = RESCORE_MAX_K + 1
+    got = snap.search(q, big, nprobe=16)
+    scan_scores, scan_ids = index(q, big, 16)
+    assert torch.equal(got.item_ids, scan_ids) and torch.equal(got.scores, scan_scores)

@@ -51,11 +51,12 @@ def matches(pool: Pool, filt) -> np.ndarray:
     raise AssertionError(filt)
 
 
-def reference_scores(queries: np.ndarray, x: np.ndarray, per_dim: bool) -> tuple[np.ndarray, np.ndarray]:
+def reference_scores(queries: np.ndarray, x: np.ndarray, per_dim: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Brute force as the int8 index defines it, written out here: items through min/max int8
     quantisation (global, or per dimension with the scale folded into the query), queries through
     symmetric per-row int8 quantisation. -> (integer dot products int64 [B, N] that rank the scan,
-    float64 [B, N] the float query on the decoded codes, which rank its top rows)."""
+    float64 [B, N] the float query on the decoded codes, which rank its top rows, float64 [B, N]
+    the scan's dequantised scores)."""
     f32 = np.float32
     lo = x.min(axis=0) if per_dim else x.min()
     hi = x.max(axis=0) if per_dim else x.max()
@@ -65,13 +66,20 @@ def reference_scores(queries: np.ndarray, x: np.ndarray, per_dim: bool) -> tuple
     q = (queries * scale).astype(f32) if per_dim else queries
     qscale = np.maximum(np.abs(q).max(axis=1), f32(1e-30)) / f32(127.0)
     qcodes = np.clip(np.round(q / qscale[:, None]), -127, 127).astype(np.int64)
+    ints = qcodes @ codes.T
+    if per_dim:
+        approx = ints * qscale[:, None].astype(np.float64) + (queries.astype(np.float64) @ offset.astype(np.float64))[:, None]
+    else:
+        approx = ints * (qscale[:, None].astype(np.float64) * float(scale)) + float(offset) * queries.astype(np.float64).sum(1)[:, None]
     decoded = codes * np.asarray(scale, np.float64) + np.asarray(offset, np.float64)
-    return qcodes @ codes.T, queries.astype(np.float64) @ decoded.T
+    return ints, queries.astype(np.float64) @ decoded.T, approx
 
 
-def check_topk(ids, scores, ref: tuple[np.ndarray, np.ndarray], item_ids: np.ndarray, allowed: np.ndarray, k: int):
-    """`check_rescored_topk` (tests/helpers.py) with `reference_scores`'s (ints, floats)."""
-    check_rescored_topk(ids, scores, *ref, item_ids, allowed, k)
+def check_topk(ids, scores, ref: tuple[np.ndarray, np.ndarray, np.ndarray], item_ids: np.ndarray, allowed: np.ndarray,
+               k: int):
+    """`check_rescored_topk` (tests/helpers.py) with `reference_scores`'s (ints, floats, scan scores)."""
+    ints, floats, approx = ref
+    check_rescored_topk(ids, scores, ints, floats, item_ids, allowed, k, approx)
 
 
 @pytest.fixture(scope="module")

@@ -78,24 +78,30 @@ def _global(parent_x):
 def _reference(final: Pool, quant, queries, k, filt=None):
     """Brute force over the final pool's int8 codes (parent ranges) and int8 queries (per-query
     symmetric, as the scan ops quantise them), with the exact filter: (int scores int64 [Q, N] that
-    rank the scan, float64 [Q, N] the float query on the decoded codes, allowed bool [Q, N])."""
+    rank the scan, float64 [Q, N] the float query on the decoded codes, allowed bool [Q, N], float64
+    [Q, N] the scan's dequantised scores)."""
     codes_fn, fold, scale, offset = quant
     q = fold(torch.from_numpy(queries).float())
     qs = q.abs().amax(dim=1, keepdim=True) / 127.0
     qc = torch.round(q / qs).clamp(-127, 127).to(torch.int64)
     codes = codes_fn(final.embeddings)
-    floats = torch.from_numpy(queries).double() @ (codes.double() * scale + offset).t()
+    raw = torch.from_numpy(queries).double()
+    floats = raw @ (codes.double() * scale + offset).t()
     allowed = np.ones((queries.shape[0], codes.shape[0]), dtype=bool)
     if filt is not None:
         allowed[:] = ForwardIndex.from_lists(final.features).evaluate(filt)
-    return (qc @ codes.t()).numpy(), floats.numpy(), allowed
+    ints = qc @ codes.t()
+    # the scan's dequantised scores: q ~= qs * qc on the folded query (per dimension: the scale is
+    # folded in; global: one scale), plus <q, offset>
+    scan = ints.double() * qs.double() * (scale if scale.dim() == 0 else 1.0) + (raw @ offset.expand(raw.shape[1]))[:, None]
+    return ints.numpy(), floats.numpy(), allowed, scan.numpy()
 
 
 def _assert_same(res, ref, final: Pool):
     """The snapshot's answer is the re-scored exact search over the final pool (`check_rescored_topk`)."""
-    ints, floats, allowed = ref
+    ints, floats, allowed, scan = ref
     check_rescored_topk(res.item_ids.numpy(), res.scores.numpy(), ints, floats, final.item_ids, allowed,
-                        res.item_ids.shape[1])
+                        res.item_ids.shape[1], scan)
 
 
 FILTERS = [None, "color = violet", "color = red", "NOT color = red AND tag IN (t3, t4, t5)", "tag = t7 OR color = violet",

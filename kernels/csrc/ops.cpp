@@ -29,8 +29,10 @@ at::Tensor mol_score(const at::Tensor& user, const at::Tensor& rows, const at::T
                      const at::Tensor& gate_weight, const at::Tensor& gate_bias, const at::Tensor& dot_scale,
                      const at::Tensor& log_scale, int64_t p_q, int64_t p_x, int64_t comp_dim, int64_t feat_dim);
 // kernels/csrc/rescore.cpp
-std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries, const at::Tensor& found, const at::Tensor& codes,
-                                                const at::Tensor& dim_scale, const at::Tensor& dim_offset, int64_t k);
+std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries, const at::Tensor& found_scores,
+                                                const at::Tensor& found, const at::Tensor& codes,
+                                                const at::Tensor& dim_scale, const at::Tensor& dim_offset, int64_t k,
+                                                int64_t max_k);
 // kernels/csrc/encode.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
     const at::Tensor& rows, const at::Tensor& offsets, int64_t exclude_limit, int64_t history_len, int64_t recent_len,
@@ -481,8 +483,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gate_in_weight"), py::arg("gate_weight"), py::arg("gate_bias"), py::arg("dot_scale"),
         py::arg("log_scale"), py::arg("p_q"), py::arg("p_x"), py::arg("comp_dim"), py::arg("feat_dim"), nogil);
   m.def("rescore_rows", &silverrec::rescore_rows, "the scan's top rows re-scored with the float query, best k",
-        py::arg("queries"), py::arg("found"), py::arg("codes"), py::arg("dim_scale"), py::arg("dim_offset"), py::arg("k"),
-        nogil);
+        py::arg("queries"), py::arg("found_scores"), py::arg("found"), py::arg("codes"), py::arg("dim_scale"),
+        py::arg("dim_offset"), py::arg("k"), py::arg("max_k"), nogil);
   m.def("lookup_ids", &silverrec::lookup_ids, "id lists -> (rows int64, offsets int64, first list with an unknown id or -1)",
         py::arg("lists"), py::arg("table"));
   m.def("encode_histories", &silverrec::encode_histories,
