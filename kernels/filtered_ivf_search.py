@@ -4,9 +4,12 @@
         queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item,   # the IVF
         bits, post_rows, post_offsets, post_sizes,                                        # filter indexes
         ops, rows, vops, vrows, lists, mode,                                              # the request
-        k, nprobe, max_probe, window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit)
+        k, nprobe, max_probe, window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit,
+        rescore_margin=0, rescore_max_k=0)
     # -> scores float32 [B, k] (descending, -inf padding), item_ids int64 [B, k] (-1 padding);
-    # a zero-length row_to_item returns the rows themselves (what RecModel's later stages read)
+    # a zero-length row_to_item returns the rows themselves (what RecModel's later stages read);
+    # rescore_margin > 0 and k <= rescore_max_k: every route runs for k + rescore_margin rows, which
+    # `rescore_rows` ranks by the float query on their codes, best k (kernels/rescore_rows.py)
     # ops .. mode: one row per query, or one per group of B / ops.shape[0] consecutive queries (a
     # request's T task queries, rows b*T .. b*T + T - 1, share its filter program)
 
@@ -15,7 +18,8 @@ the registered ops, `filtered_ivf_search_cuda`, the CUDA kernel, their CUDA kern
 launchers, directly): `filter_plan` routes every query; per-dimension ranges are folded into the
 query; `ivf_scan` scans the probed clusters through the Bloom mask with a margin of k / 4 + 16 results,
 `verify_topk` keeps the best k that pass the exact verify program; `filtered_topk` answers the
-whole-pool and posting-list routes; the routes' results are merged and rows mapped to item ids.
+whole-pool and posting-list routes; the routes' results are merged, re-scored with the float query
+when asked (`rescore_rows`), and rows mapped to item ids.
 
 Registration: this module defines the op, its fake and its CUDA kernel; loading the C++ extension
 registers the CPU kernel with the dispatcher (a call goes straight to C++, no Python in between).
@@ -48,12 +52,14 @@ class SearchSteps(NamedTuple):
     verify_topk: Callable
     filtered_topk: Callable
     rows_to_items: Callable
+    rescore_rows: Callable
 
 
 def dispatched_steps() -> SearchSteps:
     """The registered ops (each picks its kernel by the tensors' device)."""
     ops = torch.ops.silverrec
-    return SearchSteps(ops.filter_plan, ops.ivf_scan, ops.verify_topk, ops.filtered_topk, ops.rows_to_items)
+    return SearchSteps(ops.filter_plan, ops.ivf_scan, ops.verify_topk, ops.filtered_topk, ops.rows_to_items,
+                       ops.rescore_rows)
 
 
 def cuda_steps() -> SearchSteps:
@@ -62,15 +68,18 @@ def cuda_steps() -> SearchSteps:
     from silverrec.kernels.filter_plan import filter_plan_cuda
     from silverrec.kernels.filtered_topk import filtered_topk_cuda, verify_topk_cuda
     from silverrec.kernels.ivf_scan import ivf_scan_cuda
+    from silverrec.kernels.rescore_rows import rescore_rows_torch
     from silverrec.kernels.rows_to_items import rows_to_items_torch
 
-    return SearchSteps(filter_plan_cuda, ivf_scan_cuda, verify_topk_cuda, filtered_topk_cuda, rows_to_items_torch)
+    return SearchSteps(filter_plan_cuda, ivf_scan_cuda, verify_topk_cuda, filtered_topk_cuda, rows_to_items_torch,
+                       rescore_rows_torch)
 
 
 def compose_search(
     steps: SearchSteps, queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item, bits, post_rows,
     post_offsets, post_sizes, ops, rows, vops, vrows, lists, mode, k: int, nprobe: int, max_probe: int, window_words: int,
     match_factor: int, avg_cluster: int, num_items: int, exact_cost_ratio: float, posting_limit: int,
+    rescore_margin: int = 0, rescore_max_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The search as a composition of `steps` (the op's contract, module docstring).
 
@@ -79,6 +88,10 @@ def compose_search(
     Triton workspace holds nothing proportional to N either (its `workspace_shapes`). With `cuda_steps` no step
     reads a value back to the host (tests/test_filter_plan_triton.py records every op outside the kernels).
     """
+    k_out = k
+    rescore = rescore_margin > 0 and k <= rescore_max_k  # Python ints: no device sync
+    if rescore:  # every route runs for k + margin rows, re-scored to k at the end
+        k = k + rescore_margin
     per = queries.shape[0] // ops.shape[0] if ops.shape[0] and queries.shape[0] % ops.shape[0] == 0 else 1
     if per > 1:  # one program per request of `per` consecutive queries: repeated to one per query
         ops, rows, vops, vrows, lists, mode = [x.repeat_interleave(per, dim=0) for x in (ops, rows, vops, vrows, lists, mode)]
@@ -101,6 +114,8 @@ def compose_search(
     )
     scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
     found = torch.where(exact[:, None], r_ex, r_ivf)
+    if rescore:
+        scores, found = steps.rescore_rows(q, found, codes, dim_scale.expand(q.shape[1]).contiguous(), dim_offset, k_out)
     return scores, found if row_to_item.numel() == 0 else steps.rows_to_items(row_to_item, found)
 
 
@@ -118,7 +133,8 @@ SCHEMA = (
     "(Tensor queries, Tensor codes, Tensor dim_scale, Tensor dim_offset, Tensor cluster_offsets, Tensor centroids, "
     "Tensor row_to_item, Tensor bits, Tensor post_rows, Tensor post_offsets, Tensor post_sizes, Tensor ops, Tensor rows, "
     "Tensor vops, Tensor vrows, Tensor lists, Tensor mode, SymInt k, SymInt nprobe, SymInt max_probe, int window_words, "
-    "int match_factor, int avg_cluster, int num_items, float exact_cost_ratio, int posting_limit) -> (Tensor, Tensor)"
+    "int match_factor, int avg_cluster, int num_items, float exact_cost_ratio, int posting_limit, SymInt rescore_margin=0, "
+    "int rescore_max_k=0) -> (Tensor, Tensor)"
 )
 
 
@@ -140,6 +156,6 @@ if _ext is None or not hasattr(_ext, "rescore_rows"):
 @torch.library.register_fake("silverrec::filtered_ivf_search")
 def _(queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item, bits, post_rows, post_offsets,
       post_sizes, ops, rows, vops, vrows, lists, mode, k, nprobe, max_probe, window_words, match_factor, avg_cluster,
-      num_items, exact_cost_ratio, posting_limit):
+      num_items, exact_cost_ratio, posting_limit, rescore_margin=0, rescore_max_k=0):
     b = queries.shape[0]
     return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)

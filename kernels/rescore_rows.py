@@ -1,11 +1,9 @@
 """`silverrec::rescore_rows`: the int8 scan's top rows re-scored with the float query on the same codes.
 
-    scores, rows = torch.ops.silverrec.rescore_rows(queries, found_scores, found, codes, dim_scale, dim_offset,
-                                                    k, max_k)
-    # queries float32 [B, D], found_scores float32 [B, K] / found int64 [B, K] (the scan's results,
-    # best first, -inf / -1 = none, no row twice in a list), codes int8 [N, D] with per-dimension
-    # dim_scale / dim_offset float32 [D] (item ~= dim_scale * code + dim_offset,
-    # publish/quantize.py quantize_per_dim), k >= 1, max_k (RESCORE_MAX_K)
+    scores, rows = torch.ops.silverrec.rescore_rows(queries, found, codes, dim_scale, dim_offset, k)
+    # queries float32 [B, D], found int64 [B, K] (the scan's rows, best first, -1 = none, no row
+    # twice in a list), codes int8 [N, D] with per-dimension dim_scale / dim_offset float32 [D]
+    # (item ~= dim_scale * code + dim_offset, publish/quantize.py quantize_per_dim), k >= 1
     # -> scores float32 [B, k] (descending, -inf pads), rows int64 [B, k] (-1 pads)
 
 Each found row is scored <queries * dim_scale, code> + <queries, dim_offset>, in float32 arithmetic on
@@ -32,7 +30,7 @@ import torch
 from torch import Tensor
 
 
-RESCORE_MAX_K = 256  # larger k: the scan's ranking as it is (module docstring)
+RESCORE_MAX_K = 256  # larger k: the scan's ranking (module docstring)
 
 
 def rescore_margin(k: int) -> int:
@@ -40,8 +38,8 @@ def rescore_margin(k: int) -> int:
     return k // 16 + 4
 
 
-def rescore_rows_torch(queries: Tensor, found_scores: Tensor, found: Tensor, codes: Tensor, dim_scale: Tensor,
-                       dim_offset: Tensor, k: int, max_k: int) -> tuple[Tensor, Tensor]:
+def rescore_rows_torch(queries: Tensor, found: Tensor, codes: Tensor, dim_scale: Tensor, dim_offset: Tensor,
+                       k: int) -> tuple[Tensor, Tensor]:
     """The reference (device-generic; see the module docstring)."""
     B, K = found.shape
     D = codes.shape[1]
@@ -49,22 +47,14 @@ def rescore_rows_torch(queries: Tensor, found_scores: Tensor, found: Tensor, cod
         raise ValueError(f"rescore_rows: queries {tuple(queries.shape)}, found {tuple(found.shape)}, codes "
                          f"{tuple(codes.shape)}, dim_scale {tuple(dim_scale.shape)} and dim_offset "
                          f"{tuple(dim_offset.shape)} disagree (queries [B, D], found [B, K], codes [N, D], [D], [D])")
-    if found_scores.shape != (B, K):
-        raise ValueError(f"rescore_rows: found_scores {tuple(found_scores.shape)} and found {tuple(found.shape)} disagree")
-    # k padding columns first, so that any k works whatever K is
-    rows = torch.cat([found, torch.full((B, k), -1, dtype=found.dtype, device=found.device)], dim=1)
-    if k > max_k:  # the scan's ranking as it is, rows -1 (exclusions) dropped: a stable sort keeps its order
-        s = torch.where((found >= 0) & (found_scores > float("-inf")), found_scores, float("-inf"))  # NaN too
-        s = torch.cat([s, torch.full((B, k), float("-inf"), dtype=s.dtype, device=s.device)], dim=1)
-        values, order = torch.sort(s, dim=1, descending=True, stable=True)
-        values, rows = values[:, :k], rows.gather(1, order[:, :k])
-        return values, torch.where(values > float("-inf"), rows, torch.full_like(rows, -1))
     folded = queries * dim_scale
     const = (queries * dim_offset).sum(dim=1, keepdim=True)
     cand = codes.index_select(0, found.clamp(min=0).reshape(-1)).reshape(B, K, D).to(queries.dtype)
     s = torch.bmm(cand, folded.unsqueeze(2)).squeeze(2) + const
     s = torch.where((found >= 0) & (s > float("-inf")), s, float("-inf"))  # NaN too
+    # k padding columns first, so that any k works whatever K is
     s = torch.cat([s, torch.full((B, k), float("-inf"), dtype=s.dtype, device=s.device)], dim=1)
+    rows = torch.cat([found, torch.full((B, k), -1, dtype=found.dtype, device=found.device)], dim=1)
     values, order = torch.sort(s, dim=1, descending=True, stable=True)
     values, order = values[:, :k], order[:, :k]
     rows = rows.gather(1, order)
@@ -72,8 +62,8 @@ def rescore_rows_torch(queries: Tensor, found_scores: Tensor, found: Tensor, cod
 
 
 # Defined before kernels/filtered_ivf_search.py loads the C++ extension, which registers the CPU kernel.
-torch.library.define("silverrec::rescore_rows", "(Tensor queries, Tensor found_scores, Tensor found, Tensor codes, "
-                     "Tensor dim_scale, Tensor dim_offset, SymInt k, int max_k) -> (Tensor, Tensor)")
+torch.library.define("silverrec::rescore_rows", "(Tensor queries, Tensor found, Tensor codes, Tensor dim_scale, "
+                     "Tensor dim_offset, SymInt k) -> (Tensor, Tensor)")
 torch.library.impl("silverrec::rescore_rows", "CUDA", rescore_rows_torch)
 
 
@@ -83,6 +73,6 @@ def register_cpu_fallback() -> None:
 
 
 @torch.library.register_fake("silverrec::rescore_rows")
-def _(queries, found_scores, found, codes, dim_scale, dim_offset, k, max_k):
+def _(queries, found, codes, dim_scale, dim_offset, k):
     b = found.shape[0]
     return queries.new_empty(b, k, dtype=torch.float32), found.new_empty(b, k, dtype=torch.int64)

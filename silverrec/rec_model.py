@@ -12,10 +12,10 @@
 
 A pure-ANN snapshot (`silverrec publish --pool`) is the same module without ranking stages: its
 user tower is `QueryTower` (the request's dense tensor is the query embedding, one task) and it
-has no embedding cache, so the search ranks the rows: with `rescore` (publish's default) and k <= 256
-the scan's top k + k/16 + 4 rows re-scored with the float query on the same int8 codes
-(silverrec::rescore_rows), otherwise the scan's int8 scores (`search_rows`); an exact index is the configuration with one
-cluster (nlist 1).
+has no embedding cache, so the search ranks the rows: with `rescore` (publish's default) and
+k <= 256 the search op re-scores its top k + k/16 + 4 rows with the float query on the same int8
+codes (kernels/rescore_rows.py), otherwise the scan's int8 scores rank them (`search_rows`); an
+exact index is the configuration with one cluster (nlist 1).
 
 Every stage passes **rows** of one canonical row space (the IVF's cluster-major order); item ids
 appear only at the end (`row_to_item`). The search returns rows because it is handed an empty map
@@ -115,33 +115,27 @@ class RecModel(nn.Module):
                     lists: Tensor, mode: Tensor, k: int, nprobe: int, max_probe: int) -> Tuple[Tensor, Tensor, Tensor]:
         """Retrieval alone (no cache): user float32 [B, 1, D] -> (scores float32 [B, k], -inf =
         none; item ids int64 [B, k], -1 = none; rows int64 [B, k], -1 = none), excluded rows dropped
-        when `overfetch` > 0; with `rescore`, the scan's top rows re-scored with the float query.
-        Without exclusions nothing needs the rows: rows is [B, 0], and without `rescore` the search
-        maps straight to item ids (`row_to_item` where it is otherwise handed `rows_as_ids`): no second
-        pass over [B, k] rows at large k (the public search at k 4096, 241 matches x 16 queries:
-        250 -> 184 us)."""
+        when `overfetch` > 0; with `rescore` and k + overfetch <= RESCORE_MAX_K, the search's top rows
+        re-scored with the float query (inside the op). Without exclusions nothing needs the rows:
+        the search maps straight to item ids (`row_to_item` where it is otherwise handed
+        `rows_as_ids`) and rows is [B, 0]: no second pass over [B, k] rows at large k (the public
+        search at k 4096, 241 matches x 16 queries: 250 -> 184 us)."""
         idx = self.index
-        margin = rescore_margin(k) if self.rescore else 0
-        direct = self.overfetch == 0 and not self.rescore
+        direct = self.overfetch == 0
         scores, found = torch.ops.silverrec.filtered_ivf_search(
             user[:, 0], idx.codes, idx.dim_scale, idx.dim_offset, idx.cluster_offsets, idx.centroids,
             idx.row_to_item if direct else self.rows_as_ids,
             idx.bits, idx.post_rows, idx.post_offsets, idx.post_sizes, ops, rows, vops, vrows, lists, mode,
-            k + self.overfetch + margin, nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
+            k + self.overfetch, nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
             idx.num_items, idx.exact_cost_ratio, idx.posting_limit,
+            rescore_margin(k + self.overfetch) if self.rescore else 0, self.rescore_max_k,
         )
         if direct:
             return scores, found, found[:, :0]
-        if self.overfetch > 0:
-            found = exclude_rows(found, exclude, idx.num_items)
-        if self.rescore:
-            scores, found = torch.ops.silverrec.rescore_rows(user[:, 0], scores, found, idx.codes, idx.dim_scale,
-                                                             idx.dim_offset, k, self.rescore_max_k)
-        else:
-            scores, top = torch.topk(torch.where(found >= 0, scores, float("-inf")), k, dim=1)
-            found = found.gather(1, top)
-        ids = rows_to_items(idx.row_to_item, found)
-        return scores, ids, found if self.overfetch > 0 else found[:, :0]
+        found = exclude_rows(found, exclude, idx.num_items)
+        scores, top = torch.topk(torch.where(found >= 0, scores, float("-inf")), k, dim=1)
+        found = found.gather(1, top)
+        return scores, rows_to_items(idx.row_to_item, found), found
 
     def rank_rows(self, user: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
         """user float32 [B, T, D], rows int64 [B, C] (-1 = none) -> (value float32 [B, C] with -inf

@@ -57,10 +57,13 @@ def exact_int8(index, q, k):
 
 def rescored(index, q, scores, rows, k):
     """A published snapshot's ranking of the scan's results (scores float32, rows int64 [B, k'];
-    publish/filtered_ivf.py search_model): the float query on their codes, best k, or above
-    RESCORE_MAX_K the scan's own first k (kernels/rescore_rows.py's composition) -> (scores float32
-    [B, k], item ids int64 [B, k])."""
-    scores, top = rescore_rows_torch(q, scores, rows, index.codes, index.dim_scale, index.dim_offset, k, RESCORE_MAX_K)
+    publish/filtered_ivf.py search_model): the float query on their codes, best k
+    (kernels/rescore_rows.py's composition), or above RESCORE_MAX_K the scan's own first k
+    -> (scores float32 [B, k], item ids int64 [B, k])."""
+    if k > RESCORE_MAX_K:
+        scores, top = scores[:, :k], rows[:, :k]
+    else:
+        scores, top = rescore_rows_torch(q, rows, index.codes, index.dim_scale, index.dim_offset, k)
     return scores, torch.where(top >= 0, index.row_to_item[top.clamp_min(0)].long(), -1)
 
 

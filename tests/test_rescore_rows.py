@@ -17,6 +17,7 @@ import torch
 import silverrec.kernels  # noqa: F401  (registers the ops)
 from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin, rescore_rows_torch
+from tests.test_filter_ivf import built  # noqa: F401  (the filtered index fixture)
 
 
 def _reference(q, found, codes, scale, offset, k):
@@ -34,7 +35,7 @@ def _reference(q, found, codes, scale, offset, k):
 
 
 def _case(seed, B, K, D, n, pad=3):
-    """(queries, the scan's scores, its rows, codes, scale, offset): integer values throughout."""
+    """(queries, the scan's rows, codes, scale, offset): integer values throughout."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-3, 4, (B, D), generator=g).float()
     codes = torch.randint(-128, 128, (n, D), generator=g).to(torch.int8)
@@ -44,9 +45,7 @@ def _case(seed, B, K, D, n, pad=3):
     found[:, K - pad:] = -1  # the scan's padding
     if B > 1:
         found[1] = -1  # a query the scan found nothing for
-    scan = torch.sort(torch.randint(-50, 50, (B, K), generator=g).float(), dim=1, descending=True).values
-    scan = torch.where(found >= 0, scan, float("-inf"))
-    return q, scan, found, codes, scale, offset
+    return q, found, codes, scale, offset
 
 
 @pytest.mark.parametrize("B,K,D,n,k", [
@@ -57,53 +56,38 @@ def _case(seed, B, K, D, n, pad=3):
     (6, 25, 128, 200, 1),   # k 1
 ])
 def test_rescore_rows_equals_the_reference(B, K, D, n, k):
-    q, scan, found, codes, scale, offset = _case(B * 100 + K, B, K, D, n)
-    scores, rows = torch.ops.silverrec.rescore_rows(q, scan, found, codes, scale, offset, k, RESCORE_MAX_K)
+    q, found, codes, scale, offset = _case(B * 100 + K, B, K, D, n)
+    scores, rows = torch.ops.silverrec.rescore_rows(q, found, codes, scale, offset, k)
     assert scores.shape == rows.shape == (B, k) and scores.dtype == torch.float32 and rows.dtype == torch.int64
     want_scores, want_rows = _reference(q, found, codes, scale, offset, k)
     assert torch.equal(rows, want_rows) and torch.equal(scores, want_scores)
-    got_t = rescore_rows_torch(q, scan, found, codes, scale, offset, k, RESCORE_MAX_K)  # the CUDA path's composition
+    got_t = rescore_rows_torch(q, found, codes, scale, offset, k)  # the CUDA path's composition
     assert torch.equal(got_t[0], scores) and torch.equal(got_t[1], rows)
-
-
-@pytest.mark.parametrize("k", [5, 22, 40])
-def test_above_max_k_the_scan_ranking_is_returned_without_its_holes(k):
-    """k > max_k: the scan's first k results as they are, excluded rows (-1 with a score) dropped."""
-    q, scan, found, codes, scale, offset = _case(5, 4, 22, 16, 60)
-    found[0, [1, 4]] = -1  # exclusions: holes that still carry the scan's score
-    for fn in (torch.ops.silverrec.rescore_rows, rescore_rows_torch):
-        scores, rows = fn(q, scan, found, codes, scale, offset, k, 4)
-        for b in range(4):
-            keep = [(float(s), int(r)) for s, r in zip(scan[b], found[b]) if r >= 0][:k]
-            want = keep + [(float("-inf"), -1)] * (k - len(keep))
-            assert list(zip(scores[b].tolist(), rows[b].tolist())) == want, (fn, b)
 
 
 def test_rescore_rows_runs_the_cpp_kernel_and_drops_nan_scores():
     assert cpu_ext() is not None and hasattr(cpu_ext(), "rescore_rows"), "the extension registers the C++ kernel"
-    q, scan, found, codes, scale, offset = _case(7, 3, 20, 16, 40)
+    q, found, codes, scale, offset = _case(7, 3, 20, 16, 40)
     q[0] = float("nan")  # query 0 scores NaN everywhere: nothing returned
-    scores, rows = torch.ops.silverrec.rescore_rows(q, scan, found, codes, scale, offset, 10, RESCORE_MAX_K)
+    scores, rows = torch.ops.silverrec.rescore_rows(q, found, codes, scale, offset, 10)
     assert bool((rows[0] == -1).all()) and bool((scores[0] == float("-inf")).all())
     want = _reference(q[2:], found[2:], codes, scale, offset, 10)
     assert torch.equal(rows[2:], want[1]) and torch.equal(scores[2:], want[0])
-    got_t = rescore_rows_torch(q, scan, found, codes, scale, offset, 10, RESCORE_MAX_K)
+    got_t = rescore_rows_torch(q, found, codes, scale, offset, 10)
     assert torch.equal(got_t[0], scores) and torch.equal(got_t[1], rows)
 
 
 def test_rescore_rows_bad_input_is_named():
-    q, scan, found, codes, scale, offset = _case(3, 2, 10, 8, 20)
+    q, found, codes, scale, offset = _case(3, 2, 10, 8, 20)
     bad = found.clone()
     bad[0, 0] = 20  # one past the last of 20 coded rows
     op = torch.ops.silverrec.rescore_rows
     with pytest.raises(IndexError, match="row 20 out of range"):
-        op(q, scan, bad, codes, scale, offset, 5, RESCORE_MAX_K)
+        op(q, bad, codes, scale, offset, 5)
     with pytest.raises(RuntimeError, match="disagree"):
-        op(q[:, :4], scan, found, codes, scale, offset, 5, RESCORE_MAX_K)
+        op(q[:, :4], found, codes, scale, offset, 5)
     with pytest.raises(RuntimeError, match="codes must be int8"):
-        op(q, scan, found, codes.float(), scale, offset, 5, RESCORE_MAX_K)
-    with pytest.raises(RuntimeError, match="found_scores must be float32"):
-        op(q, scan[:, :3], found, codes, scale, offset, 5, RESCORE_MAX_K)
+        op(q, found, codes.float(), scale, offset, 5)
 
 
 def test_rescore_margin_grows_with_k():
@@ -145,3 +129,37 @@ def test_published_search_ranks_by_the_float_query_on_the_codes(tmp_path):
     got = snap.search(q, big, nprobe=16)
     scan_scores, scan_ids = index(q, big, 16)
     assert torch.equal(got.item_ids, scan_ids) and torch.equal(got.scores, scan_scores)
+
+
+def test_the_search_op_rescores_inside(built):  # noqa: F811  (tests/test_filter_ivf.py's fixture)
+    """`filtered_ivf_search` with a re-score margin: the C++ op equals the composition (ids; scores up
+    to float32 summation order) and exact filtered brute force re-scored in float64; above
+    rescore_max_k it equals the search without re-score."""
+    from silverrec.filtering.filter_program import compile_request
+    from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
+    from tests.test_filter_ivf import _exact_filtered_rescored, assert_same_ranking
+
+    _, m, _, plan, fwd, queries = built
+    filters = ["country = c0", "country = c2 AND NOT lang = l0", "rare IN (r7, r8, r9)", "NOT lang = l1"] * 2
+    request = (*compile_request(filters, plan), torch.full((8,), 2, dtype=torch.int64))  # unprobed: exact routes
+    q = queries[:8]
+
+    def args(k, margin):
+        return (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
+                m.post_rows, m.post_offsets, m.post_sizes, *request, k, 3, 9, m.window_words, m.match_factor,
+                m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, margin, RESCORE_MAX_K)
+
+    for k in (1, 20):
+        got = torch.ops.silverrec.filtered_ivf_search(*args(k, rescore_margin(k)))
+        composed = filtered_ivf_search_torch(*args(k, rescore_margin(k)))
+        assert torch.equal(got[1], composed[1])
+        torch.testing.assert_close(got[0], composed[0], rtol=1e-5, atol=1e-5)
+        want = _exact_filtered_rescored(m, fwd, q, filters, k)
+        for b in range(len(filters)):
+            assert_same_ranking(got[1][b].tolist(), want[b])
+        plain = torch.ops.silverrec.filtered_ivf_search(*args(k, 0))
+        assert not torch.equal(got[0], plain[0])  # float scores, not the scan's
+    big = RESCORE_MAX_K + 1
+    with_margin = torch.ops.silverrec.filtered_ivf_search(*args(big, rescore_margin(big)))
+    plain = torch.ops.silverrec.filtered_ivf_search(*args(big, 0))
+    assert torch.equal(with_margin[0], plain[0]) and torch.equal(with_margin[1], plain[1])

@@ -29,10 +29,8 @@ at::Tensor mol_score(const at::Tensor& user, const at::Tensor& rows, const at::T
                      const at::Tensor& gate_weight, const at::Tensor& gate_bias, const at::Tensor& dot_scale,
                      const at::Tensor& log_scale, int64_t p_q, int64_t p_x, int64_t comp_dim, int64_t feat_dim);
 // kernels/csrc/rescore.cpp
-std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries, const at::Tensor& found_scores,
-                                                const at::Tensor& found, const at::Tensor& codes,
-                                                const at::Tensor& dim_scale, const at::Tensor& dim_offset, int64_t k,
-                                                int64_t max_k);
+std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries, const at::Tensor& found, const at::Tensor& codes,
+                                                const at::Tensor& dim_scale, const at::Tensor& dim_offset, int64_t k);
 // kernels/csrc/encode.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
     const at::Tensor& rows, const at::Tensor& offsets, int64_t exclude_limit, int64_t history_len, int64_t recent_len,
@@ -275,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
     const at::Tensor& post_rows_in, const at::Tensor& post_offsets_in, const at::Tensor& post_sizes_in, const at::Tensor& ops_in,
     const at::Tensor& rows_in, const at::Tensor& vops_in, const at::Tensor& vrows_in, const at::Tensor& lists_in, const at::Tensor& mode_in,
     int64_t k, int64_t nprobe, int64_t max_probe, int64_t window_words, int64_t match_factor, int64_t avg_cluster,
-    int64_t num_items, double exact_cost_ratio, int64_t posting_limit) {
+    int64_t num_items, double exact_cost_ratio, int64_t posting_limit, int64_t rescore_margin, int64_t rescore_max_k) {
   // inputs may come from anywhere (eager calls, other graphs): contiguous views for the kernels
   const at::Tensor queries = queries_in.contiguous();
   const at::Tensor codes = codes_in.contiguous();
@@ -307,6 +305,10 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   const at::Tensor lists = per_query(lists_in);
   const at::Tensor mode = per_query(mode_in);
   if (k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(k));
+  // float re-score (kernels/rescore_rows.py): every route runs for k + margin rows, re-scored to k at the end
+  const int64_t k_out = k;
+  const bool rescore = rescore_margin > 0 && k <= rescore_max_k;
+  if (rescore) k += rescore_margin;
   if (!(1 <= nprobe && nprobe <= max_probe && max_probe <= centroids.size(0)))
     throw std::invalid_argument("need 1 <= nprobe (" + std::to_string(nprobe) + ") <= max_probe (" +
                                 std::to_string(max_probe) + ") <= nlist (" + std::to_string(centroids.size(0)) + ")");
@@ -386,6 +388,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   const bool ids32 = row_to_item.scalar_type() == at::kInt;
   TORCH_CHECK(ids32 || row_to_item.scalar_type() == at::kLong, "row_to_item must be int32 or int64");
   const bool as_rows = row_to_item.numel() == 0;  // an empty map: the rows themselves (RecModel's stages)
+  const bool map_ids = !as_rows && !rescore;      // (the re-score reads rows: mapped after it)
   const int64_t* k_pr = unfiltered && keys_pr.defined() ? keys_pr.data_ptr<int64_t>() : nullptr;
   const float* s_pr = s_ivf.defined() ? s_ivf.data_ptr<float>() : nullptr;
   const int64_t* r_pr = r_ivf.defined() ? r_ivf.data_ptr<int64_t>() : nullptr;
@@ -409,19 +412,28 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
         int64_t r;
         decode_key(key[i], mul, add, sc, r);
         sb[i] = sc + cst[b];
-        ib[i] = r < 0 ? -1 : as_rows ? r : (id32 ? int64_t(id32[r]) : id64[r]);
+        ib[i] = r < 0 ? -1 : !map_ids ? r : (id32 ? int64_t(id32[r]) : id64[r]);
       }
     } else if (s_pr) {
       for (; i < k; ++i) {
         const int64_t r = r_pr[b * k + i];
         sb[i] = s_pr[b * k + i] + cst[b];
-        ib[i] = r < 0 ? -1 : as_rows ? r : (id32 ? int64_t(id32[r]) : id64[r]);
+        ib[i] = r < 0 ? -1 : !map_ids ? r : (id32 ? int64_t(id32[r]) : id64[r]);
       }
     }
     std::fill(sb + i, sb + k, none + cst[b]);
     std::fill(ib + i, ib + k, int64_t{-1});
   }
-  return {scores, ids};
+  if (!rescore) return {scores, ids};
+  at::Tensor top_scores, top_rows;
+  std::tie(top_scores, top_rows) = rescore_rows(q, ids, codes, step ? dim_scale : dim_scale.expand({D}).contiguous(),
+                                                dim_offset, k_out);
+  if (!as_rows) {
+    int64_t* tr = top_rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < B * k_out; ++i)
+      if (tr[i] >= 0) tr[i] = id32 ? int64_t(id32[tr[i]]) : id64[tr[i]];
+  }
+  return {top_scores, top_rows};
 }
 
 }  // namespace
@@ -483,8 +495,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gate_in_weight"), py::arg("gate_weight"), py::arg("gate_bias"), py::arg("dot_scale"),
         py::arg("log_scale"), py::arg("p_q"), py::arg("p_x"), py::arg("comp_dim"), py::arg("feat_dim"), nogil);
   m.def("rescore_rows", &silverrec::rescore_rows, "the scan's top rows re-scored with the float query, best k",
-        py::arg("queries"), py::arg("found_scores"), py::arg("found"), py::arg("codes"), py::arg("dim_scale"),
-        py::arg("dim_offset"), py::arg("k"), py::arg("max_k"), nogil);
+        py::arg("queries"), py::arg("found"), py::arg("codes"), py::arg("dim_scale"), py::arg("dim_offset"), py::arg("k"),
+        nogil);
   m.def("lookup_ids", &silverrec::lookup_ids, "id lists -> (rows int64, offsets int64, first list with an unknown id or -1)",
         py::arg("lists"), py::arg("table"));
   m.def("encode_histories", &silverrec::encode_histories,
@@ -497,7 +509,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("row_to_item"), py::arg("bits"), py::arg("post_rows"), py::arg("post_offsets"), py::arg("post_sizes"),
         py::arg("ops"), py::arg("rows"), py::arg("vops"), py::arg("vrows"), py::arg("lists"), py::arg("mode"),
         py::arg("k"), py::arg("nprobe"), py::arg("max_probe"), py::arg("window_words"), py::arg("match_factor"),
-        py::arg("avg_cluster"), py::arg("num_items"), py::arg("exact_cost_ratio"), py::arg("posting_limit"), nogil);
+        py::arg("avg_cluster"), py::arg("num_items"), py::arg("exact_cost_ratio"), py::arg("posting_limit"),
+        py::arg("rescore_margin") = 0, py::arg("rescore_max_k") = 0, nogil);
   m.attr("vnni") = py::bool_(
 #if defined(__AVX512VNNI__)
       true

@@ -1,6 +1,5 @@
 // silverrec::rescore_rows (kernels/rescore_rows.py): the int8 scan's top rows re-scored with the float
-// query on the same codes, the best k kept (ties by position in the scan's list); above max_k the scan's
-// first k as they are. One pass per query:
+// query on the same codes, the best k kept (ties by position in the scan's list). One pass per query:
 // the query folded by the per-dimension scales, each row's codes widened and dotted in float32 lanes
 // (AVX-512, or widen.h's portable lanes), a partial sort. The same results as the composition `rescore_rows_torch` up to float
 // rounding of the dot products, whose summation order differs from the batched matmul's.
@@ -89,20 +88,15 @@ void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* co
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, const at::Tensor& found_scores_in,
-                                                const at::Tensor& found_in, const at::Tensor& codes_in,
-                                                const at::Tensor& dim_scale_in, const at::Tensor& dim_offset_in, int64_t k,
-                                                int64_t max_k) {
+std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, const at::Tensor& found_in,
+                                                const at::Tensor& codes_in, const at::Tensor& dim_scale_in,
+                                                const at::Tensor& dim_offset_in, int64_t k) {
   const at::Tensor queries = queries_in.contiguous(), found = found_in.contiguous(), codes = codes_in.contiguous();
-  const at::Tensor found_scores = found_scores_in.contiguous();
   const at::Tensor dim_scale = dim_scale_in.contiguous(), dim_offset = dim_offset_in.contiguous();
   TORCH_CHECK(queries.dim() == 2 && queries.scalar_type() == at::kFloat, "rescore_rows: queries must be float32 [B, D], got ",
               queries.scalar_type(), " ", queries.sizes());
   TORCH_CHECK(found.dim() == 2 && found.scalar_type() == at::kLong, "rescore_rows: found must be int64 [B, K], got ",
               found.scalar_type(), " ", found.sizes());
-  TORCH_CHECK(found_scores.scalar_type() == at::kFloat && found_scores.sizes() == found.sizes(),
-              "rescore_rows: found_scores must be float32 ", found.sizes(), ", got ", found_scores.scalar_type(), " ",
-              found_scores.sizes());
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar, "rescore_rows: codes must be int8 [N, D], got ",
               codes.scalar_type(), " ", codes.sizes());
   TORCH_CHECK(dim_scale.scalar_type() == at::kFloat && dim_offset.scalar_type() == at::kFloat,
@@ -116,25 +110,15 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, co
   TORCH_CHECK(k >= 1, "rescore_rows: k must be >= 1, got ", k);
   at::Tensor scores = at::empty({B, k}, at::kFloat), rows = at::empty({B, k}, at::kLong);
   const float* q = queries.data_ptr<float>();
-  const float* fs = found_scores.data_ptr<float>();
   const int64_t* f = found.data_ptr<int64_t>();
   const int8_t* c = codes.data_ptr<int8_t>();
   float* s = scores.data_ptr<float>();
   int64_t* r = rows.data_ptr<int64_t>();
-  if (k > max_k) {  // the scan's ranking as it is, rows -1 (exclusions) dropped
-    for (int64_t b = 0; b < B; ++b) {
-      int64_t m = 0;
-      for (int64_t j = 0; j < K && m < k; ++j)
-        if (f[b * K + j] >= 0 && fs[b * K + j] > -std::numeric_limits<float>::infinity()) {
-          s[b * k + m] = fs[b * K + j];
-          r[b * k + m++] = f[b * K + j];
-        }
-      std::fill(s + b * k + m, s + (b + 1) * k, -std::numeric_limits<float>::infinity());
-      std::fill(r + b * k + m, r + (b + 1) * k, int64_t{-1});
-    }
-    return {scores, rows};
-  }
-  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+  // one thread for small batches: under OMP_WAIT_POLICY=PASSIVE (silverrec/threads.py) each parallel
+  // region wakes a sleeping worker, which costs more than ~1M multiply-adds (batch 16 at k 100: 0.2M)
+  constexpr int64_t kMacsPerTask = int64_t{1} << 20;
+  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(1, K * D));
+  at::parallel_for(0, B, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b)
       one_query(q + b * D, f + b * K, K, c, n, D, dim_scale.data_ptr<float>(), dim_offset.data_ptr<float>(), k,
                 s + b * k, r + b * k);
