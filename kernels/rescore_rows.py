@@ -8,11 +8,13 @@
 
 Each found row is scored <queries * dim_scale, code> + <queries, dim_offset>, in float32 arithmetic on
 the stored codes; the best k are kept, ties by position in `found` (the scan's order); a NaN or
--inf score drops the row. Above k = max_k the scan's own first k results are returned as they are
-(rows -1 dropped):
-the re-score costs B x K x D multiply-adds (about 0.2 ms per 1,000 rows of a batch of 16 at D 128),
-as much as a scan, and a long candidate list (for a ranking stage) gains little from the order of
-its last rows.
+-inf score drops the row.
+
+Where it runs: the last step of `silverrec::filtered_ivf_search` when the caller passes a
+`rescore_margin` and k <= `rescore_max_k` (RecModel's pure-ANN configuration: `rescore_margin(k)` and
+RESCORE_MAX_K). Above RESCORE_MAX_K the scan's ranking is returned: the re-score costs B x K x D
+multiply-adds, as much as a scan at large k, and a long candidate list (for a ranking stage) gains
+little from the order of its last rows.
 
 Why: the scan quantises the folded query to int8 (kernels/common.py quantize_queries), which costs
 recall that the codes themselves do not: on the 1M x 128 mixture of benchmarks/ann.py, recall@100

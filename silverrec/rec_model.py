@@ -21,9 +21,9 @@ Every stage passes **rows** of one canonical row space (the IVF's cluster-major 
 appear only at the end (`row_to_item`). The search returns rows because it is handed an empty map
 (`rows_as_ids`) where it would map rows to ids (except a pure-ANN search without exclusions or
 re-score: no stage after it needs rows, so it is handed `row_to_item`). An identity table would
-cost a second random lookup per result row, out of cache in a cold call (1M items: ~0.08 ms of
-a batch of 16 at k 110). Without an OverArch the task scores are
-the exact re-scores; without a value model the final score is task 0's.
+cost a second random lookup per result row (4 MB per 1M items, out of cache in a cold call).
+Without an OverArch the task scores are the exact re-scores; without a value model the final
+score is task 0's.
 
 `rank` is the early-stage ranking entry point: score given rows for a user (cache + OverArch +
 value model), no retrieval and no item tower.
