@@ -208,10 +208,15 @@ inline void sort_keys_descending(int64_t* keys, int64_t n, std::vector<uint64_t>
   // descending signed order == ascending order of ~(key ^ sign bit) as unsigned
   uint64_t* a = reinterpret_cast<uint64_t*>(keys);
   uint64_t varies = 0;  // the bits where some key differs from the first: only their bytes are sorted
+  bool rows_ascending = true;  // the low 32 bits of a[i] are the row (common.py's key layout)
   for (int64_t i = 0; i < n; ++i) {
     a[i] = ~(a[i] ^ (uint64_t{1} << 63));
     varies |= a[i] ^ a[0];
+    rows_ascending &= i == 0 || uint32_t(a[i]) > uint32_t(a[i - 1]);
   }
+  // keys already in ascending row order (a scan's candidates in row order): the passes below are
+  // stable, so sorting the score bytes alone gives (score desc, row asc), half the passes at 1M rows
+  if (rows_ascending) varies &= ~uint64_t{0xFFFFFFFF};
   int digits[8], nd = 0;
   for (int p = 0; p < 8; ++p)
     if ((varies >> (8 * p)) & 0xFF) digits[nd++] = p;
