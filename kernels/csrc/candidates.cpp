@@ -15,16 +15,11 @@
 #include <vector>
 
 #include "row_counts.h"
+#include "scored.h"
 #include "widen.h"
 
 namespace silverrec {
 namespace {
-
-struct Scored {
-  float score;
-  int32_t pos;  // position in the search's list: the tie-break
-  int64_t row;
-};
 
 template <typename E>
 void one_request(const float* q, const int64_t* found, const int64_t* ex, int64_t T, int64_t K, int64_t D, int64_t E_,
@@ -55,11 +50,7 @@ void one_request(const float* q, const int64_t* found, const int64_t* ex, int64_
       scored[m++] = {s, int32_t(j), r};
     }
     const int64_t top = std::min(keep, m);
-    const auto better = [](const Scored& a, const Scored& b) {
-      return a.score > b.score || (a.score == b.score && a.pos < b.pos);
-    };
-    if (top < m) std::nth_element(scored.begin(), scored.begin() + top, scored.begin() + m, better);
-    std::sort(scored.begin(), scored.begin() + top, better);
+    keep_best(scored, m, top);
     for (int64_t i = 0; i < top; ++i) lists[t * keep + i] = scored[i].row;
     sizes[t] = top;
   }

@@ -396,6 +396,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   const float *qs = qscale.data_ptr<float>(), *qm = qsum.data_ptr<float>();
   const int32_t* id32 = ids32 ? row_to_item.data_ptr<int32_t>() : nullptr;
   const int64_t* id64 = ids32 ? nullptr : row_to_item.data_ptr<int64_t>();
+  const auto item_of = [&](int64_t r) { return id32 ? int64_t(id32[r]) : id64[r]; };
   const float none = -std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < B; ++b) {
     // keys decode here (keys_to_results with scale 1, offset 0): the exact routes' count_ex[b], or
@@ -412,13 +413,13 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
         int64_t r;
         decode_key(key[i], mul, add, sc, r);
         sb[i] = sc + cst[b];
-        ib[i] = r < 0 ? -1 : !map_ids ? r : (id32 ? int64_t(id32[r]) : id64[r]);
+        ib[i] = r < 0 ? -1 : !map_ids ? r : item_of(r);
       }
     } else if (s_pr) {
       for (; i < k; ++i) {
         const int64_t r = r_pr[b * k + i];
         sb[i] = s_pr[b * k + i] + cst[b];
-        ib[i] = r < 0 ? -1 : !map_ids ? r : (id32 ? int64_t(id32[r]) : id64[r]);
+        ib[i] = r < 0 ? -1 : !map_ids ? r : item_of(r);
       }
     }
     std::fill(sb + i, sb + k, none + cst[b]);
@@ -431,7 +432,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   if (!as_rows) {
     int64_t* tr = top_rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < B * k_out; ++i)
-      if (tr[i] >= 0) tr[i] = id32 ? int64_t(id32[tr[i]]) : id64[tr[i]];
+      if (tr[i] >= 0) tr[i] = item_of(tr[i]);
   }
   return {top_scores, top_rows};
 }

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #endif
 
+#include "scored.h"
 #include "widen.h"
 
 namespace silverrec {
@@ -46,12 +47,6 @@ static inline float dot_codes(const float* q, const int8_t* c, int64_t D) {
 #endif
 }
 
-struct Scored {
-  float score;
-  int32_t pos;  // position in the scan's list: the tie-break
-  int64_t row;
-};
-
 void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* codes, int64_t n, int64_t D,
                const float* dim_scale, const float* dim_offset, int64_t k, float* out_scores, int64_t* out_rows) {
   std::vector<float> folded(D);
@@ -73,11 +68,7 @@ void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* co
     scored.push_back({s, int32_t(j), r});
   }
   const int64_t m = int64_t(scored.size()), top = std::min(k, m);
-  const auto better = [](const Scored& a, const Scored& b) {
-    return a.score > b.score || (a.score == b.score && a.pos < b.pos);
-  };
-  if (top < m) std::nth_element(scored.begin(), scored.begin() + top, scored.end(), better);
-  std::sort(scored.begin(), scored.begin() + top, better);
+  keep_best(scored, m, top);
   for (int64_t i = 0; i < top; ++i) {
     out_scores[i] = scored[i].score;
     out_rows[i] = scored[i].row;

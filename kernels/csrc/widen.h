@@ -1,7 +1,8 @@
 // widen: a stored value as float32 (bfloat16: its bits are a float32's upper half; int8: a code), and
 // dot_lanes, a float32 dot product with such values, for the kernels that read the embedding cache in
-// either dtype (candidates.cpp, mol.cpp) or re-score int8 codes (rescore.cpp). Both are static: each file compiles its own copy under its own
-// floating-point flags (mol.cpp fuses multiply-adds, candidates.cpp does not).
+// either dtype (candidates.cpp, mol.cpp) or re-score int8 codes (rescore.cpp, without AVX-512). Both
+// are static: each file compiles its own copy under its own floating-point flags (mol.cpp fuses
+// multiply-adds, candidates.cpp does not).
 #pragma once
 
 #include <c10/util/BFloat16.h>
