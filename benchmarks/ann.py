@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cuda_common import attempt, cuda_alternate, cuda_info, faiss_gpu, require_device  # noqa: E402
-from silverrec.publish.ivf import cluster_major_layout  # noqa: E402
+from silverrec.publish.ivf import cluster_major_layout, residual_helps  # noqa: E402
 from silverrec.publish.kmeans import default_nlist, kmeans  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -178,11 +178,12 @@ def run_dataset(name, x, q_recall, args, nprobes, ks):
                 seed_points_per_centroid=8)
     t_km = time.perf_counter() - t0
     t0 = time.perf_counter()
-    index = cluster_major_layout(x, torch.arange(n), km.centroids, km.assignment).eval()
+    residual = residual_helps(x, km.centroids, km.assignment)  # what publish's IVFConfig(residual="auto") picks
+    index = cluster_major_layout(x, torch.arange(n), km.centroids, km.assignment, residual=residual).eval()
     t_layout = time.perf_counter() - t0
     mem = sum(t.numel() * t.element_size() for t in index.buffers())
     budget = 1.1 * n * d + index.centroids.numel() * 4
-    res["build"]["silverrec"] = {"kmeans_s": t_km, "layout_s": t_layout, "bytes": mem,
+    res["build"]["silverrec"] = {"kmeans_s": t_km, "layout_s": t_layout, "bytes": mem, "residual_codes": residual,
                                  "budget_bytes": budget, "imbalance": km.stats[-1].imbalance if km.stats else None}
     print(f"silverrec build: k-means {t_km:.1f}s (niter={args.niter}, {args.train_per_centroid} pts/centroid), "
           f"layout {t_layout:.1f}s, index {mem / 2**20:.1f} MiB (budget 1.1*N*D+centroids = {budget / 2**20:.1f} MiB)")
@@ -402,7 +403,8 @@ def run_cuda(args, dev: torch.device) -> None:
     x, q = gmm(n, 128, max(10, n // 1000), 4 * BATCH)
     nlist = default_nlist(n)
     km = kmeans(x, nlist, niter=args.niter, seed=0, max_points_per_centroid=args.train_per_centroid, seed_points_per_centroid=8)
-    index = cluster_major_layout(x, torch.arange(n), km.centroids, km.assignment).eval().to(dev)
+    index = cluster_major_layout(x, torch.arange(n), km.centroids, km.assignment,
+                                 residual=residual_helps(x, km.centroids, km.assignment)).eval().to(dev)
     xd, qd = x.to(dev), q.to(dev)
     batches = [qd[i : i + BATCH] for i in range(0, qd.shape[0], BATCH)]
     graphed = GraphedForward(index, capture=capture_cuda_graph if dev.type == "cuda" else capture_eager)

@@ -60,7 +60,7 @@ from silverrec.bitmask import unpack_bits  # noqa: E402
 from silverrec.filtering.forward_index import ForwardIndex  # noqa: E402
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config  # noqa: E402
 from silverrec.publish.filtered_ivf import filter_index, search_model  # noqa: E402
-from silverrec.publish.ivf import cluster_major_layout  # noqa: E402
+from silverrec.publish.ivf import cluster_major_layout, residual_helps  # noqa: E402
 from silverrec.publish.postings import build_postings, default_limit  # noqa: E402
 
 FEATURES = {  # name -> (cardinality, zipf exponent or 0 = uniform)
@@ -88,6 +88,12 @@ SELECTIVE = {  # filters with a designed selectivity, for the end-to-end ANN par
     "0.03%": "topic = t7 AND country IN (c1, c2, c3)",
 }
 
+
+
+def layout(x: torch.Tensor, centroids: torch.Tensor, assignment: torch.Tensor):
+    """The int8 IVF layout as publish builds it (residual codes where `residual_helps`, IVFConfig's "auto")."""
+    return cluster_major_layout(x, torch.arange(x.shape[0]), centroids, assignment,
+                                residual=residual_helps(x, centroids, assignment))
 
 def timeit(fn, repeat=5, warmup=1):
     for _ in range(warmup):
@@ -241,7 +247,7 @@ def ann_part(n: int, d: int, nlist: int, ks: list[int], rng, bloom_bits: int) ->
     quant = faiss.IndexFlatIP(d)
     quant.add(km.centroids)
     _, assign = quant.search(x, 1)
-    ivf = cluster_major_layout(torch.from_numpy(x), torch.arange(n), torch.from_numpy(km.centroids), torch.from_numpy(assign[:, 0]).long())
+    ivf = layout(torch.from_numpy(x), torch.from_numpy(km.centroids), torch.from_numpy(assign[:, 0]).long())
     order = ivf.row_to_item  # item id == pool row
     fwd_pool = ForwardIndex.from_codes(feats)
     module, meta = filter_index(ivf, fwd_pool.permute(order), BloomConfig(bits=bloom_bits, hashes=7))
@@ -389,7 +395,7 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
     quant = faiss.IndexFlatIP(d)
     quant.add(km.centroids)
     _, assign = quant.search(x, 1)
-    ivf = cluster_major_layout(torch.from_numpy(x), torch.arange(n), torch.from_numpy(km.centroids), torch.from_numpy(assign[:, 0]).long())
+    ivf = layout(torch.from_numpy(x), torch.from_numpy(km.centroids), torch.from_numpy(assign[:, 0]).long())
     module, meta = filter_index(ivf, ForwardIndex.from_codes(feats).permute(ivf.row_to_item), BloomConfig(bits=512, hashes=7))
     module.eval()
     nprobe = 16  # the snapshot's default; ours_nprobe below per k
@@ -525,7 +531,7 @@ def cuda_setup(quick: bool, dev: torch.device):
         feats[name] = ([f"{name[0]}{i}" for i in range(card)], rng.choice(card, size=n, p=p / p.sum()).astype(np.int32))
     xt = torch.from_numpy(x)
     km = kmeans(xt, nlist, niter=10, seed=1, max_points_per_centroid=64)
-    ivf = cluster_major_layout(xt, torch.arange(n), km.centroids, km.assignment)
+    ivf = layout(xt, km.centroids, km.assignment)
     fwd = ForwardIndex.from_codes(feats)  # pool rows (item id == pool row)
     module, meta = filter_index(ivf, fwd.permute(ivf.row_to_item), BloomConfig(bits=512, hashes=7))
     root = search_model(module.eval()).to(dev)

@@ -11,6 +11,7 @@ import torch
 from silverrec.kernels.cpu_ext import cpu_ext
 
 ROW_MASK = (1 << 32) - 1
+BIAS_FLOOR = -(1 << 24)  # lowest per-(query, cluster) score bias (csrc/scan.h kBiasFloor; checked by a test)
 EMPTY_KEY = torch.iinfo(torch.int64).min  # padding key: sorts after every real item
 
 
@@ -63,3 +64,23 @@ def dequantize_scores(
     if valid is not None:
         s = torch.where(valid, s, torch.full_like(s, float("-inf")))
     return s
+
+
+def cluster_bias(
+    cluster_scores: torch.Tensor, query_scale: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual codes' cluster term in the scans' integer units.
+
+    A row of cluster c scores <q, centroid c> + <q, residual>; the scans add
+    bias[b, c] = round((cluster_scores[b, c] - shift[b]) / (scale * query_scale[b])) to the int8 dot,
+    and shift[b] = max_c cluster_scores[b, c] is added back to the dequantised score. Shifting by the
+    best cluster keeps every bias <= 0; clamping at BIAS_FLOOR (2**24, more than twice the largest
+    possible |dot| 127 * 127 * D for D <= 520) only touches clusters too far below the best one for any
+    of their rows to outrank a row of the best cluster.
+
+    cluster_scores float32 [B, nlist], query_scale float32 [B], scale float32 []
+    -> (bias int32 [B, nlist] in [BIAS_FLOOR, 0], shift float32 [B]).
+    """
+    shift = cluster_scores.amax(dim=1)
+    units = (cluster_scores - shift[:, None]) / (scale * query_scale)[:, None]
+    return torch.round(units).clamp_(BIAS_FLOOR, 0).to(torch.int32), shift

@@ -10,6 +10,8 @@
     # a zero-length row_to_item returns the rows themselves (what RecModel's later stages read);
     # rescore_margin > 0 and k <= rescore_max_k: every route runs for k + rescore_margin rows, which
     # `rescore_rows` ranks by the float query on their codes, best k (kernels/rescore_rows.py)
+    # residual: codes encode item - centroid (item ~= centroid[c] + dim_scale * code + dim_offset): every
+    # route adds <query, centroid c> to the rows of cluster c (ivf_scan / filtered_topk / rescore_rows)
     # ops .. mode: one row per query, or one per group of B / ops.shape[0] consecutive queries (a
     # request's T task queries, rows b*T .. b*T + T - 1, share its filter program)
 
@@ -79,7 +81,7 @@ def compose_search(
     steps: SearchSteps, queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item, bits, post_rows,
     post_offsets, post_sizes, ops, rows, vops, vrows, lists, mode, k: int, nprobe: int, max_probe: int, window_words: int,
     match_factor: int, avg_cluster: int, num_items: int, exact_cost_ratio: float, posting_limit: int,
-    rescore_margin: int = 0, rescore_max_k: int = 0,
+    rescore_margin: int = 0, rescore_max_k: int = 0, residual: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The search as a composition of `steps` (the op's contract, module docstring).
 
@@ -103,19 +105,24 @@ def compose_search(
     q = queries.float()
     folded, constant = q * dim_scale, q @ dim_offset
     one, zero = folded.new_ones(()), folded.new_zeros(())
+    # residual codes (item ~= centroid + dim_scale * code + dim_offset): a row of cluster c adds <q, centroid c>
+    cs = q @ centroids.float().t() if residual else None
+    offsets = cluster_offsets if residual else None
     # Bloom false positives may take result slots: scan a margin, verify, keep the best k.
-    s_ivf, r_ivf = steps.ivf_scan(folded, codes, one, zero, cluster_offsets, probes, k + k // 4 + 16, bitmask)
+    s_ivf, r_ivf = steps.ivf_scan(folded, codes, one, zero, cluster_offsets, probes, k + k // 4 + 16, bitmask,
+                                  window_words, cs)
     s_ivf, r_ivf = steps.verify_topk(bits, vops, vrows, s_ivf, r_ivf, k)
     # whole-pool (route 1) and posting (route 2) queries: filter then exact scan
     exact = route > 0
     src = torch.where((route == 1)[:, None], torch.full_like(lists, -2), lists)  # -2: the whole pool
     s_ex, r_ex = steps.filtered_topk(
-        folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k, posting_limit
+        folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k, posting_limit, offsets, cs
     )
     scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
     found = torch.where(exact[:, None], r_ex, r_ivf)
     if rescore:
-        scores, found = steps.rescore_rows(q, found, codes, dim_scale.expand(q.shape[1]).contiguous(), dim_offset, k_out)
+        scores, found = steps.rescore_rows(q, found, codes, dim_scale.expand(q.shape[1]).contiguous(), dim_offset, k_out,
+                                           offsets, cs)
     return scores, found if row_to_item.numel() == 0 else steps.rows_to_items(row_to_item, found)
 
 
@@ -134,7 +141,7 @@ SCHEMA = (
     "Tensor row_to_item, Tensor bits, Tensor post_rows, Tensor post_offsets, Tensor post_sizes, Tensor ops, Tensor rows, "
     "Tensor vops, Tensor vrows, Tensor lists, Tensor mode, SymInt k, SymInt nprobe, SymInt max_probe, int window_words, "
     "int match_factor, int avg_cluster, int num_items, float exact_cost_ratio, int posting_limit, SymInt rescore_margin=0, "
-    "int rescore_max_k=0) -> (Tensor, Tensor)"
+    "int rescore_max_k=0, bool residual=False) -> (Tensor, Tensor)"
 )
 
 
@@ -156,6 +163,6 @@ if _ext is None or not hasattr(_ext, "rescore_rows"):
 @torch.library.register_fake("silverrec::filtered_ivf_search")
 def _(queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item, bits, post_rows, post_offsets,
       post_sizes, ops, rows, vops, vrows, lists, mode, k, nprobe, max_probe, window_words, match_factor, avg_cluster,
-      num_items, exact_cost_ratio, posting_limit, rescore_margin=0, rescore_max_k=0):
+      num_items, exact_cost_ratio, posting_limit, rescore_margin=0, rescore_max_k=0, residual=False):
     b = queries.shape[0]
     return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)

@@ -23,6 +23,9 @@ re-sorted and the CPU path stops evaluating once k rows passed.
     # max_candidates int: an upper bound on the rows of any active query's lists (the filtered
     #     search's posting_limit); the CUDA path sizes its candidate buffer with it
     # -> scores float32 [B, k] (descending, -inf padding), rows int64 [B, k] (-1 padding)
+    # optional cluster_offsets int64 [nlist + 1] with cluster_scores float32 [B, nlist]: residual codes,
+    #     every row of cluster c scores cluster_scores[b, c] more (an int32 bias on the int8 dots,
+    #     kernels/common.py cluster_bias, as silverrec::ivf_scan)
 
 "Filter, then exact scan": the rows passing the program (from the candidate lists, or the whole
 pool) are scored exactly like `silverrec::int8_topk` (int8 dot products, ties to the lower row).
@@ -40,10 +43,12 @@ it reads from each query's lists.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from silverrec.kernels.bloom_filter import check_program
-from silverrec.kernels.common import EMPTY_KEY, dequantize_scores, make_keys, quantize_queries, split_keys
+from silverrec.kernels.common import EMPTY_KEY, cluster_bias, dequantize_scores, make_keys, quantize_queries, split_keys
 from silverrec.kernels.cpu_ext import cpu_ext
 
 NO_LISTS = -2
@@ -143,8 +148,10 @@ def passing_rows_torch(bits, ops, prog_rows, post_rows, post_offsets, lists, b: 
     return cand[ok]
 
 
-def filtered_keys_torch(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int) -> torch.Tensor:
-    """Device-generic path: top-k keys int64 [B, k] (descending, EMPTY_KEY padding)."""
+def filtered_keys_torch(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int,
+                        cluster_offsets=None, bias=None) -> torch.Tensor:
+    """Device-generic path: top-k keys int64 [B, k] (descending, EMPTY_KEY padding); bias optional int32
+    [B, nlist] added to the dots of each cluster's rows (clusters from cluster_offsets int64 [nlist + 1])."""
     B = qcodes.shape[0]
     n, d = codes.shape
     keys = torch.full((B, k), EMPTY_KEY, dtype=torch.int64, device=codes.device)
@@ -162,6 +169,8 @@ def filtered_keys_torch(qcodes, codes, bits, ops, prog_rows, post_rows, post_off
             s = (sel.float() @ qg.float().t()).round().to(torch.int64)
         else:
             s = sel.to(torch.int64) @ qg.to(torch.int64).t()
+        if bias is not None:
+            s = s + bias[members][:, torch.searchsorted(cluster_offsets, rows, right=True) - 1].t().to(s.dtype)
         kb = make_keys(s.t(), rows[None, :])
         take = min(k, rows.numel())
         keys[members, :take] = kb.topk(take, dim=1, sorted=False).values
@@ -179,8 +188,16 @@ def _check_lists(post_rows, post_offsets, lists, active, batch: int) -> None:
         raise ValueError(f"active must be bool [{batch}], got {active.dtype} {tuple(active.shape)}")
 
 
-def _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int) -> None:
+def _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int,
+                         cluster_offsets=None, cluster_scores=None) -> None:
     """ValueError naming the first bad argument (shapes and dtypes only: no host synchronisation)."""
+    if (cluster_offsets is None) != (cluster_scores is None):
+        raise ValueError("cluster_offsets and cluster_scores go together (residual codes)")
+    if cluster_offsets is not None and (
+            cluster_offsets.dtype != torch.int64 or cluster_offsets.dim() != 1 or cluster_scores.dim() != 2
+            or tuple(cluster_scores.shape) != (queries.shape[0], cluster_offsets.numel() - 1)):
+        raise ValueError(f"cluster_offsets int64 [nlist + 1] and cluster_scores [B, nlist] expected, got "
+                         f"{cluster_offsets.dtype} {tuple(cluster_offsets.shape)} and {tuple(cluster_scores.shape)}")
     check_program(bits, ops, prog_rows)
     _check_lists(post_rows, post_offsets, lists, active, queries.shape[0])
     if codes.dtype != torch.int8 or codes.dim() != 2 or queries.dim() != 2 or queries.shape[1] != codes.shape[1]:
@@ -206,9 +223,12 @@ def filtered_topk(
     active: torch.Tensor,
     k: int,
     max_candidates: int,
+    cluster_offsets: Optional[torch.Tensor] = None,
+    cluster_scores: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring."""
-    _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k)
+    _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k,
+                         cluster_offsets, cluster_scores)
     b = queries.shape[0]
     if not bool(active.any()):  # the usual case inside the filtered search: nothing to do
         return (
@@ -216,31 +236,41 @@ def filtered_topk(
             torch.full((b, k), -1, dtype=torch.int64, device=queries.device),
         )
     qcodes, qscale = quantize_queries(queries)
+    bias, shift = (None, None) if cluster_scores is None else cluster_bias(cluster_scores.float(), qscale, scale)
+    offsets = None if cluster_offsets is None else cluster_offsets.contiguous()
     ext = cpu_ext() if codes.device.type == "cpu" else None
     args = (bits.contiguous(), ops.contiguous(), prog_rows.contiguous(), post_rows.contiguous(), post_offsets.contiguous(), lists.contiguous(), active.contiguous(), k)
     if ext is not None and hasattr(ext, "filtered_topk_keys"):
-        keys = ext.filtered_topk_keys(qcodes, codes.contiguous(), *args)
-        return ext.keys_to_results(keys, qscale, queries.float().sum(dim=1), scale, offset)
-    keys = filtered_keys_torch(qcodes, codes, *args)
-    int_scores, rows = split_keys(keys)
-    return dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0), rows
+        keys = ext.filtered_topk_keys(qcodes, codes.contiguous(), *args, offsets, bias)
+        scores, rows = ext.keys_to_results(keys, qscale, queries.float().sum(dim=1), scale, offset)
+    else:
+        keys = filtered_keys_torch(qcodes, codes, *args, offsets, bias)
+        int_scores, rows = split_keys(keys)
+        scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)
+    return scores if shift is None else scores + shift[:, None], rows
 
 
 @filtered_topk.register_fake
-def _(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates):
+def _(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates,
+      cluster_offsets=None, cluster_scores=None):
     b = queries.shape[0]
     return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
 
 
-def filtered_topk_cuda(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates):
+def filtered_topk_cuda(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k,
+                       max_candidates, cluster_offsets=None, cluster_scores=None):
     """The op on CUDA: the Triton kernel (tests run it on CPU tensors under TRITON_INTERPRET=1)."""
     from silverrec.kernels.filtered_topk_triton import filtered_keys_triton
 
-    _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k)
+    _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k,
+                         cluster_offsets, cluster_scores)
     qcodes, qscale = quantize_queries(queries)
-    keys = filtered_keys_triton(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates)
+    bias, shift = (None, None) if cluster_scores is None else cluster_bias(cluster_scores.float(), qscale, scale)
+    keys = filtered_keys_triton(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates,
+                                cluster_offsets=cluster_offsets, bias=bias)
     int_scores, rows = split_keys(keys)
-    return dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0), rows
+    scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)
+    return scores if shift is None else scores + shift[:, None], rows
 
 
 torch.library.register_kernel("silverrec::filtered_topk", "cuda", filtered_topk_cuda)

@@ -30,6 +30,12 @@ histogram, one compaction; benchmarks/filtered_topk_passes.py). Many exact score
 codes) take more passes: ceil((SB + RB) / DIGIT) + 1 scans at most (SB, RB: bits of the score
 range and of N).
 
+Residual codes (optional `bias` int32 [B, nlist] in [-BIAS_BOUND, 0] with `cluster_offsets`): a row
+r of cluster c scores dot + bias[b, c] (ranked, and in the keys), c found in the kernel by a binary
+search of r over cluster_offsets (bit length of nlist steps per tile: no host synchronisation,
+nothing sized by N). The score range grows by BIAS_BOUND and SOFF with it: at D = 128 the value
+takes 25 + RB bits (22 + RB without bias), 52 bits at N = 100M (RB = 27).
+
 Why not per-chunk key buffers merged by topk (int8_topk_triton.py): [B, chunk] keys written per
 chunk and N / chunk topk launches over [B, k + chunk]; here nothing but [B, 2**DIGIT] counts and
 [B, CAP] keys is written, and no sort is larger than CAP.
@@ -47,7 +53,7 @@ import triton
 import triton.language as tl
 
 from silverrec.kernels.bloom_filter_triton import program_words
-from silverrec.kernels.common import EMPTY_KEY
+from silverrec.kernels.common import BIAS_FLOOR, EMPTY_KEY
 from silverrec.kernels.filtered_topk import NO_LISTS
 from silverrec.kernels.ivf_scan_triton import row_scores
 
@@ -55,6 +61,7 @@ DIGIT = 16  # bits per radix pass: 65536 bins per query
 BLOCK = 64  # rows per scored tile (one bank word) and words per route-1 tile
 TARGET_PROGRAMS = 1024  # programs per launch (B x SPLITS), enough to fill an H100's 132 SMs
 MIN_SLACK = 256  # buffer rows beyond k for the boundary bin
+BIAS_BOUND = -BIAS_FLOOR  # residual codes: bias[b, c] in [-BIAS_BOUND, 0] (kernels/common.py cluster_bias)
 
 
 @triton.jit
@@ -99,13 +106,35 @@ def _posting_rows(post_rows_ptr, post_off_ptr, lists_ptr, b, pos, inb, T2, V, NI
 
 
 @triton.jit
+def _cluster_bias(coff_ptr, bias_ptr, b, rows, ok, NLIST, CITER: tl.constexpr):
+    """int64 [BLOCK]: bias[b, c] of the cluster c of each row int64 [BLOCK] (lanes `ok`; others 0).
+
+    c = the last cluster with off[c] <= row (so empty clusters are skipped), by a binary search of
+    every lane over off[0, NLIST): CITER = bit length of NLIST steps, one gather each.
+    """
+    a = tl.zeros_like(rows)
+    z = tl.zeros_like(rows) + NLIST
+    for _ in tl.static_range(CITER):  # a = number of clusters c with off[c] <= row
+        live = ok & (a < z)
+        mid = (a + z) >> 1
+        val = tl.load(coff_ptr + mid, mask=live, other=0)
+        a = tl.where(live & (val <= rows), mid + 1, a)
+        z = tl.where(live & (val > rows), mid, z)
+    return tl.load(bias_ptr + b * NLIST + a - 1, mask=ok & (a > 0), other=0).to(tl.int64)
+
+
+@triton.jit
 def _select_rows(
     q_ptr, x_ptr, b, rows, ok, D, SOFF, RB, RMASK, prefix, shift_hi, shift, vmin,
-    hist_ptr, count_ptr, buf_ptr, CAP,
+    hist_ptr, count_ptr, buf_ptr, CAP, coff_ptr, bias_ptr, NLIST,
     COMPACT: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CITER: tl.constexpr,
 ):
-    """Score rows int64 [BLOCK] (lanes `ok`) against query b; histogram or compact them (module docstring)."""
+    """Score rows int64 [BLOCK] (lanes `ok`) against query b, plus their clusters' bias if HAS_BIAS;
+    histogram or compact them (module docstring)."""
     score = row_scores(q_ptr, x_ptr, b, rows, ok, D, D, D, BLOCK, BLOCK_D).to(tl.int64)
+    if HAS_BIAS:
+        score += _cluster_bias(coff_ptr, bias_ptr, b, rows, ok, NLIST, CITER)
     v = ((score + SOFF) << RB) | (RMASK - rows)
     if COMPACT:
         sel = ok & (v >= vmin)
@@ -121,7 +150,7 @@ def _select_rows(
 
 
 @triton.jit
-def _filtered_scan_kernel(
+def _filtered_scan_bias_kernel(
     q_ptr,  # int8 [B, D] quantised queries
     x_ptr,  # int8 [N, D] codes
     bits_ptr,  # int64 [R, W] filter row bank
@@ -138,11 +167,16 @@ def _filtered_scan_kernel(
     buf_ptr,  # int64 [B, CAP] keys
     scratch_ptr,  # int64 [B, SPLITS, L + 1, BLOCK] program stacks
     D, W, L, T, T2, V, CAP, SPLITS, SOFF, RB, RMASK, shift_hi, shift, NO_LISTS,
+    coff_ptr,  # int64 [NLIST + 1] cluster offsets (ignored unless HAS_BIAS)
+    bias_ptr,  # int32 [B, NLIST] per-(query, cluster) score terms (ignored unless HAS_BIAS)
+    NLIST,
     COMPACT: tl.constexpr,
     NITER: tl.constexpr,
     NBINS: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CITER: tl.constexpr,  # binary search steps over the cluster offsets: bit length of NLIST
 ):
     """Program (b, s) takes tiles s, s + SPLITS, ... of query b's candidates (module docstring)."""
     b = tl.program_id(0)
@@ -168,7 +202,8 @@ def _filtered_scan_kernel(
                     ok = (((word >> lane) & 1) != 0) & (rows < n)
                     _select_rows(
                         q_ptr, x_ptr, b, tl.minimum(rows, n - 1), ok, D, SOFF, RB, RMASK, prefix, shift_hi, shift,
-                        vmin, hist_ptr, count_ptr, buf_ptr, CAP, COMPACT, NBINS, BLOCK, BLOCK_D,
+                        vmin, hist_ptr, count_ptr, buf_ptr, CAP, coff_ptr, bias_ptr, NLIST,
+                        COMPACT, NBINS, BLOCK, BLOCK_D, HAS_BIAS, CITER,
                     )
             tl.debug_barrier()  # every lane has read slot L before the next tile writes it
     else:  # route 2: list positions; the program per row
@@ -180,8 +215,30 @@ def _filtered_scan_kernel(
             if tl.max(ok.to(tl.int32), axis=0) > 0:
                 _select_rows(
                     q_ptr, x_ptr, b, rows, ok, D, SOFF, RB, RMASK, prefix, shift_hi, shift,
-                    vmin, hist_ptr, count_ptr, buf_ptr, CAP, COMPACT, NBINS, BLOCK, BLOCK_D,
+                    vmin, hist_ptr, count_ptr, buf_ptr, CAP, coff_ptr, bias_ptr, NLIST,
+                    COMPACT, NBINS, BLOCK, BLOCK_D, HAS_BIAS, CITER,
                 )
+
+
+@triton.jit
+def _filtered_scan_kernel(
+    q_ptr, x_ptr, bits_ptr, ops_ptr, prog_ptr, post_rows_ptr, post_off_ptr, lists_ptr, ncand_ptr, prefix_ptr,
+    vmin_ptr, hist_ptr, count_ptr, buf_ptr, scratch_ptr,
+    D, W, L, T, T2, V, CAP, SPLITS, SOFF, RB, RMASK, shift_hi, shift, NO_LISTS,
+    COMPACT: tl.constexpr,
+    NITER: tl.constexpr,
+    NBINS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """`_filtered_scan_bias_kernel` without bias (the same code): the kernel of the search without
+    residual codes, its signature unchanged."""
+    _filtered_scan_bias_kernel(
+        q_ptr, x_ptr, bits_ptr, ops_ptr, prog_ptr, post_rows_ptr, post_off_ptr, lists_ptr, ncand_ptr, prefix_ptr,
+        vmin_ptr, hist_ptr, count_ptr, buf_ptr, scratch_ptr,
+        D, W, L, T, T2, V, CAP, SPLITS, SOFF, RB, RMASK, shift_hi, shift, NO_LISTS, lists_ptr, lists_ptr, 0,
+        COMPACT, NITER, NBINS, BLOCK, BLOCK_D, False, 1,
+    )
 
 
 def workspace_shapes(batch: int, prog_len: int, k: int, splits: int) -> dict[str, tuple[int, ...]]:
@@ -196,6 +253,15 @@ def workspace_shapes(batch: int, prog_len: int, k: int, splits: int) -> dict[str
         "scratch": (batch, splits, prog_len + 1, BLOCK),
         "per_query": (batch,),
     }
+
+
+def value_bits(d: int, n: int, has_bias: bool) -> tuple[int, int, int]:
+    """(SOFF, RB, total bits) of the selection value (score + SOFF) << RB | (2**RB - 1 - row) at D = d,
+    N = n: |dot| <= 127 * 128 * d, and with residual codes a bias down to -BIAS_BOUND below that."""
+    smax = 127 * 128 * d
+    soff = smax + (BIAS_BOUND if has_bias else 0)  # score + soff >= 0
+    rb = max(n - 1, 1).bit_length()
+    return soff, rb, (soff + smax).bit_length() + rb
 
 
 def _select_digit(hist, k, cap, width, shift, prefix, n_above, done, vmin):
@@ -219,22 +285,26 @@ def _select_digit(hist, k, cap, width, shift, prefix, n_above, done, vmin):
 
 def filtered_keys_triton(
     qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int, max_candidates: int,
-    splits: int | None = None,
+    splits: int | None = None, cluster_offsets: torch.Tensor | None = None, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-k sort keys int64 [B, k] (descending, EMPTY_KEY padding) of the filtered exact search.
 
     qcodes int8 [B, D] (quantised queries); the other arguments as `silverrec::filtered_topk`
     (validated by the op). `splits`: programs per query (default: TARGET_PROGRAMS / B, at most the
-    largest query's tiles). Static shapes, no host synchronisation.
+    largest query's tiles). Residual codes: bias int32 [B, nlist] in [-BIAS_BOUND, 0] with
+    cluster_offsets int64 [nlist + 1] (cluster-major rows, off[0] = 0, off[nlist] = N) adds
+    bias[b, c] to the dot of every row of cluster c before the selection. Static shapes, no host
+    synchronisation.
     """
     qcodes, codes, bits, ops, prog_rows = (t.contiguous() for t in (qcodes, codes, bits, ops, prog_rows))
     post_rows, post_offsets, lists = post_rows.contiguous(), post_offsets.contiguous(), lists.contiguous()
     B, D = qcodes.shape
     N, L, T, T2, V = codes.shape[0], ops.shape[1], prog_rows.shape[2], lists.shape[1], post_offsets.numel() - 1
     dev = codes.device
-    soff = 127 * 128 * D  # |score| <= 127 * 128 * D
-    rb = max(N - 1, 1).bit_length()
-    total_bits = (2 * soff).bit_length() + rb
+    has_bias = bias is not None
+    if has_bias and (cluster_offsets is None or tuple(bias.shape) != (B, cluster_offsets.numel() - 1)):
+        raise ValueError("filtered_topk: bias must be [B, nlist] with cluster_offsets [nlist + 1]")
+    soff, rb, total_bits = value_bits(D, N, has_bias)
     if total_bits > 63:
         raise ValueError(f"filtered_topk: D = {D} and N = {N} do not fit a 63-bit (score, row) value")
     # candidates per query: N (whole pool), its lists' total length (posting route), 0 (inactive)
@@ -263,13 +333,19 @@ def filtered_keys_triton(
     BLOCK_D = max(32, min(128, triton.next_power_of_2(D)))
     niter = max(int(max_candidates), 1).bit_length() + 1
     grid = (B, splits)
+    if has_bias:
+        nlist = bias.shape[1]
+        kernel, bias_args = _filtered_scan_bias_kernel, (cluster_offsets.contiguous(), bias.contiguous(), nlist)
+        bias_flags = dict(HAS_BIAS=True, CITER=max(nlist.bit_length(), 1))
+    else:  # the kernel without bias arguments (same code as HAS_BIAS=False)
+        kernel, bias_args, bias_flags = _filtered_scan_kernel, (), {}
 
     def launch(n, shift_hi, shift, compact):
-        _filtered_scan_kernel[grid](
+        kernel[grid](
             qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, n, prefix, vmin,
             hist, count, buf, scratch,
             D, bits.shape[1], L, T, T2, V, cap, splits, soff, rb, (1 << rb) - 1, shift_hi, shift, NO_LISTS,
-            COMPACT=compact, NITER=niter, NBINS=1 << DIGIT, BLOCK=BLOCK, BLOCK_D=BLOCK_D,
+            *bias_args, COMPACT=compact, NITER=niter, NBINS=1 << DIGIT, BLOCK=BLOCK, BLOCK_D=BLOCK_D, **bias_flags,
         )
 
     shift_hi = total_bits

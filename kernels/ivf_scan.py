@@ -19,6 +19,9 @@ Args:
     window_words: Wc of `cluster_offsets` (`bitmask_words`), an index constant, or 0 = unknown. The
         CUDA scan without a bitmask sizes its key columns from it; 0 makes it read the largest cluster
         from the device, a host synchronisation that a CUDA graph cannot capture. The CPU ignores it.
+    cluster_scores: optional float32 [B, nlist], residual codes (item ~= centroid[c] + scale * code +
+        offset): every row of cluster c scores cluster_scores[b, c] (= <query, centroid c>) more. The
+        scan adds it as an int32 bias to the int8 dot products (`common.cluster_bias`), so it ranks.
 Returns:
     scores float32 [B, k], descending; rows int64 [B, k] (cluster-major rows), ties broken by lower
     row. Fewer than k allowed items in the probed clusters: the tail is padded with row -1 and
@@ -52,7 +55,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from silverrec.kernels.common import EMPTY_KEY, dequantize_scores, make_keys, quantize_queries, split_keys
+from silverrec.kernels.common import EMPTY_KEY, cluster_bias, dequantize_scores, make_keys, quantize_queries, split_keys
 from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.int8_topk import merge_candidates
 
@@ -84,8 +87,12 @@ def canonical_probes(probes: torch.Tensor) -> torch.Tensor:
     return torch.where(dup_orig, torch.full_like(probes, -1), probes)
 
 
-def check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask) -> None:
+def check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, cluster_scores=None) -> None:
     """Shapes and dtypes (no data-dependent checks: those need a host sync)."""
+    if cluster_scores is not None and (cluster_scores.dim() != 2 or tuple(cluster_scores.shape) != (
+            queries.shape[0], cluster_offsets.numel() - 1)):
+        raise ValueError(f"cluster_scores must be [{queries.shape[0]}, {cluster_offsets.numel() - 1}] (B, nlist), "
+                         f"got {tuple(cluster_scores.shape)}")
     if codes.dtype != torch.int8 or codes.dim() != 2:
         raise ValueError(f"codes must be int8 [N, D], got {codes.dtype} {tuple(codes.shape)}")
     if queries.dim() != 2 or queries.shape[1] != codes.shape[1]:
@@ -196,7 +203,7 @@ def _nonzero_by_query(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mask.t().nonzero(as_tuple=True)
 
 
-def _scan_pass(best, qt, codes, cluster_offsets, pairs, probes_np, chunk_rows, gap_rows, dense, bitmask, slot_of):
+def _scan_pass(best, qt, codes, cluster_offsets, pairs, probes_np, chunk_rows, gap_rows, dense, bitmask, slot_of, bias):
     """Score the clusters in `pairs` chunk by chunk and merge qualifying entries into `best`.
 
     dense: mask entries by pairs before the threshold (first pass, when thresholds are still
@@ -212,6 +219,9 @@ def _scan_pass(best, qt, codes, cluster_offsets, pairs, probes_np, chunk_rows, g
         scores = buf[:pos]
         seg = torch.tensor(segments, dtype=torch.int64)  # [S, 2] row ranges
         seg_len = seg[:, 1] - seg[:, 0]
+        if bias is not None:  # residual codes: + bias[b, cluster of the row]
+            chunk_rows_ = torch.cat([torch.arange(a, z) for a, z in segments])
+            scores = scores + bias[:, torch.searchsorted(cluster_offsets, chunk_rows_, right=True) - 1].t()
         # Only entries reaching the query's current k-th best can enter (EMPTY -> int32 min: all).
         threshold = (best.amin(dim=1) >> 32).to(torch.int32)  # [B]
         mask = scores >= threshold[None, :]
@@ -247,6 +257,7 @@ def scan_keys_cpu(
     bitmask: Optional[torch.Tensor],
     chunk_rows: int = CHUNK_ROWS,
     gap_rows: int = GAP_ROWS,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Top-k sort keys int64 [B, k] (descending, EMPTY_KEY padding) of the probed, allowed rows.
 
@@ -256,7 +267,8 @@ def scan_keys_cpu(
     at entries reaching that bound.
 
     Args: qcodes int8 [B, D]; codes int8 [N, D]; cluster_offsets int64 [nlist + 1];
-    probes int64 [B, P] canonical (no repeats, see `canonical_probes`); bitmask as in the op.
+    probes int64 [B, P] canonical (no repeats, see `canonical_probes`); bitmask as in the op; bias
+    optional int32 [B, nlist] added to the dot products of each cluster's rows (`common.cluster_bias`).
     """
     B = qcodes.shape[0]
     nlist = cluster_offsets.numel() - 1
@@ -276,17 +288,19 @@ def scan_keys_cpu(
             continue
         pairs = _pairs(probes, slots, nlist)
         probes_np = torch.where(slots, probes, -1).numpy()
-        best = _scan_pass(best, qt, codes, cluster_offsets, pairs, probes_np, chunk_rows, gap_rows, dense, bitmask, slot_of)
+        best = _scan_pass(best, qt, codes, cluster_offsets, pairs, probes_np, chunk_rows, gap_rows, dense, bitmask, slot_of,
+                          bias)
     return best.sort(dim=1, descending=True).values
 
 
-def _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, keys_fn):
-    check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask)
+def _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, keys_fn, cluster_scores=None):
+    check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, cluster_scores)
     qcodes, qscale = quantize_queries(queries)
-    keys = keys_fn(qcodes, codes, cluster_offsets, canonical_probes(probes), k, bitmask)
+    bias, shift = (None, None) if cluster_scores is None else cluster_bias(cluster_scores.float(), qscale, scale)
+    keys = keys_fn(qcodes, codes, cluster_offsets, canonical_probes(probes), k, bitmask, bias=bias)
     int_scores, rows = split_keys(keys)
     scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)
-    return scores, rows
+    return scores if shift is None else scores + shift[:, None], rows
 
 
 @torch.library.custom_op("silverrec::ivf_scan", mutates_args=())
@@ -300,37 +314,42 @@ def ivf_scan(
     k: int,
     bitmask: Optional[torch.Tensor] = None,
     window_words: int = 0,
+    cluster_scores: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU (C++ fast path, torch fallback). See the module docstring for the contract."""
-    check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask)
+    check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, cluster_scores)
     ext = cpu_ext()
     if ext is None:
         _check_values(codes, cluster_offsets, probes, bitmask)
-        return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, scan_keys_cpu)
+        return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, scan_keys_cpu,
+                              cluster_scores)
     if probes.numel() and int(probes.max()) < 0:  # nothing probed (e.g. every query took another route)
         b = queries.shape[0]
         return torch.full((b, k), float("-inf")), torch.full((b, k), -1, dtype=torch.int64)
     qcodes, qscale = quantize_queries(queries)
+    bias, shift = (None, None) if cluster_scores is None else cluster_bias(cluster_scores.float(), qscale, scale)
     # value checks (cluster_offsets, probe ids, bitmask width) happen in C++ and raise ValueError
     keys = ext.ivf_scan_keys(
         qcodes, codes.contiguous(), cluster_offsets.contiguous(), probes.contiguous(),
-        None if bitmask is None else bitmask.contiguous(), k,
+        None if bitmask is None else bitmask.contiguous(), k, bias,
     )
-    return ext.keys_to_results(keys, qscale, queries.float().sum(dim=1), scale, offset)
+    scores, rows = ext.keys_to_results(keys, qscale, queries.float().sum(dim=1), scale, offset)
+    return scores if shift is None else scores + shift[:, None], rows
 
 
 @ivf_scan.register_fake
-def _(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None, window_words=0):
+def _(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None, window_words=0, cluster_scores=None):
     b = queries.shape[0]
     return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
 
 
-def ivf_scan_cuda(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None, window_words=0):
+def ivf_scan_cuda(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None, window_words=0,
+                  cluster_scores=None):
     """The op on CUDA: the Triton scan (tests run it on CPU tensors under TRITON_INTERPRET=1)."""
     from silverrec.kernels.ivf_scan_triton import scan_keys_triton
 
     keys_fn = partial(scan_keys_triton, window_words=window_words)
-    return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, keys_fn)
+    return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, keys_fn, cluster_scores)
 
 
 torch.library.register_kernel("silverrec::ivf_scan", "cuda", ivf_scan_cuda)
@@ -343,8 +362,10 @@ def ivf_scan_reference(
     probes: torch.Tensor,
     k: int,
     bitmask: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Independent, straightforward reference (for tests and benchmarks).
+    """Independent, straightforward reference (for tests and benchmarks); bias: optional int32
+    [B, nlist] added to the dot products of each cluster's rows.
 
     Per query: walk its probe slots, skip -1 and repeated clusters, test each row's bit one by one,
     score the allowed rows with exact int64 dot products, stable-sort. Returns (int64 integer
@@ -371,6 +392,8 @@ def ivf_scan_reference(
             continue
         rows_t = torch.tensor(sorted(rows), dtype=torch.int64)
         s = codes[rows_t].to(torch.int64) @ q64[b]
+        if bias is not None:
+            s = s + bias[b].to(torch.int64)[torch.searchsorted(cluster_offsets, rows_t, right=True) - 1]
         order = torch.sort(-s, stable=True).indices[:k]
         out_s[b, : order.numel()] = s[order]
         out_r[b, : order.numel()] = rows_t[order]

@@ -9,6 +9,11 @@ least SLOT_GROUP) and merges each group's keys into the running top-k with `torc
 device, the running top-k kept in the first k columns of the same buffer. The probed rows are never
 gathered; the key buffer is B x (k + group x max cluster size) int64.
 
+Residual codes (`bias` int32 [B, nlist]): `_ivf_scan_bias_keys_kernel` adds bias[b, c], one scalar
+load per program, to the slot's dots before the keys are packed, so it ranks. Without bias the
+launcher runs `_ivf_scan_keys_kernel`, that kernel with HAS_BIAS off (the same code, the old
+signature).
+
 The query is broadcast over the 16 columns of the dot's second operand (tl.dot needs N >= 16), so
 the MMA does 16x the useful work; the scan is bound by reading the codes, which happens once.
 Grouping the queries that probe the same cluster into one program would recover that factor.
@@ -63,7 +68,7 @@ def row_scores(q_ptr, x_ptr, b, rows, ok, D, stride_q, stride_x, BLOCK: tl.const
 
 
 @triton.jit
-def _ivf_scan_keys_kernel(
+def _ivf_scan_bias_keys_kernel(
     q_ptr,  # int8 [B, D] quantised queries
     x_ptr,  # int8 [N, D] cluster-major codes
     off_ptr,  # int64 [nlist + 1] cluster offsets
@@ -81,13 +86,16 @@ def _ivf_scan_keys_kernel(
     stride_mb,
     stride_mp,
     stride_o,
+    bias_ptr,  # int32 [B, nlist] per-(query, cluster) score terms (ignored unless HAS_BIAS)
+    stride_bias,
     HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """out[b, g * L + n] = key of row off[c] + n of cluster c = probes[b, j0 + g]:
-    (sum_d q[b, d] * x[row, d]) * 2**32 + (2**32 - 1 - row) if the row exists and is allowed,
-    else EMPTY_KEY."""
+    (sum_d q[b, d] * x[row, d] + bias[b, c]) * 2**32 + (2**32 - 1 - row) if the row exists and is
+    allowed, else EMPTY_KEY (bias[b, c] = 0 unless HAS_BIAS)."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     t = tl.program_id(2)
@@ -104,6 +112,8 @@ def _ivf_scan_keys_kernel(
         rows = start + offs_n  # int64 [BLOCK_N]
         valid = rows < stop
         score = row_scores(q_ptr, x_ptr, b, rows, valid, D, stride_q, stride_x, BLOCK_N, BLOCK_D)
+        if HAS_BIAS:  # one scalar per (query, slot) program, added before the selection
+            score += tl.load(bias_ptr + b * stride_bias + c)
         if HAS_MASK:
             word = tl.load(
                 mask_ptr + b * stride_mb + j * stride_mp + ((rows >> 6) - (start >> 6)),
@@ -115,11 +125,30 @@ def _ivf_scan_keys_kernel(
         tl.store(out_ptrs, tl.where(valid, keys, empty), mask=offs_n < L)
 
 
+@triton.jit
+def _ivf_scan_keys_kernel(
+    q_ptr, x_ptr, off_ptr, probes_ptr, mask_ptr, out_ptr,
+    D, P, Wc, j0, L, stride_q, stride_x, stride_p, stride_mb, stride_mp, stride_o,
+    HAS_MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """`_ivf_scan_bias_keys_kernel` without bias (the same code): the kernel of the scan without
+    residual codes, its signature unchanged."""
+    _ivf_scan_bias_keys_kernel(
+        q_ptr, x_ptr, off_ptr, probes_ptr, mask_ptr, out_ptr,
+        D, P, Wc, j0, L, stride_q, stride_x, stride_p, stride_mb, stride_mp, stride_o, probes_ptr, 0,
+        HAS_MASK, False, BLOCK_N, BLOCK_D,
+    )
+
+
 def scan_keys_triton(qcodes, codes, cluster_offsets, probes, k, bitmask, slot_group: int | None = None,
-                     window_words: int = 0):
+                     window_words: int = 0, bias: torch.Tensor | None = None):
     """Top-k sort keys int64 [B, k] (descending, EMPTY_KEY padding); same contract as
     `ivf_scan.scan_keys_cpu` (probes canonical). window_words: the index's Wc, 0 = unknown
-    (`silverrec::ivf_scan`)."""
+    (`silverrec::ivf_scan`). bias: None or int32 [B, nlist] in [-(1 << 24), 0], added to the int8
+    dot of every row of cluster c for query b before the selection (residual codes: the
+    per-(query, cluster) term of row ~ centroid[c] + dim_scale * code + dim_offset)."""
     qcodes = qcodes.contiguous()
     codes = codes.contiguous()
     probes = probes.contiguous()
@@ -145,17 +174,24 @@ def scan_keys_triton(qcodes, codes, cluster_offsets, probes, k, bitmask, slot_gr
     has_mask = bitmask is not None
     mask = bitmask.contiguous() if has_mask else probes  # dummy pointer when unused
     Wc = mask.shape[2] if has_mask else 0
+    if bias is None:  # the kernel without bias arguments (same code as HAS_BIAS=False)
+        kernel, bias_args, bias_flag = _ivf_scan_keys_kernel, (), {}
+    else:
+        if tuple(bias.shape) != (B, cluster_offsets.numel() - 1):
+            raise ValueError(f"ivf_scan: bias must be [B, nlist], got {tuple(bias.shape)}")
+        bias = bias.contiguous()
+        kernel, bias_args, bias_flag = _ivf_scan_bias_keys_kernel, (bias, bias.stride(0)), {"HAS_BIAS": True}
     buf = torch.empty((B, k + G * L), dtype=torch.int64, device=codes.device)
     buf[:, :k] = best  # the running top-k, then this launch's G slots of keys
     keys = buf[:, k:]
     for j0 in range(0, P, G):
         grid = (B, G, L // BLOCK_N)
-        _ivf_scan_keys_kernel[grid](
+        kernel[grid](
             qcodes, codes, cluster_offsets, probes, mask, keys,
             D, P, Wc, j0, L,
             qcodes.stride(0), codes.stride(0), probes.stride(0),
             mask.stride(0) if has_mask else 0, mask.stride(1) if has_mask else 0, buf.stride(0),
-            HAS_MASK=has_mask, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            *bias_args, HAS_MASK=has_mask, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, **bias_flag,
         )
         buf[:, :k] = buf.topk(k, dim=1, sorted=False).values
     return buf[:, :k].sort(dim=1, descending=True).values

@@ -6,7 +6,8 @@
     silverrec recommend DIR --user U | --history "id1,id2,..." [--filter "..."] [--k K] [--json]
     silverrec rank DIR --user U | --history IDS --items FILE [--json]      (early-stage ranking)
     silverrec evaluate DIR --interactions I.parquet --items ITEMS.parquet [--users U.parquet]
-    silverrec publish --pool POOL.parquet --out DIR [--exact] [--nlist N] [--seed S] [--shards S --shard-by items|clusters]
+    silverrec publish --pool POOL.parquet --out DIR [--exact] [--nlist N] [--seed S] [--residual auto|on|off]
+                      [--shards S --shard-by items|clusters]
     silverrec query DIR --queries Q.npy --k K [--nprobe P] [--filter "..."] [--json]
     silverrec publish --generative --pool POOL --out DIR --model CKPT [--beam-width W] [--top-k K]
     silverrec query DIR --history "id1,id2,..." [--history-file F] --k K      (generative snapshots)
@@ -29,6 +30,8 @@ import numpy as np
 
 from silverrec.errors import SilverrecError
 
+
+RESIDUAL = {"auto": "auto", "on": True, "off": False}  # --residual -> IVFConfig.residual
 
 def _train(args: argparse.Namespace) -> int:
     if args.generative:
@@ -92,7 +95,8 @@ def _publish_index(pool, args) -> Path:
     from silverrec.publish.filtered_ivf import publish_index
     from silverrec.publish.ivf import IVFConfig
 
-    return publish_index(pool, args.out, config=IVFConfig(nlist=args.nlist, seed=args.seed), exact=args.exact,
+    return publish_index(pool, args.out, config=IVFConfig(nlist=args.nlist, seed=args.seed, residual=RESIDUAL[args.residual]),
+                         exact=args.exact,
                          bloom_bits=args.bloom_bits, bloom_hashes=args.bloom_hashes, overwrite=args.overwrite,
                          release_embeddings=True)
 
@@ -111,7 +115,7 @@ def _publish_sharded(pool, args) -> Path:
     from silverrec.publish.shards import DEFAULT_SHARD_BY, ShardSpec, publish_sharded
 
     spec = ShardSpec(args.shards, args.shard_by or DEFAULT_SHARD_BY)
-    config = IVFConfig(nlist=1 if args.exact else args.nlist, seed=args.seed)
+    config = IVFConfig(nlist=1 if args.exact else args.nlist, seed=args.seed, residual=RESIDUAL[args.residual])
     return publish_sharded(pool, args.out, spec=spec, config=config, bloom_bits=args.bloom_bits,
                            bloom_hashes=args.bloom_hashes, overwrite=args.overwrite)
 
@@ -351,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--exact", action="store_true", help="exact int8 index: IVF with one cluster, every search scans every row")
     pub.add_argument("--overwrite", action="store_true", help="replace an existing snapshot atomically")
     pub.add_argument("--nlist", type=int, default=None, help="IVF clusters (default about 4*sqrt(N))")
+    pub.add_argument("--residual", choices=sorted(RESIDUAL), default="auto",
+                     help="int8 codes of item - centroid: on, off, or auto (whichever reconstructs a sample closer)")
     pub.add_argument("--seed", type=int, default=0, help="IVF k-means seed")
     pub.add_argument("--bloom-bits", type=int, default=None, help="Bloom bits M per item (default: sizing rule, max tokens x K x 1.5)")
     pub.add_argument("--bloom-hashes", type=int, default=None, help="Bloom hash functions K per token (default 7)")

@@ -110,7 +110,7 @@ def _sub_ivf(ivf: Int8IVFIndex, rows: torch.Tensor) -> Int8IVFIndex:
     # clone: a shard's buffers must own their storage (torch.export.save cannot package views of
     # a larger tensor it does not see)
     return Int8IVFIndex(ivf.codes[rows], ivf.dim_scale.clone(), ivf.dim_offset.clone(), offsets,
-                        ivf.centroids.clone(), ivf.row_to_item[rows])
+                        ivf.centroids.clone(), ivf.row_to_item[rows], residual=ivf.residual)
 
 
 def _shard_of_rows(item_ids: np.ndarray, cluster_of_row: Optional[np.ndarray], sizes: Optional[np.ndarray],

@@ -258,15 +258,16 @@ def update_snapshot(
 
     clamped = 0
     new_x = torch.from_numpy(pool.embeddings) if pool is not None else torch.zeros(0, dim)
-    with clock(f"quantising {up_ids.size} upserted items with the parent's ranges"):
-        new_codes, clamped = quantize_with(new_x, t["dim_scale"], t["dim_offset"])
-
     info: dict[str, Any] = {}
     # one cluster (an exact parent) or many: the same cluster-by-cluster copy
     centroids = t["centroids"]
     nlist = centroids.shape[0]
     with clock(f"assigning {up_ids.size} upserted items to {nlist} parent centroids"):
         labels = assign(new_x, centroids)[0] if up_ids.size else torch.zeros(0, dtype=torch.int64)
+    residual = bool(cfg.get("quantization", {}).get("residual", False))  # codes of item - centroid (publish/ivf.py)
+    with clock(f"quantising {up_ids.size} upserted items with the parent's ranges"):
+        new_codes, clamped = quantize_with(new_x.float() - centroids.float()[labels] if residual else new_x,
+                                           t["dim_scale"], t["dim_offset"])
     with clock("copying kept rows cluster by cluster (one gather)"):
         # source of every final row: parent row r, or n_parent + upserted item j
         src, sizes = merge_rows(t["cluster_offsets"].numpy(), keep_rows, labels.numpy())
@@ -281,7 +282,8 @@ def update_snapshot(
         new_off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         from silverrec.retrieval.ivf_index import Int8IVFIndex
 
-        ivf = Int8IVFIndex(codes, t["dim_scale"], t["dim_offset"], torch.from_numpy(new_off), centroids, torch.from_numpy(ids))
+        ivf = Int8IVFIndex(codes, t["dim_scale"], t["dim_offset"], torch.from_numpy(new_off), centroids, torch.from_numpy(ids),
+                           residual=residual)
     config = dict(cfg)
     config["clusters"] = dict(cfg["clusters"]) | _cluster_stats(sizes)
     from silverrec.kernels.ivf_scan import bitmask_words

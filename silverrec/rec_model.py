@@ -128,7 +128,7 @@ class RecModel(nn.Module):
             idx.bits, idx.post_rows, idx.post_offsets, idx.post_sizes, ops, rows, vops, vrows, lists, mode,
             k + self.overfetch, nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
             idx.num_items, idx.exact_cost_ratio, idx.posting_limit,
-            rescore_margin(k + self.overfetch) if self.rescore else 0, self.rescore_max_k,
+            rescore_margin(k + self.overfetch) if self.rescore else 0, self.rescore_max_k, idx.residual,
         )
         if direct:
             return scores, found, found[:, :0]
@@ -166,7 +166,7 @@ class RecModel(nn.Module):
             q, idx.codes, idx.dim_scale, idx.dim_offset, idx.cluster_offsets, idx.centroids, self.rows_as_ids,
             idx.bits, idx.post_rows, idx.post_offsets, idx.post_sizes, ops, rows, vops, vrows, lists, mode,
             k0 + self.overfetch, nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
-            idx.num_items, idx.exact_cost_ratio, idx.posting_limit,
+            idx.num_items, idx.exact_cost_ratio, idx.posting_limit, 0, 0, idx.residual,
         )
         # per task: the excluded rows dropped, the best k0 by exact re-score kept, the tasks merged (one op)
         return torch.ops.silverrec.candidate_rows(q, found, exclude, self.cache.emb, k0,

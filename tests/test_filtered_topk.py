@@ -41,6 +41,19 @@ def _allowed(bank, ops, rows, n):
     return bits.reshape(b, -1)[:, :n].bool()
 
 
+def _allowed_from(bank, ops, rows, n, sel, lists, active):
+    """bool [B, n]: each active query's program over the whole pool (sel[b, 0] == NO_LISTS) or over the
+    union of its posting lists sel[b] (-1 = unused slot)."""
+    allowed = _allowed(bank, ops, rows, n)
+    for i in range(ops.shape[0]):
+        if sel[i, 0] != NO_LISTS:
+            cand = torch.zeros(n, dtype=torch.bool)
+            for l in sel[i][sel[i] >= 0].tolist():
+                cand[lists[l].long()] = True
+            allowed[i] &= cand
+    return allowed & active[:, None]
+
+
 def _postings(n, v, g):
     """v random ascending posting lists over [0, n) (some empty, overlapping)."""
     lists = []
@@ -51,9 +64,13 @@ def _postings(n, v, g):
     return torch.cat(lists).to(torch.int32), off, lists
 
 
-def _expected(queries, codes, allowed, k, scale, offset):
+def _expected(queries, codes, allowed, k, scale, offset, row_bias=None, shift=None):
+    """Brute force: (scores float32 [B, k], rows int64 [B, k]) of the allowed rows by int8 dot (+ row_bias
+    int64 [B, N] and, on the scores, + shift float32 [B]: residual codes), ties to the lower row."""
     qc, qs = quantize_queries(queries)
     s = qc.to(torch.int64) @ codes.to(torch.int64).t()
+    if row_bias is not None:
+        s = s + row_bias
     rows = torch.arange(codes.shape[0])
     keys = torch.where(allowed, s * (1 << 32) + ((1 << 32) - 1 - rows), torch.full_like(s, EMPTY_KEY))
     keys = keys.sort(dim=1, descending=True).values[:, :k]
@@ -62,6 +79,8 @@ def _expected(queries, codes, allowed, k, scale, offset):
     valid = keys != EMPTY_KEY
     r = torch.where(valid, (1 << 32) - 1 - (keys & ((1 << 32) - 1)), torch.full_like(keys, -1))
     sc = (keys >> 32).float() * (scale * qs)[:, None] + (offset * queries.sum(1))[:, None]
+    if shift is not None:
+        sc = sc + shift[:, None]
     return torch.where(valid, sc, torch.full_like(sc, float("-inf"))), r
 
 
@@ -83,14 +102,7 @@ def test_filtered_topk_equals_brute_force(n, d, b, k):
             sel[i, : len(ids)] = ids
     active = torch.ones(b, dtype=torch.bool)
     active[-1] = b < 3
-    allowed = _allowed(bank, ops, prow, n)
-    for i in range(b):
-        if sel[i, 0] != NO_LISTS:
-            cand = torch.zeros(n, dtype=torch.bool)
-            for l in sel[i][sel[i] >= 0].tolist():
-                cand[lists[l].long()] = True
-            allowed[i] &= cand
-    allowed &= active[:, None]
+    allowed = _allowed_from(bank, ops, prow, n, sel, lists, active)
     want_s, want_r = _expected(queries, codes, allowed, k, scale, offset)
 
     def run():

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from silverrec.kernels.bloom_filter import OP_FALSE, OP_TRUE
 from silverrec.kernels.common import quantize_queries, split_keys
 from silverrec.kernels.filtered_topk import NO_LISTS, filtered_keys_torch, filtered_topk_cuda
+from tests.helpers import compile_in_clean_process
 from tests.test_cpu_scan import _programs
 from tests.test_filtered_topk import _allowed, _bank, _expected, _postings
 
@@ -199,13 +200,4 @@ print('compiled')
 def test_kernel_compiles_for_sm90():
     """The interpreter does not type-check like the compiler: compile both passes for an H100 (PTX and
     cubin with triton's own ptxas; no GPU needed), in a process without TRITON_INTERPRET."""
-    import os
-    import subprocess
-    import sys
-
-    if "nvidia" not in __import__("triton.backends", fromlist=["backends"]).backends:
-        pytest.skip("triton without its NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compile_in_clean_process(_COMPILE_SM90)

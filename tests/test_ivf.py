@@ -75,7 +75,7 @@ def _rows_of(index, ids):
 
 def _index(x, nlist, seed=0):
     pool = Pool(np.arange(x.shape[0], dtype=np.int64) * 10 + 3, x.numpy())
-    index, _ = build_ivf(pool, IVFConfig(nlist=nlist, seed=seed, niter=6))
+    index, _ = build_ivf(pool, IVFConfig(nlist=nlist, seed=seed, niter=6, residual=False))
     return index
 
 
@@ -284,13 +284,13 @@ def test_export_round_trip_and_cli(tmp_path, capsys):
     ids = np.arange(3000, dtype=np.int64) * 7 + 1
     write_pool(tmp_path / "pool.parquet", ids, x.numpy())
     run_cli("publish", "--pool", str(tmp_path / "pool.parquet"), "--out", str(tmp_path / "snap"),
-            "--nlist", "24", "--seed", "3")
+            "--nlist", "24", "--seed", "3", "--residual", "off")
     manifest = json.loads((tmp_path / "snap" / "manifest.json").read_text())
     assert manifest["kind"] == "rec" and manifest["config"]["nlist"] == 24
     assert manifest["config"]["build"]["seed"] == 3
     assert manifest["config"]["bitmask_words"] >= 1
     # in-process reference with the same build settings
-    index, _ = build_ivf(Pool(ids, x.numpy()), IVFConfig(nlist=24, seed=3))
+    index, _ = build_ivf(Pool(ids, x.numpy()), IVFConfig(nlist=24, seed=3, residual=False))
     queries = torch.cat([q[:5]] * 3)  # batch 15: neither the export example's batch nor k/nprobe
     np.save(tmp_path / "q.npy", queries.numpy())
     qfile, snap = str(tmp_path / "q.npy"), str(tmp_path / "snap")
@@ -318,7 +318,7 @@ def test_export_round_trip_and_cli(tmp_path, capsys):
 def test_predictor_nprobe_validation(tmp_path):
     x, q = _gmm(500, 8, 4, seed=8)
     snap_dir = publish_index(Pool(np.arange(500, dtype=np.int64), x.numpy()), tmp_path / "s",
-                           config=IVFConfig(nlist=10), torchscript=False)
+                           config=IVFConfig(nlist=10, residual=False), torchscript=False)
     snap = silverrec.load(snap_dir)
     assert snap.search(q[:2], 5).item_ids.shape == (2, 5)  # default nprobe
     for bad in (0, 11, 2.5, True):
@@ -327,7 +327,7 @@ def test_predictor_nprobe_validation(tmp_path):
     with pytest.raises(QueryError, match="filter"):
         snap.search(q[:2], 5, filter="genre = x")
     # nprobe = nlist through the snapshot equals exact int8 search, its top rows re-scored
-    index, _ = build_ivf(Pool(np.arange(500, dtype=np.int64), x.numpy()), IVFConfig(nlist=10))
+    index, _ = build_ivf(Pool(np.arange(500, dtype=np.int64), x.numpy()), IVFConfig(nlist=10, residual=False))
     r = snap.search(q, 20, nprobe=10)
     e_scores, e_rows = exact_int8(index, q, 20 + rescore_margin(20))
     e_scores, e_ids = rescored(index, q, e_scores, e_rows, 20)

@@ -10,7 +10,8 @@ from silverrec.publish.pool import Pool
 
 
 @pytest.mark.parametrize("n, d, chunk", [(1000, 13, 7), (4099, 96, 1024), (5, 3, 2)])
-def test_consumed_layout_equals_copied_layout(n, d, chunk, monkeypatch):
+@pytest.mark.parametrize("residual", [False, True])
+def test_consumed_layout_equals_copied_layout(n, d, chunk, residual, monkeypatch):
     monkeypatch.setattr(ivf, "LAYOUT_CHUNK", chunk)  # many chunks: each one's codes land over rows already read
     rng = np.random.default_rng(n)
     x = (rng.standard_normal((n, d)) * rng.uniform(0.1, 5, d)).astype(np.float32)
@@ -18,12 +19,14 @@ def test_consumed_layout_equals_copied_layout(n, d, chunk, monkeypatch):
     nlist = min(8, n)
     centroids = torch.from_numpy(x[:nlist].copy())
     assignment = torch.from_numpy(rng.integers(0, nlist, n))
-    # reference: numpy quantisation of the pool rows, in cluster-major order
-    lo, hi = x.min(0), x.max(0)
+    # reference: numpy quantisation of the pool rows (minus their centroids: residual), in cluster-major order
+    v = x - x[:nlist][assignment.numpy()] if residual else x
+    lo, hi = v.min(0), v.max(0)
     scale = np.maximum((hi - lo) / 255.0, 1e-12)
-    ref = np.clip(np.round((x - (lo + 128 * scale)) / scale), -128, 127)[np.argsort(assignment.numpy(), kind="stable")]
-    want = ivf.cluster_major_layout(torch.from_numpy(x.copy()), ids, centroids, assignment)
-    got = ivf.cluster_major_layout(torch.from_numpy(x), ids, centroids, assignment, consume=True)
+    ref = np.clip(np.round((v - (lo + 128 * scale)) / scale), -128, 127)[np.argsort(assignment.numpy(), kind="stable")]
+    want = ivf.cluster_major_layout(torch.from_numpy(x.copy()), ids, centroids, assignment, residual=residual)
+    got = ivf.cluster_major_layout(torch.from_numpy(x), ids, centroids, assignment, consume=True, residual=residual)
+    assert got.residual == residual
     for name, t in want.state_dict().items():
         assert torch.equal(got.state_dict()[name], t), name
     assert np.abs(got.codes.numpy().astype(np.int64) - ref).max() <= 1  # float rounding at exact halves

@@ -110,8 +110,8 @@ def test_published_search_ranks_by_the_float_query_on_the_codes(tmp_path):
     x = centers[torch.randint(0, 20, (4000,), generator=g)] + torch.randn(4000, 32, generator=g)
     q = centers[torch.randint(0, 20, (64,), generator=g)] + torch.randn(64, 32, generator=g)
     pool = Pool(np.arange(4000, dtype=np.int64) * 3 + 5, x.numpy())
-    snap = silverrec.load(publish_index(pool, tmp_path / "s", config=IVFConfig(nlist=16, seed=0), torchscript=False))
-    index, _ = build_ivf(pool, IVFConfig(nlist=16, seed=0))  # the published index (seeded)
+    snap = silverrec.load(publish_index(pool, tmp_path / "s", config=IVFConfig(nlist=16, seed=0, residual=False), torchscript=False))
+    index, _ = build_ivf(pool, IVFConfig(nlist=16, seed=0, residual=False))  # the published index (seeded)
     decoded = index.codes.double() * index.dim_scale.double() + index.dim_offset.double()
     exact = q.double() @ decoded.t()
     k = 50

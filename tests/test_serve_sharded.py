@@ -54,7 +54,7 @@ def corrupt(src, dst, shard: int):
 def built(tmp_path_factory):
     """Two versions (different pools) of a 2-shard filtered IVF snapshot and copies with a bad shard."""
     root = tmp_path_factory.mktemp("serve_sharded")
-    cfg = IVFConfig(nlist=40, seed=0)
+    cfg = IVFConfig(nlist=40, seed=0, residual=False)
     out = {}
     for name, seed in (("v1", 0), ("v2", 1)):
         pool = make_pool(seed)

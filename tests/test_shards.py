@@ -86,10 +86,10 @@ def check_topk(ids, scores, ref: tuple[np.ndarray, np.ndarray, np.ndarray], item
 def snaps(tmp_path_factory):
     root = tmp_path_factory.mktemp("shards")
     pool = make_pool()
-    cfg = IVFConfig(nlist=NLIST, seed=0)
+    cfg = IVFConfig(nlist=NLIST, seed=0, residual=False)
     out = {"pool": pool, "root": root}
-    out["exact"] = silverrec.load(publish_index(pool, root / "exact", exact=True))
-    out["exact2"] = silverrec.load(publish_sharded(pool, root / "exact2", spec=ShardSpec(2, "items"), config=IVFConfig(nlist=1)))
+    out["exact"] = silverrec.load(publish_index(pool, root / "exact", exact=True, config=IVFConfig(residual=False)))
+    out["exact2"] = silverrec.load(publish_sharded(pool, root / "exact2", spec=ShardSpec(2, "items"), config=IVFConfig(nlist=1, residual=False)))
     out["fivf"] = silverrec.load(publish_index(pool, root / "fivf", config=cfg))
     for by in ("items", "clusters"):
         out[f"fivf2_{by}"] = silverrec.load(
@@ -158,7 +158,7 @@ def test_ivf_recall_within_0005_of_unsharded(tmp_path, by):
     base, queries = load_ann("bigann10k")
     base, queries = base[:6000] / 100.0, queries[:60] / 100.0
     pool = Pool(np.arange(6000, dtype=np.int64) * 3 + 1, base)
-    cfg = IVFConfig(nlist=64, seed=0)
+    cfg = IVFConfig(nlist=64, seed=0, residual=False)
     plain = silverrec.load(publish_index(pool, tmp_path / "u", config=cfg, torchscript=False))
     sharded = silverrec.load(publish_sharded(pool, tmp_path / "s", spec=ShardSpec(2, by), config=cfg,
                                              torchscript=False))
@@ -205,11 +205,11 @@ def test_named_errors(snaps, tmp_path):
     with pytest.raises(PoolError, match="shard_by must be one of"):
         ShardSpec(2, "rows")
     with pytest.raises(PoolError, match="exact index has one cluster"):
-        publish_sharded(pool, tmp_path / "x", spec=ShardSpec(2, "clusters"), config=IVFConfig(nlist=1))
+        publish_sharded(pool, tmp_path / "x", spec=ShardSpec(2, "clusters"), config=IVFConfig(nlist=1, residual=False))
     with pytest.raises(PoolError, match="at least one cluster per shard"):
         publish_sharded(pool, tmp_path / "x", spec=ShardSpec(5, "clusters"), config=IVFConfig(nlist=4))
     with pytest.raises(PoolError, match="already exists"):
-        publish_sharded(pool, snaps["exact2"].path, spec=ShardSpec(2), config=IVFConfig(nlist=1))
+        publish_sharded(pool, snaps["exact2"].path, spec=ShardSpec(2), config=IVFConfig(nlist=1, residual=False))
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.tmp-*"))
     with pytest.raises(SilverrecError, match="k=3002 exceeds"):
         snaps["exact2"].search(np.zeros((1, D), np.float32), N + 1)
@@ -223,7 +223,7 @@ def test_cli_publish_and_query(tmp_path):
     write_pool(tmp_path / "pool.parquet", np.arange(500) * 11, emb)
     np.save(tmp_path / "q.npy", emb[:3])
     run_cli("publish", "--pool", str(tmp_path / "pool.parquet"), "--out", str(tmp_path / "s"), "--shards", "2",
-            "--nlist", "8")
+            "--nlist", "8", "--residual", "off")
     out = run_cli("query", str(tmp_path / "s"), "--queries", str(tmp_path / "q.npy"), "--k", "5", "--nprobe", "8", "--json")
     ids = np.array(json.loads(out.stdout)["item_ids"])
     truth = (np.arange(500) * 11)[inner_product_topk(emb, emb[:3], 5)]

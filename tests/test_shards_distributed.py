@@ -75,7 +75,7 @@ def stop(rt, procs):
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     pool = make_pool()
-    cfg = IVFConfig(nlist=40, seed=0)
+    cfg = IVFConfig(nlist=40, seed=0, residual=False)
     plain = silverrec.load(publish_index(pool, root / "plain", config=cfg, torchscript=False))
     path = publish_sharded(pool, root / "s2", spec=ShardSpec(2, "items"), config=cfg, torchscript=False)
     return pool, plain, path

@@ -109,7 +109,7 @@ FILTERS = [None, "color = violet", "color = red", "NOT color = red AND tag IN (t
 
 
 def test_filtered_update_equals_brute_force_with_filters(world, tmp_path):
-    parent = publish_index(world["parent"], tmp_path / "v1", config=IVFConfig(nlist=NLIST), torchscript=False)
+    parent = publish_index(world["parent"], tmp_path / "v1", config=IVFConfig(nlist=NLIST, residual=False), torchscript=False)
     v2 = update_snapshot(parent, tmp_path / "v2", upsert=world["dir"] / "up.parquet", delete=world["dir"] / "delete.txt")
     snap = silverrec.load(v2)
     final = world["final"]
@@ -148,7 +148,7 @@ def test_filtered_update_equals_brute_force_with_filters(world, tmp_path):
 def test_ivf_update_equals_brute_force(world, tmp_path):
     plain = Pool(world["parent"].item_ids, world["parent"].embeddings)
     published = Pool(plain.item_ids, plain.embeddings.copy())  # used up by the publish, as the CLI's pool is
-    parent = publish_index(published, tmp_path / "v1", config=IVFConfig(nlist=NLIST), torchscript=False, release_embeddings=True)
+    parent = publish_index(published, tmp_path / "v1", config=IVFConfig(nlist=NLIST, residual=False), torchscript=False, release_embeddings=True)
     assert published.embeddings.shape == (0, D) and plain.embeddings.shape == (N, D)
     up = Pool(world["up"].item_ids, world["up"].embeddings)
     v2 = update_snapshot(parent, tmp_path / "v2", upsert=up, delete=world["deleted"])
@@ -185,7 +185,7 @@ def _leftovers(d: Path, name: str):
 
 def test_bad_deltas_get_named_errors_and_leave_nothing(world, tmp_path):
     plain = Pool(world["parent"].item_ids, world["parent"].embeddings)
-    parent = publish_index(plain, tmp_path / "v1", config=IVFConfig(nlist=NLIST), torchscript=False)
+    parent = publish_index(plain, tmp_path / "v1", config=IVFConfig(nlist=NLIST, residual=False), torchscript=False)
     ids = world["parent"].item_ids
     cases = [
         (dict(delete=[123_456_789]), DeltaError, "cannot delete item_id 123456789"),
@@ -217,7 +217,7 @@ def test_cli_update_and_inspect_advice(world, tmp_path):
     pool_path = tmp_path / "pool.parquet"
     p = world["parent"]
     write_pool(pool_path, p.item_ids, p.embeddings, p.features)
-    run_cli("publish", "--pool", str(pool_path), "--out", str(tmp_path / "v1"), "--nlist", str(NLIST))
+    run_cli("publish", "--pool", str(pool_path), "--out", str(tmp_path / "v1"), "--nlist", str(NLIST), "--residual", "off")
     proc = run_cli("update", str(tmp_path / "v1"), "--upsert", str(world["dir"] / "up.parquet"),
                    "--delete", str(world["dir"] / "delete.txt"), "--out", str(tmp_path / "v2"))
     assert "generation 1" in proc.stdout and "120 changed" in proc.stdout
@@ -235,11 +235,11 @@ def test_tensors_stored_once_and_format4_parent_updates(world, tmp_path, monkeyp
 
     plain = Pool(world["parent"].item_ids, world["parent"].embeddings)
     up = Pool(world["up"].item_ids, world["up"].embeddings)
-    new = publish_index(plain, tmp_path / "new", config=IVFConfig(nlist=NLIST), torchscript=True)
+    new = publish_index(plain, tmp_path / "new", config=IVFConfig(nlist=NLIST, residual=False), torchscript=True)
     files = read_manifest(new)["files"]
     assert files[TENSORS_FILE]["bytes"] > N * D
     monkeypatch.setattr(fivf, "export_module", lambda *a, tensors_apart, **k: export_module(*a, tensors_apart=False, **k))
-    old = publish_index(plain, tmp_path / "old", config=IVFConfig(nlist=NLIST), torchscript=True)
+    old = publish_index(plain, tmp_path / "old", config=IVFConfig(nlist=NLIST, residual=False), torchscript=True)
     monkeypatch.undo()
     old_files = read_manifest(old)["files"]
     assert TENSORS_FILE not in old_files  # the codes (N x D bytes) moved out of both programs:

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -145,14 +146,15 @@ std::tuple<at::Tensor, at::Tensor> verify_topk(const at::Tensor& bits, const at:
 at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
                               const at::Tensor& ops_t, const at::Tensor& rows_t, const at::Tensor& post_rows_t,
                               const at::Tensor& post_off_t, const at::Tensor& lists_t, const at::Tensor& active_t,
-                              int64_t k) {
+                              int64_t k, const std::optional<at::Tensor>& cluster_offsets,
+                              const std::optional<at::Tensor>& bias) {
   check(ops_t, at::kLong, 2, "ops");
   const int64_t B = ops_t.size(0);
   at::Tensor keys = at::empty({B, k}, at::kLong);
   std::vector<int64_t> count(B, 0);
   int64_t* kp = keys.data_ptr<int64_t>();
   filtered_topk_into(qcodes, codes, bits, ops_t, rows_t, post_rows_t, post_off_t, lists_t, active_t, k, kp,
-                     count.data());
+                     count.data(), cluster_offsets, bias);
   for (int64_t b = 0; b < B; ++b) std::fill(kp + b * k + count[b], kp + (b + 1) * k, kEmptyKey);
   return keys;
 }
@@ -160,7 +162,8 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
 void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
                         const at::Tensor& ops_t, const at::Tensor& rows_t, const at::Tensor& post_rows_t,
                         const at::Tensor& post_off_t, const at::Tensor& lists_t, const at::Tensor& active_t, int64_t k,
-                        int64_t* kp, int64_t* count) {
+                        int64_t* kp, int64_t* count, const std::optional<at::Tensor>& cluster_offsets,
+                        const std::optional<at::Tensor>& bias) {
   check(bits, at::kLong, 2, "bits");
   check(ops_t, at::kLong, 2, "ops");
   check(rows_t, at::kLong, 3, "rows");
@@ -178,6 +181,17 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   TORCH_CHECK(lists_t.size(0) == B && active_t.size(0) == B && qcodes.size(0) == B, "filtered_topk: B rows expected");
   TORCH_CHECK(W == (N + 63) / 64, "filtered_topk: bits must have ceil(N / 64) words per row");
   std::fill(count, count + B, int64_t{0});
+  // residual codes: row r of cluster c scores dot + bias[b, c] (clusters from cluster_offsets)
+  TORCH_CHECK(cluster_offsets.has_value() == bias.has_value(), "filtered_topk: cluster_offsets and bias go together");
+  const int64_t* coff = nullptr;
+  int64_t nlist = 0;
+  if (cluster_offsets) {
+    check(*cluster_offsets, at::kLong, 1, "cluster_offsets");
+    nlist = cluster_offsets->size(0) - 1;
+    coff = cluster_offsets->data_ptr<int64_t>();
+    TORCH_CHECK(nlist >= 1 && coff[0] == 0 && coff[nlist] == N, "filtered_topk: cluster_offsets must rise from 0 to N");
+  }
+  const int32_t* bp = bias_data(bias, B, nlist);
   const bool* act = active_t.data_ptr<bool>();
   const int64_t *bank = bits.data_ptr<int64_t>(), *ops = ops_t.data_ptr<int64_t>(), *prog = rows_t.data_ptr<int64_t>();
   const int64_t *lists = lists_t.data_ptr<int64_t>(), *post_off = post_off_t.data_ptr<int64_t>();
@@ -247,17 +261,35 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   big.bitmask = mask.data();
   for (size_t g = 0; g < groups.size(); ++g) {
     ScanInput& in = mask_group[g] >= 0 ? big : small;
-    const int64_t first = int64_t(in.member_query.size());
-    for (int64_t b : live)
-      if (rep[b] == groups[g]) {
-        in.member_query.push_back(b);
-        in.member_word.push_back(mask_group[g] >= 0 ? mask_group[g] * W : 0);
-      }
-    const int64_t count = int64_t(in.member_query.size()) - first;
-    if (mask_group[g] >= 0)
-      in.segments.push_back({0, N, first, count});
-    else if (!passing[g].empty())
-      in.segments.push_back({buf_start[g], buf_start[g] + int64_t(passing[g].size()), first, count});
+    // segment [a, z) of the scanned codes (pool rows, or buffer positions) whose rows are all in cluster c
+    // (c = -1: no biases), with the group's queries as members
+    const auto add_segment = [&](int64_t a, int64_t z, int64_t c) {
+      const int64_t first = int64_t(in.member_query.size());
+      for (int64_t b : live)
+        if (rep[b] == groups[g]) {
+          in.member_query.push_back(b);
+          in.member_word.push_back(mask_group[g] >= 0 ? mask_group[g] * W : 0);
+          if (c >= 0) in.member_bias.push_back(bp[b * nlist + c]);
+        }
+      in.segments.push_back({a, z, first, int64_t(in.member_query.size()) - first});
+    };
+    const auto& p = passing[g];
+    if (p.empty()) continue;
+    if (!bp) {
+      if (mask_group[g] >= 0) add_segment(0, N, -1);
+      else add_segment(buf_start[g], buf_start[g] + int64_t(p.size()), -1);
+      continue;
+    }
+    // one segment per cluster holding passing rows (p ascending: clusters found by walking the offsets)
+    int64_t c = 0;
+    for (size_t i = 0; i < p.size();) {
+      while (coff[c + 1] <= p[i]) ++c;
+      size_t j = i;
+      while (j < p.size() && p[j] < coff[c + 1]) ++j;
+      if (mask_group[g] >= 0) add_segment(coff[c], coff[c + 1], c);
+      else add_segment(buf_start[g] + int64_t(i), buf_start[g] + int64_t(j), c);
+      i = j;
+    }
   }
   // each scan writes the rows of its own members only (unpadded), straight into the output
   std::vector<int64_t> count_big(B, 0);

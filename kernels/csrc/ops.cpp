@@ -30,7 +30,9 @@ at::Tensor mol_score(const at::Tensor& user, const at::Tensor& rows, const at::T
                      const at::Tensor& log_scale, int64_t p_q, int64_t p_x, int64_t comp_dim, int64_t feat_dim);
 // kernels/csrc/rescore.cpp
 std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries, const at::Tensor& found, const at::Tensor& codes,
-                                                const at::Tensor& dim_scale, const at::Tensor& dim_offset, int64_t k);
+                                                const at::Tensor& dim_scale, const at::Tensor& dim_offset, int64_t k,
+                                                const std::optional<at::Tensor>& cluster_offsets,
+                                                const std::optional<at::Tensor>& cluster_scores);
 // kernels/csrc/encode.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
     const at::Tensor& rows, const at::Tensor& offsets, int64_t exclude_limit, int64_t history_len, int64_t recent_len,
@@ -65,7 +67,8 @@ at::Tensor topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, int64_t 
 // ivf_scan: probes [B, P] (-1 = empty slot, repeats of a cluster count once: the first slot), optional
 // bitmask [B, P, Wc]. Segments = probed clusters, ordered by the best slot any query gave them.
 at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& cluster_offsets,
-                         const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k) {
+                         const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k,
+                         const std::optional<at::Tensor>& bias = std::nullopt) {
   ScanInput in = base_input(qcodes, codes, k);
   check(cluster_offsets, at::kLong, 1, "cluster_offsets");
   check(probes, at::kLong, 2, "probes");
@@ -83,6 +86,7 @@ at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, cons
   for (int64_t i = 0; i < in.B * P; ++i)
     if (pr[i] < -1 || pr[i] >= nlist)
       throw std::invalid_argument("probes must hold cluster ids in [0, " + std::to_string(nlist) + ") or -1");
+  const int32_t* bp = bias_data(bias, in.B, nlist);  // residual codes: dot + bias[b, c]
   int64_t wslot = 0;
   if (bitmask) {
     check(*bitmask, at::kLong, 3, "bitmask");
@@ -119,12 +123,14 @@ at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, cons
   }
   in.member_query.assign(m, 0);
   in.member_word.assign(m, 0);
+  if (bp) in.member_bias.assign(m, 0);
   for (int64_t b = 0; b < in.B; ++b)
     for (int64_t j = 0; j < P; ++j) {
       if (first_slot[b * P + j] < 0) continue;
       const int64_t c = pr[b * P + j], i = cursor[c]++;
       in.member_query[i] = b;
       in.member_word[i] = (b * P + j) * wslot - (off[c] >> 6);
+      if (bp) in.member_bias[i] = bp[b * nlist + c];
     }
   return scan_topk(in);
 }
@@ -273,7 +279,8 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
     const at::Tensor& post_rows_in, const at::Tensor& post_offsets_in, const at::Tensor& post_sizes_in, const at::Tensor& ops_in,
     const at::Tensor& rows_in, const at::Tensor& vops_in, const at::Tensor& vrows_in, const at::Tensor& lists_in, const at::Tensor& mode_in,
     int64_t k, int64_t nprobe, int64_t max_probe, int64_t window_words, int64_t match_factor, int64_t avg_cluster,
-    int64_t num_items, double exact_cost_ratio, int64_t posting_limit, int64_t rescore_margin, int64_t rescore_max_k) {
+    int64_t num_items, double exact_cost_ratio, int64_t posting_limit, int64_t rescore_margin, int64_t rescore_max_k,
+    bool residual) {
   // inputs may come from anywhere (eager calls, other graphs): contiguous views for the kernels
   const at::Tensor queries = queries_in.contiguous();
   const at::Tensor codes = codes_in.contiguous();
@@ -342,6 +349,28 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   }
   at::Tensor qcodes, qscale;
   std::tie(qcodes, qscale) = quantize_queries(folded);
+  // residual codes: every row of cluster c adds <q, centroid c> (kernels/common.py cluster_bias: int32
+  // biases for the scans, the per-query shift added back to their scores; the re-score adds it in float)
+  at::Tensor cluster_scores, bias_t;
+  std::vector<float> shift(B, 0.0f);
+  std::optional<at::Tensor> bias, offsets_if_residual;
+  if (residual) {
+    cluster_scores = at::matmul(q, as_float(centroids).t()).contiguous();  // as the composition: identical sums
+    const int64_t C = cluster_scores.size(1);
+    bias_t = at::empty({B, C}, at::kInt);
+    const float *cs = cluster_scores.data_ptr<float>(), *qs = qscale.data_ptr<float>();
+    int32_t* bp = bias_t.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      shift[b] = *std::max_element(cs + b * C, cs + (b + 1) * C);
+      const float unit = 1.0f * qs[b];
+      for (int64_t c = 0; c < C; ++c) {
+        const float v = std::nearbyint((cs[b * C + c] - shift[b]) / unit);
+        bp[b * C + c] = int32_t(std::max(float(kBiasFloor), std::min(0.0f, v)));
+      }
+    }
+    bias = bias_t;
+    offsets_if_residual = cluster_offsets;
+  }
   const int64_t* rt = route.data_ptr<int64_t>();
   // probed route: scan with a margin for Bloom false positives, keep the best k that verify. Programs
   // that push no bank row (no filter: TRUE) have no false positives: scan k, nothing to verify (the
@@ -358,9 +387,13 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   at::Tensor keys_pr, s_ivf, r_ivf;
   if (any_probe) {
     const std::optional<at::Tensor> mask = bitmask.defined() ? std::optional<at::Tensor>(bitmask) : std::nullopt;
-    keys_pr = ivf_scan_keys(qcodes, codes, cluster_offsets, probes, mask, k2);
+    keys_pr = ivf_scan_keys(qcodes, codes, cluster_offsets, probes, mask, k2, bias);
     if (!unfiltered) {
       std::tie(s_ivf, r_ivf) = decode_keys(keys_pr, qscale.data_ptr<float>(), qsum.data_ptr<float>(), 1.0f, 0.0f);
+      if (residual) {  // ivf_scan's scores carry the shift
+        float* sp = s_ivf.data_ptr<float>();
+        for (int64_t i = 0; i < s_ivf.numel(); ++i) sp[i] += shift[i / k2];
+      }
       std::tie(s_ivf, r_ivf) = verify_topk(bits, vops, vrows, s_ivf, r_ivf, k);
     }
   }
@@ -379,7 +412,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
     }
     keys_ex = at::empty({B, k}, at::kLong);
     filtered_topk_into(qcodes, codes, bits, vops, vrows, post_rows, post_offsets, src, exact, k,
-                       keys_ex.data_ptr<int64_t>(), count_ex.data());
+                       keys_ex.data_ptr<int64_t>(), count_ex.data(), offsets_if_residual, bias);
   }
   at::Tensor scores = at::empty({B, k}, at::kFloat), ids = at::empty({B, k}, at::kLong);
   float* so = scores.data_ptr<float>();
@@ -412,7 +445,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
         float sc;
         int64_t r;
         decode_key(key[i], mul, add, sc, r);
-        sb[i] = sc + cst[b];
+        sb[i] = (residual ? sc + shift[b] : sc) + cst[b];
         ib[i] = r < 0 ? -1 : !map_ids ? r : item_of(r);
       }
     } else if (s_pr) {
@@ -428,7 +461,8 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   if (!rescore) return {scores, ids};
   at::Tensor top_scores, top_rows;
   std::tie(top_scores, top_rows) = rescore_rows(q, ids, codes, step ? dim_scale : dim_scale.expand({D}).contiguous(),
-                                                dim_offset, k_out);
+                                                dim_offset, k_out, offsets_if_residual,
+                                                residual ? std::optional<at::Tensor>(cluster_scores) : std::nullopt);
   if (!as_rows) {
     int64_t* tr = top_rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < B * k_out; ++i)
@@ -456,7 +490,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("topk_keys", &topk_keys, "exact top-k keys int64 [B, k]", py::arg("qcodes"), py::arg("codes"), py::arg("k"), nogil);
   m.def("ivf_scan_keys", &ivf_scan_keys, "top-k keys over probed clusters", py::arg("qcodes"), py::arg("codes"),
-        py::arg("cluster_offsets"), py::arg("probes"), py::arg("bitmask"), py::arg("k"), nogil);
+        py::arg("cluster_offsets"), py::arg("probes"), py::arg("bitmask"), py::arg("k"), py::arg("bias") = py::none(),
+        nogil);
   m.def("scan_ranges", &scan_ranges, "top-k keys over explicit row ranges", py::arg("qcodes"), py::arg("codes"),
         py::arg("range_query"), py::arg("range_start"), py::arg("range_end"), py::arg("range_word_base"),
         py::arg("bitmask"), py::arg("k"), nogil);
@@ -474,7 +509,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("filtered_topk_keys", &silverrec::filtered_topk_keys,
         "top-k keys over rows passing the program, from posting lists or the whole pool", py::arg("qcodes"),
         py::arg("codes"), py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("post_rows"),
-        py::arg("post_offsets"), py::arg("lists"), py::arg("active"), py::arg("k"), nogil);
+        py::arg("post_offsets"), py::arg("lists"), py::arg("active"), py::arg("k"),
+        py::arg("cluster_offsets") = py::none(), py::arg("bias") = py::none(), nogil);
   m.def("filter_plan", [](const at::Tensor& queries, const at::Tensor& centroids, const at::Tensor& cluster_offsets,
                           const at::Tensor& bits, const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& lists,
                           const at::Tensor& post_sizes, const at::Tensor& mode, int64_t k, int64_t nprobe,
@@ -497,7 +533,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("log_scale"), py::arg("p_q"), py::arg("p_x"), py::arg("comp_dim"), py::arg("feat_dim"), nogil);
   m.def("rescore_rows", &silverrec::rescore_rows, "the scan's top rows re-scored with the float query, best k",
         py::arg("queries"), py::arg("found"), py::arg("codes"), py::arg("dim_scale"), py::arg("dim_offset"), py::arg("k"),
-        nogil);
+        py::arg("cluster_offsets") = py::none(), py::arg("cluster_scores") = py::none(), nogil);
   m.def("lookup_ids", &silverrec::lookup_ids, "id lists -> (rows int64, offsets int64, first list with an unknown id or -1)",
         py::arg("lists"), py::arg("table"));
   m.def("encode_histories", &silverrec::encode_histories,
@@ -511,7 +547,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ops"), py::arg("rows"), py::arg("vops"), py::arg("vrows"), py::arg("lists"), py::arg("mode"),
         py::arg("k"), py::arg("nprobe"), py::arg("max_probe"), py::arg("window_words"), py::arg("match_factor"),
         py::arg("avg_cluster"), py::arg("num_items"), py::arg("exact_cost_ratio"), py::arg("posting_limit"),
-        py::arg("rescore_margin") = 0, py::arg("rescore_max_k") = 0, nogil);
+        py::arg("rescore_margin") = 0, py::arg("rescore_max_k") = 0, py::arg("residual") = false, nogil);
   m.attr("vnni") = py::bool_(
 #if defined(__AVX512VNNI__)
       true

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -48,7 +49,8 @@ static inline float dot_codes(const float* q, const int8_t* c, int64_t D) {
 }
 
 void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* codes, int64_t n, int64_t D,
-               const float* dim_scale, const float* dim_offset, int64_t k, float* out_scores, int64_t* out_rows) {
+               const float* dim_scale, const float* dim_offset, const int64_t* coff, int64_t nlist,
+               const float* cluster_scores, int64_t k, float* out_scores, int64_t* out_rows) {
   std::vector<float> folded(D);
   for (int64_t d = 0; d < D; ++d) folded[d] = q[d] * dim_scale[d];
   const float constant = dot_lanes(q, dim_offset, D);
@@ -63,7 +65,8 @@ void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* co
     const int64_t r = found[j];
     if (r < 0) continue;
     TORCH_CHECK_INDEX(r < n, "rescore_rows: row ", r, " out of range for ", n, " coded rows");
-    const float s = dot_codes(folded.data(), codes + r * D, D) + constant;
+    float s = dot_codes(folded.data(), codes + r * D, D) + constant;
+    if (cluster_scores) s += cluster_scores[std::upper_bound(coff + 1, coff + nlist + 1, r) - (coff + 1)];  // residual
     if (!(s > -std::numeric_limits<float>::infinity())) continue;  // NaN or -inf: dropped
     scored.push_back({s, int32_t(j), r});
   }
@@ -81,7 +84,9 @@ void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* co
 
 std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, const at::Tensor& found_in,
                                                 const at::Tensor& codes_in, const at::Tensor& dim_scale_in,
-                                                const at::Tensor& dim_offset_in, int64_t k) {
+                                                const at::Tensor& dim_offset_in, int64_t k,
+                                                const std::optional<at::Tensor>& cluster_offsets_in,
+                                                const std::optional<at::Tensor>& cluster_scores_in) {
   const at::Tensor queries = queries_in.contiguous(), found = found_in.contiguous(), codes = codes_in.contiguous();
   const at::Tensor dim_scale = dim_scale_in.contiguous(), dim_offset = dim_offset_in.contiguous();
   TORCH_CHECK(queries.dim() == 2 && queries.scalar_type() == at::kFloat, "rescore_rows: queries must be float32 [B, D], got ",
@@ -99,6 +104,24 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, co
               ", dim_scale ", dim_scale.sizes(), " and dim_offset ", dim_offset.sizes(),
               " disagree (queries [B, D], found [B, K], codes [N, D], [D], [D])");
   TORCH_CHECK(k >= 1, "rescore_rows: k must be >= 1, got ", k);
+  // residual codes: + cluster_scores[b, cluster of the row] (float32 [B, nlist], cluster_offsets int64 [nlist + 1])
+  TORCH_CHECK(cluster_offsets_in.has_value() == cluster_scores_in.has_value(),
+              "rescore_rows: cluster_offsets and cluster_scores go together");
+  at::Tensor coff_t, cs_t;
+  int64_t nlist = 0;
+  if (cluster_offsets_in) {
+    coff_t = cluster_offsets_in->contiguous();
+    cs_t = cluster_scores_in->contiguous();
+    nlist = coff_t.numel() - 1;
+    TORCH_CHECK(coff_t.dim() == 1 && coff_t.scalar_type() == at::kLong && nlist >= 1 &&
+                    coff_t.data_ptr<int64_t>()[nlist] == n,
+                "rescore_rows: cluster_offsets must be int64 [nlist + 1] ending at N = ", n);
+    TORCH_CHECK(cs_t.scalar_type() == at::kFloat && cs_t.dim() == 2 && cs_t.size(0) == B && cs_t.size(1) == nlist,
+                "rescore_rows: cluster_scores must be float32 [", B, ", ", nlist, "], got ", cs_t.scalar_type(), " ",
+                cs_t.sizes());
+  }
+  const int64_t* coff = nlist ? coff_t.data_ptr<int64_t>() : nullptr;
+  const float* cs = nlist ? cs_t.data_ptr<float>() : nullptr;
   at::Tensor scores = at::empty({B, k}, at::kFloat), rows = at::empty({B, k}, at::kLong);
   const float* q = queries.data_ptr<float>();
   const int64_t* f = found.data_ptr<int64_t>();
@@ -111,8 +134,8 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, co
   const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(1, K * D));
   at::parallel_for(0, B, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b)
-      one_query(q + b * D, f + b * K, K, c, n, D, dim_scale.data_ptr<float>(), dim_offset.data_ptr<float>(), k,
-                s + b * k, r + b * k);
+      one_query(q + b * D, f + b * K, K, c, n, D, dim_scale.data_ptr<float>(), dim_offset.data_ptr<float>(), coff,
+                nlist, cs ? cs + b * nlist : nullptr, k, s + b * k, r + b * k);
   });
   return {scores, rows};
 }

@@ -162,6 +162,7 @@ class Scanner {
   void one_query(const Piece& pc, int64_t member, TopK& st) {
     const RowTileKernel<DC> kernel(in_.D);
     const PaddedQuery& q = queries_[in_.member_query[member]];
+    const int32_t bias = in_.member_bias.empty() ? 0 : in_.member_bias[member];  // score = dot + bias
     st.ensure(in_.k);
     std::vector<int8_t> pad;
     alignas(64) int32_t scores[kTile];
@@ -175,7 +176,7 @@ class Scanner {
         if (__builtin_popcount(bits) <= 3) {
           for (; bits; bits &= bits - 1) {
             const int64_t r = r0 + __builtin_ctz(bits);
-            const int32_t s = kernel.one(in_.codes + r * in_.D, q);
+            const int32_t s = kernel.one(in_.codes + r * in_.D, q) + bias;
             if (s >= st.thr_score) st.offer(s, r);
           }
           continue;
@@ -183,16 +184,16 @@ class Scanner {
         const int8_t* rows = tile_rows(r0, pad);
 #if SILVERREC_VNNI
         const __m512i sv = kernel.tile(rows, q);
-        uint32_t c = bits & _mm512_cmpge_epi32_mask(sv, _mm512_set1_epi32(st.thr_score));
+        uint32_t c = bits & _mm512_cmpge_epi32_mask(sv, _mm512_set1_epi32(st.thr_score - bias));
         if (!c) continue;
         _mm512_store_si512(scores, sv);
 #else
         kernel.tile(rows, q, scores);
-        uint32_t c = bits & ge_mask16(scores, st.thr_score);
+        uint32_t c = bits & ge_mask16(scores, st.thr_score - bias);
 #endif
         for (; c; c &= c - 1) {
           const int i = __builtin_ctz(c);
-          if (scores[i] >= st.thr_score) st.offer(scores[i], r0 + i);  // threshold may have risen
+          if (scores[i] + bias >= st.thr_score) st.offer(scores[i] + bias, r0 + i);  // threshold may have risen
         }
       }
     }
@@ -204,9 +205,11 @@ class Scanner {
     const int8_t* qptr[kTile];
     TopK* lane_state[kTile];
     alignas(64) int32_t thr[kTile];
+    int32_t bias[kTile] = {};  // score = dot + bias (residual codes)
     for (int l = 0; l < kTile; ++l) {
       thr[l] = std::numeric_limits<int32_t>::max();  // unused lanes never qualify
       if (l < count) {
+        if (!in_.member_bias.empty()) bias[l] = in_.member_bias[first + l];
         const int64_t b = in_.member_query[first + l];
         qptr[l] = in_.qcodes + b * in_.D;
         lane_state[l] = &st[b];
@@ -232,7 +235,7 @@ class Scanner {
         for (int i = 0; i < 4; ++i) ptr[i] = in_.codes + rows[i < n ? i : n - 1] * in_.D;
         lk.rows4(ptr, scores);
         for (int i = 0; i < n; ++i) {
-          for (int l = 0; l < count; ++l) thr[l] = lane_state[l]->thr_score;
+          for (int l = 0; l < count; ++l) thr[l] = lane_state[l]->thr_score - bias[l];
           uint32_t lane_ok = all_lanes;
           if (in_.bitmask) {
             const int bit = int(rows[i] - blk);
@@ -241,7 +244,7 @@ class Scanner {
           }
           for (uint32_t c = lane_ok & ge_mask16(scores[i], thr); c; c &= c - 1) {
             const int l = __builtin_ctz(c);
-            lane_state[l]->offer(scores[i][l], rows[i]);
+            lane_state[l]->offer(scores[i][l] + bias[l], rows[i]);
           }
         }
       }
@@ -293,6 +296,19 @@ class Scanner {
 };
 
 }  // namespace
+
+const int32_t* bias_data(const std::optional<at::Tensor>& bias, int64_t B, int64_t nlist) {
+  if (!bias) return nullptr;
+  check(*bias, at::kInt, 2, "bias");
+  TORCH_CHECK(bias->size(0) == B && bias->size(1) == nlist, "bias must be int32 [", B, ", ", nlist, "], got ",
+              bias->sizes());
+  const int32_t* p = bias->data_ptr<int32_t>();
+  for (int64_t i = 0; i < B * nlist; ++i)
+    if (p[i] < kBiasFloor || p[i] > 0)
+      throw std::invalid_argument("bias values must lie in [" + std::to_string(kBiasFloor) + ", 0], got " +
+                                  std::to_string(p[i]));
+  return p;
+}
 
 at::Tensor scan_topk(const ScanInput& in) {
   if (in.k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(in.k));

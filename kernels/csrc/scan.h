@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -12,6 +13,14 @@ namespace silverrec {
 // lists[b, 0] == kNoLists: the query has no posting lists and filters the whole pool
 // (kernels/filtered_topk.py NO_LISTS).
 constexpr int64_t kNoLists = -2;
+
+// Lowest per-(query, cluster) score bias (kernels/common.py BIAS_FLOOR): biases lie in [kBiasFloor, 0],
+// so score + bias and threshold - bias never overflow int32.
+constexpr int32_t kBiasFloor = -(1 << 24);
+
+// Per-(query, cluster) int32 biases [B, nlist] (residual codes, kernels/common.py cluster_bias): checked
+// (contiguous int32 CPU, shape, range) and returned as a pointer; nullptr when absent.
+const int32_t* bias_data(const std::optional<at::Tensor>& bias, int64_t B, int64_t nlist);
 
 // Device, dtype, rank and contiguity of a kernel argument (a TORCH_CHECK naming it).
 inline void check(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const char* name) {
@@ -33,6 +42,8 @@ struct ScanInput {
   std::vector<Segment> segments;      // visiting order
   std::vector<int64_t> member_query;  // [M] query of each member
   std::vector<int64_t> member_word;   // [M] word base into bitmask (unused without one)
+  std::vector<int32_t> member_bias;   // [M] added to every score of member m (residual codes: its query's
+                                      // cluster term, in [kBiasFloor, 0]); empty = none
   const int64_t* bitmask = nullptr;   // flat words; row r of member m allowed iff bit (r & 63) of
                                       // bitmask[member_word[m] + (r >> 6)]
 };
@@ -59,17 +70,20 @@ std::tuple<at::Tensor, at::Tensor> verify_topk(const at::Tensor& bits, const at:
                                                const at::Tensor& scores_in, const at::Tensor& rows_in, int64_t k);
 
 // silverrec::filtered_topk: top-k keys int64 [B, k] over the rows passing each active query's
-// program, drawn from its posting lists or the whole pool (lists[b, 0] == -2).
+// program, drawn from its posting lists or the whole pool (lists[b, 0] == -2). With residual codes,
+// row r of cluster c (cluster_offsets int64 [nlist + 1]) scores dot + bias[b, c] (bias int32 [B, nlist]).
 at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
                               const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& post_rows,
                               const at::Tensor& post_offsets, const at::Tensor& lists, const at::Tensor& active,
-                              int64_t k);
+                              int64_t k, const std::optional<at::Tensor>& cluster_offsets = std::nullopt,
+                              const std::optional<at::Tensor>& bias = std::nullopt);
 
 // The same keys, unpadded: query b's count[b] keys at out[b * k ...] (count 0 for inactive queries).
 void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
                         const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& post_rows,
                         const at::Tensor& post_offsets, const at::Tensor& lists, const at::Tensor& active, int64_t k,
-                        int64_t* out, int64_t* count);
+                        int64_t* out, int64_t* count, const std::optional<at::Tensor>& cluster_offsets = std::nullopt,
+                        const std::optional<at::Tensor>& bias = std::nullopt);
 
 // silverrec::filter_plan: (probes int64 [B, P], bitmask int64 [B, P, Wc], route int64 [B]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(

@@ -169,5 +169,5 @@ class FilteredIVFIndex(Int8IVFIndex):
             queries, self.codes, self.dim_scale, self.dim_offset, self.cluster_offsets, self.centroids, self.row_to_item,
             self.bits, self.post_rows, self.post_offsets, self.post_sizes, ops, rows, vops, vrows, lists, mode,
             k, nprobe, max_probe, self.window_words, self.match_factor, self.avg_cluster, self.num_items,
-            self.exact_cost_ratio, self.posting_limit,
+            self.exact_cost_ratio, self.posting_limit, 0, 0, self.residual,
         )

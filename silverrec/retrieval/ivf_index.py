@@ -26,7 +26,10 @@ class Int8IVFIndex(nn.Module):
     """IVF index as tensors: probe = top-`nprobe` centroids by dot product, scan = `silverrec::ivf_scan`.
 
     Buffers:
-        codes: int8 [N, D] item codes sorted cluster-major, item ~= dim_scale * code + dim_offset.
+        codes: int8 [N, D] item codes sorted cluster-major, item ~= dim_scale * code + dim_offset, or
+            with `residual` (publish's default, as Faiss IVF-SQ8's by_residual) item ~= centroid of its
+            cluster + dim_scale * code + dim_offset: the codes then quantise the item's offset from its
+            centroid, a narrower range per dimension, and every scan adds <q, centroid> per cluster.
         dim_scale, dim_offset: float32 [D] per-dimension quantisation ranges (`quantize_per_dim`),
             folded into the query (`fold`) so that the scan stays int8 x int8 -> int32.
         cluster_offsets: int64 [nlist + 1]; cluster c holds rows [off[c], off[c + 1]) (no padding).
@@ -51,6 +54,7 @@ class Int8IVFIndex(nn.Module):
         cluster_offsets: torch.Tensor,
         centroids: torch.Tensor,
         row_to_item: torch.Tensor,
+        residual: bool = False,
     ):
         super().__init__()
         if codes.dim() != 2 or centroids.dim() != 2 or centroids.shape[1] != codes.shape[1]:
@@ -66,6 +70,7 @@ class Int8IVFIndex(nn.Module):
         self.register_buffer("cluster_offsets", cluster_offsets.to(torch.int64).contiguous())
         self.register_buffer("centroids", centroids.to(torch.float32).contiguous())
         self.register_buffer("row_to_item", compact_item_ids(row_to_item))
+        self.residual = bool(residual)  # codes quantise item - centroid (an index constant of the program)
         # an index constant (int attribute, frozen into the program): lets the CUDA scan size its key
         # columns without reading cluster sizes from the device, so a CUDA graph can capture `scan`
         self.window_words = bitmask_words(self.cluster_offsets)
@@ -78,6 +83,20 @@ class Int8IVFIndex(nn.Module):
         """Per-dimension ranges folded into the query: float [B, D] -> (queries for the int8 ops
         float32 [B, D], per-query score constant float32 [B]); score = op score + constant."""
         return fold_queries(queries, self.dim_scale, self.dim_offset)
+
+    def cluster_scores(self, queries: torch.Tensor) -> Optional[torch.Tensor]:
+        """Residual codes: float32 [B, nlist] <q, centroid c>, what every row of cluster c adds to its score
+        (the ops' `cluster_scores`); None for direct codes."""
+        return queries.float() @ self.centroids.t() if self.residual else None
+
+    @torch.jit.unused
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """The items the codes stand for: rows int64 [M] -> float32 [M, D] (the centroid added back for
+        residual codes). What exact references and re-encoding (publish/update.py) read."""
+        x = self.codes[rows].float() * self.dim_scale + self.dim_offset
+        if self.residual:
+            x += self.centroids[torch.searchsorted(self.cluster_offsets, rows, right=True) - 1]
+        return x
 
     def probe(self, queries: torch.Tensor, nprobe: int) -> torch.Tensor:
         """queries float [B, D] -> probes int64 [B, nprobe]: cluster ids by descending dot product
@@ -93,7 +112,8 @@ class Int8IVFIndex(nn.Module):
         folded, constant = self.fold(queries)
         one, zero = folded.new_ones(()), folded.new_zeros(())
         scores, rows = torch.ops.silverrec.ivf_scan(
-            folded, self.codes, one, zero, self.cluster_offsets, probes, k, bitmask, self.window_words
+            folded, self.codes, one, zero, self.cluster_offsets, probes, k, bitmask, self.window_words,
+            self.cluster_scores(queries),
         )
         return scores + constant[:, None], rows_to_items(self.row_to_item, rows)
 

@@ -1,0 +1,216 @@
+"""Residual int8 codes (item ~= centroid + dim_scale * code + dim_offset): the ops' cluster term.
+
+Every op that scores codes takes the per-(query, cluster) term <q, centroid c> (`cluster_scores`):
+ivf_scan, filtered_topk and rescore_rows. The references here add it independently (int64 dot +
+the bias of the row's cluster, found by a Python search of the offsets; float64 for the re-score);
+the C++ path and the torch path (extension switched off) must equal them. Then a published residual
+index on real vectors (bigann10k) against float brute force, and against direct codes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import silverrec.kernels  # noqa: F401  (registers the ops)
+from silverrec.kernels.common import BIAS_FLOOR, cluster_bias, quantize_queries
+from silverrec.kernels.filtered_topk import NO_LISTS
+from silverrec.kernels.ivf_scan import bitmask_words, ivf_scan_reference
+from tests.helpers import inner_product_topk, load_ann, recall
+from tests.test_filtered_topk import _allowed_from, _bank, _both_paths, _expected, _postings
+from tests.test_cpu_scan import _programs
+
+ONE, ZERO = torch.tensor(1.0), torch.tensor(0.0)
+
+
+def _layout(n_clusters, d, g, max_size=120):
+    """Ragged cluster sizes (some empty), codes with many ties, cluster scores spread wide."""
+    sizes = torch.randint(0, max_size, (n_clusters,), generator=g)
+    sizes[1] = 0
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+    codes = torch.randint(-4, 5, (int(off[-1]), d), dtype=torch.int8, generator=g)
+    return codes, off
+
+
+def _cluster_of(off, rows):
+    o = off.tolist()
+    return [bisect.bisect_right(o, r) - 1 for r in rows]
+
+
+def test_bias_floor_is_the_cpp_constant():
+    text = (Path(__file__).resolve().parents[1] / "kernels/csrc/scan.h").read_text()
+    assert int(eval(re.search(r"kBiasFloor = (.+?);", text).group(1))) == BIAS_FLOOR
+
+
+def test_cluster_bias_is_shifted_rounded_and_clamped():
+    cs = torch.tensor([[3.0, 1.0, -1e9], [0.5, 0.5, 0.25]])
+    bias, shift = cluster_bias(cs, torch.tensor([0.5, 0.125]), torch.tensor(2.0))
+    assert shift.tolist() == [3.0, 0.5]
+    assert bias.dtype == torch.int32
+    assert bias.tolist() == [[0, -2, BIAS_FLOOR], [0, 0, -1]]
+
+
+@pytest.mark.parametrize("nlist, d, b, p, k", [(20, 16, 5, 6, 30), (9, 32, 3, 9, 2000), (30, 8, 17, 4, 1)])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_ivf_scan_adds_the_cluster_term(nlist, d, b, p, k, with_mask):
+    g = torch.Generator().manual_seed(nlist * 7 + b)
+    codes, off = _layout(nlist, d, g)
+    queries = torch.randn(b, d, generator=g)
+    cs = torch.randn(b, nlist, generator=g) * 2
+    probes = torch.randint(-1, nlist, (b, p), generator=g)
+    bitmask = torch.randint(-(2**62), 2**62, (b, p, bitmask_words(off)), generator=g) if with_mask else None
+    qscale = quantize_queries(queries)[1]
+    bias, shift = cluster_bias(cs, qscale, ONE)
+    ref_ints, ref_rows = ivf_scan_reference(queries, codes, off, probes, k, bitmask, bias)
+    # the reference's bias, re-derived row by row (independent of its searchsorted)
+    qc = quantize_queries(queries)[0].long()
+    for i in range(b):
+        rows = [r for r in ref_rows[i].tolist() if r >= 0]
+        for r, c, s in zip(rows, _cluster_of(off, rows), ref_ints[i].tolist()):
+            assert s == int(codes[r].long() @ qc[i]) + int(bias[i, c])
+    want = ref_ints.float() * qscale[:, None] + shift[:, None]
+    for got_s, got_r in _both_paths(lambda: torch.ops.silverrec.ivf_scan(queries, codes, ONE, ZERO, off, probes, k,
+                                                                         bitmask, 0, cs)):
+        assert torch.equal(got_r, ref_rows)
+        valid = ref_rows >= 0
+        torch.testing.assert_close(got_s[valid], want[valid])
+        assert torch.all(got_s[~valid] == float("-inf"))
+
+
+def test_ivf_scan_cluster_term_changes_the_ranking():
+    """Two clusters of identical codes: the cluster with the higher score wins every slot."""
+    codes = torch.randint(-50, 50, (1, 8), dtype=torch.int8).repeat(40, 1)
+    off = torch.tensor([0, 20, 40])
+    q = torch.randn(1, 8)
+    probes = torch.tensor([[0, 1]])
+    _, rows = torch.ops.silverrec.ivf_scan(q, codes, ONE, ZERO, off, probes, 20, None, 0, torch.tensor([[0.0, 5.0]]))
+    assert rows.min() >= 20
+    _, rows = torch.ops.silverrec.ivf_scan(q, codes, ONE, ZERO, off, probes, 20, None, 0, torch.tensor([[5.0, 0.0]]))
+    assert rows.max() < 20
+
+
+@pytest.mark.parametrize("nlist, d, b, k, dense", [(25, 16, 7, 40, False), (12, 32, 4, 900, True), (40, 8, 9, 3, False)])
+def test_filtered_topk_adds_the_cluster_term(nlist, d, b, k, dense):
+    """Whole-pool queries (dense: most rows pass, the C++ masked scan; else the compacted rows) and
+    posting-list queries, against brute force with the bias of each row's cluster."""
+    g = torch.Generator().manual_seed(nlist + d + b)
+    codes, off = _layout(nlist, d, g)
+    n = codes.shape[0]
+    queries = torch.randn(b, d, generator=g)
+    cs = torch.randn(b, nlist, generator=g) * 3
+    bank = torch.full((3, (n + 63) // 64), -1, dtype=torch.int64) if dense else _bank(11, n, g)
+    ops, prow = (torch.ones(b, 1, dtype=torch.int64), torch.zeros(b, 1, 1, dtype=torch.int64)) if dense else \
+        _programs(b, 5, 2, 11, g)
+    post_rows, post_off, lists = _postings(n, 7, g)
+    sel = torch.full((b, 2), -1, dtype=torch.int64)
+    for i in range(b):
+        if i % 2 == 0 or dense:
+            sel[i, 0] = NO_LISTS
+        else:
+            sel[i, 0], sel[i, 1] = i % 7, (i + 3) % 7
+    active = torch.ones(b, dtype=torch.bool)
+    active[-1] = False
+    allowed = _allowed_from(bank, ops, prow, n, sel, lists, active)
+    bias, shift = cluster_bias(cs, quantize_queries(queries)[1], ONE)
+    cluster = torch.tensor(_cluster_of(off, range(n)), dtype=torch.int64)
+    want_s, want_r = _expected(queries, codes, allowed, k, ONE, ZERO, bias.long()[:, cluster], shift)
+
+    def run():
+        return torch.ops.silverrec.filtered_topk(queries, codes, ONE, ZERO, bank, ops, prow, post_rows, post_off, sel,
+                                                 active, k, n, off, cs)
+
+    for got_s, got_r in _both_paths(run):
+        assert torch.equal(got_r, want_r)
+        valid = want_r >= 0
+        torch.testing.assert_close(got_s[valid], want_s[valid])
+
+
+def test_filtered_topk_names_a_half_given_cluster_term():
+    codes, off = _layout(4, 8, torch.Generator().manual_seed(0))
+    n = codes.shape[0]
+    with pytest.raises(ValueError, match="go together"):
+        torch.ops.silverrec.filtered_topk(torch.randn(1, 8), codes, ONE, ZERO, torch.zeros(1, (n + 63) // 64, dtype=torch.int64),
+                                          torch.ones(1, 1, dtype=torch.int64), torch.zeros(1, 1, 1, dtype=torch.int64),
+                                          torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+                                          torch.full((1, 1), NO_LISTS), torch.ones(1, dtype=torch.bool), 5, n, off, None)
+
+
+@pytest.mark.parametrize("B, K, D, k", [(3, 30, 16, 10), (2, 12, 40, 20)])
+def test_rescore_rows_adds_the_cluster_term(B, K, D, k):
+    g = torch.Generator().manual_seed(B * K)
+    codes, off = _layout(10, D, g, max_size=40)
+    n = codes.shape[0]
+    q = torch.randint(-3, 4, (B, D), generator=g).float()  # integer data: exact float32 sums
+    scale = torch.randint(1, 4, (D,), generator=g).float()
+    offset = torch.randint(-2, 3, (D,), generator=g).float()
+    cs = torch.randint(-50, 50, (B, 10), generator=g).float()
+    found = torch.stack([torch.randperm(n, generator=g)[:K] for _ in range(B)])
+    found[:, -2:] = -1
+    want_s = np.full((B, k), -np.inf)
+    want_r = np.full((B, k), -1)
+    for b in range(B):
+        rows = [r for r in found[b].tolist() if r >= 0]
+        scored = sorted((-(float(q[b].double() @ (scale.double() * codes[r].double() + offset.double()))
+                           + float(cs[b, c])), j, r)
+                        for j, (r, c) in enumerate(zip(rows, _cluster_of(off, rows))))[:k]
+        for i, (s, _, r) in enumerate(scored):
+            want_s[b, i], want_r[b, i] = -s, r
+    for got_s, got_r in _both_paths(lambda: torch.ops.silverrec.rescore_rows(q, found, codes, scale, offset, k, off, cs)):
+        assert got_r.tolist() == want_r.tolist()
+        assert np.array_equal(got_s.double().numpy(), want_s)
+
+
+@pytest.fixture(scope="module")
+def sift():
+    base, queries = load_ann("bigann10k")
+    return base.astype(np.float32), queries[:64].astype(np.float32)
+
+
+def _publish(base, residual):
+    from silverrec.publish.ivf import IVFConfig, build_ivf
+    from silverrec.publish.pool import Pool
+
+    index, _ = build_ivf(Pool(np.arange(base.shape[0], dtype=np.int64), base.copy()),
+                         IVFConfig(nlist=32, seed=0, niter=6, residual=residual))
+    return index
+
+
+def _decode_error(index, base):
+    rows = torch.arange(index.codes.shape[0])
+    return float(((index.decode(rows) - torch.from_numpy(base)[index.row_to_item.long()]) ** 2).mean())
+
+
+def test_auto_keeps_direct_codes_for_sift_and_residual_search_is_exact(sift):
+    """bigann10k's values are integers that direct codes hold exactly: "auto" keeps them. A residual
+    index forced on it still searches right: with every cluster probed, its top 100 are the decoded
+    items' own top 100 by inner product (up to the int8 query's rounding before the re-score)."""
+    base, queries = sift
+    auto, res = _publish(base, "auto"), _publish(base, True)
+    assert not auto.residual and res.residual
+    assert _decode_error(auto, base) < _decode_error(res, base)
+    decoded = res.decode(torch.arange(res.codes.shape[0])).numpy()
+    own = res.row_to_item.long().numpy()[inner_product_topk(decoded, queries, 100)]
+    _, ids = res(torch.from_numpy(queries), 100, 32)
+    assert recall(ids.numpy(), own) >= 0.97
+
+
+def test_auto_picks_residual_codes_for_a_mixture_and_they_find_more():
+    """Clustered vectors (a Gaussian mixture, where Faiss IVF-SQ8's by_residual pays): "auto" picks
+    residual codes, which decode closer and find more of the float brute-force top 100 (probing every
+    cluster) than direct codes."""
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(40, 32, generator=g) * 3
+    base = (centres[torch.randint(0, 40, (8000,), generator=g)] + torch.randn(8000, 32, generator=g)).numpy()
+    queries = base[:64] + np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32)
+    truth = inner_product_topk(base, queries, 100)
+    auto, direct = _publish(base, "auto"), _publish(base, False)
+    assert auto.residual
+    assert _decode_error(auto, base) < 0.7 * _decode_error(direct, base)
+    found = {name: recall(index(torch.from_numpy(queries), 100, 32)[1].numpy(), truth)
+             for name, index in (("residual", auto), ("direct", direct))}
+    assert found["residual"] > found["direct"], found
