@@ -11,7 +11,7 @@ import torch
 import silverrec
 from silverrec.filtering.filter_program import FilterPlan, compile_request
 from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED
-from silverrec.kernels.common import quantize_queries
+from silverrec.kernels.common import cluster_bias, quantize_queries
 from silverrec.kernels.rescore_rows import rescore_margin
 from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows, publish_index
 from silverrec.publish.ivf import IVFConfig
@@ -49,16 +49,26 @@ def _pool(seed=0):
 def built():
     pool, rng = _pool()
     module, manifest = build_filtered_ivf(pool, IVFConfig(nlist=NLIST, seed=0))
+    assert module.residual  # a mixture: "auto" picks residual codes, so every test on this fixture covers them
     plan = FilterPlan.from_config(manifest["filter"])
     fwd = ForwardIndex.from_lists(pool.features).permute(pool_rows(pool, module.row_to_item))
     queries = torch.from_numpy(pool.embeddings[rng.integers(0, N, 24)] + 0.3 * rng.normal(size=(24, D)).astype(np.float32))
     return pool, module, manifest, plan, fwd, queries
 
 
+def _cluster_of_rows(module):
+    """int64 [N]: the cluster of every row (from the index's offsets)."""
+    off = module.cluster_offsets
+    return torch.repeat_interleave(torch.arange(off.numel() - 1), off[1:] - off[:-1])
+
+
 def _exact_filtered(module, fwd, queries, filters, k):
     """Exact int8 top-k rows over the exactly-filtered items (ties: lower row), as lists of item ids."""
-    qc, _ = quantize_queries(module.fold(queries)[0])  # the index's per-dimension ranges
+    qc, qs = quantize_queries(module.fold(queries)[0])  # the index's per-dimension ranges
     scores = qc.long() @ module.codes.long().t()  # [B, N]
+    if module.residual:  # + each row's cluster term <q, centroid> in the scan's integer units
+        bias, _ = cluster_bias(module.cluster_scores(queries), qs, torch.tensor(1.0))
+        scores += bias.long()[:, _cluster_of_rows(module)]
     out = []
     for b, f in enumerate(filters):
         mask = fwd.evaluate(f)
@@ -78,6 +88,8 @@ def _exact_filtered_rescored(module, fwd, queries, filters, k):
     items = _exact_filtered(module, fwd, queries, filters, k + rescore_margin(k))
     row_of = {int(i): r for r, i in enumerate(module.row_to_item.tolist())}
     decoded = module.codes.double() * module.dim_scale.double() + module.dim_offset.double()
+    if module.residual:
+        decoded += module.centroids.double()[_cluster_of_rows(module)]
     out = []
     for b, ids in enumerate(items):
         scored = [(float(queries[b].double() @ decoded[row_of[i]]), i) for i in ids]
@@ -270,7 +282,7 @@ def test_an_empty_row_map_returns_rows(built):
     for k in (1, 30):
         args = lambda table: (queries[:8], m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, table,  # noqa: E731
                               m.bits, m.post_rows, m.post_offsets, m.post_sizes, *request, k, 3, 9, m.window_words,
-                              m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit)
+                              m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, 0, 0, m.residual)
         identity = torch.arange(m.num_items, dtype=torch.int32)
         want = torch.ops.silverrec.filtered_ivf_search(*args(identity))
         for fn in (torch.ops.silverrec.filtered_ivf_search, filtered_ivf_search_torch):

@@ -177,16 +177,19 @@ def search_case(k: int, seed: int):
             ops, rows, vops, vrows, lists, mode), n
 
 
-def test_search_of_triton_kernels_equals_cpu_op():
+@pytest.mark.parametrize("residual", [False, True])
+def test_search_of_triton_kernels_equals_cpu_op(residual):
     """filtered_ivf_search_cuda (every step the op's CUDA kernel: Triton launchers) on CPU tensors == the C++ op,
-    bit for bit, on one batch holding posting, probed and whole-pool queries, k above the matches, -1 probes."""
+    bit for bit, on one batch holding posting, probed and whole-pool queries, k above the matches, -1 probes;
+    with residual codes too (every route adds the per-(query, cluster) term)."""
     from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_cuda
 
     k, nprobe, max_probe, match_factor, ratio, limit = PARAMS[0]
     tensors, n = search_case(k, seed=BATCH * 31 + k)
     (queries, _, _, _, off, centroids, _, bits, _, _, post_sizes, ops, rows, _, _, lists, mode) = tensors
-    scalars = (k, nprobe, max_probe, bitmask_words(off), match_factor, 0, n, ratio, limit)
-    probes, _, route = filter_plan_torch(*_checked_args(queries, centroids, off, bits, ops, rows, lists, post_sizes, mode, *scalars))
+    scalars = (k, nprobe, max_probe, bitmask_words(off), match_factor, 0, n, ratio, limit, 0, 0, residual)
+    probes, _, route = filter_plan_torch(*_checked_args(queries, centroids, off, bits, ops, rows, lists, post_sizes, mode,
+                                                        *scalars[:9]))
     assert set(route.tolist()) == {0, 1, 2} and bool((probes[route == 0] < 0).any())
     want_s, want_i = torch.ops.silverrec.filtered_ivf_search(*tensors, *scalars)
     assert bool((want_i < 0).any())  # k above the matches somewhere: padding
@@ -276,7 +279,8 @@ def recorded_ops():
         interpreter.GridExecutor.__call__ = launch
 
 
-def test_cuda_search_has_no_host_sync_and_no_pool_sized_buffer():
+@pytest.mark.parametrize("residual", [False, True])
+def test_cuda_search_has_no_host_sync_and_no_pool_sized_buffer(residual):
     """Every tensor op that filtered_ivf_search_cuda runs outside the Triton kernels: none reads a value back to
     the host (`_local_scalar_dense`: .item(), int(), bool()), and none makes a per-query buffer over the pool
     ([B, N] scores or masks, [B, W] bank words, [B, 64 W] bits)."""
@@ -285,7 +289,7 @@ def test_cuda_search_has_no_host_sync_and_no_pool_sized_buffer():
     k, nprobe, max_probe, match_factor, ratio, limit = PARAMS[0]
     tensors, n = search_case(k, seed=BATCH * 31 + k)
     words = tensors[7].shape[1]
-    scalars = (k, nprobe, max_probe, bitmask_words(tensors[4]), match_factor, 0, n, ratio, limit)
+    scalars = (k, nprobe, max_probe, bitmask_words(tensors[4]), match_factor, 0, n, ratio, limit, 0, 0, residual)
     with recorded_ops() as ops:
         filtered_ivf_search_cuda(*tensors, *scalars)
     assert len(ops) > 20 and ("triton", []) in ops and not [op for op, _ in ops if op == "_local_scalar_dense"]

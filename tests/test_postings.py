@@ -161,7 +161,7 @@ def test_one_program_per_request_of_several_queries(built, per):
     inputs = compile_request(filters, plan)
     modes = torch.arange(len(filters)) % 3
     m = module
-    tail = (20, 4, 16, m.window_words, m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit)
+    tail = (20, 4, 16, m.window_words, m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, 0, 0, m.residual)
     head = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits, m.post_rows,
             m.post_offsets, m.post_sizes)
     repeated = [x.repeat_interleave(per, 0) for x in (*inputs, modes)]
@@ -189,7 +189,7 @@ def test_fused_search_equals_the_composition_of_its_ops(built, k, nprobe, max_pr
     m = module
     args = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits, m.post_rows,
             m.post_offsets, m.post_sizes, *inputs, modes, k, nprobe, max_probe, m.window_words, m.match_factor,
-            m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit)
+            m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, 0, 0, m.residual)
     with torch.inference_mode():
         fused = module(q, k, nprobe, *inputs, max_probe, modes)
         composed, composed_torch = _both_paths(lambda: filtered_ivf_search_torch(*args))

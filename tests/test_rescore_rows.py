@@ -147,7 +147,7 @@ def test_the_search_op_rescores_inside(built):  # noqa: F811  (tests/test_filter
     def args(k, margin):
         return (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
                 m.post_rows, m.post_offsets, m.post_sizes, *request, k, 3, 9, m.window_words, m.match_factor,
-                m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, margin, RESCORE_MAX_K)
+                m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, margin, RESCORE_MAX_K, m.residual)
 
     for k in (1, 20):
         got = torch.ops.silverrec.filtered_ivf_search(*args(k, rescore_margin(k)))

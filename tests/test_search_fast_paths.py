@@ -26,7 +26,7 @@ def _search(module, plan, queries, filters, modes, k, nprobe, max_probe):
     modes = torch.full((len(filters),), modes, dtype=torch.int64) if isinstance(modes, int) else modes
     args = (queries, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
             m.post_rows, m.post_offsets, m.post_sizes, *inputs, modes, k, nprobe, max_probe, m.window_words,
-            m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit)
+            m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, 0, 0, m.residual)
     with torch.inference_mode():
         fused = m(queries, k, nprobe, *inputs, max_probe, modes)
         composed, composed_torch = _both_paths(lambda: filtered_ivf_search_torch(*args))

@@ -270,3 +270,31 @@ def test_tensors_of_another_snapshot_are_refused(world, tmp_path):
             silverrec.load(a, backend=backend, verify=False)
     with pytest.raises(SnapshotError, match="tensors.pt is truncated or altered"):
         silverrec.load(a)
+
+
+def test_residual_update_encodes_upserts_against_their_centroid(world, tmp_path):
+    """A residual parent (codes of item - centroid): every row of the updated snapshot, kept or
+    upserted, decodes to its item within half a quantisation step (values inside the parent's
+    ranges), and the search over the final pool finds the decoded items' own top 30."""
+    plain = Pool(world["parent"].item_ids, world["parent"].embeddings)
+    parent = publish_index(plain, tmp_path / "v1", config=IVFConfig(nlist=NLIST, residual=True), torchscript=False)
+    assert silverrec.load(parent).config["quantization"]["residual"] is True
+    v2 = update_snapshot(parent, tmp_path / "v2", upsert=Pool(world["up"].item_ids, world["up"].embeddings),
+                         delete=world["deleted"])
+    t = read_tensors(Path(v2), read_manifest(v2))
+    off = t["index.cluster_offsets"]
+    cluster = torch.repeat_interleave(torch.arange(off.numel() - 1), off[1:] - off[:-1])
+    codes = t["index.codes"].float()
+    decoded = t["index.centroids"][cluster] + codes * t["index.dim_scale"] + t["index.dim_offset"]
+    final = world["final"]
+    pos = {int(i): r for r, i in enumerate(final.item_ids)}
+    x = torch.from_numpy(final.embeddings)[[pos[int(i)] for i in t["index.row_to_item"].tolist()]]
+    inside = (codes > -128) & (codes < 127)  # clamped values decode to the range's end
+    assert inside.float().mean() > 0.95
+    err = (decoded - x).abs()
+    assert torch.all(err[inside] <= (t["index.dim_scale"] / 2 + 1e-4).expand_as(err)[inside])
+    q = torch.from_numpy(world["rng"].standard_normal((8, D)).astype(np.float32))
+    own = t["index.row_to_item"].long()[torch.topk(q @ decoded.t(), 30, dim=1).indices]
+    res = silverrec.load(v2).search(q, 30, nprobe=NLIST)
+    hits = [len(set(a.tolist()) & set(b.tolist())) for a, b in zip(res.item_ids, own)]
+    assert np.mean(hits) / 30 >= 0.95

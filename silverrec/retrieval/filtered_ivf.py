@@ -93,8 +93,9 @@ class FilteredIVFIndex(Int8IVFIndex):
         posting_limit: int = 0,
         match_factor: int = DEFAULT_MATCH_FACTOR,
         exact_cost_ratio: float = 1.0,
+        residual: bool = False,
     ):
-        super().__init__(codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item)
+        super().__init__(codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item, residual)
         n = codes.shape[0]
         if bits.dim() != 2 or bits.shape[1] != (n + 63) // 64:
             raise ValueError(f"bits must be int64 [R, {(n + 63) // 64}], got {tuple(bits.shape)}")
@@ -119,7 +120,8 @@ class FilteredIVFIndex(Int8IVFIndex):
     def from_ivf(cls, ivf: Int8IVFIndex, bits: torch.Tensor, **kwargs) -> "FilteredIVFIndex":
         """Wrap an `Int8IVFIndex`'s buffers (same rows, same order) with a filter row bank (and
         optionally post_rows / post_offsets / posting_limit)."""
-        return cls(ivf.codes, ivf.dim_scale, ivf.dim_offset, ivf.cluster_offsets, ivf.centroids, ivf.row_to_item, bits, **kwargs)
+        return cls(ivf.codes, ivf.dim_scale, ivf.dim_offset, ivf.cluster_offsets, ivf.centroids, ivf.row_to_item, bits,
+                   residual=ivf.residual, **kwargs)
 
     def plan_probes(
         self,

@@ -56,7 +56,7 @@ def search_calls():
         for k, nprobe, max_probe in [(20, 4, 16), (150, 8, 40)]:
             args = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
                     m.post_rows, m.post_offsets, m.post_sizes, *inputs, modes, k, nprobe, max_probe, m.window_words,
-                    m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit)
+                    m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, 0, 0, m.residual)
             with recorder:
                 module(q, k, nprobe, *inputs, max_probe, modes)
                 filtered_ivf_search_torch(*args)
