@@ -83,4 +83,4 @@ def cluster_bias(
     """
     shift = cluster_scores.amax(dim=1)
     units = (cluster_scores - shift[:, None]) / (scale * query_scale)[:, None]
-    return torch.round(units).clamp_(BIAS_FLOOR, 0).to(torch.int32), shift
+    return torch.round(units).clamp_(BIAS_FLOOR, 0).to(torch.int32).contiguous(), shift

@@ -106,7 +106,7 @@ def compose_search(
     folded, constant = q * dim_scale, q @ dim_offset
     one, zero = folded.new_ones(()), folded.new_zeros(())
     # residual codes (item ~= centroid + dim_scale * code + dim_offset): a row of cluster c adds <q, centroid c>
-    cs = q @ centroids.float().t() if residual else None
+    cs = (centroids.float() @ q.t()).t() if residual else None  # filter_plan's form: the C++ op shares its scores
     offsets = cluster_offsets if residual else None
     # Bloom false positives may take result slots: scan a margin, verify, keep the best k.
     s_ivf, r_ivf = steps.ivf_scan(folded, codes, one, zero, cluster_offsets, probes, k + k // 4 + 16, bitmask,

@@ -153,8 +153,9 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
   at::Tensor keys = at::empty({B, k}, at::kLong);
   std::vector<int64_t> count(B, 0);
   int64_t* kp = keys.data_ptr<int64_t>();
+  const int64_t nlist = cluster_offsets ? cluster_offsets->size(0) - 1 : 0;
   filtered_topk_into(qcodes, codes, bits, ops_t, rows_t, post_rows_t, post_off_t, lists_t, active_t, k, kp,
-                     count.data(), cluster_offsets, bias);
+                     count.data(), cluster_offsets, bias_table(bias, B, nlist));
   for (int64_t b = 0; b < B; ++b) std::fill(kp + b * k + count[b], kp + (b + 1) * k, kEmptyKey);
   return keys;
 }
@@ -163,7 +164,7 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
                         const at::Tensor& ops_t, const at::Tensor& rows_t, const at::Tensor& post_rows_t,
                         const at::Tensor& post_off_t, const at::Tensor& lists_t, const at::Tensor& active_t, int64_t k,
                         int64_t* kp, int64_t* count, const std::optional<at::Tensor>& cluster_offsets,
-                        const std::optional<at::Tensor>& bias) {
+                        const BiasTable& bp) {
   check(bits, at::kLong, 2, "bits");
   check(ops_t, at::kLong, 2, "ops");
   check(rows_t, at::kLong, 3, "rows");
@@ -182,7 +183,7 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   TORCH_CHECK(W == (N + 63) / 64, "filtered_topk: bits must have ceil(N / 64) words per row");
   std::fill(count, count + B, int64_t{0});
   // residual codes: row r of cluster c scores dot + bias[b, c] (clusters from cluster_offsets)
-  TORCH_CHECK(cluster_offsets.has_value() == bias.has_value(), "filtered_topk: cluster_offsets and bias go together");
+  TORCH_CHECK(cluster_offsets.has_value() == bool(bp), "filtered_topk: cluster_offsets and bias go together");
   const int64_t* coff = nullptr;
   int64_t nlist = 0;
   if (cluster_offsets) {
@@ -191,7 +192,6 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     coff = cluster_offsets->data_ptr<int64_t>();
     TORCH_CHECK(nlist >= 1 && coff[0] == 0 && coff[nlist] == N, "filtered_topk: cluster_offsets must rise from 0 to N");
   }
-  const int32_t* bp = bias_data(bias, B, nlist);
   const bool* act = active_t.data_ptr<bool>();
   const int64_t *bank = bits.data_ptr<int64_t>(), *ops = ops_t.data_ptr<int64_t>(), *prog = rows_t.data_ptr<int64_t>();
   const int64_t *lists = lists_t.data_ptr<int64_t>(), *post_off = post_off_t.data_ptr<int64_t>();
@@ -269,7 +269,7 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
         if (rep[b] == groups[g]) {
           in.member_query.push_back(b);
           in.member_word.push_back(mask_group[g] >= 0 ? mask_group[g] * W : 0);
-          if (c >= 0) in.member_bias.push_back(bp[b * nlist + c]);
+          if (c >= 0) in.member_bias.push_back(bp(b, c));
         }
       in.segments.push_back({a, z, first, int64_t(in.member_query.size()) - first});
     };

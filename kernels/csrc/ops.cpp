@@ -66,9 +66,11 @@ at::Tensor topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, int64_t 
 
 // ivf_scan: probes [B, P] (-1 = empty slot, repeats of a cluster count once: the first slot), optional
 // bitmask [B, P, Wc]. Segments = probed clusters, ordered by the best slot any query gave them.
+}  // namespace
+
 at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& cluster_offsets,
                          const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k,
-                         const std::optional<at::Tensor>& bias = std::nullopt) {
+                         const BiasTable& bp) {
   ScanInput in = base_input(qcodes, codes, k);
   check(cluster_offsets, at::kLong, 1, "cluster_offsets");
   check(probes, at::kLong, 2, "probes");
@@ -86,7 +88,6 @@ at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, cons
   for (int64_t i = 0; i < in.B * P; ++i)
     if (pr[i] < -1 || pr[i] >= nlist)
       throw std::invalid_argument("probes must hold cluster ids in [0, " + std::to_string(nlist) + ") or -1");
-  const int32_t* bp = bias_data(bias, in.B, nlist);  // residual codes: dot + bias[b, c]
   int64_t wslot = 0;
   if (bitmask) {
     check(*bitmask, at::kLong, 3, "bitmask");
@@ -130,10 +131,12 @@ at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, cons
       const int64_t c = pr[b * P + j], i = cursor[c]++;
       in.member_query[i] = b;
       in.member_word[i] = (b * P + j) * wslot - (off[c] >> 6);
-      if (bp) in.member_bias[i] = bp[b * nlist + c];
+      if (bp) in.member_bias[i] = bp(b, c);  // residual codes: dot + bias[b, c]
     }
   return scan_topk(in);
 }
+
+namespace {
 
 // The core routine on explicit ranges: range i = rows [range_start[i], range_end[i]) for query
 // range_query[i], with word base range_word_base[i] into the flat bitmask (both optional).
@@ -325,12 +328,15 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   // matches: 20% of the op's time went to zeros / full / clone / ones calls on a few hundred bytes)
   const auto as_float = [](const at::Tensor& x) { return x.scalar_type() == at::kFloat ? x : x.to(at::kFloat).contiguous(); };
   const at::Tensor q = as_float(queries);
+  // residual codes: every row of cluster c adds <q, centroid c>: the plan's centroid scores [C, B] (the
+  // composition's form, so the same sums), computed once for both
+  const at::Tensor centroid_scores = residual ? at::mm(as_float(centroids), q.t()).contiguous() : at::Tensor();
   at::Tensor probes, bitmask, route;
   std::tie(probes, bitmask, route) =
       filter_plan(q, as_float(centroids), cluster_offsets, bits, ops, rows, lists, post_sizes,
                   mode.scalar_type() == at::kLong ? mode : mode.to(at::kLong).contiguous(), k, nprobe, max_probe,
                   window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit,
-                  /*mask_if_unused=*/false);
+                  /*mask_if_unused=*/false, residual ? &centroid_scores : nullptr);
   TORCH_CHECK(dim_scale.scalar_type() == at::kFloat && (dim_scale.numel() == D || dim_scale.numel() == 1),
               "dim_scale: float32 [D] (or one value) expected");
   const int64_t step = dim_scale.numel() == 1 ? 0 : 1;
@@ -349,26 +355,24 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   }
   at::Tensor qcodes, qscale;
   std::tie(qcodes, qscale) = quantize_queries(folded);
-  // residual codes: every row of cluster c adds <q, centroid c> (kernels/common.py cluster_bias: int32
-  // biases for the scans, the per-query shift added back to their scores; the re-score adds it in float)
-  at::Tensor cluster_scores, bias_t;
-  std::vector<float> shift(B, 0.0f);
-  std::optional<at::Tensor> bias, offsets_if_residual;
+  // residual codes (kernels/common.py cluster_bias): int32 biases for the scans, the per-query shift
+  // added back to their scores; the re-score adds the float scores
+  std::vector<float> shift(B, 0.0f), unit(B, 0.0f);
+  BiasTable bias;  // computed where the scans read it (only the (query, cluster) pairs they visit)
+  std::optional<at::Tensor> offsets_if_residual;
   if (residual) {
-    cluster_scores = at::matmul(q, as_float(centroids).t()).contiguous();  // as the composition: identical sums
-    const int64_t C = cluster_scores.size(1);
-    bias_t = at::empty({B, C}, at::kInt);
-    const float *cs = cluster_scores.data_ptr<float>(), *qs = qscale.data_ptr<float>();
-    int32_t* bp = bias_t.data_ptr<int32_t>();
+    const int64_t C = centroid_scores.size(0);
+    const float *cs = centroid_scores.data_ptr<float>(), *qs = qscale.data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) {
-      shift[b] = *std::max_element(cs + b * C, cs + (b + 1) * C);
-      const float unit = 1.0f * qs[b];
-      for (int64_t c = 0; c < C; ++c) {
-        const float v = std::nearbyint((cs[b * C + c] - shift[b]) / unit);
-        bp[b * C + c] = int32_t(std::max(float(kBiasFloor), std::min(0.0f, v)));
-      }
+      shift[b] = cs[b];
+      unit[b] = 1.0f * qs[b];  // the ops' scale (1) x qscale, as cluster_bias
     }
-    bias = bias_t;
+    for (int64_t c = 1; c < C; ++c)  // [C, B]: the inner loop over B vectorises
+      for (int64_t b = 0; b < B; ++b) shift[b] = std::max(shift[b], cs[c * B + b]);
+    bias.scores = cs;
+    bias.shift = shift.data();
+    bias.unit = unit.data();
+    bias.B = B;
     offsets_if_residual = cluster_offsets;
   }
   const int64_t* rt = route.data_ptr<int64_t>();
@@ -462,7 +466,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   at::Tensor top_scores, top_rows;
   std::tie(top_scores, top_rows) = rescore_rows(q, ids, codes, step ? dim_scale : dim_scale.expand({D}).contiguous(),
                                                 dim_offset, k_out, offsets_if_residual,
-                                                residual ? std::optional<at::Tensor>(cluster_scores) : std::nullopt);
+                                                residual ? std::optional<at::Tensor>(centroid_scores.t()) : std::nullopt);
   if (!as_rows) {
     int64_t* tr = top_rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < B * k_out; ++i)
@@ -489,7 +493,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "silverrec CPU fast paths: fused int8 scan + bitmask + top-k, bloom filter programs";
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("topk_keys", &topk_keys, "exact top-k keys int64 [B, k]", py::arg("qcodes"), py::arg("codes"), py::arg("k"), nogil);
-  m.def("ivf_scan_keys", &ivf_scan_keys, "top-k keys over probed clusters", py::arg("qcodes"), py::arg("codes"),
+  m.def("ivf_scan_keys", [](const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& cluster_offsets,
+                            const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k,
+                            const std::optional<at::Tensor>& bias) {
+          return ivf_scan_keys(qcodes, codes, cluster_offsets, probes, bitmask, k,
+                               bias_table(bias, qcodes.size(0), cluster_offsets.size(0) - 1));
+        }, "top-k keys over probed clusters", py::arg("qcodes"), py::arg("codes"),
         py::arg("cluster_offsets"), py::arg("probes"), py::arg("bitmask"), py::arg("k"), py::arg("bias") = py::none(),
         nogil);
   m.def("scan_ranges", &scan_ranges, "top-k keys over explicit row ranges", py::arg("qcodes"), py::arg("codes"),

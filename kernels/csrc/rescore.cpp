@@ -50,7 +50,7 @@ static inline float dot_codes(const float* q, const int8_t* c, int64_t D) {
 
 void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* codes, int64_t n, int64_t D,
                const float* dim_scale, const float* dim_offset, const int64_t* coff, int64_t nlist,
-               const float* cluster_scores, int64_t k, float* out_scores, int64_t* out_rows) {
+               const float* cluster_scores, int64_t cs_stride, int64_t k, float* out_scores, int64_t* out_rows) {
   std::vector<float> folded(D);
   for (int64_t d = 0; d < D; ++d) folded[d] = q[d] * dim_scale[d];
   const float constant = dot_lanes(q, dim_offset, D);
@@ -66,7 +66,8 @@ void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* co
     if (r < 0) continue;
     TORCH_CHECK_INDEX(r < n, "rescore_rows: row ", r, " out of range for ", n, " coded rows");
     float s = dot_codes(folded.data(), codes + r * D, D) + constant;
-    if (cluster_scores) s += cluster_scores[std::upper_bound(coff + 1, coff + nlist + 1, r) - (coff + 1)];  // residual
+    if (cluster_scores)  // residual codes: + the score of the row's cluster
+      s += cluster_scores[(std::upper_bound(coff + 1, coff + nlist + 1, r) - (coff + 1)) * cs_stride];
     if (!(s > -std::numeric_limits<float>::infinity())) continue;  // NaN or -inf: dropped
     scored.push_back({s, int32_t(j), r});
   }
@@ -111,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, co
   int64_t nlist = 0;
   if (cluster_offsets_in) {
     coff_t = cluster_offsets_in->contiguous();
-    cs_t = cluster_scores_in->contiguous();
+    cs_t = *cluster_scores_in;  // [B, nlist], any strides (the search passes its [C, B] scores transposed)
     nlist = coff_t.numel() - 1;
     TORCH_CHECK(coff_t.dim() == 1 && coff_t.scalar_type() == at::kLong && nlist >= 1 &&
                     coff_t.data_ptr<int64_t>()[nlist] == n,
@@ -122,6 +123,7 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, co
   }
   const int64_t* coff = nlist ? coff_t.data_ptr<int64_t>() : nullptr;
   const float* cs = nlist ? cs_t.data_ptr<float>() : nullptr;
+  const int64_t cs_b = nlist ? cs_t.stride(0) : 0, cs_c = nlist ? cs_t.stride(1) : 0;
   at::Tensor scores = at::empty({B, k}, at::kFloat), rows = at::empty({B, k}, at::kLong);
   const float* q = queries.data_ptr<float>();
   const int64_t* f = found.data_ptr<int64_t>();
@@ -135,7 +137,7 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, co
   at::parallel_for(0, B, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b)
       one_query(q + b * D, f + b * K, K, c, n, D, dim_scale.data_ptr<float>(), dim_offset.data_ptr<float>(), coff,
-                nlist, cs ? cs + b * nlist : nullptr, k, s + b * k, r + b * k);
+                nlist, cs ? cs + b * cs_b : nullptr, cs_c, k, s + b * k, r + b * k);
   });
   return {scores, rows};
 }

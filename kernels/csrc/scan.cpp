@@ -297,17 +297,18 @@ class Scanner {
 
 }  // namespace
 
-const int32_t* bias_data(const std::optional<at::Tensor>& bias, int64_t B, int64_t nlist) {
-  if (!bias) return nullptr;
-  check(*bias, at::kInt, 2, "bias");
-  TORCH_CHECK(bias->size(0) == B && bias->size(1) == nlist, "bias must be int32 [", B, ", ", nlist, "], got ",
-              bias->sizes());
-  const int32_t* p = bias->data_ptr<int32_t>();
-  for (int64_t i = 0; i < B * nlist; ++i)
-    if (p[i] < kBiasFloor || p[i] > 0)
-      throw std::invalid_argument("bias values must lie in [" + std::to_string(kBiasFloor) + ", 0], got " +
-                                  std::to_string(p[i]));
-  return p;
+BiasTable bias_table(const std::optional<at::Tensor>& bias, int64_t B, int64_t nlist) {
+  if (!bias) return {};
+  TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kInt && bias->dim() == 2 && bias->size(0) == B &&
+                  bias->size(1) == nlist,
+              "bias must be an int32 CPU tensor [", B, ", ", nlist, "], got ", bias->scalar_type(), " ", bias->sizes());
+  const BiasTable t{bias->data_ptr<int32_t>(), bias->stride(0), bias->stride(1)};
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c = 0; c < nlist; ++c)
+      if (t(b, c) < kBiasFloor || t(b, c) > 0)
+        throw std::invalid_argument("bias values must lie in [" + std::to_string(kBiasFloor) + ", 0], got " +
+                                    std::to_string(t(b, c)));
+  return t;
 }
 
 at::Tensor scan_topk(const ScanInput& in) {

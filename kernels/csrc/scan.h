@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -18,9 +19,27 @@ constexpr int64_t kNoLists = -2;
 // so score + bias and threshold - bias never overflow int32.
 constexpr int32_t kBiasFloor = -(1 << 24);
 
-// Per-(query, cluster) int32 biases [B, nlist] (residual codes, kernels/common.py cluster_bias): checked
-// (contiguous int32 CPU, shape, range) and returned as a pointer; nullptr when absent.
-const int32_t* bias_data(const std::optional<at::Tensor>& bias, int64_t B, int64_t nlist);
+// Per-(query, cluster) int32 score biases (residual codes, kernels/common.py cluster_bias): a table [B, nlist]
+// (any strides), or computed where read from the centroid scores [C, B] (the search op: only the pairs
+// the scans visit, not B x nlist), as cluster_bias computes them: round-half-even((score - shift[b]) /
+// unit[b]) clamped to [kBiasFloor, 0].
+struct BiasTable {
+  const int32_t* p = nullptr;  // the table, or
+  int64_t sb = 0, sc = 0;      // (its strides of query b and cluster c)
+  const float* scores = nullptr;  // the centroid scores [C, B] with
+  const float* shift = nullptr;   // [B] and
+  const float* unit = nullptr;    // [B]
+  int64_t B = 0;
+  explicit operator bool() const { return p != nullptr || scores != nullptr; }
+  int32_t operator()(int64_t b, int64_t c) const {
+    if (p) return p[b * sb + c * sc];
+    const float v = __builtin_roundevenf((scores[c * B + b] - shift[b]) / unit[b]);
+    return int32_t(std::max(float(kBiasFloor), std::min(0.0f, v)));
+  }
+};
+
+// The checked table (int32 CPU, shape [B, nlist], values in [kBiasFloor, 0]); empty when absent.
+BiasTable bias_table(const std::optional<at::Tensor>& bias, int64_t B, int64_t nlist);
 
 // Device, dtype, rank and contiguity of a kernel argument (a TORCH_CHECK naming it).
 inline void check(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const char* name) {
@@ -78,12 +97,17 @@ at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes,
                               int64_t k, const std::optional<at::Tensor>& cluster_offsets = std::nullopt,
                               const std::optional<at::Tensor>& bias = std::nullopt);
 
+// ivf_scan's top-k keys (kernels/csrc/ops.cpp), biases given as a table or computed (BiasTable).
+at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& cluster_offsets,
+                         const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k,
+                         const BiasTable& bias);
+
 // The same keys, unpadded: query b's count[b] keys at out[b * k ...] (count 0 for inactive queries).
 void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
                         const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& post_rows,
                         const at::Tensor& post_offsets, const at::Tensor& lists, const at::Tensor& active, int64_t k,
                         int64_t* out, int64_t* count, const std::optional<at::Tensor>& cluster_offsets = std::nullopt,
-                        const std::optional<at::Tensor>& bias = std::nullopt);
+                        const BiasTable& bias = {});
 
 // silverrec::filter_plan: (probes int64 [B, P], bitmask int64 [B, P, Wc], route int64 [B]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
@@ -91,6 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
     const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& lists, const at::Tensor& post_sizes,
     const at::Tensor& mode, int64_t k, int64_t nprobe, int64_t max_probe, int64_t window_words, int64_t match_factor,
     int64_t avg_cluster, int64_t num_items, double exact_cost_ratio, int64_t posting_limit,
-    bool mask_if_unused = true);  // false: no mask (undefined) when no query probes (internal callers)
+    bool mask_if_unused = true,  // false: no mask (undefined) when no query probes (internal callers)
+    const at::Tensor* centroid_scores = nullptr);  // the caller's at::mm(centroids, queries.t()) [C, B], if it has them
 
 }  // namespace silverrec
