@@ -246,6 +246,23 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
       buf_row[buf_start[g] + i] = p[i];
     }
   }
+  // residual codes in the compact buffer, whose rows mix clusters: each row's cluster (p ascending: found by
+  // walking the offsets); the clusters present get their biases per member below
+  std::vector<int32_t> row_cluster, row_bias;
+  std::vector<uint8_t> present;
+  if (bp && total > 0) {
+    row_cluster.resize(total);
+    present.assign(nlist, 0);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (mask_group[g] >= 0) continue;
+      int64_t c = 0;
+      for (size_t i = 0; i < passing[g].size(); ++i) {
+        while (coff[c + 1] <= passing[g][i]) ++c;
+        row_cluster[buf_start[g] + int64_t(i)] = int32_t(c);
+        present[c] = 1;
+      }
+    }
+  }
   // members of every group, in group order
   ScanInput small, big;
   for (ScanInput* in : {&small, &big}) {
@@ -261,8 +278,8 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   big.bitmask = mask.data();
   for (size_t g = 0; g < groups.size(); ++g) {
     ScanInput& in = mask_group[g] >= 0 ? big : small;
-    // segment [a, z) of the scanned codes (pool rows, or buffer positions) whose rows are all in cluster c
-    // (c = -1: no biases), with the group's queries as members
+    // segment [a, z) of the scanned codes (pool rows, or buffer positions) with the group's queries as members,
+    // whose rows are all in cluster c (c = -1: no member biases)
     const auto add_segment = [&](int64_t a, int64_t z, int64_t c) {
       const int64_t first = int64_t(in.member_query.size());
       for (int64_t b : live)
@@ -275,21 +292,33 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     };
     const auto& p = passing[g];
     if (p.empty()) continue;
-    if (!bp) {
-      if (mask_group[g] >= 0) add_segment(0, N, -1);
-      else add_segment(buf_start[g], buf_start[g] + int64_t(p.size()), -1);
+    if (mask_group[g] < 0) {  // the compact buffer: one segment (residual codes: per-row biases, above)
+      add_segment(buf_start[g], buf_start[g] + int64_t(p.size()), -1);
       continue;
     }
-    // one segment per cluster holding passing rows (p ascending: clusters found by walking the offsets)
+    if (!bp) {
+      add_segment(0, N, -1);
+      continue;
+    }
+    // the pool through the mask, residual codes: one segment per cluster holding passing rows, its bias per member
     int64_t c = 0;
     for (size_t i = 0; i < p.size();) {
       while (coff[c + 1] <= p[i]) ++c;
       size_t j = i;
       while (j < p.size() && p[j] < coff[c + 1]) ++j;
-      if (mask_group[g] >= 0) add_segment(coff[c], coff[c + 1], c);
-      else add_segment(buf_start[g] + int64_t(i), buf_start[g] + int64_t(j), c);
+      add_segment(coff[c], coff[c + 1], c);
       i = j;
     }
+  }
+  if (!row_cluster.empty()) {  // the compact buffer's per-row biases: [nlist, M], the clusters present
+    const int64_t M = int64_t(small.member_query.size());
+    row_bias.assign(nlist * M, 0);
+    for (int64_t c = 0; c < nlist; ++c)
+      if (present[c])
+        for (int64_t m = 0; m < M; ++m) row_bias[c * M + m] = bp(small.member_query[m], c);
+    small.row_cluster = row_cluster.data();
+    small.row_bias = row_bias.data();
+    small.row_bias_stride = M;
   }
   // each scan writes the rows of its own members only (unpadded), straight into the output
   std::vector<int64_t> count_big(B, 0);

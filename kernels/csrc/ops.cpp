@@ -370,9 +370,9 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
     for (int64_t c = 1; c < C; ++c)  // [C, B]: the inner loop over B vectorises
       for (int64_t b = 0; b < B; ++b) shift[b] = std::max(shift[b], cs[c * B + b]);
     bias.scores = cs;
+    bias.B = B;
     bias.shift = shift.data();
     bias.unit = unit.data();
-    bias.B = B;
     offsets_if_residual = cluster_offsets;
   }
   const int64_t* rt = route.data_ptr<int64_t>();

@@ -48,9 +48,42 @@ static inline float dot_codes(const float* q, const int8_t* c, int64_t D) {
 #endif
 }
 
+// Row -> cluster for residual codes: buckets of 2^shift rows (about two per cluster), first[i] the cluster
+// holding row i << shift; a row's cluster is its bucket's, or a few after it (no binary search: its chain of
+// dependent loads per scattered row was most of a 240-row residual re-score).
+struct ClusterOfRow {
+  const int64_t* off = nullptr;
+  int shift = 0;
+  std::vector<int32_t> first;
+
+  ClusterOfRow(const int64_t* off_, int64_t nlist) : off(off_) {
+    const int64_t n = off[nlist];
+    while ((n >> (shift + 1)) >= 2 * nlist) ++shift;
+    first.resize((n >> shift) + 1);
+    int64_t c = 0;
+    for (size_t i = 0; i < first.size(); ++i) {
+      const int64_t row = std::min<int64_t>(int64_t(i) << shift, n - 1);
+      while (c < nlist - 1 && off[c + 1] <= row) ++c;
+      first[i] = int32_t(c);
+    }
+  }
+  int64_t operator()(int64_t r) const {  // 0 <= r < off[nlist]; the last c with off[c] <= r
+    int64_t c = first[r >> shift];
+    while (off[c + 1] <= r) ++c;
+    return c;
+  }
+};
+
 void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* codes, int64_t n, int64_t D,
-               const float* dim_scale, const float* dim_offset, const int64_t* coff, int64_t nlist,
+               const float* dim_scale, const float* dim_offset, const ClusterOfRow* cluster_of,
                const float* cluster_scores, int64_t cs_stride, int64_t k, float* out_scores, int64_t* out_rows) {
+  // residual codes: each row's cluster score, gathered first (the loop below prefetches nothing for them)
+  std::vector<float> row_cs;
+  if (cluster_scores) {
+    row_cs.resize(K);
+    for (int64_t j = 0; j < K; ++j)
+      row_cs[j] = found[j] >= 0 && found[j] < n ? cluster_scores[(*cluster_of)(found[j]) * cs_stride] : 0.0f;
+  }
   std::vector<float> folded(D);
   for (int64_t d = 0; d < D; ++d) folded[d] = q[d] * dim_scale[d];
   const float constant = dot_lanes(q, dim_offset, D);
@@ -66,8 +99,7 @@ void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* co
     if (r < 0) continue;
     TORCH_CHECK_INDEX(r < n, "rescore_rows: row ", r, " out of range for ", n, " coded rows");
     float s = dot_codes(folded.data(), codes + r * D, D) + constant;
-    if (cluster_scores)  // residual codes: + the score of the row's cluster
-      s += cluster_scores[(std::upper_bound(coff + 1, coff + nlist + 1, r) - (coff + 1)) * cs_stride];
+    if (cluster_scores) s += row_cs[j];  // residual codes
     if (!(s > -std::numeric_limits<float>::infinity())) continue;  // NaN or -inf: dropped
     scored.push_back({s, int32_t(j), r});
   }
@@ -124,6 +156,8 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, co
   const int64_t* coff = nlist ? coff_t.data_ptr<int64_t>() : nullptr;
   const float* cs = nlist ? cs_t.data_ptr<float>() : nullptr;
   const int64_t cs_b = nlist ? cs_t.stride(0) : 0, cs_c = nlist ? cs_t.stride(1) : 0;
+  std::optional<ClusterOfRow> cluster_of;
+  if (nlist) cluster_of.emplace(coff, nlist);
   at::Tensor scores = at::empty({B, k}, at::kFloat), rows = at::empty({B, k}, at::kLong);
   const float* q = queries.data_ptr<float>();
   const int64_t* f = found.data_ptr<int64_t>();
@@ -136,8 +170,8 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, co
   const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(1, K * D));
   at::parallel_for(0, B, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b)
-      one_query(q + b * D, f + b * K, K, c, n, D, dim_scale.data_ptr<float>(), dim_offset.data_ptr<float>(), coff,
-                nlist, cs ? cs + b * cs_b : nullptr, cs_c, k, s + b * k, r + b * k);
+      one_query(q + b * D, f + b * K, K, c, n, D, dim_scale.data_ptr<float>(), dim_offset.data_ptr<float>(),
+                cluster_of ? &*cluster_of : nullptr, cs ? cs + b * cs_b : nullptr, cs_c, k, s + b * k, r + b * k);
   });
   return {scores, rows};
 }

@@ -162,10 +162,12 @@ class Scanner {
   void one_query(const Piece& pc, int64_t member, TopK& st) {
     const RowTileKernel<DC> kernel(in_.D);
     const PaddedQuery& q = queries_[in_.member_query[member]];
-    const int32_t bias = in_.member_bias.empty() ? 0 : in_.member_bias[member];  // score = dot + bias
+    // score = dot + bias: the member's (one cluster), or each row's (rbias[cluster of the row])
+    const int32_t* rbias = in_.row_cluster ? in_.row_bias + member : nullptr;  // + cluster * row_bias_stride
+    const int32_t bias = rbias || in_.member_bias.empty() ? 0 : in_.member_bias[member];
     st.ensure(in_.k);
     std::vector<int8_t> pad;
-    alignas(64) int32_t scores[kTile];
+    alignas(64) int32_t scores[kTile], row_bias[kTile];
     for (int64_t blk = pc.start & ~int64_t{63}; blk < pc.end; blk += 64) {
       const uint64_t w = allowed(member, blk, range_bits(blk, pc.start, pc.end));
       if (!w) continue;
@@ -176,19 +178,26 @@ class Scanner {
         if (__builtin_popcount(bits) <= 3) {
           for (; bits; bits &= bits - 1) {
             const int64_t r = r0 + __builtin_ctz(bits);
-            const int32_t s = kernel.one(in_.codes + r * in_.D, q) + bias;
+            const int32_t s =
+                kernel.one(in_.codes + r * in_.D, q) + (rbias ? rbias[in_.row_cluster[r] * in_.row_bias_stride] : bias);
             if (s >= st.thr_score) st.offer(s, r);
           }
           continue;
         }
         const int8_t* rows = tile_rows(r0, pad);
+        if (rbias)
+          for (int i = 0; i < kTile; ++i)
+            row_bias[i] = r0 + i < in_.N ? rbias[in_.row_cluster[r0 + i] * in_.row_bias_stride] : 0;
 #if SILVERREC_VNNI
-        const __m512i sv = kernel.tile(rows, q);
+        __m512i sv = kernel.tile(rows, q);
+        if (rbias) sv = _mm512_add_epi32(sv, _mm512_load_si512(row_bias));
         uint32_t c = bits & _mm512_cmpge_epi32_mask(sv, _mm512_set1_epi32(st.thr_score - bias));
         if (!c) continue;
         _mm512_store_si512(scores, sv);
 #else
         kernel.tile(rows, q, scores);
+        if (rbias)
+          for (int i = 0; i < kTile; ++i) scores[i] += row_bias[i];
         uint32_t c = bits & ge_mask16(scores, st.thr_score - bias);
 #endif
         for (; c; c &= c - 1) {
@@ -205,12 +214,13 @@ class Scanner {
     const int8_t* qptr[kTile];
     TopK* lane_state[kTile];
     alignas(64) int32_t thr[kTile];
-    int32_t bias[kTile] = {};  // score = dot + bias (residual codes)
+    int32_t bias[kTile] = {};  // score = dot + bias (residual codes: the member's cluster), or + the row's
+                               // cluster's (row_bias + cluster * stride + first: the lanes' run)
     for (int l = 0; l < kTile; ++l) {
       thr[l] = std::numeric_limits<int32_t>::max();  // unused lanes never qualify
       if (l < count) {
-        if (!in_.member_bias.empty()) bias[l] = in_.member_bias[first + l];
         const int64_t b = in_.member_query[first + l];
+        if (!in_.row_cluster && !in_.member_bias.empty()) bias[l] = in_.member_bias[first + l];
         qptr[l] = in_.qcodes + b * in_.D;
         lane_state[l] = &st[b];
         lane_state[l]->ensure(in_.k);
@@ -235,6 +245,10 @@ class Scanner {
         for (int i = 0; i < 4; ++i) ptr[i] = in_.codes + rows[i < n ? i : n - 1] * in_.D;
         lk.rows4(ptr, scores);
         for (int i = 0; i < n; ++i) {
+          if (in_.row_cluster) {
+            const int32_t* rb = in_.row_bias + in_.row_cluster[rows[i]] * in_.row_bias_stride + first;
+            for (int l = 0; l < count; ++l) scores[i][l] += rb[l];
+          }
           for (int l = 0; l < count; ++l) thr[l] = lane_state[l]->thr_score - bias[l];
           uint32_t lane_ok = all_lanes;
           if (in_.bitmask) {

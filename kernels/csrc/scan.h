@@ -63,6 +63,12 @@ struct ScanInput {
   std::vector<int64_t> member_word;   // [M] word base into bitmask (unused without one)
   std::vector<int32_t> member_bias;   // [M] added to every score of member m (residual codes: its query's
                                       // cluster term, in [kBiasFloor, 0]); empty = none
+  // residual codes, per row (segments whose rows mix clusters: filtered_topk's compact buffer): row r of
+  // member m scores dot + row_bias[row_cluster[r] * row_bias_stride + m] (member_bias unused); cluster-major,
+  // so the consecutive members of a segment read one contiguous run per row
+  const int32_t* row_cluster = nullptr;  // [N] cluster of each row, or null
+  const int32_t* row_bias = nullptr;     // [nlist, row_bias_stride >= M]
+  int64_t row_bias_stride = 0;
   const int64_t* bitmask = nullptr;   // flat words; row r of member m allowed iff bit (r & 63) of
                                       // bitmask[member_word[m] + (r >> 6)]
 };
