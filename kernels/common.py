@@ -66,21 +66,45 @@ def dequantize_scores(
     return s
 
 
+def dot_lanes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """<a, b> over the last dimension (broadcast), float32, summed in kernels/csrc/widen.h dot_lanes's order
+    (16 lanes, each in order, then a tree), so torch and the C++ kernels compute the same bits."""
+    p = a.float() * b.float()
+    pad = (-p.shape[-1]) % 16
+    if pad:
+        p = torch.nn.functional.pad(p, (0, pad))
+    p = p.reshape(*p.shape[:-1], -1, 16)
+    lane = p[..., 0, :]
+    for i in range(1, p.shape[-2]):
+        lane = lane + p[..., i, :]
+    for w in (8, 4, 2, 1):
+        lane = lane[..., :w] + lane[..., w : 2 * w]
+    return lane[..., 0]
+
+
 def cluster_bias(
-    cluster_scores: torch.Tensor, query_scale: torch.Tensor, scale: torch.Tensor
+    cluster_scores: torch.Tensor, query_scale: torch.Tensor, scale: torch.Tensor, visited: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual codes' cluster term in the scans' integer units.
 
     A row of cluster c scores <q, centroid c> + <q, residual>; the scans add
-    bias[b, c] = round((cluster_scores[b, c] - shift[b]) / (scale * query_scale[b])) to the int8 dot,
-    and shift[b] = max_c cluster_scores[b, c] is added back to the dequantised score. Shifting by the
-    best cluster keeps every bias <= 0; clamping at BIAS_FLOOR (2**24, more than twice the largest
-    possible |dot| 127 * 127 * D for D <= 520) only touches clusters too far below the best one for any
-    of their rows to outrank a row of the best cluster.
+    bias[b, c] = round(cluster_scores[b, c] / u[b]) - round(shift[b] / u[b]) (u = scale * query_scale, in
+    float64, half to even) to the int8 dot, where shift[b] is the best score among the clusters the query
+    visits (`visited`, default all); round(shift[b] / u[b]) * u[b] is added back to the dequantised score.
+    The difference of two rounded terms makes the ranking, and the scores up to float rounding, independent
+    of the shift (the probed and the exact routes visit different clusters and rank alike); shifting by
+    the best keeps every bias <= 0, and the clamp at
+    BIAS_FLOOR (2**24, more than twice the largest possible |dot| 127 * 127 * D for D <= 520) only
+    touches clusters too far below the best for any of their rows to outrank a row of the best one.
+    csrc/scan.h `cluster_bias` computes the same.
 
-    cluster_scores float32 [B, nlist], query_scale float32 [B], scale float32 []
-    -> (bias int32 [B, nlist] in [BIAS_FLOOR, 0], shift float32 [B]).
+    cluster_scores float32 [B, nlist], query_scale float32 [B], scale float32 [], visited bool [B, nlist]
+    -> (bias int32 [B, nlist] in [BIAS_FLOOR, 0], the shift to add back float32 [B]; 0 where nothing is visited).
     """
-    shift = cluster_scores.amax(dim=1)
-    units = (cluster_scores - shift[:, None]) / (scale * query_scale)[:, None]
-    return torch.round(units).clamp_(BIAS_FLOOR, 0).to(torch.int32).contiguous(), shift
+    scores = cluster_scores if visited is None else torch.where(visited, cluster_scores, float("-inf"))
+    shift = scores.amax(dim=1)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    u = (scale * query_scale).double()
+    whole = torch.round(shift.double() / u)  # the shift in units
+    units = torch.round(cluster_scores.double() / u[:, None]) - whole[:, None]
+    return units.clamp_(BIAS_FLOOR, 0).to(torch.int32).contiguous(), (whole * u).float()

@@ -11,7 +11,8 @@
     # rescore_margin > 0 and k <= rescore_max_k: every route runs for k + rescore_margin rows, which
     # `rescore_rows` ranks by the float query on their codes, best k (kernels/rescore_rows.py)
     # residual: codes encode item - centroid (item ~= centroid[c] + dim_scale * code + dim_offset): every
-    # route adds <query, centroid c> to the rows of cluster c (ivf_scan / filtered_topk / rescore_rows)
+    # route adds <query, centroid c> to the rows of cluster c, computed for the clusters it visits
+    # (ivf_scan, filtered_topk, rescore_rows; kernels/common.py cluster_bias)
     # ops .. mode: one row per query, or one per group of B / ops.shape[0] consecutive queries (a
     # request's T task queries, rows b*T .. b*T + T - 1, share its filter program)
 
@@ -106,23 +107,22 @@ def compose_search(
     folded, constant = q * dim_scale, q @ dim_offset
     one, zero = folded.new_ones(()), folded.new_zeros(())
     # residual codes (item ~= centroid + dim_scale * code + dim_offset): a row of cluster c adds <q, centroid c>
-    cs = (centroids.float() @ q.t()).t() if residual else None  # filter_plan's form: the C++ op shares its scores
-    offsets = cluster_offsets if residual else None
+    offsets, cent, cq = (cluster_offsets, centroids.float(), q) if residual else (None, None, None)
     # Bloom false positives may take result slots: scan a margin, verify, keep the best k.
     s_ivf, r_ivf = steps.ivf_scan(folded, codes, one, zero, cluster_offsets, probes, k + k // 4 + 16, bitmask,
-                                  window_words, cs)
+                                  window_words, cent, cq)
     s_ivf, r_ivf = steps.verify_topk(bits, vops, vrows, s_ivf, r_ivf, k)
     # whole-pool (route 1) and posting (route 2) queries: filter then exact scan
     exact = route > 0
     src = torch.where((route == 1)[:, None], torch.full_like(lists, -2), lists)  # -2: the whole pool
     s_ex, r_ex = steps.filtered_topk(
-        folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k, posting_limit, offsets, cs
+        folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k, posting_limit, offsets, cent, cq
     )
     scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
     found = torch.where(exact[:, None], r_ex, r_ivf)
     if rescore:
         scores, found = steps.rescore_rows(q, found, codes, dim_scale.expand(q.shape[1]).contiguous(), dim_offset, k_out,
-                                           offsets, cs)
+                                           offsets, cent)
     return scores, found if row_to_item.numel() == 0 else steps.rows_to_items(row_to_item, found)
 
 

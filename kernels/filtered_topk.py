@@ -23,9 +23,10 @@ re-sorted and the CPU path stops evaluating once k rows passed.
     # max_candidates int: an upper bound on the rows of any active query's lists (the filtered
     #     search's posting_limit); the CUDA path sizes its candidate buffer with it
     # -> scores float32 [B, k] (descending, -inf padding), rows int64 [B, k] (-1 padding)
-    # optional cluster_offsets int64 [nlist + 1] with cluster_scores float32 [B, nlist]: residual codes,
-    #     every row of cluster c scores cluster_scores[b, c] more (an int32 bias on the int8 dots,
-    #     kernels/common.py cluster_bias, as silverrec::ivf_scan)
+    # optional cluster_offsets int64 [nlist + 1], centroids float32 [nlist, D], centroid_queries float32
+    #     [B, D] (the unfolded queries): residual codes, every row of cluster c scores
+    #     <centroid_queries[b], centroid c> more: an int32 bias on the int8 dots (`cluster_term`), for the
+    #     clusters holding the query's passing rows only (a selective filter computes no other)
 
 "Filter, then exact scan": the rows passing the program (from the candidate lists, or the whole
 pool) are scored exactly like `silverrec::int8_topk` (int8 dot products, ties to the lower row).
@@ -48,7 +49,7 @@ from typing import Optional
 import torch
 
 from silverrec.kernels.bloom_filter import check_program
-from silverrec.kernels.common import EMPTY_KEY, cluster_bias, dequantize_scores, make_keys, quantize_queries, split_keys
+from silverrec.kernels.common import EMPTY_KEY, cluster_bias, dequantize_scores, dot_lanes, make_keys, quantize_queries, split_keys
 from silverrec.kernels.cpu_ext import cpu_ext
 
 NO_LISTS = -2
@@ -148,13 +149,24 @@ def passing_rows_torch(bits, ops, prog_rows, post_rows, post_offsets, lists, b: 
     return cand[ok]
 
 
+def cluster_term(queries, centroids, clusters, unit) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual codes' cluster term over the clusters a query visits: queries float32 [M, D], centroids
+    float32 [nlist, D], clusters int64 [C] (those holding the passing rows), unit float32 [M] (the scores'
+    integer unit) -> (bias int32 [M, C], shift float32 [M]): kernels/common.py cluster_bias over those
+    clusters only (csrc/filter_scan.cpp computes the same)."""
+    scores = dot_lanes(queries[:, None, :], centroids.float()[clusters][None])  # the C++ kernel's sums
+    return cluster_bias(scores, unit, torch.ones((), device=unit.device))
+
+
 def filtered_keys_torch(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int,
-                        cluster_offsets=None, bias=None) -> torch.Tensor:
-    """Device-generic path: top-k keys int64 [B, k] (descending, EMPTY_KEY padding); bias optional int32
-    [B, nlist] added to the dots of each cluster's rows (clusters from cluster_offsets int64 [nlist + 1])."""
+                        cluster_offsets=None, centroids=None, centroid_queries=None, unit=None):
+    """Device-generic path: top-k keys int64 [B, k] (descending, EMPTY_KEY padding); with residual codes
+    (cluster_offsets, centroids, centroid_queries, unit: see the op) also the shift float32 [B] to add to
+    the scores, else None."""
     B = qcodes.shape[0]
     n, d = codes.shape
     keys = torch.full((B, k), EMPTY_KEY, dtype=torch.int64, device=codes.device)
+    shift = None if centroids is None else torch.zeros(B, dtype=torch.float32, device=codes.device)
     groups: dict[tuple, list[int]] = {}  # identical (program, lists): one evaluation and one matmul
     for b in active.nonzero().reshape(-1).tolist():
         key = (ops[b].cpu().numpy().tobytes(), prog_rows[b].cpu().numpy().tobytes(), lists[b].cpu().numpy().tobytes())
@@ -169,12 +181,14 @@ def filtered_keys_torch(qcodes, codes, bits, ops, prog_rows, post_rows, post_off
             s = (sel.float() @ qg.float().t()).round().to(torch.int64)
         else:
             s = sel.to(torch.int64) @ qg.to(torch.int64).t()
-        if bias is not None:
-            s = s + bias[members][:, torch.searchsorted(cluster_offsets, rows, right=True) - 1].t().to(s.dtype)
+        if centroids is not None:  # + the cluster term of each row's cluster (those present only)
+            present, of_row = torch.unique(torch.searchsorted(cluster_offsets, rows, right=True) - 1, return_inverse=True)
+            bias, shift[members] = cluster_term(centroid_queries[members], centroids, present, unit[members])
+            s = s + bias[:, of_row].t().to(s.dtype)
         kb = make_keys(s.t(), rows[None, :])
         take = min(k, rows.numel())
         keys[members, :take] = kb.topk(take, dim=1, sorted=False).values
-    return keys.sort(dim=1, descending=True).values
+    return keys.sort(dim=1, descending=True).values, shift
 
 
 def _check_lists(post_rows, post_offsets, lists, active, batch: int) -> None:
@@ -189,15 +203,17 @@ def _check_lists(post_rows, post_offsets, lists, active, batch: int) -> None:
 
 
 def _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int,
-                         cluster_offsets=None, cluster_scores=None) -> None:
+                         cluster_offsets=None, centroids=None, centroid_queries=None) -> None:
     """ValueError naming the first bad argument (shapes and dtypes only: no host synchronisation)."""
-    if (cluster_offsets is None) != (cluster_scores is None):
-        raise ValueError("cluster_offsets and cluster_scores go together (residual codes)")
+    if not (cluster_offsets is None) == (centroids is None) == (centroid_queries is None):
+        raise ValueError("cluster_offsets, centroids and centroid_queries go together (residual codes)")
     if cluster_offsets is not None and (
-            cluster_offsets.dtype != torch.int64 or cluster_offsets.dim() != 1 or cluster_scores.dim() != 2
-            or tuple(cluster_scores.shape) != (queries.shape[0], cluster_offsets.numel() - 1)):
-        raise ValueError(f"cluster_offsets int64 [nlist + 1] and cluster_scores [B, nlist] expected, got "
-                         f"{cluster_offsets.dtype} {tuple(cluster_offsets.shape)} and {tuple(cluster_scores.shape)}")
+            cluster_offsets.dtype != torch.int64 or cluster_offsets.dim() != 1
+            or tuple(centroids.shape) != (cluster_offsets.numel() - 1, queries.shape[1])
+            or tuple(centroid_queries.shape) != tuple(queries.shape)):
+        raise ValueError(f"cluster_offsets int64 [nlist + 1], centroids [nlist, D] and centroid_queries [B, D] expected, "
+                         f"got {cluster_offsets.dtype} {tuple(cluster_offsets.shape)}, {tuple(centroids.shape)} and "
+                         f"{tuple(centroid_queries.shape)}")
     check_program(bits, ops, prog_rows)
     _check_lists(post_rows, post_offsets, lists, active, queries.shape[0])
     if codes.dtype != torch.int8 or codes.dim() != 2 or queries.dim() != 2 or queries.shape[1] != codes.shape[1]:
@@ -224,11 +240,12 @@ def filtered_topk(
     k: int,
     max_candidates: int,
     cluster_offsets: Optional[torch.Tensor] = None,
-    cluster_scores: Optional[torch.Tensor] = None,
+    centroids: Optional[torch.Tensor] = None,
+    centroid_queries: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring."""
     _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k,
-                         cluster_offsets, cluster_scores)
+                         cluster_offsets, centroids, centroid_queries)
     b = queries.shape[0]
     if not bool(active.any()):  # the usual case inside the filtered search: nothing to do
         return (
@@ -236,36 +253,40 @@ def filtered_topk(
             torch.full((b, k), -1, dtype=torch.int64, device=queries.device),
         )
     qcodes, qscale = quantize_queries(queries)
-    bias, shift = (None, None) if cluster_scores is None else cluster_bias(cluster_scores.float(), qscale, scale)
-    offsets = None if cluster_offsets is None else cluster_offsets.contiguous()
+    term = () if centroids is None else (cluster_offsets.contiguous(), centroids.float().contiguous(),
+                                         centroid_queries.float().contiguous(), (scale * qscale).float().contiguous())
     ext = cpu_ext() if codes.device.type == "cpu" else None
     args = (bits.contiguous(), ops.contiguous(), prog_rows.contiguous(), post_rows.contiguous(), post_offsets.contiguous(), lists.contiguous(), active.contiguous(), k)
     if ext is not None and hasattr(ext, "filtered_topk_keys"):
-        keys = ext.filtered_topk_keys(qcodes, codes.contiguous(), *args, offsets, bias)
+        keys, shift = ext.filtered_topk_keys(qcodes, codes.contiguous(), *args, *term)
         scores, rows = ext.keys_to_results(keys, qscale, queries.float().sum(dim=1), scale, offset)
     else:
-        keys = filtered_keys_torch(qcodes, codes, *args, offsets, bias)
+        keys, shift = filtered_keys_torch(qcodes, codes, *args, *term)
         int_scores, rows = split_keys(keys)
         scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)
-    return scores if shift is None else scores + shift[:, None], rows
+    return scores if centroids is None else scores + shift[:, None], rows
 
 
 @filtered_topk.register_fake
 def _(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates,
-      cluster_offsets=None, cluster_scores=None):
+      cluster_offsets=None, centroids=None, centroid_queries=None):
     b = queries.shape[0]
     return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
 
 
 def filtered_topk_cuda(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k,
-                       max_candidates, cluster_offsets=None, cluster_scores=None):
-    """The op on CUDA: the Triton kernel (tests run it on CPU tensors under TRITON_INTERPRET=1)."""
+                       max_candidates, cluster_offsets=None, centroids=None, centroid_queries=None):
+    """The op on CUDA: the Triton kernel (tests run it on CPU tensors under TRITON_INTERPRET=1). Residual codes:
+    the cluster term of every cluster, shifted by the best of all (no host read of the clusters present): the
+    ranking is the CPU's (`cluster_bias` differences do not depend on the shift), the scores may differ by the
+    float rounding of the shift."""
     from silverrec.kernels.filtered_topk_triton import filtered_keys_triton
 
     _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k,
-                         cluster_offsets, cluster_scores)
+                         cluster_offsets, centroids, centroid_queries)
     qcodes, qscale = quantize_queries(queries)
-    bias, shift = (None, None) if cluster_scores is None else cluster_bias(cluster_scores.float(), qscale, scale)
+    bias, shift = (None, None) if centroids is None else cluster_bias(
+        dot_lanes(centroid_queries.float()[:, None, :], centroids.float()[None]), qscale, scale)
     keys = filtered_keys_triton(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates,
                                 cluster_offsets=cluster_offsets, bias=bias)
     int_scores, rows = split_keys(keys)

@@ -19,9 +19,10 @@ Args:
     window_words: Wc of `cluster_offsets` (`bitmask_words`), an index constant, or 0 = unknown. The
         CUDA scan without a bitmask sizes its key columns from it; 0 makes it read the largest cluster
         from the device, a host synchronisation that a CUDA graph cannot capture. The CPU ignores it.
-    cluster_scores: optional float32 [B, nlist], residual codes (item ~= centroid[c] + scale * code +
-        offset): every row of cluster c scores cluster_scores[b, c] (= <query, centroid c>) more. The
-        scan adds it as an int32 bias to the int8 dot products (`common.cluster_bias`), so it ranks.
+    centroids, centroid_queries: optional float32 [nlist, D] and [B, D] (the unfolded queries), residual
+        codes (item ~= centroid[c] + scale * code + offset): every row of cluster c scores
+        <centroid_queries[b], centroid c> more, computed for the probed clusters only (`probe_terms`) and
+        added as an int32 bias to the int8 dot products (`common.cluster_bias`), so it ranks.
 Returns:
     scores float32 [B, k], descending; rows int64 [B, k] (cluster-major rows), ties broken by lower
     row. Fewer than k allowed items in the probed clusters: the tail is padded with row -1 and
@@ -55,7 +56,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from silverrec.kernels.common import EMPTY_KEY, cluster_bias, dequantize_scores, make_keys, quantize_queries, split_keys
+from silverrec.kernels.common import EMPTY_KEY, cluster_bias, dequantize_scores, dot_lanes, make_keys, quantize_queries, split_keys
 from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.int8_topk import merge_candidates
 
@@ -87,12 +88,16 @@ def canonical_probes(probes: torch.Tensor) -> torch.Tensor:
     return torch.where(dup_orig, torch.full_like(probes, -1), probes)
 
 
-def check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, cluster_scores=None) -> None:
+def check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, centroids=None,
+                 centroid_queries=None) -> None:
     """Shapes and dtypes (no data-dependent checks: those need a host sync)."""
-    if cluster_scores is not None and (cluster_scores.dim() != 2 or tuple(cluster_scores.shape) != (
-            queries.shape[0], cluster_offsets.numel() - 1)):
-        raise ValueError(f"cluster_scores must be [{queries.shape[0]}, {cluster_offsets.numel() - 1}] (B, nlist), "
-                         f"got {tuple(cluster_scores.shape)}")
+    if (centroids is None) != (centroid_queries is None):
+        raise ValueError("centroids and centroid_queries go together (residual codes)")
+    if centroids is not None and (tuple(centroids.shape) != (cluster_offsets.numel() - 1, queries.shape[1])
+                                  or tuple(centroid_queries.shape) != tuple(queries.shape)):
+        raise ValueError(f"centroids must be [nlist, D] = [{cluster_offsets.numel() - 1}, {queries.shape[1]}] and "
+                         f"centroid_queries [B, D] = {tuple(queries.shape)}, got {tuple(centroids.shape)} and "
+                         f"{tuple(centroid_queries.shape)}")
     if codes.dtype != torch.int8 or codes.dim() != 2:
         raise ValueError(f"codes must be int8 [N, D], got {codes.dtype} {tuple(codes.shape)}")
     if queries.dim() != 2 or queries.shape[1] != codes.shape[1]:
@@ -293,11 +298,27 @@ def scan_keys_cpu(
     return best.sort(dim=1, descending=True).values
 
 
-def _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, keys_fn, cluster_scores=None):
-    check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, cluster_scores)
+def probe_terms(centroid_queries, centroids, probes, query_scale, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual codes: the cluster term of each query's probed clusters (probes int64 [B, P], -1 = none) as
+    (bias int32 [B, nlist], meaningful at the probed clusters; shift float32 [B], the best of them):
+    `common.cluster_bias` over the visited clusters, scores in csrc/widen.h's order (`common.dot_lanes`, as
+    the C++ search computes them)."""
+    B, nlist = probes.shape[0], centroids.shape[0]
+    slot = probes.clamp(min=0)
+    scores = torch.zeros(B, nlist, dtype=torch.float32, device=probes.device)
+    scores.scatter_(1, slot, dot_lanes(centroid_queries[:, None, :], centroids.float()[slot]))
+    visited = torch.zeros(B, nlist + 1, dtype=torch.bool, device=probes.device)
+    visited.scatter_(1, torch.where(probes >= 0, probes, nlist), True)
+    return cluster_bias(scores, query_scale, scale, visited[:, :nlist])
+
+
+def _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, keys_fn, centroids=None,
+                   centroid_queries=None):
+    check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, centroids, centroid_queries)
     qcodes, qscale = quantize_queries(queries)
-    bias, shift = (None, None) if cluster_scores is None else cluster_bias(cluster_scores.float(), qscale, scale)
-    keys = keys_fn(qcodes, codes, cluster_offsets, canonical_probes(probes), k, bitmask, bias=bias)
+    probes = canonical_probes(probes)
+    bias, shift = (None, None) if centroids is None else probe_terms(centroid_queries, centroids, probes, qscale, scale)
+    keys = keys_fn(qcodes, codes, cluster_offsets, probes, k, bitmask, bias=bias)
     int_scores, rows = split_keys(keys)
     scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)
     return scores if shift is None else scores + shift[:, None], rows
@@ -314,20 +335,22 @@ def ivf_scan(
     k: int,
     bitmask: Optional[torch.Tensor] = None,
     window_words: int = 0,
-    cluster_scores: Optional[torch.Tensor] = None,
+    centroids: Optional[torch.Tensor] = None,
+    centroid_queries: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU (C++ fast path, torch fallback). See the module docstring for the contract."""
-    check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, cluster_scores)
+    check_inputs(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, centroids, centroid_queries)
     ext = cpu_ext()
     if ext is None:
         _check_values(codes, cluster_offsets, probes, bitmask)
         return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, scan_keys_cpu,
-                              cluster_scores)
+                              centroids, centroid_queries)
     if probes.numel() and int(probes.max()) < 0:  # nothing probed (e.g. every query took another route)
         b = queries.shape[0]
         return torch.full((b, k), float("-inf")), torch.full((b, k), -1, dtype=torch.int64)
     qcodes, qscale = quantize_queries(queries)
-    bias, shift = (None, None) if cluster_scores is None else cluster_bias(cluster_scores.float(), qscale, scale)
+    bias, shift = (None, None) if centroids is None else probe_terms(
+        centroid_queries, centroids, canonical_probes(probes), qscale, scale)
     # value checks (cluster_offsets, probe ids, bitmask width) happen in C++ and raise ValueError
     keys = ext.ivf_scan_keys(
         qcodes, codes.contiguous(), cluster_offsets.contiguous(), probes.contiguous(),
@@ -338,18 +361,20 @@ def ivf_scan(
 
 
 @ivf_scan.register_fake
-def _(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None, window_words=0, cluster_scores=None):
+def _(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None, window_words=0, centroids=None,
+      centroid_queries=None):
     b = queries.shape[0]
     return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
 
 
 def ivf_scan_cuda(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask=None, window_words=0,
-                  cluster_scores=None):
+                  centroids=None, centroid_queries=None):
     """The op on CUDA: the Triton scan (tests run it on CPU tensors under TRITON_INTERPRET=1)."""
     from silverrec.kernels.ivf_scan_triton import scan_keys_triton
 
     keys_fn = partial(scan_keys_triton, window_words=window_words)
-    return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, keys_fn, cluster_scores)
+    return _ivf_scan_impl(queries, codes, scale, offset, cluster_offsets, probes, k, bitmask, keys_fn, centroids,
+                          centroid_queries)
 
 
 torch.library.register_kernel("silverrec::ivf_scan", "cuda", ivf_scan_cuda)

@@ -5,8 +5,8 @@
     # twice in a list), codes int8 [N, D] with per-dimension dim_scale / dim_offset float32 [D]
     # (item ~= dim_scale * code + dim_offset, publish/quantize.py quantize_per_dim), k >= 1
     # -> scores float32 [B, k] (descending, -inf pads), rows int64 [B, k] (-1 pads)
-    # optional cluster_offsets int64 [nlist + 1] with cluster_scores float32 [B, nlist]: residual codes
-    #     (item ~= centroid[c] + dim_scale * code + dim_offset), a row of cluster c adds cluster_scores[b, c]
+    # optional cluster_offsets int64 [nlist + 1] with centroids float32 [nlist, D]: residual codes
+    #     (item ~= centroid[c] + dim_scale * code + dim_offset), a row of cluster c adds <queries[b], centroid c>
 
 Each found row is scored <queries * dim_scale, code> + <queries, dim_offset>, in float32 arithmetic on
 the stored codes; the best k are kept, ties by position in `found` (the scan's order); a NaN or
@@ -46,7 +46,7 @@ def rescore_margin(k: int) -> int:
 
 def rescore_rows_torch(queries: Tensor, found: Tensor, codes: Tensor, dim_scale: Tensor, dim_offset: Tensor,
                        k: int, cluster_offsets: Optional[Tensor] = None,
-                       cluster_scores: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       centroids: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """The reference (device-generic; see the module docstring)."""
     B, K = found.shape
     D = codes.shape[1]
@@ -58,11 +58,11 @@ def rescore_rows_torch(queries: Tensor, found: Tensor, codes: Tensor, dim_scale:
     const = (queries * dim_offset).sum(dim=1, keepdim=True)
     cand = codes.index_select(0, found.clamp(min=0).reshape(-1)).reshape(B, K, D).to(queries.dtype)
     s = torch.bmm(cand, folded.unsqueeze(2)).squeeze(2) + const
-    if (cluster_offsets is None) != (cluster_scores is None):
-        raise ValueError("rescore_rows: cluster_offsets and cluster_scores go together (residual codes)")
-    if cluster_scores is not None:
+    if (cluster_offsets is None) != (centroids is None):
+        raise ValueError("rescore_rows: cluster_offsets and centroids go together (residual codes)")
+    if centroids is not None:
         cluster = torch.searchsorted(cluster_offsets, found.clamp(min=0), right=True) - 1
-        s = s + cluster_scores.gather(1, cluster)
+        s = s + torch.bmm(centroids.to(queries.dtype)[cluster], queries.unsqueeze(2)).squeeze(2)
     s = torch.where((found >= 0) & (s > float("-inf")), s, float("-inf"))  # NaN too
     # k padding columns first, so that any k works whatever K is
     s = torch.cat([s, torch.full((B, k), float("-inf"), dtype=s.dtype, device=s.device)], dim=1)
@@ -75,7 +75,7 @@ def rescore_rows_torch(queries: Tensor, found: Tensor, codes: Tensor, dim_scale:
 
 # Defined before kernels/filtered_ivf_search.py loads the C++ extension, which registers the CPU kernel.
 torch.library.define("silverrec::rescore_rows", "(Tensor queries, Tensor found, Tensor codes, Tensor dim_scale, "
-                     "Tensor dim_offset, SymInt k, Tensor? cluster_offsets=None, Tensor? cluster_scores=None) "
+                     "Tensor dim_offset, SymInt k, Tensor? cluster_offsets=None, Tensor? centroids=None) "
                      "-> (Tensor, Tensor)")
 torch.library.impl("silverrec::rescore_rows", "CUDA", rescore_rows_torch)
 
@@ -86,6 +86,6 @@ def register_cpu_fallback() -> None:
 
 
 @torch.library.register_fake("silverrec::rescore_rows")
-def _(queries, found, codes, dim_scale, dim_offset, k, cluster_offsets=None, cluster_scores=None):
+def _(queries, found, codes, dim_scale, dim_offset, k, cluster_offsets=None, centroids=None):
     b = found.shape[0]
     return queries.new_empty(b, k, dtype=torch.float32), found.new_empty(b, k, dtype=torch.int64)

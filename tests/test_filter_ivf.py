@@ -67,7 +67,7 @@ def _exact_filtered(module, fwd, queries, filters, k):
     qc, qs = quantize_queries(module.fold(queries)[0])  # the index's per-dimension ranges
     scores = qc.long() @ module.codes.long().t()  # [B, N]
     if module.residual:  # + each row's cluster term <q, centroid> in the scan's integer units
-        bias, _ = cluster_bias(module.cluster_scores(queries), qs, torch.tensor(1.0))
+        bias, _ = cluster_bias(queries.float() @ module.centroids.t(), qs, torch.tensor(1.0))  # ranks as any shift
         scores += bias.long()[:, _cluster_of_rows(module)]
     out = []
     for b, f in enumerate(filters):

@@ -195,7 +195,10 @@ def test_search_of_triton_kernels_equals_cpu_op(residual):
     assert bool((want_i < 0).any())  # k above the matches somewhere: padding
     got_s, got_i = filtered_ivf_search_cuda(*tensors, *scalars)
     assert torch.equal(got_i, want_i)
-    assert torch.equal(got_s, want_s)
+    if residual:  # the CUDA exact route shifts by every cluster's term, the CPU by the ones it visits (cluster_bias)
+        torch.testing.assert_close(got_s, want_s)
+    else:
+        assert torch.equal(got_s, want_s)
 
 
 _COMPILE = r"""

@@ -1,7 +1,7 @@
 """Residual int8 codes (item ~= centroid + dim_scale * code + dim_offset): the ops' cluster term.
 
-Every op that scores codes takes the per-(query, cluster) term <q, centroid c> (`cluster_scores`):
-ivf_scan, filtered_topk and rescore_rows. The references here add it independently (int64 dot +
+Every op that scores codes adds the per-(query, cluster) term <q, centroid c> (from `centroids` and the
+unfolded queries): ivf_scan, filtered_topk and rescore_rows. The references here add it independently (int64 dot +
 the bias of the row's cluster, found by a Python search of the offsets; float64 for the re-score);
 the C++ path and the torch path (extension switched off) must equal them. Then a published residual
 index on real vectors (bigann10k) against float brute force, and against direct codes.
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import silverrec.kernels  # noqa: F401  (registers the ops)
-from silverrec.kernels.common import BIAS_FLOOR, cluster_bias, quantize_queries
+from silverrec.kernels.common import BIAS_FLOOR, cluster_bias, dot_lanes, quantize_queries
 from silverrec.kernels.filtered_topk import NO_LISTS
 from silverrec.kernels.ivf_scan import bitmask_words, ivf_scan_reference
 from tests.helpers import inner_product_topk, load_ann, recall
@@ -55,17 +55,56 @@ def test_cluster_bias_is_shifted_rounded_and_clamped():
     assert bias.tolist() == [[0, -2, BIAS_FLOOR], [0, 0, -1]]
 
 
+def test_cluster_bias_ranks_alike_whatever_clusters_set_the_shift():
+    """The probed route shifts by its probed clusters, the exact routes by those holding passing rows:
+    the biases of the clusters both visit differ by one integer per query, so they rank alike."""
+    g = torch.Generator().manual_seed(5)
+    cs, qs = torch.randn(6, 40, generator=g) * 7, torch.rand(6, generator=g) * 0.01 + 1e-3
+    visited = torch.rand(6, 40, generator=g) < 0.3
+    visited[:, 0] = True
+    all_bias, _ = cluster_bias(cs, qs, ONE)
+    some_bias, some_shift = cluster_bias(cs, qs, ONE, visited)
+    best = torch.where(visited, cs, float("-inf")).amax(1)  # the shift added back: the best, rounded to a unit
+    assert bool(((some_shift - best).abs() <= qs / 2 + 1e-6).all())
+    diff = (all_bias.long() - some_bias.long())[visited].reshape(-1)
+    ok = (some_bias > BIAS_FLOOR) & (all_bias > BIAS_FLOOR) & visited
+    for i in range(6):
+        d = (all_bias[i].long() - some_bias[i].long())[ok[i]]
+        assert d.numel() and bool((d == d[0]).all())
+    assert diff.numel()
+
+
+def test_dot_lanes_matches_the_cpp_summation_order():
+    """kernels/common.py dot_lanes emulates csrc/widen.h's (16 lanes, then a tree): the same float32 bits
+    as the C++ re-score's cluster term on data where the order matters."""
+    g = torch.Generator().manual_seed(0)
+    for d in (7, 16, 37, 96):
+        a, b = torch.randn(5, d, generator=g) * 1e3, torch.randn(5, d, generator=g) * 1e-3
+        lanes = torch.zeros(5, 16)
+        for i in range(d):
+            lanes[:, i % 16] = lanes[:, i % 16] + a[:, i] * b[:, i]
+        for w in (8, 4, 2, 1):
+            lanes[:, :w] = lanes[:, :w] + lanes[:, w : 2 * w]
+        assert torch.equal(dot_lanes(a, b), lanes[:, 0])
+
+
 @pytest.mark.parametrize("nlist, d, b, p, k", [(20, 16, 5, 6, 30), (9, 32, 3, 9, 2000), (30, 8, 17, 4, 1)])
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_ivf_scan_adds_the_cluster_term(nlist, d, b, p, k, with_mask):
+    """The cluster term <query, centroid> of the probed clusters, shifted by the best probed one (integer
+    centroids and queries: every float sum exact)."""
     g = torch.Generator().manual_seed(nlist * 7 + b)
     codes, off = _layout(nlist, d, g)
-    queries = torch.randn(b, d, generator=g)
-    cs = torch.randn(b, nlist, generator=g) * 2
+    queries = torch.randint(-4, 5, (b, d), generator=g).float()
+    centroids = torch.randint(-3, 4, (nlist, d), generator=g).float()
+    cs = queries @ centroids.t()
     probes = torch.randint(-1, nlist, (b, p), generator=g)
     bitmask = torch.randint(-(2**62), 2**62, (b, p, bitmask_words(off)), generator=g) if with_mask else None
     qscale = quantize_queries(queries)[1]
-    bias, shift = cluster_bias(cs, qscale, ONE)
+    best = torch.tensor([max([float(cs[i, c]) for c in probes[i].tolist() if c >= 0], default=0.0) for i in range(b)])
+    whole = torch.round(best.double() / qscale.double())
+    shift = (whole * qscale.double()).float()
+    bias = (torch.round(cs.double() / qscale.double()[:, None]) - whole[:, None]).clamp(BIAS_FLOOR, 0).to(torch.int32)
     ref_ints, ref_rows = ivf_scan_reference(queries, codes, off, probes, k, bitmask, bias)
     # the reference's bias, re-derived row by row (independent of its searchsorted)
     qc = quantize_queries(queries)[0].long()
@@ -75,7 +114,7 @@ def test_ivf_scan_adds_the_cluster_term(nlist, d, b, p, k, with_mask):
             assert s == int(codes[r].long() @ qc[i]) + int(bias[i, c])
     want = ref_ints.float() * qscale[:, None] + shift[:, None]
     for got_s, got_r in _both_paths(lambda: torch.ops.silverrec.ivf_scan(queries, codes, ONE, ZERO, off, probes, k,
-                                                                         bitmask, 0, cs)):
+                                                                         bitmask, 0, centroids, queries)):
         assert torch.equal(got_r, ref_rows)
         valid = ref_rows >= 0
         torch.testing.assert_close(got_s[valid], want[valid])
@@ -88,21 +127,25 @@ def test_ivf_scan_cluster_term_changes_the_ranking():
     off = torch.tensor([0, 20, 40])
     q = torch.randn(1, 8)
     probes = torch.tensor([[0, 1]])
-    _, rows = torch.ops.silverrec.ivf_scan(q, codes, ONE, ZERO, off, probes, 20, None, 0, torch.tensor([[0.0, 5.0]]))
+    towards, away = torch.cat([torch.zeros(1, 8), q]), torch.cat([q, torch.zeros(1, 8)])  # <q, centroid 1> > 0 = ...
+    _, rows = torch.ops.silverrec.ivf_scan(q, codes, ONE, ZERO, off, probes, 20, None, 0, towards, q)
     assert rows.min() >= 20
-    _, rows = torch.ops.silverrec.ivf_scan(q, codes, ONE, ZERO, off, probes, 20, None, 0, torch.tensor([[5.0, 0.0]]))
+    _, rows = torch.ops.silverrec.ivf_scan(q, codes, ONE, ZERO, off, probes, 20, None, 0, away, q)
     assert rows.max() < 20
 
 
 @pytest.mark.parametrize("nlist, d, b, k, dense", [(25, 16, 7, 40, False), (12, 32, 4, 900, True), (40, 8, 9, 3, False)])
 def test_filtered_topk_adds_the_cluster_term(nlist, d, b, k, dense):
     """Whole-pool queries (dense: most rows pass, the C++ masked scan; else the compacted rows) and
-    posting-list queries, against brute force with the bias of each row's cluster."""
+    posting-list queries, against brute force with the bias of each row's cluster: its cluster term
+    <query, centroid> less the best term among the clusters holding the query's allowed rows, in the
+    scores' integer unit (integer centroids and queries: every float sum exact)."""
     g = torch.Generator().manual_seed(nlist + d + b)
     codes, off = _layout(nlist, d, g)
     n = codes.shape[0]
-    queries = torch.randn(b, d, generator=g)
-    cs = torch.randn(b, nlist, generator=g) * 3
+    queries = torch.randint(-4, 5, (b, d), generator=g).float()
+    centroids = torch.randint(-3, 4, (nlist, d), generator=g).float()
+    cs = queries @ centroids.t()
     bank = torch.full((3, (n + 63) // 64), -1, dtype=torch.int64) if dense else _bank(11, n, g)
     ops, prow = (torch.ones(b, 1, dtype=torch.int64), torch.zeros(b, 1, 1, dtype=torch.int64)) if dense else \
         _programs(b, 5, 2, 11, g)
@@ -116,13 +159,21 @@ def test_filtered_topk_adds_the_cluster_term(nlist, d, b, k, dense):
     active = torch.ones(b, dtype=torch.bool)
     active[-1] = False
     allowed = _allowed_from(bank, ops, prow, n, sel, lists, active)
-    bias, shift = cluster_bias(cs, quantize_queries(queries)[1], ONE)
     cluster = torch.tensor(_cluster_of(off, range(n)), dtype=torch.int64)
-    want_s, want_r = _expected(queries, codes, allowed, k, ONE, ZERO, bias.long()[:, cluster], shift)
+    qscale = quantize_queries(queries)[1]
+    row_bias, shift = torch.zeros(b, n, dtype=torch.int64), torch.zeros(b)
+    for i in range(b):  # the shift: the best term among the clusters of the query's allowed rows
+        present = sorted(set(cluster[allowed[i]].tolist()))
+        if present:
+            u = float(qscale[i])
+            best = round(max(float(cs[i, c]) for c in present) / u)
+            shift[i] = best * u
+            row_bias[i] = (torch.round(cs[i].double() / u) - best).clamp(BIAS_FLOOR, 0).long()[cluster]
+    want_s, want_r = _expected(queries, codes, allowed, k, ONE, ZERO, row_bias, shift)
 
     def run():
         return torch.ops.silverrec.filtered_topk(queries, codes, ONE, ZERO, bank, ops, prow, post_rows, post_off, sel,
-                                                 active, k, n, off, cs)
+                                                 active, k, n, off, centroids, queries)
 
     for got_s, got_r in _both_paths(run):
         assert torch.equal(got_r, want_r)
@@ -137,7 +188,7 @@ def test_filtered_topk_names_a_half_given_cluster_term():
         torch.ops.silverrec.filtered_topk(torch.randn(1, 8), codes, ONE, ZERO, torch.zeros(1, (n + 63) // 64, dtype=torch.int64),
                                           torch.ones(1, 1, dtype=torch.int64), torch.zeros(1, 1, 1, dtype=torch.int64),
                                           torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
-                                          torch.full((1, 1), NO_LISTS), torch.ones(1, dtype=torch.bool), 5, n, off, None)
+                                          torch.full((1, 1), NO_LISTS), torch.ones(1, dtype=torch.bool), 5, n, off, None, None)
 
 
 @pytest.mark.parametrize("B, K, D, k", [(3, 30, 16, 10), (2, 12, 40, 20)])
@@ -148,7 +199,8 @@ def test_rescore_rows_adds_the_cluster_term(B, K, D, k):
     q = torch.randint(-3, 4, (B, D), generator=g).float()  # integer data: exact float32 sums
     scale = torch.randint(1, 4, (D,), generator=g).float()
     offset = torch.randint(-2, 3, (D,), generator=g).float()
-    cs = torch.randint(-50, 50, (B, 10), generator=g).float()
+    centroids = torch.randint(-5, 6, (10, D), generator=g).float()
+    cs = q @ centroids.t()
     found = torch.stack([torch.randperm(n, generator=g)[:K] for _ in range(B)])
     found[:, -2:] = -1
     want_s = np.full((B, k), -np.inf)
@@ -160,7 +212,7 @@ def test_rescore_rows_adds_the_cluster_term(B, K, D, k):
                         for j, (r, c) in enumerate(zip(rows, _cluster_of(off, rows))))[:k]
         for i, (s, _, r) in enumerate(scored):
             want_s[b, i], want_r[b, i] = -s, r
-    for got_s, got_r in _both_paths(lambda: torch.ops.silverrec.rescore_rows(q, found, codes, scale, offset, k, off, cs)):
+    for got_s, got_r in _both_paths(lambda: torch.ops.silverrec.rescore_rows(q, found, codes, scale, offset, k, off, centroids)):
         assert got_r.tolist() == want_r.tolist()
         assert np.array_equal(got_s.double().numpy(), want_s)
 

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -25,6 +26,7 @@
 #include "program.h"
 #include "scan.h"
 #include "topk_state.h"
+#include "widen.h"
 
 namespace silverrec {
 namespace {
@@ -143,28 +145,43 @@ std::tuple<at::Tensor, at::Tensor> verify_topk(const at::Tensor& bits, const at:
   return {scores, out_rows};
 }
 
-at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
-                              const at::Tensor& ops_t, const at::Tensor& rows_t, const at::Tensor& post_rows_t,
-                              const at::Tensor& post_off_t, const at::Tensor& lists_t, const at::Tensor& active_t,
-                              int64_t k, const std::optional<at::Tensor>& cluster_offsets,
-                              const std::optional<at::Tensor>& bias) {
+std::tuple<at::Tensor, at::Tensor> filtered_topk_keys(
+    const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits, const at::Tensor& ops_t,
+    const at::Tensor& rows_t, const at::Tensor& post_rows_t, const at::Tensor& post_off_t, const at::Tensor& lists_t,
+    const at::Tensor& active_t, int64_t k, const std::optional<at::Tensor>& cluster_offsets,
+    const std::optional<at::Tensor>& centroids, const std::optional<at::Tensor>& centroid_queries,
+    const std::optional<at::Tensor>& unit) {
   check(ops_t, at::kLong, 2, "ops");
   const int64_t B = ops_t.size(0);
-  at::Tensor keys = at::empty({B, k}, at::kLong);
+  at::Tensor keys = at::empty({B, k}, at::kLong), shift;
   std::vector<int64_t> count(B, 0);
   int64_t* kp = keys.data_ptr<int64_t>();
-  const int64_t nlist = cluster_offsets ? cluster_offsets->size(0) - 1 : 0;
+  ClusterTerm term;
+  TORCH_CHECK(cluster_offsets.has_value() == centroids.has_value() && centroids.has_value() == centroid_queries.has_value() &&
+                  centroids.has_value() == unit.has_value(),
+              "filtered_topk: cluster_offsets, centroids, centroid_queries and unit go together (residual codes)");
+  if (cluster_offsets) {
+    check(*cluster_offsets, at::kLong, 1, "cluster_offsets");
+    check(*centroids, at::kFloat, 2, "centroids");
+    check(*centroid_queries, at::kFloat, 2, "centroid_queries");
+    check(*unit, at::kFloat, 1, "unit");
+    TORCH_CHECK(centroids->size(0) == cluster_offsets->size(0) - 1 && centroids->size(1) == centroid_queries->size(1) &&
+                    centroid_queries->size(0) == B && unit->size(0) == B,
+                "filtered_topk: centroids [nlist, D], centroid_queries [B, D] and unit [B] expected");
+    shift = at::zeros({B}, at::kFloat);
+    term = {&*cluster_offsets, centroids->data_ptr<float>(), centroid_queries->data_ptr<float>(), unit->data_ptr<float>(),
+            shift.data_ptr<float>()};
+  }
   filtered_topk_into(qcodes, codes, bits, ops_t, rows_t, post_rows_t, post_off_t, lists_t, active_t, k, kp,
-                     count.data(), cluster_offsets, bias_table(bias, B, nlist));
+                     count.data(), term);
   for (int64_t b = 0; b < B; ++b) std::fill(kp + b * k + count[b], kp + (b + 1) * k, kEmptyKey);
-  return keys;
+  return {keys, shift};
 }
 
 void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
                         const at::Tensor& ops_t, const at::Tensor& rows_t, const at::Tensor& post_rows_t,
                         const at::Tensor& post_off_t, const at::Tensor& lists_t, const at::Tensor& active_t, int64_t k,
-                        int64_t* kp, int64_t* count, const std::optional<at::Tensor>& cluster_offsets,
-                        const BiasTable& bp) {
+                        int64_t* kp, int64_t* count, const ClusterTerm& term) {
   check(bits, at::kLong, 2, "bits");
   check(ops_t, at::kLong, 2, "ops");
   check(rows_t, at::kLong, 3, "rows");
@@ -182,14 +199,12 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   TORCH_CHECK(lists_t.size(0) == B && active_t.size(0) == B && qcodes.size(0) == B, "filtered_topk: B rows expected");
   TORCH_CHECK(W == (N + 63) / 64, "filtered_topk: bits must have ceil(N / 64) words per row");
   std::fill(count, count + B, int64_t{0});
-  // residual codes: row r of cluster c scores dot + bias[b, c] (clusters from cluster_offsets)
-  TORCH_CHECK(cluster_offsets.has_value() == bool(bp), "filtered_topk: cluster_offsets and bias go together");
+  // residual codes: row r of cluster c scores dot + bias(b, c) (ClusterTerm; the table is filled below)
   const int64_t* coff = nullptr;
   int64_t nlist = 0;
-  if (cluster_offsets) {
-    check(*cluster_offsets, at::kLong, 1, "cluster_offsets");
-    nlist = cluster_offsets->size(0) - 1;
-    coff = cluster_offsets->data_ptr<int64_t>();
+  if (term.offsets) {
+    nlist = term.offsets->size(0) - 1;
+    coff = term.offsets->data_ptr<int64_t>();
     TORCH_CHECK(nlist >= 1 && coff[0] == 0 && coff[nlist] == N, "filtered_topk: cluster_offsets must rise from 0 to N");
   }
   const bool* act = active_t.data_ptr<bool>();
@@ -217,9 +232,38 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     for (int64_t g = g0; g < g1; ++g)
       passing[g] = passing_rows(bank, W, N, ops, prog, L, T, groups[g], lists, T2, post_rows, post_off);
   });
-  // compact buffer: the passing rows of each small group; big whole-pool groups scan via a mask
+  // residual codes: the clusters holding each group's passing rows (ascending: found by walking the offsets);
+  // per live query the cluster term of those clusters, its best (the shift) and the biases bias(b, c)
+  BiasTable bp;
+  std::unique_ptr<int32_t[]> bias_store;  // [B, nlist], only the (query, present cluster) pairs written
+  std::vector<std::vector<int64_t>> present(groups.size());  // per group, ascending
   std::vector<int64_t> group_of(B, -1), buf_start(groups.size(), 0), mask_group(groups.size(), -1);
   for (size_t g = 0; g < groups.size(); ++g) group_of[groups[g]] = int64_t(g);
+  if (coff) {
+    bias_store.reset(new int32_t[B * nlist]);
+    bp = {bias_store.get(), nlist, 1};
+    for (size_t g = 0; g < groups.size(); ++g) {
+      int64_t c = 0;
+      for (int64_t r : passing[g]) {
+        while (coff[c + 1] <= r) ++c;
+        if (present[g].empty() || present[g].back() != c) present[g].push_back(c);
+      }
+    }
+    std::vector<float> cs;
+    for (int64_t b : live) {
+      const auto& pc = present[group_of[rep[b]]];
+      if (pc.empty()) continue;
+      cs.resize(pc.size());
+      float best = -std::numeric_limits<float>::infinity();
+      for (size_t i = 0; i < pc.size(); ++i) {
+        cs[i] = dot_lanes_f32(term.queries + b * D, term.centroids + pc[i] * D, D);
+        best = std::max(best, cs[i]);
+      }
+      term.shift[b] = shift_back(best, term.unit[b]);
+      for (size_t i = 0; i < pc.size(); ++i) bias_store[b * nlist + pc[i]] = cluster_bias(cs[i], best, term.unit[b]);
+    }
+  }
+  // compact buffer: the passing rows of each small group; big whole-pool groups scan via a mask
   int64_t total = 0, masked = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
     if (int64_t(passing[g].size()) * kMaskDivisor > N) {
@@ -249,17 +293,14 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   // residual codes in the compact buffer, whose rows mix clusters: each row's cluster (p ascending: found by
   // walking the offsets); the clusters present get their biases per member below
   std::vector<int32_t> row_cluster, row_bias;
-  std::vector<uint8_t> present;
   if (bp && total > 0) {
     row_cluster.resize(total);
-    present.assign(nlist, 0);
     for (size_t g = 0; g < groups.size(); ++g) {
       if (mask_group[g] >= 0) continue;
       int64_t c = 0;
       for (size_t i = 0; i < passing[g].size(); ++i) {
         while (coff[c + 1] <= passing[g][i]) ++c;
         row_cluster[buf_start[g] + int64_t(i)] = int32_t(c);
-        present[c] = 1;
       }
     }
   }
@@ -313,9 +354,10 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   if (!row_cluster.empty()) {  // the compact buffer's per-row biases: [nlist, M], the clusters present
     const int64_t M = int64_t(small.member_query.size());
     row_bias.assign(nlist * M, 0);
-    for (int64_t c = 0; c < nlist; ++c)
-      if (present[c])
-        for (int64_t m = 0; m < M; ++m) row_bias[c * M + m] = bp(small.member_query[m], c);
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t b = small.member_query[m];
+      for (int64_t c : present[group_of[rep[b]]]) row_bias[c * M + m] = bp(b, c);
+    }
     small.row_cluster = row_cluster.data();
     small.row_bias = row_bias.data();
     small.row_bias_stride = M;

@@ -17,6 +17,7 @@
 #include "program.h"
 #include "scan.h"
 #include "topk_state.h"
+#include "widen.h"
 
 namespace silverrec {
 
@@ -32,7 +33,7 @@ at::Tensor mol_score(const at::Tensor& user, const at::Tensor& rows, const at::T
 std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries, const at::Tensor& found, const at::Tensor& codes,
                                                 const at::Tensor& dim_scale, const at::Tensor& dim_offset, int64_t k,
                                                 const std::optional<at::Tensor>& cluster_offsets,
-                                                const std::optional<at::Tensor>& cluster_scores);
+                                                const std::optional<at::Tensor>& centroids);
 // kernels/csrc/encode.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
     const at::Tensor& rows, const at::Tensor& offsets, int64_t exclude_limit, int64_t history_len, int64_t recent_len,
@@ -70,7 +71,7 @@ at::Tensor topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, int64_t 
 
 at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& cluster_offsets,
                          const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k,
-                         const BiasTable& bp) {
+                         const BiasTable& table, const ClusterTerm& term) {
   ScanInput in = base_input(qcodes, codes, k);
   check(cluster_offsets, at::kLong, 1, "cluster_offsets");
   check(probes, at::kLong, 2, "probes");
@@ -98,6 +99,23 @@ at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, cons
                                   std::to_string(wc));
     in.bitmask = bitmask->data_ptr<int64_t>();
   }
+  // residual codes: a caller's bias table, or the cluster term of each query's probed clusters (ClusterTerm)
+  std::vector<float> probe_score, best(in.B, 0.0f);
+  if (term.centroids) {
+    probe_score.assign(in.B * P, 0.0f);
+    for (int64_t b = 0; b < in.B; ++b) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < P; ++j) {
+        const int64_t c = pr[b * P + j];
+        if (c < 0) continue;
+        probe_score[b * P + j] = dot_lanes_f32(term.queries + b * in.D, term.centroids + c * in.D, in.D);
+        top = std::max(top, probe_score[b * P + j]);
+      }
+      best[b] = top > -std::numeric_limits<float>::infinity() ? top : 0.0f;
+      term.shift[b] = shift_back(best[b], term.unit[b]);
+    }
+  }
+  const bool biased = bool(table) || term.centroids;
   // First slot of each (query, cluster); count members per cluster and each cluster's best slot.
   std::vector<int64_t> last_query(nlist, -1), count(nlist, 0), best_slot(nlist, P);
   std::vector<int64_t> first_slot(in.B * P, -1);  // slot j of query b if it is the first for its cluster
@@ -124,14 +142,15 @@ at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, cons
   }
   in.member_query.assign(m, 0);
   in.member_word.assign(m, 0);
-  if (bp) in.member_bias.assign(m, 0);
+  if (biased) in.member_bias.assign(m, 0);
   for (int64_t b = 0; b < in.B; ++b)
     for (int64_t j = 0; j < P; ++j) {
       if (first_slot[b * P + j] < 0) continue;
       const int64_t c = pr[b * P + j], i = cursor[c]++;
       in.member_query[i] = b;
       in.member_word[i] = (b * P + j) * wslot - (off[c] >> 6);
-      if (bp) in.member_bias[i] = bp(b, c);  // residual codes: dot + bias[b, c]
+      if (table) in.member_bias[i] = table(b, c);  // residual codes: dot + bias[b, c]
+      else if (biased) in.member_bias[i] = cluster_bias(probe_score[b * P + j], best[b], term.unit[b]);
     }
   return scan_topk(in);
 }
@@ -328,15 +347,13 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   // matches: 20% of the op's time went to zeros / full / clone / ones calls on a few hundred bytes)
   const auto as_float = [](const at::Tensor& x) { return x.scalar_type() == at::kFloat ? x : x.to(at::kFloat).contiguous(); };
   const at::Tensor q = as_float(queries);
-  // residual codes: every row of cluster c adds <q, centroid c>: the plan's centroid scores [C, B] (the
-  // composition's form, so the same sums), computed once for both
-  const at::Tensor centroid_scores = residual ? at::mm(as_float(centroids), q.t()).contiguous() : at::Tensor();
   at::Tensor probes, bitmask, route;
   std::tie(probes, bitmask, route) =
       filter_plan(q, as_float(centroids), cluster_offsets, bits, ops, rows, lists, post_sizes,
                   mode.scalar_type() == at::kLong ? mode : mode.to(at::kLong).contiguous(), k, nprobe, max_probe,
                   window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit,
-                  /*mask_if_unused=*/false, residual ? &centroid_scores : nullptr);
+                  /*mask_if_unused=*/false);
+  const at::Tensor centroids_f = residual ? as_float(centroids) : at::Tensor();
   TORCH_CHECK(dim_scale.scalar_type() == at::kFloat && (dim_scale.numel() == D || dim_scale.numel() == 1),
               "dim_scale: float32 [D] (or one value) expected");
   const int64_t step = dim_scale.numel() == 1 ? 0 : 1;
@@ -357,22 +374,17 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   std::tie(qcodes, qscale) = quantize_queries(folded);
   // residual codes (kernels/common.py cluster_bias): int32 biases for the scans, the per-query shift
   // added back to their scores; the re-score adds the float scores
-  std::vector<float> shift(B, 0.0f), unit(B, 0.0f);
-  BiasTable bias;  // computed where the scans read it (only the (query, cluster) pairs they visit)
+  // residual codes: every row of cluster c adds <q, centroid c>, computed by each route for the clusters it
+  // visits (ClusterTerm); each route's shift is added back to its scores
+  std::vector<float> shift(B, 0.0f), shift_ex(B, 0.0f), unit(B, 0.0f);
+  ClusterTerm term, term_ex;
   std::optional<at::Tensor> offsets_if_residual;
   if (residual) {
-    const int64_t C = centroid_scores.size(0);
-    const float *cs = centroid_scores.data_ptr<float>(), *qs = qscale.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) {
-      shift[b] = cs[b];
-      unit[b] = 1.0f * qs[b];  // the ops' scale (1) x qscale, as cluster_bias
-    }
-    for (int64_t c = 1; c < C; ++c)  // [C, B]: the inner loop over B vectorises
-      for (int64_t b = 0; b < B; ++b) shift[b] = std::max(shift[b], cs[c * B + b]);
-    bias.scores = cs;
-    bias.B = B;
-    bias.shift = shift.data();
-    bias.unit = unit.data();
+    const float* qs = qscale.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) unit[b] = 1.0f * qs[b];  // the ops' scale (1) x qscale, as cluster_bias
+    term = {&cluster_offsets, centroids_f.data_ptr<float>(), q.data_ptr<float>(), unit.data(), shift.data()};
+    term_ex = term;
+    term_ex.shift = shift_ex.data();
     offsets_if_residual = cluster_offsets;
   }
   const int64_t* rt = route.data_ptr<int64_t>();
@@ -391,7 +403,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   at::Tensor keys_pr, s_ivf, r_ivf;
   if (any_probe) {
     const std::optional<at::Tensor> mask = bitmask.defined() ? std::optional<at::Tensor>(bitmask) : std::nullopt;
-    keys_pr = ivf_scan_keys(qcodes, codes, cluster_offsets, probes, mask, k2, bias);
+    keys_pr = ivf_scan_keys(qcodes, codes, cluster_offsets, probes, mask, k2, BiasTable{}, term);
     if (!unfiltered) {
       std::tie(s_ivf, r_ivf) = decode_keys(keys_pr, qscale.data_ptr<float>(), qsum.data_ptr<float>(), 1.0f, 0.0f);
       if (residual) {  // ivf_scan's scores carry the shift
@@ -416,7 +428,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
     }
     keys_ex = at::empty({B, k}, at::kLong);
     filtered_topk_into(qcodes, codes, bits, vops, vrows, post_rows, post_offsets, src, exact, k,
-                       keys_ex.data_ptr<int64_t>(), count_ex.data(), offsets_if_residual, bias);
+                       keys_ex.data_ptr<int64_t>(), count_ex.data(), term_ex);
   }
   at::Tensor scores = at::empty({B, k}, at::kFloat), ids = at::empty({B, k}, at::kLong);
   float* so = scores.data_ptr<float>();
@@ -449,7 +461,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
         float sc;
         int64_t r;
         decode_key(key[i], mul, add, sc, r);
-        sb[i] = (residual ? sc + shift[b] : sc) + cst[b];
+        sb[i] = (residual ? sc + (rt[b] > 0 ? shift_ex[b] : shift[b]) : sc) + cst[b];
         ib[i] = r < 0 ? -1 : !map_ids ? r : item_of(r);
       }
     } else if (s_pr) {
@@ -466,7 +478,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   at::Tensor top_scores, top_rows;
   std::tie(top_scores, top_rows) = rescore_rows(q, ids, codes, step ? dim_scale : dim_scale.expand({D}).contiguous(),
                                                 dim_offset, k_out, offsets_if_residual,
-                                                residual ? std::optional<at::Tensor>(centroid_scores.t()) : std::nullopt);
+                                                residual ? std::optional<at::Tensor>(centroids_f) : std::nullopt);
   if (!as_rows) {
     int64_t* tr = top_rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < B * k_out; ++i)
@@ -497,7 +509,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k,
                             const std::optional<at::Tensor>& bias) {
           return ivf_scan_keys(qcodes, codes, cluster_offsets, probes, bitmask, k,
-                               bias_table(bias, qcodes.size(0), cluster_offsets.size(0) - 1));
+                               bias_table(bias, qcodes.size(0), cluster_offsets.size(0) - 1), ClusterTerm{});
         }, "top-k keys over probed clusters", py::arg("qcodes"), py::arg("codes"),
         py::arg("cluster_offsets"), py::arg("probes"), py::arg("bitmask"), py::arg("k"), py::arg("bias") = py::none(),
         nogil);
@@ -519,7 +531,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "top-k keys over rows passing the program, from posting lists or the whole pool", py::arg("qcodes"),
         py::arg("codes"), py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("post_rows"),
         py::arg("post_offsets"), py::arg("lists"), py::arg("active"), py::arg("k"),
-        py::arg("cluster_offsets") = py::none(), py::arg("bias") = py::none(), nogil);
+        py::arg("cluster_offsets") = py::none(), py::arg("centroids") = py::none(),
+        py::arg("centroid_queries") = py::none(), py::arg("unit") = py::none(), nogil);
   m.def("filter_plan", [](const at::Tensor& queries, const at::Tensor& centroids, const at::Tensor& cluster_offsets,
                           const at::Tensor& bits, const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& lists,
                           const at::Tensor& post_sizes, const at::Tensor& mode, int64_t k, int64_t nprobe,
@@ -542,7 +555,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("log_scale"), py::arg("p_q"), py::arg("p_x"), py::arg("comp_dim"), py::arg("feat_dim"), nogil);
   m.def("rescore_rows", &silverrec::rescore_rows, "the scan's top rows re-scored with the float query, best k",
         py::arg("queries"), py::arg("found"), py::arg("codes"), py::arg("dim_scale"), py::arg("dim_offset"), py::arg("k"),
-        py::arg("cluster_offsets") = py::none(), py::arg("cluster_scores") = py::none(), nogil);
+        py::arg("cluster_offsets") = py::none(), py::arg("centroids") = py::none(), nogil);
   m.def("lookup_ids", &silverrec::lookup_ids, "id lists -> (rows int64, offsets int64, first list with an unknown id or -1)",
         py::arg("lists"), py::arg("table"));
   m.def("encode_histories", &silverrec::encode_histories,

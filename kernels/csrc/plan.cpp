@@ -108,8 +108,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
     const at::Tensor& queries, const at::Tensor& centroids, const at::Tensor& cluster_offsets, const at::Tensor& bits,
     const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& lists, const at::Tensor& post_sizes,
     const at::Tensor& mode, int64_t k, int64_t nprobe, int64_t max_probe, int64_t window_words, int64_t match_factor,
-    int64_t avg_cluster, int64_t num_items, double exact_cost_ratio, int64_t posting_limit, bool mask_if_unused,
-    const at::Tensor* centroid_scores) {
+    int64_t avg_cluster, int64_t num_items, double exact_cost_ratio, int64_t posting_limit, bool mask_if_unused) {
   for (const at::Tensor* t : {&cluster_offsets, &lists, &post_sizes, &mode})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
                 "filter_plan: contiguous int64 CPU tensors expected");
@@ -149,9 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
   if (probing.empty() && !mask_if_unused) return {probes, at::Tensor(), route};  // every query on posting lists
   // the reference's scores: centroids @ queries^T (MKL splits this form across threads; the
   // queries @ centroids^T form ran on one), [C, B]
-  const at::Tensor scores = probing.empty() ? at::Tensor()
-                            : centroid_scores ? *centroid_scores
-                                              : at::mm(centroids, queries.t()).contiguous();
+  const at::Tensor scores = probing.empty() ? at::Tensor() : at::mm(centroids, queries.t()).contiguous();
   if (unmasked) {
     std::vector<int64_t> top(B * nprobe, -1);
     top_candidates(scores.data_ptr<float>(), C, B, nprobe, probing, top.data());

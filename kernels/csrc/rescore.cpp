@@ -76,13 +76,22 @@ struct ClusterOfRow {
 
 void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* codes, int64_t n, int64_t D,
                const float* dim_scale, const float* dim_offset, const ClusterOfRow* cluster_of,
-               const float* cluster_scores, int64_t cs_stride, int64_t k, float* out_scores, int64_t* out_rows) {
-  // residual codes: each row's cluster score, gathered first (the loop below prefetches nothing for them)
+               const float* centroids, int64_t k, float* out_scores, int64_t* out_rows) {
+  // residual codes: each row's cluster term <q, centroid>, first (one per run of rows from the same cluster)
   std::vector<float> row_cs;
-  if (cluster_scores) {
+  if (centroids) {
     row_cs.resize(K);
-    for (int64_t j = 0; j < K; ++j)
-      row_cs[j] = found[j] >= 0 && found[j] < n ? cluster_scores[(*cluster_of)(found[j]) * cs_stride] : 0.0f;
+    int64_t last = -1;
+    float last_cs = 0.0f;
+    for (int64_t j = 0; j < K; ++j) {
+      if (found[j] < 0 || found[j] >= n) continue;
+      const int64_t c = (*cluster_of)(found[j]);
+      if (c != last) {
+        last = c;
+        last_cs = dot_lanes_f32(q, centroids + c * D, D);
+      }
+      row_cs[j] = last_cs;
+    }
   }
   std::vector<float> folded(D);
   for (int64_t d = 0; d < D; ++d) folded[d] = q[d] * dim_scale[d];
@@ -99,7 +108,7 @@ void one_query(const float* q, const int64_t* found, int64_t K, const int8_t* co
     if (r < 0) continue;
     TORCH_CHECK_INDEX(r < n, "rescore_rows: row ", r, " out of range for ", n, " coded rows");
     float s = dot_codes(folded.data(), codes + r * D, D) + constant;
-    if (cluster_scores) s += row_cs[j];  // residual codes
+    if (centroids) s += row_cs[j];  // residual codes
     if (!(s > -std::numeric_limits<float>::infinity())) continue;  // NaN or -inf: dropped
     scored.push_back({s, int32_t(j), r});
   }
@@ -119,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, co
                                                 const at::Tensor& codes_in, const at::Tensor& dim_scale_in,
                                                 const at::Tensor& dim_offset_in, int64_t k,
                                                 const std::optional<at::Tensor>& cluster_offsets_in,
-                                                const std::optional<at::Tensor>& cluster_scores_in) {
+                                                const std::optional<at::Tensor>& centroids_in) {
   const at::Tensor queries = queries_in.contiguous(), found = found_in.contiguous(), codes = codes_in.contiguous();
   const at::Tensor dim_scale = dim_scale_in.contiguous(), dim_offset = dim_offset_in.contiguous();
   TORCH_CHECK(queries.dim() == 2 && queries.scalar_type() == at::kFloat, "rescore_rows: queries must be float32 [B, D], got ",
@@ -137,27 +146,25 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, co
               ", dim_scale ", dim_scale.sizes(), " and dim_offset ", dim_offset.sizes(),
               " disagree (queries [B, D], found [B, K], codes [N, D], [D], [D])");
   TORCH_CHECK(k >= 1, "rescore_rows: k must be >= 1, got ", k);
-  // residual codes: + cluster_scores[b, cluster of the row] (float32 [B, nlist], cluster_offsets int64 [nlist + 1])
-  TORCH_CHECK(cluster_offsets_in.has_value() == cluster_scores_in.has_value(),
-              "rescore_rows: cluster_offsets and cluster_scores go together");
-  at::Tensor coff_t, cs_t;
+  // residual codes: + <q, centroids[c]> for a row of cluster c (cluster_offsets int64 [nlist + 1])
+  TORCH_CHECK(cluster_offsets_in.has_value() == centroids_in.has_value(),
+              "rescore_rows: cluster_offsets and centroids go together");
+  at::Tensor coff_t, cent_t;
   int64_t nlist = 0;
   if (cluster_offsets_in) {
     coff_t = cluster_offsets_in->contiguous();
-    cs_t = *cluster_scores_in;  // [B, nlist], any strides (the search passes its [C, B] scores transposed)
+    cent_t = centroids_in->contiguous();
     nlist = coff_t.numel() - 1;
     TORCH_CHECK(coff_t.dim() == 1 && coff_t.scalar_type() == at::kLong && nlist >= 1 &&
                     coff_t.data_ptr<int64_t>()[nlist] == n,
                 "rescore_rows: cluster_offsets must be int64 [nlist + 1] ending at N = ", n);
-    TORCH_CHECK(cs_t.scalar_type() == at::kFloat && cs_t.dim() == 2 && cs_t.size(0) == B && cs_t.size(1) == nlist,
-                "rescore_rows: cluster_scores must be float32 [", B, ", ", nlist, "], got ", cs_t.scalar_type(), " ",
-                cs_t.sizes());
+    TORCH_CHECK(cent_t.scalar_type() == at::kFloat && cent_t.dim() == 2 && cent_t.size(0) == nlist && cent_t.size(1) == D,
+                "rescore_rows: centroids must be float32 [", nlist, ", ", D, "], got ", cent_t.scalar_type(), " ",
+                cent_t.sizes());
   }
-  const int64_t* coff = nlist ? coff_t.data_ptr<int64_t>() : nullptr;
-  const float* cs = nlist ? cs_t.data_ptr<float>() : nullptr;
-  const int64_t cs_b = nlist ? cs_t.stride(0) : 0, cs_c = nlist ? cs_t.stride(1) : 0;
+  const float* cent = nlist ? cent_t.data_ptr<float>() : nullptr;
   std::optional<ClusterOfRow> cluster_of;
-  if (nlist) cluster_of.emplace(coff, nlist);
+  if (nlist) cluster_of.emplace(coff_t.data_ptr<int64_t>(), nlist);
   at::Tensor scores = at::empty({B, k}, at::kFloat), rows = at::empty({B, k}, at::kLong);
   const float* q = queries.data_ptr<float>();
   const int64_t* f = found.data_ptr<int64_t>();
@@ -171,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, co
   at::parallel_for(0, B, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b)
       one_query(q + b * D, f + b * K, K, c, n, D, dim_scale.data_ptr<float>(), dim_offset.data_ptr<float>(),
-                cluster_of ? &*cluster_of : nullptr, cs ? cs + b * cs_b : nullptr, cs_c, k, s + b * k, r + b * k);
+                cluster_of ? &*cluster_of : nullptr, cent, k, s + b * k, r + b * k);
   });
   return {scores, rows};
 }

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -19,23 +20,27 @@ constexpr int64_t kNoLists = -2;
 // so score + bias and threshold - bias never overflow int32.
 constexpr int32_t kBiasFloor = -(1 << 24);
 
-// Per-(query, cluster) int32 score biases (residual codes, kernels/common.py cluster_bias): a table [B, nlist]
-// (any strides), or computed where read from the centroid scores [C, B] (the search op: only the pairs
-// the scans visit, not B x nlist), as cluster_bias computes them: round-half-even((score - shift[b]) /
-// unit[b]) clamped to [kBiasFloor, 0].
+// The int32 bias of a cluster score for a query with the given shift and integer unit (kernels/common.py
+// cluster_bias, bit for bit): round(score / unit) - round(shift / unit) in double, half to even, clamped to
+// [kBiasFloor, 0].
+inline int32_t cluster_bias(float score, float shift, float unit) {
+  const double u = unit;
+  const double v = std::nearbyint(double(score) / u) - std::nearbyint(double(shift) / u);
+  return int32_t(std::max(double(kBiasFloor), std::min(0.0, v)));
+}
+
+// What the caller adds back to the scores for a shift: round(shift / unit) * unit (cluster_bias, bit for bit).
+inline float shift_back(float shift, float unit) {
+  const double u = unit;
+  return float(std::nearbyint(double(shift) / u) * u);
+}
+
+// Per-(query, cluster) int32 score biases [B, nlist], any strides (a caller's table).
 struct BiasTable {
-  const int32_t* p = nullptr;  // the table, or
-  int64_t sb = 0, sc = 0;      // (its strides of query b and cluster c)
-  const float* scores = nullptr;  // the centroid scores [C, B] with
-  const float* shift = nullptr;   // [B] and
-  const float* unit = nullptr;    // [B]
-  int64_t B = 0;
-  explicit operator bool() const { return p != nullptr || scores != nullptr; }
-  int32_t operator()(int64_t b, int64_t c) const {
-    if (p) return p[b * sb + c * sc];
-    const float v = __builtin_roundevenf((scores[c * B + b] - shift[b]) / unit[b]);
-    return int32_t(std::max(float(kBiasFloor), std::min(0.0f, v)));
-  }
+  const int32_t* p = nullptr;  // null: no biases
+  int64_t sb = 0, sc = 0;      // strides of query b and cluster c
+  explicit operator bool() const { return p != nullptr; }
+  int32_t operator()(int64_t b, int64_t c) const { return p[b * sb + c * sc]; }
 };
 
 // The checked table (int32 CPU, shape [B, nlist], values in [kBiasFloor, 0]); empty when absent.
@@ -94,26 +99,39 @@ std::tuple<at::Tensor, at::Tensor> bloom_filter_counts(const at::Tensor& bits, c
 std::tuple<at::Tensor, at::Tensor> verify_topk(const at::Tensor& bits, const at::Tensor& ops, const at::Tensor& rows,
                                                const at::Tensor& scores_in, const at::Tensor& rows_in, int64_t k);
 
+// Residual codes computed by the scan: row r of cluster c scores dot + cluster_bias(<queries[b], centroids[c]>,
+// shift[b], unit[b]), the cluster term (dot_lanes) computed for the clusters the query visits only (its probed
+// clusters; for filtered_topk, those holding its passing rows: a selective filter's call computes no other),
+// shift[b] the best of them (the caller adds it back to the scores).
+struct ClusterTerm {
+  const at::Tensor* offsets = nullptr;  // int64 [nlist + 1]; null: no cluster term
+  const float* centroids = nullptr;     // [nlist, D] float32
+  const float* queries = nullptr;       // [B, D] float32, unfolded
+  const float* unit = nullptr;          // [B] the scores' integer unit (scale x query scale)
+  float* shift = nullptr;               // [B] out: shift_back(the best visited score) (0 without any)
+};
+
 // silverrec::filtered_topk: top-k keys int64 [B, k] over the rows passing each active query's
-// program, drawn from its posting lists or the whole pool (lists[b, 0] == -2). With residual codes,
-// row r of cluster c (cluster_offsets int64 [nlist + 1]) scores dot + bias[b, c] (bias int32 [B, nlist]).
-at::Tensor filtered_topk_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
-                              const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& post_rows,
-                              const at::Tensor& post_offsets, const at::Tensor& lists, const at::Tensor& active,
-                              int64_t k, const std::optional<at::Tensor>& cluster_offsets = std::nullopt,
-                              const std::optional<at::Tensor>& bias = std::nullopt);
+// program, drawn from its posting lists or the whole pool (lists[b, 0] == -2); with residual codes
+// (cluster_offsets, centroids, centroid_queries float32 [B, D], unit float32 [B]) also the shift [B]
+// (ClusterTerm), else an empty tensor.
+std::tuple<at::Tensor, at::Tensor> filtered_topk_keys(
+    const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits, const at::Tensor& ops,
+    const at::Tensor& rows, const at::Tensor& post_rows, const at::Tensor& post_offsets, const at::Tensor& lists,
+    const at::Tensor& active, int64_t k, const std::optional<at::Tensor>& cluster_offsets = std::nullopt,
+    const std::optional<at::Tensor>& centroids = std::nullopt, const std::optional<at::Tensor>& centroid_queries = std::nullopt,
+    const std::optional<at::Tensor>& unit = std::nullopt);
 
 // ivf_scan's top-k keys (kernels/csrc/ops.cpp), biases given as a table or computed (BiasTable).
 at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& cluster_offsets,
                          const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k,
-                         const BiasTable& bias);
+                         const BiasTable& bias, const ClusterTerm& term = {});
 
 // The same keys, unpadded: query b's count[b] keys at out[b * k ...] (count 0 for inactive queries).
 void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
                         const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& post_rows,
                         const at::Tensor& post_offsets, const at::Tensor& lists, const at::Tensor& active, int64_t k,
-                        int64_t* out, int64_t* count, const std::optional<at::Tensor>& cluster_offsets = std::nullopt,
-                        const BiasTable& bias = {});
+                        int64_t* out, int64_t* count, const ClusterTerm& term = {});
 
 // silverrec::filter_plan: (probes int64 [B, P], bitmask int64 [B, P, Wc], route int64 [B]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
@@ -121,7 +139,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
     const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& lists, const at::Tensor& post_sizes,
     const at::Tensor& mode, int64_t k, int64_t nprobe, int64_t max_probe, int64_t window_words, int64_t match_factor,
     int64_t avg_cluster, int64_t num_items, double exact_cost_ratio, int64_t posting_limit,
-    bool mask_if_unused = true,  // false: no mask (undefined) when no query probes (internal callers)
-    const at::Tensor* centroid_scores = nullptr);  // the caller's at::mm(centroids, queries.t()) [C, B], if it has them
+    bool mask_if_unused = true);  // false: no mask (undefined) when no query probes (internal callers)
 
 }  // namespace silverrec

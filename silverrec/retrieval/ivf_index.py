@@ -84,10 +84,6 @@ class Int8IVFIndex(nn.Module):
         float32 [B, D], per-query score constant float32 [B]); score = op score + constant."""
         return fold_queries(queries, self.dim_scale, self.dim_offset)
 
-    def cluster_scores(self, queries: torch.Tensor) -> Optional[torch.Tensor]:
-        """Residual codes: float32 [B, nlist] <q, centroid c>, what every row of cluster c adds to its score
-        (the ops' `cluster_scores`); None for direct codes."""
-        return queries.float() @ self.centroids.t() if self.residual else None
 
     @torch.jit.unused
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
@@ -113,7 +109,7 @@ class Int8IVFIndex(nn.Module):
         one, zero = folded.new_ones(()), folded.new_zeros(())
         scores, rows = torch.ops.silverrec.ivf_scan(
             folded, self.codes, one, zero, self.cluster_offsets, probes, k, bitmask, self.window_words,
-            self.cluster_scores(queries),
+            self.centroids if self.residual else None, queries.float() if self.residual else None,
         )
         return scores + constant[:, None], rows_to_items(self.row_to_item, rows)
 
