@@ -50,7 +50,7 @@ static inline float dot_codes(const float* q, const int8_t* c, int64_t D) {
 
 // Row -> cluster for residual codes: buckets of 2^shift rows (about two per cluster), first[i] the cluster
 // holding row i << shift; a row's cluster is its bucket's, or a few after it (no binary search: its chain of
-// dependent loads per scattered row was most of a 240-row residual re-score).
+// dependent loads per scattered row took a selective residual search from 0.204 to 0.274 ms, warm).
 struct ClusterOfRow {
   const int64_t* off = nullptr;
   int shift = 0;
