@@ -15,6 +15,7 @@ from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.kernels.ivf_scan import bitmask_words
 from silverrec.publish.kmeans import KMeansResult, default_nlist, kmeans
 from silverrec.publish.pool import Pool
+from silverrec.publish.quantize import quantize_per_dim
 from silverrec.publish.stages import StageClock
 
 LAYOUT_CHUNK = 1 << 17  # rows quantised per step of the cluster-major layout
@@ -115,10 +116,8 @@ def residual_helps(embeddings: torch.Tensor, centroids: torch.Tensor, assignment
     x = embeddings[rows].float()
 
     def error(v: torch.Tensor) -> float:
-        lo, hi = v.amin(dim=0), v.amax(dim=0)
-        scale = ((hi - lo) / 255.0).clamp_min(1e-12)
-        offset = lo + 128.0 * scale
-        return float((((v - offset) / scale).round().clamp(-128, 127) * scale + offset - v).square().mean())
+        codes, scale, offset = quantize_per_dim(v)
+        return float((codes.float() * scale + offset - v).square().mean())
 
     return error(x - centroids.float()[assignment[rows]]) < error(x)
 

@@ -232,21 +232,35 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     for (int64_t g = g0; g < g1; ++g)
       passing[g] = passing_rows(bank, W, N, ops, prog, L, T, groups[g], lists, T2, post_rows, post_off);
   });
-  // residual codes: the clusters holding each group's passing rows (ascending: found by walking the offsets);
-  // per live query the cluster term of those clusters, its best (the shift) and the biases bias(b, c)
+  std::vector<int64_t> group_of(B, -1), buf_start(groups.size(), 0), mask_group(groups.size(), -1);
+  for (size_t g = 0; g < groups.size(); ++g) group_of[groups[g]] = int64_t(g);
+  // groups passing more than N / kMaskDivisor rows scan the pool through a mask, the others a compact buffer
+  int64_t total = 0, masked = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (int64_t(passing[g].size()) * kMaskDivisor > N) {
+      mask_group[g] = masked++;
+      continue;
+    }
+    buf_start[g] = total;
+    total += int64_t(passing[g].size());
+  }
+  // residual codes: one walk of each group's passing rows (ascending) along the offsets gives the clusters
+  // holding them and, in the compact buffer, each row's cluster; per live query the cluster term of those
+  // clusters, its best (the shift) and the biases bias(b, c)
   BiasTable bp;
   std::unique_ptr<int32_t[]> bias_store;  // [B, nlist], only the (query, present cluster) pairs written
   std::vector<std::vector<int64_t>> present(groups.size());  // per group, ascending
-  std::vector<int64_t> group_of(B, -1), buf_start(groups.size(), 0), mask_group(groups.size(), -1);
-  for (size_t g = 0; g < groups.size(); ++g) group_of[groups[g]] = int64_t(g);
+  std::vector<int32_t> row_cluster, row_bias;                // [total]; [nlist, compact members]
   if (coff) {
     bias_store.reset(new int32_t[B * nlist]);
     bp = {bias_store.get(), nlist, 1};
+    row_cluster.resize(total);
     for (size_t g = 0; g < groups.size(); ++g) {
       int64_t c = 0;
-      for (int64_t r : passing[g]) {
-        while (coff[c + 1] <= r) ++c;
+      for (size_t i = 0; i < passing[g].size(); ++i) {
+        while (coff[c + 1] <= passing[g][i]) ++c;
         if (present[g].empty() || present[g].back() != c) present[g].push_back(c);
+        if (mask_group[g] < 0) row_cluster[buf_start[g] + int64_t(i)] = int32_t(c);
       }
     }
     std::vector<float> cs;
@@ -264,15 +278,6 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     }
   }
   // compact buffer: the passing rows of each small group; big whole-pool groups scan via a mask
-  int64_t total = 0, masked = 0;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    if (int64_t(passing[g].size()) * kMaskDivisor > N) {
-      mask_group[g] = masked++;
-      continue;
-    }
-    buf_start[g] = total;
-    total += int64_t(passing[g].size());
-  }
   std::vector<int8_t> buf(std::max<int64_t>(total, 1) * D);
   std::vector<int64_t> buf_row(std::max<int64_t>(total, 1));
   std::vector<int64_t> mask(std::max<int64_t>(masked, 1) * W, 0);
@@ -288,20 +293,6 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     for (size_t i = 0; i < p.size(); ++i) {
       std::memcpy(dst + i * D, src + p[i] * D, D);
       buf_row[buf_start[g] + i] = p[i];
-    }
-  }
-  // residual codes in the compact buffer, whose rows mix clusters: each row's cluster (p ascending: found by
-  // walking the offsets); the clusters present get their biases per member below
-  std::vector<int32_t> row_cluster, row_bias;
-  if (bp && total > 0) {
-    row_cluster.resize(total);
-    for (size_t g = 0; g < groups.size(); ++g) {
-      if (mask_group[g] >= 0) continue;
-      int64_t c = 0;
-      for (size_t i = 0; i < passing[g].size(); ++i) {
-        while (coff[c + 1] <= passing[g][i]) ++c;
-        row_cluster[buf_start[g] + int64_t(i)] = int32_t(c);
-      }
     }
   }
   // members of every group, in group order
@@ -342,16 +333,9 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
       continue;
     }
     // the pool through the mask, residual codes: one segment per cluster holding passing rows, its bias per member
-    int64_t c = 0;
-    for (size_t i = 0; i < p.size();) {
-      while (coff[c + 1] <= p[i]) ++c;
-      size_t j = i;
-      while (j < p.size() && p[j] < coff[c + 1]) ++j;
-      add_segment(coff[c], coff[c + 1], c);
-      i = j;
-    }
+    for (int64_t c : present[g]) add_segment(coff[c], coff[c + 1], c);
   }
-  if (!row_cluster.empty()) {  // the compact buffer's per-row biases: [nlist, M], the clusters present
+  if (coff && total > 0) {  // the compact buffer's per-row biases: [nlist, M], the clusters present
     const int64_t M = int64_t(small.member_query.size());
     row_bias.assign(nlist * M, 0);
     for (int64_t m = 0; m < M; ++m) {
