@@ -372,8 +372,6 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   }
   at::Tensor qcodes, qscale;
   std::tie(qcodes, qscale) = quantize_queries(folded);
-  // residual codes (kernels/common.py cluster_bias): int32 biases for the scans, the per-query shift
-  // added back to their scores; the re-score adds the float scores
   // residual codes: every row of cluster c adds <q, centroid c>, computed by each route for the clusters it
   // visits (ClusterTerm); each route's shift is added back to its scores
   std::vector<float> shift(B, 0.0f), shift_ex(B, 0.0f), unit(B, 0.0f);
