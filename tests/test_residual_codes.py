@@ -18,6 +18,12 @@ import pytest
 import torch
 
 import silverrec.kernels  # noqa: F401  (registers the ops)
+from silverrec.filtering.filter_program import FilterPlan, compile_request
+from silverrec.kernels.rescore_rows import rescore_margin
+from silverrec.publish.filtered_ivf import build_filtered_ivf
+from silverrec.publish.ivf import IVFConfig
+from silverrec.publish.pool import Pool
+from silverrec.retrieval.filtered_ivf import MODE_PROBED, MODE_UNPROBED
 from silverrec.kernels.common import BIAS_FLOOR, cluster_bias, dot_lanes, quantize_queries
 from silverrec.kernels.filtered_topk import NO_LISTS
 from silverrec.kernels.ivf_scan import bitmask_words, ivf_scan_reference
@@ -191,15 +197,20 @@ def test_filtered_topk_names_a_half_given_cluster_term():
                                           torch.full((1, 1), NO_LISTS), torch.ones(1, dtype=torch.bool), 5, n, off, None, None)
 
 
-@pytest.mark.parametrize("B, K, D, k", [(3, 30, 16, 10), (2, 12, 40, 20)])
-def test_rescore_rows_adds_the_cluster_term(B, K, D, k):
+@pytest.mark.parametrize("B, K, D, k, nlist, max_size", [(3, 30, 16, 10, 10, 40), (2, 12, 40, 20, 10, 40),
+                                                        (2, 200, 8, 150, 300, 4), (2, 300, 8, 100, 20, 200)])
+def test_rescore_rows_adds_the_cluster_term(B, K, D, k, nlist, max_size):
+    """Against float64 with each row's cluster found by a search of the offsets; the last layouts have three
+    empty clusters at the end, and hundreds of clusters of 0-3 rows, or 20 of up to 200 (the op's row -> cluster
+    buckets: one row each, or 32)."""
     g = torch.Generator().manual_seed(B * K)
-    codes, off = _layout(10, D, g, max_size=40)
+    codes, off = _layout(nlist, D, g, max_size=max_size)
+    off[-4:] = off[-1]
     n = codes.shape[0]
     q = torch.randint(-3, 4, (B, D), generator=g).float()  # integer data: exact float32 sums
     scale = torch.randint(1, 4, (D,), generator=g).float()
     offset = torch.randint(-2, 3, (D,), generator=g).float()
-    centroids = torch.randint(-5, 6, (10, D), generator=g).float()
+    centroids = torch.randint(-5, 6, (nlist, D), generator=g).float()
     cs = q @ centroids.t()
     found = torch.stack([torch.randperm(n, generator=g)[:K] for _ in range(B)])
     found[:, -2:] = -1
@@ -306,3 +317,39 @@ def test_published_residual_snapshot_answers_like_its_decoded_items(tmp_path):
         assert recall(res.item_ids.numpy(), own.numpy()) >= 0.97, (filt, mode)
         if filt is not None:  # every result passes the filter
             assert all(feats["color"][(int(i) - 1) // 7] == ["red"] for i in res.item_ids[res.item_ids >= 0].tolist())
+
+
+@pytest.mark.parametrize("d", [8, 40])
+def test_fused_search_computes_the_terms_of_the_composition(d):
+    """The fused C++ search against the torch composition, bit for bit, on float data (sums inexact, so
+    any change of summation order shows): whole-pool and posting-list queries in groups of one, of 3 and
+    of 18 sharing a filter (the C++ op computes a group's terms 16 queries at a time, one query alone),
+    probed queries, a dimension below 16 and one with a ragged 16-lane tail; with the float re-score,
+    which reads the terms the routes computed."""
+    from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
+
+    rng = np.random.default_rng(d)
+    n, nlist = 4000, 30
+    centres = rng.normal(size=(40, d)).astype(np.float32) * 3
+    x = centres[rng.integers(0, 40, n)] + rng.normal(size=(n, d)).astype(np.float32)
+    feats = {"shade": [[f"s{v}"] for v in rng.integers(0, 12, n)], "size": [[f"z{v}"] for v in rng.integers(0, 3, n)]}
+    module, manifest = build_filtered_ivf(Pool(np.arange(n, dtype=np.int64) + 5, x, feats), IVFConfig(nlist=nlist, residual=True))
+    assert module.residual
+    filters = ["shade = s3 AND size = z1"] * 18 + ["size = z2"] * 3 + ["shade = s7", "NOT size = z0", None, "shade = s1"]
+    b = len(filters)
+    q = torch.from_numpy(x[rng.integers(0, n, b)] + 0.5 * rng.normal(size=(b, d)).astype(np.float32))
+    modes = torch.full((b,), MODE_UNPROBED)
+    modes[-2:] = MODE_PROBED
+    m = module
+    inputs = compile_request(filters, FilterPlan.from_config(manifest["filter"]))
+    for k, margin in ((30, rescore_margin(30)), (30, 0), (700, 0)):
+        args = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
+                m.post_rows, m.post_offsets, m.post_sizes, *inputs, modes, k, 6, 12, m.window_words, m.match_factor,
+                m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, margin, 256, True)
+        with torch.inference_mode():
+            fused = torch.ops.silverrec.filtered_ivf_search(*args)
+            composed, composed_torch = _both_paths(lambda: filtered_ivf_search_torch(*args))
+        for other in (composed, composed_torch):
+            assert torch.equal(fused[1], other[1]), k
+            assert torch.equal(fused[0], other[0]), k
+        assert (fused[1][:18, 0] >= 0).all() and (fused[1][-1, 0] >= 0)

@@ -91,6 +91,57 @@ std::vector<int64_t> passing_rows(const int64_t* bank, int64_t W, int64_t N, con
   return out;
 }
 
+// Residual codes: the cluster terms of up to 16 queries of one group (members, mn of them) for the clusters
+// holding its passing rows (pc, ascending): each query's shift, its biases at bias[c * B + b], and the terms
+// themselves when the caller keeps them (term.scores), both [nlist, B]. Several queries: dot_lanes_x16, each centroid read once
+// for all of them; one query: dot_lanes_f32 per cluster. Either way the same bits as cluster_bias(dot_lanes).
+void group_terms(const ClusterTerm& term, const int64_t* members, int mn, const std::vector<int64_t>& pc, int64_t D,
+                 int64_t B, int32_t* bias) {
+  const int64_t P = int64_t(pc.size());
+  std::vector<float> cs(P * 16);  // several queries: [P][16] (query j in lane j); one: [P] padded to 16
+  std::vector<float> best(16, -std::numeric_limits<float>::infinity());
+  if (mn > 1) {
+    std::vector<float> qt(16 * D, 0.0f);
+    for (int j = 0; j < mn; ++j)
+      for (int64_t d = 0; d < D; ++d) qt[d * 16 + j] = term.queries[members[j] * D + d];
+    for (int64_t i = 0; i < P; ++i) {
+      dot_lanes_x16(qt.data(), term.centroids + pc[i] * D, D, cs.data() + i * 16);
+      for (int j = 0; j < 16; ++j) best[j] = std::max(best[j], cs[i * 16 + j]);
+    }
+  } else {
+    for (int64_t i = 0; i < P; ++i) {
+      cs[i] = dot_lanes_f32(term.queries + members[0] * D, term.centroids + pc[i] * D, D);
+      best[0] = std::max(best[0], cs[i]);
+    }
+  }
+  double u[16], rounded_shift[16];
+  int32_t out[16];
+  for (int j = 0; j < 16; ++j) {
+    const int q = mn > 1 ? j : 0;  // one query: its values in every lane
+    u[j] = q < mn ? double(term.unit[members[q]]) : 1.0;
+    rounded_shift[j] = q < mn ? std::nearbyint(double(best[q]) / u[j]) : 0.0;
+  }
+  for (int j = 0; j < mn; ++j) term.shift[members[j]] = shift_back(best[j], term.unit[members[j]]);
+  if (mn > 1) {
+    for (int64_t i = 0; i < P; ++i) {
+      cluster_bias_x16(cs.data() + i * 16, rounded_shift, u, out);
+      for (int j = 0; j < mn; ++j) {
+        bias[pc[i] * B + members[j]] = out[j];
+        if (term.scores) term.scores[pc[i] * B + members[j]] = cs[i * 16 + j];
+      }
+    }
+    return;
+  }
+  const int64_t b = members[0];
+  for (int64_t i0 = 0; i0 < P; i0 += 16) {
+    cluster_bias_x16(cs.data() + i0, rounded_shift, u, out);
+    for (int64_t i = i0; i < std::min(P, i0 + 16); ++i) {
+      bias[pc[i] * B + b] = out[i - i0];
+      if (term.scores) term.scores[pc[i] * B + b] = cs[i];
+    }
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> verify_topk(const at::Tensor& bits, const at::Tensor& ops_t, const at::Tensor& rows_t,
@@ -248,12 +299,12 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   // holding them and, in the compact buffer, each row's cluster; per live query the cluster term of those
   // clusters, its best (the shift) and the biases bias(b, c)
   BiasTable bp;
-  std::unique_ptr<int32_t[]> bias_store;  // [B, nlist], only the (query, present cluster) pairs written
+  std::unique_ptr<int32_t[]> bias_store;  // [nlist, B] (a cluster's queries together); the (query, present cluster) pairs
   std::vector<std::vector<int64_t>> present(groups.size());  // per group, ascending
-  std::vector<int32_t> row_cluster, row_bias;                // [total]; [nlist, compact members]
+  std::vector<int32_t> row_cluster;                          // [total]
   if (coff) {
-    bias_store.reset(new int32_t[B * nlist]);
-    bp = {bias_store.get(), nlist, 1};
+    bias_store.reset(new int32_t[B * nlist]());  // zeros: a 16-row tile may read rows past its segment (masked)
+    bp = {bias_store.get(), 1, B};
     row_cluster.resize(total);
     for (size_t g = 0; g < groups.size(); ++g) {
       int64_t c = 0;
@@ -263,18 +314,15 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
         if (mask_group[g] < 0) row_cluster[buf_start[g] + int64_t(i)] = int32_t(c);
       }
     }
-    std::vector<float> cs;
-    for (int64_t b : live) {
-      const auto& pc = present[group_of[rep[b]]];
-      if (pc.empty()) continue;
-      cs.resize(pc.size());
-      float best = -std::numeric_limits<float>::infinity();
-      for (size_t i = 0; i < pc.size(); ++i) {
-        cs[i] = dot_lanes_f32(term.queries + b * D, term.centroids + pc[i] * D, D);
-        best = std::max(best, cs[i]);
-      }
-      term.shift[b] = shift_back(best, term.unit[b]);
-      for (size_t i = 0; i < pc.size(); ++i) bias_store[b * nlist + pc[i]] = cluster_bias(cs[i], best, term.unit[b]);
+    std::vector<int64_t> members;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (present[g].empty()) continue;
+      members.clear();
+      for (int64_t b : live)
+        if (rep[b] == groups[g]) members.push_back(b);
+      for (size_t m0 = 0; m0 < members.size(); m0 += 16)
+        group_terms(term, members.data() + m0, int(std::min<size_t>(16, members.size() - m0)), present[g], D, B,
+                    bias_store.get());
     }
   }
   // compact buffer: the passing rows of each small group; big whole-pool groups scan via a mask
@@ -335,16 +383,10 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     // the pool through the mask, residual codes: one segment per cluster holding passing rows, its bias per member
     for (int64_t c : present[g]) add_segment(coff[c], coff[c + 1], c);
   }
-  if (coff && total > 0) {  // the compact buffer's per-row biases: [nlist, M], the clusters present
-    const int64_t M = int64_t(small.member_query.size());
-    row_bias.assign(nlist * M, 0);
-    for (int64_t m = 0; m < M; ++m) {
-      const int64_t b = small.member_query[m];
-      for (int64_t c : present[group_of[rep[b]]]) row_bias[c * M + m] = bp(b, c);
-    }
+  if (coff && total > 0) {  // the compact buffer's per-row biases: the table itself, [nlist, B]
     small.row_cluster = row_cluster.data();
-    small.row_bias = row_bias.data();
-    small.row_bias_stride = M;
+    small.row_bias = bias_store.get();
+    small.row_bias_stride = B;
   }
   // each scan writes the rows of its own members only (unpadded), straight into the output
   std::vector<int64_t> count_big(B, 0);

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <stdexcept>
@@ -34,6 +35,10 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries, const
                                                 const at::Tensor& dim_scale, const at::Tensor& dim_offset, int64_t k,
                                                 const std::optional<at::Tensor>& cluster_offsets,
                                                 const std::optional<at::Tensor>& centroids);
+std::tuple<at::Tensor, at::Tensor> rescore_rows_with_terms(
+    const at::Tensor& queries, const at::Tensor& found, const at::Tensor& codes, const at::Tensor& dim_scale,
+    const at::Tensor& dim_offset, int64_t k, const std::optional<at::Tensor>& cluster_offsets,
+    const std::optional<at::Tensor>& centroids, const float* terms);
 // kernels/csrc/encode.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
     const at::Tensor& rows, const at::Tensor& offsets, int64_t exclude_limit, int64_t history_len, int64_t recent_len,
@@ -110,6 +115,7 @@ at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, cons
         if (c < 0) continue;
         probe_score[b * P + j] = dot_lanes_f32(term.queries + b * in.D, term.centroids + c * in.D, in.D);
         top = std::max(top, probe_score[b * P + j]);
+        if (term.scores) term.scores[c * in.B + b] = probe_score[b * P + j];
       }
       best[b] = top > -std::numeric_limits<float>::infinity() ? top : 0.0f;
       term.shift[b] = shift_back(best[b], term.unit[b]);
@@ -377,10 +383,14 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   std::vector<float> shift(B, 0.0f), shift_ex(B, 0.0f), unit(B, 0.0f);
   ClusterTerm term, term_ex;
   std::optional<at::Tensor> offsets_if_residual;
+  // the terms each route computed, [nlist, B] (written at the clusters query b visits: those of its rows),
+  // handed to the re-score instead of computing them again
+  std::unique_ptr<float[]> terms;
   if (residual) {
     const float* qs = qscale.data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) unit[b] = 1.0f * qs[b];  // the ops' scale (1) x qscale, as cluster_bias
-    term = {&cluster_offsets, centroids_f.data_ptr<float>(), q.data_ptr<float>(), unit.data(), shift.data()};
+    if (rescore) terms.reset(new float[B * centroids.size(0)]);
+    term = {&cluster_offsets, centroids_f.data_ptr<float>(), q.data_ptr<float>(), unit.data(), shift.data(), terms.get()};
     term_ex = term;
     term_ex.shift = shift_ex.data();
     offsets_if_residual = cluster_offsets;
@@ -474,9 +484,9 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   }
   if (!rescore) return {scores, ids};
   at::Tensor top_scores, top_rows;
-  std::tie(top_scores, top_rows) = rescore_rows(q, ids, codes, step ? dim_scale : dim_scale.expand({D}).contiguous(),
-                                                dim_offset, k_out, offsets_if_residual,
-                                                residual ? std::optional<at::Tensor>(centroids_f) : std::nullopt);
+  std::tie(top_scores, top_rows) = rescore_rows_with_terms(
+      q, ids, codes, step ? dim_scale : dim_scale.expand({D}).contiguous(), dim_offset, k_out, offsets_if_residual,
+      residual ? std::optional<at::Tensor>(centroids_f) : std::nullopt, terms.get());
   if (!as_rows) {
     int64_t* tr = top_rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < B * k_out; ++i)

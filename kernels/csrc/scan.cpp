@@ -163,7 +163,7 @@ class Scanner {
     const RowTileKernel<DC> kernel(in_.D);
     const PaddedQuery& q = queries_[in_.member_query[member]];
     // score = dot + bias: the member's (one cluster), or each row's (rbias[cluster of the row])
-    const int32_t* rbias = in_.row_cluster ? in_.row_bias + member : nullptr;  // + cluster * row_bias_stride
+    const int32_t* rbias = in_.row_cluster ? in_.row_bias + in_.member_query[member] : nullptr;  // + cluster * stride
     const int32_t bias = rbias || in_.member_bias.empty() ? 0 : in_.member_bias[member];
     st.ensure(in_.k);
     std::vector<int8_t> pad;
@@ -215,11 +215,12 @@ class Scanner {
     TopK* lane_state[kTile];
     alignas(64) int32_t thr[kTile];
     int32_t bias[kTile] = {};  // score = dot + bias (residual codes: the member's cluster), or + the row's
-                               // cluster's (row_bias + cluster * stride + first: the lanes' run)
+                               // cluster's (row_bias + cluster * stride + the lane's query)
+    int64_t lane_query[kTile] = {};
     for (int l = 0; l < kTile; ++l) {
       thr[l] = std::numeric_limits<int32_t>::max();  // unused lanes never qualify
       if (l < count) {
-        const int64_t b = in_.member_query[first + l];
+        const int64_t b = lane_query[l] = in_.member_query[first + l];
         if (!in_.row_cluster && !in_.member_bias.empty()) bias[l] = in_.member_bias[first + l];
         qptr[l] = in_.qcodes + b * in_.D;
         lane_state[l] = &st[b];
@@ -246,8 +247,8 @@ class Scanner {
         lk.rows4(ptr, scores);
         for (int i = 0; i < n; ++i) {
           if (in_.row_cluster) {
-            const int32_t* rb = in_.row_bias + in_.row_cluster[rows[i]] * in_.row_bias_stride + first;
-            for (int l = 0; l < count; ++l) scores[i][l] += rb[l];
+            const int32_t* rb = in_.row_bias + in_.row_cluster[rows[i]] * in_.row_bias_stride;
+            for (int l = 0; l < count; ++l) scores[i][l] += rb[lane_query[l]];
           }
           for (int l = 0; l < count; ++l) thr[l] = lane_state[l]->thr_score - bias[l];
           uint32_t lane_ok = all_lanes;

@@ -10,6 +10,10 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace silverrec {
 
 // lists[b, 0] == kNoLists: the query has no posting lists and filters the whole pool
@@ -27,6 +31,23 @@ inline int32_t cluster_bias(float score, float shift, float unit) {
   const double u = unit;
   const double v = std::nearbyint(double(score) / u) - std::nearbyint(double(shift) / u);
   return int32_t(std::max(double(kBiasFloor), std::min(0.0, v)));
+}
+
+// cluster_bias of 16 scores at once, the same bits: out[i] = round(score[i] / u[i]) - rounded_shift[i] clamped,
+// rounded_shift[i] = round(shift / u[i]) (the shift's half, computed once per query), u[i] = double(unit).
+inline void cluster_bias_x16(const float* score, const double* rounded_shift, const double* u, int32_t* out) {
+#if defined(__AVX512F__)
+  for (int h = 0; h < 16; h += 8) {
+    const __m512d s = _mm512_cvtps_pd(_mm256_loadu_ps(score + h));
+    const __m512d r = _mm512_roundscale_pd(_mm512_div_pd(s, _mm512_loadu_pd(u + h)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512d v = _mm512_sub_pd(r, _mm512_loadu_pd(rounded_shift + h));
+    v = _mm512_max_pd(_mm512_set1_pd(double(kBiasFloor)), _mm512_min_pd(_mm512_setzero_pd(), v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h), _mm512_cvttpd_epi32(v));
+  }
+#else
+  for (int i = 0; i < 16; ++i)
+    out[i] = int32_t(std::max(double(kBiasFloor), std::min(0.0, std::nearbyint(double(score[i]) / u[i]) - rounded_shift[i])));
+#endif
 }
 
 // What the caller adds back to the scores for a shift: round(shift / unit) * unit (cluster_bias, bit for bit).
@@ -69,10 +90,10 @@ struct ScanInput {
   std::vector<int32_t> member_bias;   // [M] added to every score of member m (residual codes: its query's
                                       // cluster term, in [kBiasFloor, 0]); empty = none
   // residual codes, per row (segments whose rows mix clusters: filtered_topk's compact buffer): row r of
-  // member m scores dot + row_bias[row_cluster[r] * row_bias_stride + m] (member_bias unused); cluster-major,
-  // so the consecutive members of a segment read one contiguous run per row
+  // member m (query b = member_query[m]) scores dot + row_bias[row_cluster[r] * row_bias_stride + b]
+  // (member_bias unused); cluster-major, so a row's queries read one short run
   const int32_t* row_cluster = nullptr;  // [N] cluster of each row, or null
-  const int32_t* row_bias = nullptr;     // [nlist, row_bias_stride >= M]
+  const int32_t* row_bias = nullptr;     // [nlist, row_bias_stride >= B]
   int64_t row_bias_stride = 0;
   const int64_t* bitmask = nullptr;   // flat words; row r of member m allowed iff bit (r & 63) of
                                       // bitmask[member_word[m] + (r >> 6)]
@@ -109,6 +130,7 @@ struct ClusterTerm {
   const float* queries = nullptr;       // [B, D] float32, unfolded
   const float* unit = nullptr;          // [B] the scores' integer unit (scale x query scale)
   float* shift = nullptr;               // [B] out: shift_back(the best visited score) (0 without any)
+  float* scores = nullptr;              // [nlist, B] out, optional: the term at (c, b) for each c query b visits
 };
 
 // silverrec::filtered_topk: top-k keys int64 [B, k] over the rows passing each active query's

@@ -62,4 +62,36 @@ static inline float dot_lanes_f32(const float* q, const float* e, int64_t n) {
 #endif
 }
 
+// dot_lanes_f32 of up to 16 queries with one vector e, the same bits for each: the queries transposed
+// (qt[d * 16 + j] = query j's value d; absent queries zeros), lane l of query j's sum held in lane j of
+// acc[l], so there is no horizontal add and e is read once for all of them (the residual codes' cluster
+// terms of one filter's queries: 16 x the clusters holding its passing rows). out[j] = <query j, e>.
+static inline void dot_lanes_x16(const float* qt, const float* e, int64_t n, float* out) {
+#if defined(__AVX512F__)
+  __m512 acc[16];  // every index below is a constant once the loops unroll: the 16 stay in registers
+#pragma GCC unroll 16
+  for (int l = 0; l < 16; ++l) acc[l] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16)
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l)
+      if (i + l < n) acc[l] = _mm512_add_ps(acc[l], _mm512_mul_ps(_mm512_loadu_ps(qt + (i + l) * 16), _mm512_set1_ps(e[i + l])));
+#pragma GCC unroll 4
+  for (int w = 8; w > 0; w >>= 1)
+#pragma GCC unroll 8
+    for (int l = 0; l < w; ++l) acc[l] = _mm512_add_ps(acc[l], acc[l + w]);
+  _mm512_storeu_ps(out, acc[0]);
+#else
+  for (int j = 0; j < 16; ++j) {
+    float lane[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      for (int l = 0; l < 16; ++l) lane[l] += qt[(i + l) * 16 + j] * e[i + l];
+    for (int l = 0; i < n; ++i, ++l) lane[l] += qt[i * 16 + j] * e[i];
+    for (int w = 8; w > 0; w >>= 1)
+      for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+    out[j] = lane[0];
+  }
+#endif
+}
+
 }  // namespace silverrec
