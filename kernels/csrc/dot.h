@@ -243,11 +243,20 @@ struct LaneKernel {
       for (int64_t d = 0; d < D; ++d)
         qp[(d / 2) * kTile + l] |= int32_t(uint32_t(uint16_t(int16_t(queries[l][d]))) << (16 * (d % 2)));
 #else
-    for (int l = 0; l < nq; ++l)
-      for (int64_t d = 0; d < D; ++d) {
+    // group g of query l: its 4 bytes as one int32, each flipped to u8 (q + 128 = q ^ 0x80); the tail group
+    // byte by byte (0 past D)
+    const int64_t whole = D / 4;
+    for (int l = 0; l < nq; ++l) {
+      for (int64_t g = 0; g < whole; ++g) {
+        uint32_t v;
+        std::memcpy(&v, queries[l] + 4 * g, 4);
+        qt[g * kTile + l] = int32_t(v ^ 0x80808080u);
+      }
+      for (int64_t d = 4 * whole; d < D; ++d) {
         uint32_t u = uint8_t(int32_t(queries[l][d]) + 128);
         qt[(d / 4) * kTile + l] |= int32_t(u << (8 * (d % 4)));
       }
+    }
 #endif
 #if !SILVERREC_VNNI && !SILVERREC_AVX2
     qplain.assign(kTile * D, 0);

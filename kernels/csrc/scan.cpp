@@ -107,7 +107,7 @@ class Scanner {
     const int64_t threads = work < kMinParallelWork ? 1 : at::get_num_threads();
     // pieces of <= kPieceRows rows, and small enough that every thread gets some (a few thousand
     // passing rows shared by a batch are one segment: one piece would leave the other threads idle)
-    const int64_t piece_rows = std::max<int64_t>(64, std::min(kPieceRows, rows / (4 * threads)));
+    const int64_t piece_rows = threads == 1 ? kPieceRows : std::max<int64_t>(64, std::min(kPieceRows, rows / (4 * threads)));
     for (int64_t s = 0; s < int64_t(in_.segments.size()); ++s) {
       const Segment& seg = in_.segments[s];
       for (int64_t a = seg.start; a < seg.end;) {
@@ -229,6 +229,16 @@ class Scanner {
     }
     const LaneKernel<DC> lk(in_.D, qptr, int(count));
     const uint32_t all_lanes = (uint32_t{1} << count) - 1;
+    bool lanes_consecutive = true;  // the lanes' queries b0, b0 + 1, ...: their row biases are one run
+    for (int l = 0; l < count; ++l) {
+      thr[l] = lane_state[l]->thr_score - bias[l];
+      lanes_consecutive &= lane_query[l] == lane_query[0] + l;
+    }
+#if SILVERREC_VNNI
+    alignas(64) int32_t lane_index32[kTile] = {};
+    for (int l = 0; l < count; ++l) lane_index32[l] = int32_t(lane_query[l]);
+    const __m512i lane_index = _mm512_load_si512(lane_index32);
+#endif
     alignas(64) int32_t scores[4][kTile];
     uint64_t words[kTile];
     for (int64_t blk = pc.start & ~int64_t{63}; blk < pc.end; blk += 64) {
@@ -248,9 +258,16 @@ class Scanner {
         for (int i = 0; i < n; ++i) {
           if (in_.row_cluster) {
             const int32_t* rb = in_.row_bias + in_.row_cluster[rows[i]] * in_.row_bias_stride;
+#if SILVERREC_VNNI
+            const __m512i add = lanes_consecutive
+                                    ? _mm512_maskz_loadu_epi32(__mmask16(all_lanes), rb + lane_query[0])
+                                    : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), __mmask16(all_lanes), lane_index, rb, 4);
+            _mm512_store_si512(scores[i], _mm512_add_epi32(_mm512_load_si512(scores[i]), add));
+#else
+            (void)lanes_consecutive;
             for (int l = 0; l < count; ++l) scores[i][l] += rb[lane_query[l]];
+#endif
           }
-          for (int l = 0; l < count; ++l) thr[l] = lane_state[l]->thr_score - bias[l];
           uint32_t lane_ok = all_lanes;
           if (in_.bitmask) {
             const int bit = int(rows[i] - blk);
@@ -260,6 +277,7 @@ class Scanner {
           for (uint32_t c = lane_ok & ge_mask16(scores[i], thr); c; c &= c - 1) {
             const int l = __builtin_ctz(c);
             lane_state[l]->offer(scores[i][l] + bias[l], rows[i]);
+            thr[l] = lane_state[l]->thr_score - bias[l];  // a threshold moves only when its lane takes a row
           }
         }
       }
