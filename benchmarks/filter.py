@@ -372,8 +372,8 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
     roaring AND (bitmap built per call; at equal recall: the smallest nprobe of `FAISS_NPROBES` + nlist
     whose recall reaches ours less `EQUAL_RECALL_SLACK`, and, as a second figure, the smallest reaching
     0.95), batch 16, sides
-    alternated in blocks in a shuffled order per round (an untimed call at each switch, then two timed),
-    same repeat count, each
+    alternated in blocks (an untimed call at each switch, then two timed; Faiss last, the other two
+    swapping places each round, so that each follows Faiss's full scan equally often), same repeat count, each
     filter evaluated per call on every side and
     parsed once on every side (silverrec's compile LRU; the roaring side gets the parsed tree).
 
@@ -470,15 +470,16 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
             if at95 != equal:
                 sides["faiss_ivfsq8_bitmap_recall_0.95"] = faiss_at(at95)
             ts = {name: [] for name in sides}
-            # the sides' order is shuffled per round: the side right after Faiss's full-pool scan runs slower
-            # (measured: roaring 0.23 -> 0.26 ms at 0.024%, 0.42 -> 0.58 ms at 0.2%; silverrec alike), and a
-            # fixed order gave that slot to silverrec every round
-            order = np.random.default_rng(0).permuted(np.tile(np.arange(len(sides)), (repeat, 1)), axis=1)
-            names = list(sides)
+            # the side right after Faiss's full-pool scan runs slower (measured: roaring 0.23 -> 0.26 ms at
+            # 0.024%, 0.42 -> 0.58 ms at 0.2%; silverrec alike), and a fixed order gave that slot to silverrec
+            # every round: the Faiss sides go last and the other two swap places each round, so each follows
+            # Faiss in every other round
+            pair = [n for n in sides if not n.startswith("faiss")]
+            last = [n for n in sides if n.startswith("faiss")]
             for rnd in range(repeat):  # alternate the sides in blocks: one untimed call at each switch
-                for name in (names[i] for i in order[rnd]):  # (torch's, Faiss's and numpy's thread pools hand the
-                    fn = sides[name]
-                    fn()  # cores over there), then two timed calls
+                for name in (pair if rnd % 2 == 0 else pair[::-1]) + last:  # (torch's, Faiss's and
+                    fn = sides[name]  # numpy's thread pools hand the cores over there), then two timed calls
+                    fn()
                     for _ in range(2):
                         t0 = time.perf_counter()
                         fn()
