@@ -10,6 +10,9 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <optional>
 #include <tuple>
 #include <stdexcept>
@@ -298,6 +301,30 @@ at::Tensor rows_to_items(const at::Tensor& row_to_item_in, const at::Tensor& row
   return out;
 }
 
+// The padding of a large result (k 4096 over a few hundred matches: 768 KB per batch of 16, most of it
+// padding) written with streaming stores: no read of each line before it is written, and the caches keep
+// the search's own data. Short fills use ordinary stores; callers fence (streaming_done) after their fills.
+constexpr int64_t kStreamingMinBytes = 4096;
+template <typename T>
+void fill_streaming(T* p, int64_t n, T v) {
+#if defined(__AVX512F__)
+  if (n * int64_t(sizeof(T)) >= kStreamingMinBytes) {
+    for (; n > 0 && (reinterpret_cast<uintptr_t>(p) & 63); --n) *p++ = v;
+    T line[64 / sizeof(T)];
+    std::fill(line, line + 64 / sizeof(T), v);
+    const __m512i w = _mm512_loadu_si512(line);
+    for (; n >= int64_t(64 / sizeof(T)); n -= 64 / sizeof(T), p += 64 / sizeof(T)) _mm512_stream_si512(reinterpret_cast<__m512i*>(p), w);
+  }
+#endif
+  std::fill(p, p + n, v);
+}
+
+inline void streaming_done() {
+#if defined(__AVX512F__)
+  _mm_sfence();
+#endif
+}
+
 // silverrec::filtered_ivf_search (kernels/filtered_ivf_search.py): filter_plan, fold, ivf_scan,
 // verify_topk, filtered_topk, merge and item ids, with the same ATen calls and kernels as the
 // composition `filtered_ivf_search_torch` (bit-identical results), without per-op dispatch.
@@ -479,9 +506,10 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
         ib[i] = r < 0 ? -1 : !map_ids ? r : item_of(r);
       }
     }
-    std::fill(sb + i, sb + k, none + cst[b]);
-    std::fill(ib + i, ib + k, int64_t{-1});
+    fill_streaming(sb + i, k - i, none + cst[b]);
+    fill_streaming(ib + i, k - i, int64_t{-1});
   }
+  streaming_done();  // the streaming stores above, before anyone reads the outputs
   if (!rescore) return {scores, ids};
   at::Tensor top_scores, top_rows;
   std::tie(top_scores, top_rows) = rescore_rows_with_terms(
