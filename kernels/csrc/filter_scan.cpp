@@ -111,12 +111,13 @@ void group_terms(const ClusterTerm& term, const int64_t* members, int mn, const 
   std::vector<float> cs(P * 16);  // several queries: [P][16] (query j in lane j); one: [P] padded to 16
   std::vector<float> best(16, -std::numeric_limits<float>::infinity());
   if (mn > 1) {
+    constexpr int64_t kAhead = 6;
     std::vector<float> qt(16 * D, 0.0f);
     for (int j = 0; j < mn; ++j)
       for (int64_t d = 0; d < D; ++d) qt[d * 16 + j] = term.queries[members[j] * D + d];
     for (int64_t i = 0; i < P; ++i) {
-      if (i + 2 < P)  // the clusters are scattered: fetch two centroids ahead
-        for (int64_t o = 0; o < D; o += 16) __builtin_prefetch(term.centroids + pc[i + 2] * D + o);
+      if (i + kAhead < P)  // the clusters are scattered: fetch centroids a few ahead (a DRAM miss outlasts ~4 dots)
+        for (int64_t o = 0; o < D; o += 16) __builtin_prefetch(term.centroids + pc[i + kAhead] * D + o);
       dot_lanes_x16(qt.data(), term.centroids + pc[i] * D, D, cs.data() + i * 16);
       for (int j = 0; j < 16; ++j) best[j] = std::max(best[j], cs[i * 16 + j]);
     }
