@@ -333,7 +333,8 @@ def test_fused_search_computes_the_terms_of_the_composition(d):
     centres = rng.normal(size=(40, d)).astype(np.float32) * 3
     x = centres[rng.integers(0, 40, n)] + rng.normal(size=(n, d)).astype(np.float32)
     feats = {"shade": [[f"s{v}"] for v in rng.integers(0, 12, n)], "size": [[f"z{v}"] for v in rng.integers(0, 3, n)]}
-    module, manifest = build_filtered_ivf(Pool(np.arange(n, dtype=np.int64) + 5, x, feats), IVFConfig(nlist=nlist, residual=True))
+    pool = Pool(np.arange(n, dtype=np.int64) + 5, x, feats)
+    module, manifest = build_filtered_ivf(pool, IVFConfig(nlist=nlist, residual=True))
     assert module.residual
     filters = ["shade = s3 AND size = z1"] * 18 + ["size = z2"] * 3 + ["shade = s7", "NOT size = z0", None, "shade = s1"]
     b = len(filters)

@@ -103,8 +103,9 @@ std::vector<int64_t> passing_rows(const int64_t* bank, int64_t W, int64_t N, con
 
 // Residual codes: the cluster terms of up to 16 queries of one group (members, mn of them) for the clusters
 // holding its passing rows (pc, ascending): each query's shift, its biases at bias[c * B + b], and the terms
-// themselves when the caller keeps them (term.scores), both [nlist, B]. Several queries: dot_lanes_x16, each centroid read once
-// for all of them; one query: dot_lanes_f32 per cluster. Either way the same bits as cluster_bias(dot_lanes).
+// themselves when the caller keeps them (term.scores), both [nlist, B]. Several queries: dot_lanes_x16, each
+// centroid read once for all of them; one query: dot_lanes_f32 per cluster. Either way the same bits as
+// cluster_bias(dot_lanes).
 void group_terms(const ClusterTerm& term, const int64_t* members, int mn, const std::vector<int64_t>& pc, int64_t D,
                  int64_t B, int32_t* bias) {
   const int64_t P = int64_t(pc.size());
@@ -312,7 +313,7 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   // holding them and, in the compact buffer, each row's cluster; per live query the cluster term of those
   // clusters, its best (the shift) and the biases bias(b, c)
   BiasTable bp;
-  std::unique_ptr<int32_t[]> bias_store;  // [nlist, B] (a cluster's queries together); the (query, present cluster) pairs
+  std::unique_ptr<int32_t[]> bias_store;  // [nlist, B], a cluster's queries together; zero but where present
   std::vector<std::vector<int64_t>> present(groups.size());  // per group, ascending
   std::vector<int32_t> row_cluster;                          // [total]
   if (coff) {

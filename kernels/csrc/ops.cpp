@@ -309,11 +309,12 @@ template <typename T>
 void fill_streaming(T* p, int64_t n, T v) {
 #if defined(__AVX512F__)
   if (n * int64_t(sizeof(T)) >= kStreamingMinBytes) {
-    for (; n > 0 && (reinterpret_cast<uintptr_t>(p) & 63); --n) *p++ = v;
-    T line[64 / sizeof(T)];
-    std::fill(line, line + 64 / sizeof(T), v);
+    constexpr int64_t kPerLine = 64 / sizeof(T);
+    for (; n > 0 && (reinterpret_cast<uintptr_t>(p) & 63); --n) *p++ = v;  // to a line boundary
+    T line[kPerLine];
+    std::fill(line, line + kPerLine, v);
     const __m512i w = _mm512_loadu_si512(line);
-    for (; n >= int64_t(64 / sizeof(T)); n -= 64 / sizeof(T), p += 64 / sizeof(T)) _mm512_stream_si512(reinterpret_cast<__m512i*>(p), w);
+    for (; n >= kPerLine; n -= kPerLine, p += kPerLine) _mm512_stream_si512(reinterpret_cast<__m512i*>(p), w);
   }
 #endif
   std::fill(p, p + n, v);
