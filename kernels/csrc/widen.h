@@ -71,7 +71,12 @@ static inline void dot_lanes_x16(const float* qt, const float* e, int64_t n, flo
   __m512 acc[16];  // every index below is a constant once the loops unroll: the 16 stay in registers
 #pragma GCC unroll 16
   for (int l = 0; l < 16; ++l) acc[l] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16)
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)  // whole chunks: no per-element test
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l)
+      acc[l] = _mm512_add_ps(acc[l], _mm512_mul_ps(_mm512_loadu_ps(qt + (i + l) * 16), _mm512_set1_ps(e[i + l])));
+  if (i < n)  // the tail's first n - i lanes
 #pragma GCC unroll 16
     for (int l = 0; l < 16; ++l)
       if (i + l < n) acc[l] = _mm512_add_ps(acc[l], _mm512_mul_ps(_mm512_loadu_ps(qt + (i + l) * 16), _mm512_set1_ps(e[i + l])));
