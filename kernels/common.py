@@ -66,6 +66,12 @@ def dequantize_scores(
     return s
 
 
+def cluster_of_rows(cluster_offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The cluster of each cluster-major row: rows int64 [...] (each in [0, N)), cluster_offsets int64
+    [nlist + 1] -> int64 [...], the last c with off[c] <= row (empty clusters skipped)."""
+    return torch.searchsorted(cluster_offsets, rows, right=True) - 1
+
+
 def dot_lanes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """<a, b> over the last dimension (broadcast), float32, summed in kernels/csrc/widen.h dot_lanes's order
     (16 lanes, each in order, then a tree), so torch and the C++ kernels compute the same bits."""

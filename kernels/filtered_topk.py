@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from silverrec.kernels.bloom_filter import check_program
-from silverrec.kernels.common import EMPTY_KEY, cluster_bias, dequantize_scores, dot_lanes, make_keys, quantize_queries, split_keys
+from silverrec.kernels.common import EMPTY_KEY, cluster_bias, cluster_of_rows, dequantize_scores, dot_lanes, make_keys, quantize_queries, split_keys
 from silverrec.kernels.cpu_ext import cpu_ext
 
 NO_LISTS = -2
@@ -182,7 +182,7 @@ def filtered_keys_torch(qcodes, codes, bits, ops, prog_rows, post_rows, post_off
         else:
             s = sel.to(torch.int64) @ qg.to(torch.int64).t()
         if centroids is not None:  # + the cluster term of each row's cluster (those present only)
-            present, of_row = torch.unique(torch.searchsorted(cluster_offsets, rows, right=True) - 1, return_inverse=True)
+            present, of_row = torch.unique(cluster_of_rows(cluster_offsets, rows), return_inverse=True)
             bias, shift[members] = cluster_term(centroid_queries[members], centroids, present, unit[members])
             s = s + bias[:, of_row].t().to(s.dtype)
         kb = make_keys(s.t(), rows[None, :])

@@ -56,7 +56,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from silverrec.kernels.common import EMPTY_KEY, cluster_bias, dequantize_scores, dot_lanes, make_keys, quantize_queries, split_keys
+from silverrec.kernels.common import EMPTY_KEY, cluster_bias, cluster_of_rows, dequantize_scores, dot_lanes, make_keys, quantize_queries, split_keys
 from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.int8_topk import merge_candidates
 
@@ -226,21 +226,21 @@ def _scan_pass(best, qt, codes, cluster_offsets, pairs, probes_np, chunk_rows, g
         seg_len = seg[:, 1] - seg[:, 0]
         if bias is not None:  # residual codes: + bias[b, cluster of the row]
             chunk_rows_ = torch.cat([torch.arange(a, z) for a, z in segments])
-            scores = scores + bias[:, torch.searchsorted(cluster_offsets, chunk_rows_, right=True) - 1].t()
+            scores = scores + bias[:, cluster_of_rows(cluster_offsets, chunk_rows_)].t()
         # Only entries reaching the query's current k-th best can enter (EMPTY -> int32 min: all).
         threshold = (best.amin(dim=1) >> 32).to(torch.int32)  # [B]
         mask = scores >= threshold[None, :]
         if dense:
             all_rows = torch.repeat_interleave(seg[:, 0] - (torch.cumsum(seg_len, 0) - seg_len), seg_len)
             all_rows += torch.arange(pos)
-            mask &= pairs[torch.searchsorted(cluster_offsets, all_rows, right=True) - 1]
+            mask &= pairs[cluster_of_rows(cluster_offsets, all_rows)]
         b, j = _nonzero_by_query(mask)
         if b.numel() == 0:
             continue
         seg_end = torch.cumsum(seg_len, 0)
         s_of_j = torch.searchsorted(seg_end, j, right=True)
         rows = seg[s_of_j, 1] - (seg_end[s_of_j] - j)
-        clusters = torch.searchsorted(cluster_offsets, rows, right=True) - 1
+        clusters = cluster_of_rows(cluster_offsets, rows)
         ok = None if dense else pairs[clusters, b]  # drops gap rows and other queries' clusters
         if bitmask is not None:
             allowed = _allowed(bitmask, b, rows, clusters, slot_of, cluster_offsets)

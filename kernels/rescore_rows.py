@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from silverrec.kernels.common import cluster_of_rows
 
 RESCORE_MAX_K = 256  # larger k: the scan's ranking (module docstring)
 
@@ -48,6 +49,8 @@ def rescore_rows_torch(queries: Tensor, found: Tensor, codes: Tensor, dim_scale:
                        k: int, cluster_offsets: Optional[Tensor] = None,
                        centroids: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """The reference (device-generic; see the module docstring)."""
+    if (cluster_offsets is None) != (centroids is None):
+        raise ValueError("rescore_rows: cluster_offsets and centroids go together (residual codes)")
     B, K = found.shape
     D = codes.shape[1]
     if queries.shape != (B, D) or dim_scale.shape != (D,) or dim_offset.shape != (D,):
@@ -58,10 +61,8 @@ def rescore_rows_torch(queries: Tensor, found: Tensor, codes: Tensor, dim_scale:
     const = (queries * dim_offset).sum(dim=1, keepdim=True)
     cand = codes.index_select(0, found.clamp(min=0).reshape(-1)).reshape(B, K, D).to(queries.dtype)
     s = torch.bmm(cand, folded.unsqueeze(2)).squeeze(2) + const
-    if (cluster_offsets is None) != (centroids is None):
-        raise ValueError("rescore_rows: cluster_offsets and centroids go together (residual codes)")
     if centroids is not None:
-        cluster = torch.searchsorted(cluster_offsets, found.clamp(min=0), right=True) - 1
+        cluster = cluster_of_rows(cluster_offsets, found.clamp(min=0))
         s = s + torch.bmm(centroids.to(queries.dtype)[cluster], queries.unsqueeze(2)).squeeze(2)
     s = torch.where((found >= 0) & (s > float("-inf")), s, float("-inf"))  # NaN too
     # k padding columns first, so that any k works whatever K is

@@ -33,6 +33,7 @@ from silverrec.errors import SilverrecError
 
 RESIDUAL = {"auto": "auto", "on": True, "off": False}  # --residual -> IVFConfig.residual
 
+
 def _train(args: argparse.Namespace) -> int:
     if args.generative:
         return _train_generative(args)

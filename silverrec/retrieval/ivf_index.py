@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
+from silverrec.kernels.common import cluster_of_rows
 from silverrec.kernels.ivf_scan import bitmask_words
 from silverrec.retrieval.item_ids import compact_item_ids, rows_to_items
 
@@ -84,14 +85,13 @@ class Int8IVFIndex(nn.Module):
         float32 [B, D], per-query score constant float32 [B]); score = op score + constant."""
         return fold_queries(queries, self.dim_scale, self.dim_offset)
 
-
     @torch.jit.unused
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         """The items the codes stand for: rows int64 [M] -> float32 [M, D] (the centroid added back for
         residual codes). What exact references and re-encoding (publish/update.py) read."""
         x = self.codes[rows].float() * self.dim_scale + self.dim_offset
         if self.residual:
-            x += self.centroids[torch.searchsorted(self.cluster_offsets, rows, right=True) - 1]
+            x += self.centroids[cluster_of_rows(self.cluster_offsets, rows)]
         return x
 
     def probe(self, queries: torch.Tensor, nprobe: int) -> torch.Tensor:
