@@ -9,6 +9,7 @@ import torch
 
 from silverrec.filtering.filter_program import FilterPlan, compile_request
 from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
+from silverrec.kernels.rescore_rows import RESCORE_MAX_K
 from silverrec.publish.filtered_ivf import build_filtered_ivf
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.quantize import quantize_global
@@ -21,9 +22,10 @@ from ..reference_beam_search import random_decoder, random_histories, random_pat
 from ..test_bloom_filter import _random_bank, _random_programs
 from ..test_filter_ivf import _pool
 from ..test_postings import FILTERS
-from .device import RecordOps, assert_same
+from .device import RecordOps, assert_ranking_close, assert_same
 
 SEARCH_OPS = {"filter_plan", "ivf_scan", "verify_topk", "filtered_topk", "rows_to_items", "filtered_ivf_search"}
+RANKED = {"rescore_rows", "filtered_ivf_search"}  # re-scored in float32: compared as rankings
 DECODE_OPS = {"staged_attention", "beam_topk"}
 
 
@@ -39,32 +41,53 @@ def _replay(calls, device, names):
     return seen
 
 
-@pytest.fixture(scope="module")
-def search_calls():
-    """The ops of the filtered search, recorded on CPU: the fused op (the index's forward) and the
-    composition of the per-step ops, over every route (probed, whole pool, posting lists)."""
+@pytest.fixture(scope="module", params=[True, False], ids=["residual", "direct"])
+def search_calls(request):
+    """The ops of the filtered search, recorded on CPU over every route (probed, whole pool, posting
+    lists), for residual and direct codes: the fused op (the index's forward) and the composition of
+    the per-step ops; then both again with the float re-score (k + margin rows scanned, re-scored to k),
+    -> (calls without the re-score, calls with it)."""
     pool, rng = _pool(seed=1)
-    module, manifest = build_filtered_ivf(pool, IVFConfig(nlist=100, seed=0))
+    module, manifest = build_filtered_ivf(pool, IVFConfig(nlist=100, seed=0, residual=request.param))
+    assert module.residual == request.param
     plan = FilterPlan.from_config(manifest["filter"])
     filters = FILTERS * 2
     q = torch.from_numpy(pool.embeddings[rng.integers(0, len(pool.item_ids), len(filters))])
     inputs = compile_request(filters, plan)
     modes = torch.arange(len(filters)) % 3
     m = module
-    recorder = RecordOps()
+    plain, rescored = RecordOps(), RecordOps()
     with torch.inference_mode():
-        for k, nprobe, max_probe in [(20, 4, 16), (150, 8, 40)]:
+        for k, nprobe, max_probe, margin in [(20, 4, 16, 0), (150, 8, 40, 0), (20, 4, 16, 8), (150, 8, 40, 16)]:
             args = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
                     m.post_rows, m.post_offsets, m.post_sizes, *inputs, modes, k, nprobe, max_probe, m.window_words,
-                    m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, 0, 0, m.residual)
-            with recorder:
-                module(q, k, nprobe, *inputs, max_probe, modes)
+                    m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit,
+                    margin, RESCORE_MAX_K if margin else 0, m.residual)
+            with plain if margin == 0 else rescored:
+                if margin == 0:
+                    module(q, k, nprobe, *inputs, max_probe, modes)
+                else:
+                    torch.ops.silverrec.filtered_ivf_search(*args)
                 filtered_ivf_search_torch(*args)
-    return recorder.calls
+    return plain.calls, rescored.calls
 
 
 def test_filtered_search_ops(search_calls, cuda):
-    assert _replay(search_calls, cuda, SEARCH_OPS) == SEARCH_OPS
+    assert _replay(search_calls[0], cuda, SEARCH_OPS) == SEARCH_OPS
+
+
+def test_rescored_search_ops(search_calls, cuda):
+    """With the float re-score: the steps before it bit-exact, the re-scored rankings (float32 sums in
+    another order on the device) equal up to ties within the tolerance."""
+    calls = search_calls[1]
+    exact = SEARCH_OPS - RANKED
+    assert _replay(calls, cuda, exact) == exact
+    ranked = [(func, args, kwargs, want) for func, args, kwargs, want in calls if func.__name__.split(".")[0] in RANKED]
+    assert {func.__name__.split(".")[0] for func, *_ in ranked} == RANKED
+    for func, args, kwargs, (want_scores, want_ids) in ranked:
+        got_scores, got_ids = func(*to_device(args, cuda), **to_device(kwargs, cuda))
+        assert_ranking_close(got_ids, got_scores, want_ids, want_scores)
+        assert (want_ids >= 0).any()
 
 
 def test_decode_ops(cuda):
