@@ -3,13 +3,27 @@
 One program per (query b, window p, block of BLOCK_W words). It walks query b's postfix program
 instruction by instruction with a scalar stack pointer (`program_words`, the evaluator that
 kernels/filtered_topk_triton.py also calls per tile of rows); the stack lives in a per-program
-scratch area of global memory (`scratch[b, p, slot, words]`), so each lane only ever reads its own writes.
-Runs on CPU tensors under TRITON_INTERPRET=1 (tests).
+scratch area of global memory (`scratch[b, p, slot, words]`). A lane's slot is written by one thread but
+read by every thread holding that lane: a block of 64 lanes in 4 warps is held twice, and Triton stores a
+replicated element from one thread only. So each stack store sits between two CTA barriers
+(`_stack_store`); without them a warp read a slot before (or after) another warp rewrote it, and the
+filtered search on an H200 returned other rows from run to run (a posting-list conjunction at 1M rows:
+recall 0.60, eager != eager). Runs on CPU tensors under TRITON_INTERPRET=1 (tests), where the barriers
+do nothing: sequential programs cannot race.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _stack_store(ptr, value, lanes):
+    """One stack slot written between CTA barriers (module docstring): every thread has read the old
+    value before it changes, and the new value is visible to every thread before anyone reads it."""
+    tl.debug_barrier()
+    tl.store(ptr, value, mask=lanes)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -32,20 +46,20 @@ def program_words(bits_ptr, W, ops_ptr, rows_ptr, b, L, T, widx, valid, scratch,
                 row = tl.where(r < 0, ~r, r)
                 w = tl.load(bits_ptr + row * W + widx, mask=valid, other=0)
                 acc = acc & tl.where(r < 0, ~w, w)
-            tl.store(scratch + sp * slot_stride, acc, mask=lanes)
+            _stack_store(scratch + sp * slot_stride, acc, lanes)
             sp += 1
         elif op == 2 or op == 3:  # AND, OR
             x = tl.load(scratch + (sp - 2) * slot_stride, mask=lanes, other=0)
             y = tl.load(scratch + (sp - 1) * slot_stride, mask=lanes, other=0)
             z = tl.where(op == 2, x & y, x | y)
-            tl.store(scratch + (sp - 2) * slot_stride, z, mask=lanes)
+            _stack_store(scratch + (sp - 2) * slot_stride, z, lanes)
             sp -= 1
         elif op == 4:  # NOT
             x = tl.load(scratch + (sp - 1) * slot_stride, mask=lanes, other=0)
-            tl.store(scratch + (sp - 1) * slot_stride, ~x, mask=lanes)
+            _stack_store(scratch + (sp - 1) * slot_stride, ~x, lanes)
         elif op == 5 or op == 6:  # FALSE, TRUE
             c = tl.where(op == 6, -1, 0).to(tl.int64)
-            tl.store(scratch + sp * slot_stride, tl.zeros((BLOCK,), tl.int64) + c, mask=lanes)
+            _stack_store(scratch + sp * slot_stride, tl.zeros((BLOCK,), tl.int64) + c, lanes)
             sp += 1
     return tl.load(scratch, mask=lanes, other=0)
 
