@@ -8,7 +8,7 @@ read by every thread holding that lane: a block of 64 lanes in 4 warps is held t
 replicated element from one thread only. So each stack store sits between two CTA barriers
 (`_stack_store`); without them a warp read a slot before (or after) another warp rewrote it, and the
 filtered search on an H200 returned other rows from run to run (a posting-list conjunction at 1M rows:
-recall 0.60, eager != eager). Runs on CPU tensors under TRITON_INTERPRET=1 (tests), where the barriers
+recall 0.60 and 0.62 in two runs, eager != eager). Runs on CPU tensors under TRITON_INTERPRET=1 (tests), where the barriers
 do nothing: sequential programs cannot race.
 """
 

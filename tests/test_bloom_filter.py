@@ -324,3 +324,30 @@ def test_forward_index_permute_and_codes():
     assert slots == 2 and codes.tolist() == [[1, 0], [2, 1], [0, 0]]
     coded = ForwardIndex.from_codes({"a": (["x", "y"], np.array([0, 1, -1])), "b": (["1", "2"], np.array([0, 1, 0]))})
     assert torch.equal(coded.evaluate("a = x OR b = 2"), torch.tensor([True, True, False]))
+
+
+_STACK_BARRIERS_SM90 = """
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from silverrec.kernels.bloom_filter_triton import _bloom_filter_kernel
+
+sig = {name: '*i64' for name in ('bits_ptr', 'ops_ptr', 'rows_ptr', 'start_ptr', 'out_ptr', 'scratch_ptr')}
+sig.update({name: 'i32' for name in 'W L T P NW'.split()})
+src = ASTSource(fn=_bloom_filter_kernel, signature={**sig, 'BLOCK_W': 'constexpr'}, constexprs={'BLOCK_W': 64})
+ptx = compile(src, target=GPUTarget('cuda', 90, 32)).asm['ptx']
+stack_stores = ptx.count('st.global') - 1  # all but the output's store
+assert stack_stores == 4 and ptx.count('bar.sync') >= 2 * stack_stores, (stack_stores, ptx.count('bar.sync'))
+print('compiled')
+"""
+
+
+def test_program_stack_stores_sit_between_barriers():
+    """The filter program's stack slots are stored by one warp and read by every warp holding the lane
+    (64 lanes in 4 warps: twice), so each store needs a CTA barrier before and after it
+    (bloom_filter_triton.py `_stack_store`). Without them an H200 returned other rows from run to run;
+    the interpreter runs programs one at a time and cannot show it, so this checks the compiled sm_90
+    code: four stack stores (PUSH, AND / OR, NOT, FALSE / TRUE), at least eight barriers."""
+    from tests.helpers import compile_in_clean_process
+
+    compile_in_clean_process(_STACK_BARRIERS_SM90)
