@@ -192,14 +192,17 @@ struct TopK {
 
 namespace silverrec {
 
-// Sort int64 keys descending: LSD radix sort on the bytes that vary (a byte equal in every key --
-// high score bytes, high row bytes -- is neither counted nor passed over), std::sort up to
-// kComparisonSortMax keys. The radix sort has no data-dependent branches; std::sort's comparisons
-// mispredict on a search's keys (a fresh order every call): 241 keys took 5.8 us against 1.3 us,
-// and the filtered search op at k 240-4096 (16 queries, 241 matches each) ran 8-12% faster with the
-// radix sort (129 -> 121 us at k 240, 177 -> 160 us at k 4096). At k 100 the keys come out of
-// select_top's partitions, partly ordered, and std::sort was as fast (86 us either way).
+// Sort int64 keys descending: LSD radix sort on the bits that vary (bits equal in every key -- high
+// score bits, high row bits -- are neither counted nor passed over), std::sort up to kComparisonSortMax
+// keys. A digit is 8 bits, 11 from kWideDigitMin keys: each digit starts at the next varying bit, so a
+// search's keys in row order (score bits alone) take 2 passes of 11 bits instead of 3 bytes. The radix
+// sort has no data-dependent branches; std::sort's comparisons mispredict on a search's keys (a fresh
+// order every call): 241 keys took 5.8 us against 1.3 us, and the filtered search op at k 240-4096
+// (16 queries, 241 matches each) ran 8-12% faster with the radix sort (129 -> 121 us at k 240, 177 ->
+// 160 us at k 4096). At k 100 the keys come out of select_top's partitions, partly ordered, and
+// std::sort was as fast (86 us either way).
 constexpr int64_t kComparisonSortMax = 128;
+constexpr int64_t kWideDigitMin = 1024;
 inline void sort_keys_descending(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp) {
   if (n <= kComparisonSortMax) {
     std::sort(keys, keys + n, std::greater<int64_t>());
@@ -207,7 +210,7 @@ inline void sort_keys_descending(int64_t* keys, int64_t n, std::vector<uint64_t>
   }
   // descending signed order == ascending order of ~(key ^ sign bit) as unsigned
   uint64_t* a = reinterpret_cast<uint64_t*>(keys);
-  uint64_t varies = 0;  // the bits where some key differs from the first: only their bytes are sorted
+  uint64_t varies = 0;  // the bits where some key differs from the first: only their digits are sorted
   bool rows_ascending = true;  // the low 32 bits of a[i] are the row (common.py's key layout)
   for (int64_t i = 0; i < n; ++i) {
     a[i] = ~(a[i] ^ (uint64_t{1} << 63));
@@ -215,25 +218,31 @@ inline void sort_keys_descending(int64_t* keys, int64_t n, std::vector<uint64_t>
     rows_ascending &= i == 0 || uint32_t(a[i]) > uint32_t(a[i - 1]);
   }
   // keys already in ascending row order (a scan's candidates in row order): the passes below are
-  // stable, so sorting the score bytes alone gives (score desc, row asc), half the passes at 1M rows
+  // stable, so sorting the score bits alone gives (score desc, row asc), half the passes at 1M rows
   if (rows_ascending) varies &= ~uint64_t{0xFFFFFFFF};
-  int digits[8], nd = 0;
-  for (int p = 0; p < 8; ++p)
-    if ((varies >> (8 * p)) & 0xFF) digits[nd++] = p;
-  static thread_local uint32_t count[8][256];
-  for (int j = 0; j < nd; ++j) std::memset(count[digits[j]], 0, sizeof(count[0]));
+  const int width = n >= kWideDigitMin ? 11 : 8;
+  const uint32_t mask = (1u << width) - 1;
+  int shifts[8], nd = 0;  // 64 bits in digits of >= 8: at most 8
+  for (uint64_t rest = varies; rest;) {
+    const int s = __builtin_ctzll(rest);
+    shifts[nd++] = s;
+    rest = s + width >= 64 ? 0 : rest & (~uint64_t{0} << (s + width));
+  }
+  static thread_local uint32_t count[8][1 << 11];
+  for (int j = 0; j < nd; ++j) std::memset(count[j], 0, sizeof(uint32_t) << width);
   for (int64_t i = 0; i < n; ++i)
-    for (int j = 0; j < nd; ++j) ++count[digits[j]][(a[i] >> (8 * digits[j])) & 0xFF];
+    for (int j = 0; j < nd; ++j) ++count[j][(a[i] >> shifts[j]) & mask];
   tmp.resize(n);
   uint64_t *src = a, *dst = tmp.data();
+  std::vector<uint32_t> pos(size_t{1} << width);
   for (int j = 0; j < nd; ++j) {
-    const int p = digits[j];
-    uint32_t pos[256], sum = 0;
-    for (int d = 0; d < 256; ++d) {
+    uint32_t sum = 0;
+    for (uint32_t d = 0; d <= mask; ++d) {
       pos[d] = sum;
-      sum += count[p][d];
+      sum += count[j][d];
     }
-    for (int64_t i = 0; i < n; ++i) dst[pos[(src[i] >> (8 * p)) & 0xFF]++] = src[i];
+    const int p = shifts[j];
+    for (int64_t i = 0; i < n; ++i) dst[pos[(src[i] >> p) & mask]++] = src[i];
     std::swap(src, dst);
   }
   for (int64_t i = 0; i < n; ++i) a[i] = ~src[i] ^ (uint64_t{1} << 63);
