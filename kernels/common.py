@@ -11,7 +11,7 @@ import torch
 from silverrec.kernels.cpu_ext import cpu_ext
 
 ROW_MASK = (1 << 32) - 1
-BIAS_FLOOR = -(1 << 24)  # lowest per-(query, cluster) score bias (csrc/scan.h kBiasFloor; checked by a test)
+BIAS_FLOOR = -(1 << 30)  # lowest per-(query, cluster) score bias (csrc/scan.h kBiasFloor; checked by a test)
 EMPTY_KEY = torch.iinfo(torch.int64).min  # padding key: sorts after every real item
 
 
@@ -100,8 +100,12 @@ def cluster_bias(
     The difference of two rounded terms makes the ranking, and the scores up to float rounding, independent
     of the shift (the probed and the exact routes visit different clusters and rank alike); shifting by
     the best keeps every bias <= 0, and the clamp at
-    BIAS_FLOOR (2**24, more than twice the largest possible |dot| 127 * 127 * D for D <= 520) only
-    touches clusters too far below the best for any of their rows to outrank a row of the best one.
+    BIAS_FLOOR (2**30, more than twice the largest possible |dot| 127 * 128 * D for D <= 33,000) only
+    touches clusters too far below the best for any of their rows to outrank a row of the best one. When
+    the best visited cluster holds none of the rows that rank (the CUDA exact route shifts by the best of
+    all clusters), the rows' own clusters must stay above the floor: their spread reached 2**22.6 units on
+    Fashion-MNIST at nlist 100 (a tight cluster's residual range makes the unit small), so the floor
+    was raised from 2**24.
     csrc/scan.h `cluster_bias` computes the same.
 
     cluster_scores float32 [B, nlist], query_scale float32 [B], scale float32 [], visited bool [B, nlist]

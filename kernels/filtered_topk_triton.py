@@ -34,7 +34,7 @@ Residual codes (optional `bias` int32 [B, nlist] in [-BIAS_BOUND, 0] with `clust
 r of cluster c scores dot + bias[b, c] (ranked, and in the keys), c found in the kernel by a binary
 search of r over cluster_offsets (bit length of nlist steps per tile: no host synchronisation,
 nothing sized by N). The score range grows by BIAS_BOUND and SOFF with it: at D = 128 the value
-takes 25 + RB bits (22 + RB without bias), 52 bits at N = 100M (RB = 27).
+takes 31 + RB bits (22 + RB without bias), 58 bits at N = 100M (RB = 27).
 
 Why not per-chunk key buffers merged by topk (int8_topk_triton.py): [B, chunk] keys written per
 chunk and N / chunk topk launches over [B, k + chunk]; here nothing but [B, 2**DIGIT] counts and

@@ -146,7 +146,7 @@ def scan_keys_triton(qcodes, codes, cluster_offsets, probes, k, bitmask, slot_gr
                      window_words: int = 0, bias: torch.Tensor | None = None):
     """Top-k sort keys int64 [B, k] (descending, EMPTY_KEY padding); same contract as
     `ivf_scan.scan_keys_cpu` (probes canonical). window_words: the index's Wc, 0 = unknown
-    (`silverrec::ivf_scan`). bias: None or int32 [B, nlist] in [-(1 << 24), 0], added to the int8
+    (`silverrec::ivf_scan`). bias: None or int32 [B, nlist] in [BIAS_FLOOR, 0] (kernels/common.py), added to the int8
     dot of every row of cluster c for query b before the selection (residual codes: the
     per-(query, cluster) term of row ~ centroid[c] + dim_scale * code + dim_offset)."""
     qcodes = qcodes.contiguous()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import silverrec.kernels  # noqa: F401  (registers the ops)
+from silverrec.bitmask import pack_bits
 from silverrec.filtering.filter_program import FilterPlan, compile_request
 from silverrec.kernels.rescore_rows import rescore_margin
 from silverrec.publish.filtered_ivf import build_filtered_ivf
@@ -54,7 +55,7 @@ def test_bias_floor_is_the_cpp_constant():
 
 
 def test_cluster_bias_is_shifted_rounded_and_clamped():
-    cs = torch.tensor([[3.0, 1.0, -1e9], [0.5, 0.5, 0.25]])
+    cs = torch.tensor([[3.0, 1.0, -1e10], [0.5, 0.5, 0.25]])
     bias, shift = cluster_bias(cs, torch.tensor([0.5, 0.125]), torch.tensor(2.0))
     assert shift.tolist() == [3.0, 0.5]
     assert bias.dtype == torch.int32
@@ -354,3 +355,42 @@ def test_fused_search_computes_the_terms_of_the_composition(d):
             assert torch.equal(fused[1], other[1]), k
             assert torch.equal(fused[0], other[0]), k
         assert (fused[1][:18, 0] >= 0).all() and (fused[1][-1, 0] >= 0)
+
+
+def test_rows_of_far_clusters_rank_on_every_path():
+    """The query's best cluster holds no passing row, and the clusters that do sit 2**26 units below it:
+    the C++ op shifts by the best cluster holding passing rows, the CUDA function (run here on CPU
+    tensors, Triton interpreted) by the best of all clusters. Both must rank like brute force, so the
+    far clusters must stay above BIAS_FLOOR; with the old floor, 2**24, they were clamped together and
+    the CUDA path ranked their rows by their residual dots alone (a spread of 2**22.6 units is real:
+    kernels/common.py cluster_bias)."""
+    from silverrec.kernels.filtered_topk import filtered_topk_cuda
+
+    g = torch.Generator().manual_seed(3)
+    d, b, k = 8, 4, 40
+    off = torch.tensor([0, 50, 110, 170])  # clusters 0, 1, 2; only the rows of 1 and 2 pass
+    n = int(off[-1])
+    codes = torch.randint(-127, 128, (n, d), dtype=torch.int8, generator=g)
+    queries = torch.randint(-4, 5, (b, d), generator=g).float()
+    queries[:, 0] = 4  # max |q| = 4: the unit u = 4 / 127
+    centroids = torch.zeros(3, d)
+    centroids[0, 0] = 4 * 2 ** 26 / 127 / 4  # cluster 0: 2**26 units above the others (an exact float)
+    centroids[1, 1:] = torch.randint(-300, 301, (d - 1,), generator=g).float()
+    centroids[2, 1:] = torch.randint(-300, 301, (d - 1,), generator=g).float()
+    passing = torch.zeros(n, dtype=torch.bool)
+    passing[50:] = True
+    bank = pack_bits(passing[None])
+    ops, prow = torch.ones(b, 1, dtype=torch.int64), torch.zeros(b, 1, 1, dtype=torch.int64)
+    sel = torch.full((b, 1), NO_LISTS, dtype=torch.int64)
+    args = (queries, codes, ONE, ZERO, bank, ops, prow, torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+            sel, torch.ones(b, dtype=torch.bool), k, n, off, centroids, queries)
+    qcodes, qscale = quantize_queries(queries)
+    cs = dot_lanes(queries[:, None, :], centroids[None])
+    exact = qcodes.to(torch.int64) @ codes.to(torch.int64).t() + torch.round(cs.double() / qscale.double()[:, None]).long()[
+        :, torch.tensor(_cluster_of(off, range(n)))]
+    order = torch.sort(-torch.where(passing, exact, torch.iinfo(torch.int64).min + 1), dim=1, stable=True).indices
+    want = order[:, :k]  # best first, ties to the lower row
+    assert (cs[:, 0] - cs[:, 1:].amax(1) > 2 ** 25 * qscale).all()  # far below cluster 0 for every query
+    for got_s, got_r in (torch.ops.silverrec.filtered_topk(*args), filtered_topk_cuda(*args)):
+        assert torch.equal(got_r, want), "rows of the far clusters ranked otherwise"
+        assert (got_r >= 50).all()

@@ -1,7 +1,7 @@
 """Residual int8 codes in the Triton launchers, under TRITON_INTERPRET=1 (conftest) on CPU tensors.
 
 A row r of cluster c scores <qcodes[b], codes[r]> + bias[b, c] (bias int32 [B, nlist] in
-[-(1 << 24), 0]); `scan_keys_triton` and `filtered_keys_triton` must rank with it and pack it into
+[BIAS_FLOOR, 0]); `scan_keys_triton` and `filtered_keys_triton` must rank with it and pack it into
 the keys. Both are compared with `_reference`: per query the allowed rows, int64 dot + bias of the
 row's cluster, sorted by score descending then lower row, the first k; the keys decoded to (score,
 row) lists, EMPTY_KEY padding after them.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from silverrec.kernels.bloom_filter import OP_TRUE
-from silverrec.kernels.common import EMPTY_KEY, quantize_queries
+from silverrec.kernels.common import BIAS_FLOOR, EMPTY_KEY, quantize_queries
 from silverrec.kernels.filtered_topk import NO_LISTS
 from tests.helpers import compile_in_clean_process
 from tests.test_filtered_topk import _allowed
@@ -23,7 +23,7 @@ from silverrec.kernels import filtered_topk_triton as ftt  # noqa: E402
 from silverrec.kernels.ivf_scan_triton import scan_keys_triton  # noqa: E402
 from tests.test_filtered_topk_triton import _args, _case  # noqa: E402
 
-FLOOR = -(1 << 24)  # the lowest bias
+FLOOR = BIAS_FLOOR  # the lowest bias
 
 
 def _offsets(sizes):
@@ -115,7 +115,7 @@ def test_scan_keys_with_bias_equal_reference(sizes, d, b, p, k, group, code_max,
 
 
 def test_scan_keys_bias_at_the_floor_ranks_last():
-    """A cluster at bias -(1 << 24) comes after every row of a cluster at bias 0, whatever its dots."""
+    """A cluster at bias BIAS_FLOOR comes after every row of a cluster at bias 0, whatever its dots."""
     g = torch.Generator().manual_seed(3)
     sizes = [40, 30]
     off = _offsets(sizes)
@@ -198,11 +198,11 @@ def test_filtered_everything_passes_every_row_gets_its_cluster_bias():
 
 
 def test_value_bits_fit_63_bits_with_bias():
-    """The radix select's (score + SOFF, row) value with the bias: 52 bits at 100M rows x 128 dims."""
+    """The radix select's (score + SOFF, row) value with the bias: 58 bits at 100M rows x 128 dims."""
     soff, rb, total = ftt.value_bits(128, 100_000_000, True)
-    assert (soff, rb, total) == (127 * 128 * 128 + (1 << 24), 27, 52)
+    assert (soff, rb, total) == (127 * 128 * 128 - BIAS_FLOOR, 27, 58)
     assert ftt.value_bits(128, 100_000_000, False) == (127 * 128 * 128, 27, 49)  # as before
-    assert ftt.value_bits(128, 1 << 38, True)[2] == 63  # the largest N the check lets through at D = 128
+    assert ftt.value_bits(128, 1 << 32, True)[2] == 63  # the largest N the check lets through at D = 128
     lo, hi = -127 * 128 * 128 + FLOOR, 127 * 128 * 128  # every score + SOFF in [0, 2 ** (total - rb))
     assert lo + soff >= 0 and (hi + soff) < 1 << (total - rb)
 

@@ -22,7 +22,7 @@ constexpr int64_t kNoLists = -2;
 
 // Lowest per-(query, cluster) score bias (kernels/common.py BIAS_FLOOR): biases lie in [kBiasFloor, 0],
 // so score + bias and threshold - bias never overflow int32.
-constexpr int32_t kBiasFloor = -(1 << 24);
+constexpr int32_t kBiasFloor = -(1 << 30);
 
 // The int32 bias of a cluster score for a query with the given shift and integer unit (kernels/common.py
 // cluster_bias, bit for bit): round(score / unit) - round(shift / unit) in double, half to even, clamped to
