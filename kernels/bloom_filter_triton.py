@@ -3,13 +3,13 @@
 One program per (query b, window p, block of BLOCK_W words). It walks query b's postfix program
 instruction by instruction with a scalar stack pointer (`program_words`, the evaluator that
 kernels/filtered_topk_triton.py also calls per tile of rows); the stack lives in a per-program
-scratch area of global memory (`scratch[b, p, slot, words]`). A lane's slot is written by one thread but
-read by every thread holding that lane: a block of 64 lanes in 4 warps is held twice, and Triton stores a
-replicated element from one thread only. So each stack store sits between two CTA barriers
-(`_stack_store`); without them a warp read a slot before (or after) another warp rewrote it, and the
-filtered search on an H200 returned other rows from run to run (a posting-list conjunction at 1M rows:
-recall 0.60 and 0.62 in two runs, eager != eager). Runs on CPU tensors under TRITON_INTERPRET=1 (tests), where the barriers
-do nothing: sequential programs cannot race.
+scratch area of global memory (`scratch[b, p, slot, words]`). A lane's slot is written by one thread
+and read by every thread holding that lane: a block of 64 lanes in 4 warps is held twice, and Triton
+stores a replicated element from one thread only. So each stack store sits between two CTA barriers
+(`_stack_store`). Without them a warp could read a slot before (or after) another warp rewrote it: on
+an H200 a posting-list conjunction at 1M rows got recall 0.60 and 0.62 in two runs, and its eager and
+graphed answers differed. Runs on CPU tensors under TRITON_INTERPRET=1 (tests), where the barriers do
+nothing: programs run one at a time and cannot race.
 """
 
 import torch

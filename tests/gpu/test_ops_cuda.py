@@ -9,6 +9,7 @@ import torch
 
 from silverrec.filtering.filter_program import FilterPlan, compile_request
 from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
+from silverrec.kernels.filtered_topk import NO_LISTS
 from silverrec.kernels.rescore_rows import RESCORE_MAX_K
 from silverrec.publish.filtered_ivf import build_filtered_ivf
 from silverrec.publish.ivf import IVFConfig
@@ -140,15 +141,15 @@ def test_filtered_topk_over_many_tiles_every_run(cuda, residual):
     post_rows = torch.cat(lists).to(torch.int32)
     post_offsets = torch.tensor([0] + [len(x) for x in lists]).cumsum(0)
     sel = torch.full((b, 3), -1, dtype=torch.int64)
-    sel[::2, 0] = -2  # the whole pool (NO_LISTS)
+    sel[::2, 0] = NO_LISTS  # the whole pool
     sel[1::2, :2] = torch.tensor([0, 1])
     args = (queries, codes, torch.tensor(0.05), torch.tensor(-0.2), bank, ops, prog_rows, post_rows, post_offsets, sel,
             torch.ones(b, dtype=torch.bool), 100, n)
     if residual:  # 300 clusters of ragged sizes, the queries' own cluster terms
         gen = torch.Generator().manual_seed(6)
-        cuts = torch.randint(0, 100_000, (299,), generator=gen).sort().values
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.full((1,), 100_000)])
-        args += (offsets, torch.randn(300, 96, generator=gen), queries)
+        cuts = torch.randint(0, n, (299,), generator=gen).sort().values
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.full((1,), n)])
+        args += (offsets, torch.randn(300, d, generator=gen), queries)
     want = torch.ops.silverrec.filtered_topk(*args)
     assert int((want[1] >= 0).all(dim=1).sum()) >= 4  # programs passing more than k rows
     for _ in range(5):
