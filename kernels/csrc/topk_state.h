@@ -234,7 +234,7 @@ inline void sort_keys_descending(int64_t* keys, int64_t n, std::vector<uint64_t>
     for (int j = 0; j < nd; ++j) ++count[j][(a[i] >> shifts[j]) & mask];
   tmp.resize(n);
   uint64_t *src = a, *dst = tmp.data();
-  static thread_local uint32_t pos[1 << 11];
+  std::vector<uint32_t> pos(size_t{1} << width);  // a local: a thread_local array here ran the 0.024% k 4096 call ~10% slower
   for (int j = 0; j < nd; ++j) {
     uint32_t sum = 0;
     for (uint32_t d = 0; d <= mask; ++d) {
