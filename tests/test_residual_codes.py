@@ -374,7 +374,7 @@ def test_rows_of_far_clusters_rank_on_every_path():
     queries = torch.randint(-4, 5, (b, d), generator=g).float()
     queries[:, 0] = 4  # max |q| = 4: the unit u = 4 / 127
     centroids = torch.zeros(3, d)
-    centroids[0, 0] = 4 * 2 ** 26 / 127 / 4  # cluster 0: 2**26 units above the others (an exact float)
+    centroids[0, 0] = 2 ** 26 / 127  # cluster 0: q[0] * this / u = 2**26 units above the others
     centroids[1, 1:] = torch.randint(-300, 301, (d - 1,), generator=g).float()
     centroids[2, 1:] = torch.randint(-300, 301, (d - 1,), generator=g).float()
     passing = torch.zeros(n, dtype=torch.bool)

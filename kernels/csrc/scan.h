@@ -24,13 +24,15 @@ constexpr int64_t kNoLists = -2;
 // so score + bias and threshold - bias never overflow int32.
 constexpr int32_t kBiasFloor = -(1 << 30);
 
+// A bias in units (double) clamped to [kBiasFloor, 0], as an int32.
+inline int32_t clamp_bias(double v) { return int32_t(std::max(double(kBiasFloor), std::min(0.0, v))); }
+
 // The int32 bias of a cluster score for a query with the given shift and integer unit (kernels/common.py
 // cluster_bias, bit for bit): round(score / unit) - round(shift / unit) in double, half to even, clamped to
 // [kBiasFloor, 0].
 inline int32_t cluster_bias(float score, float shift, float unit) {
   const double u = unit;
-  const double v = std::nearbyint(double(score) / u) - std::nearbyint(double(shift) / u);
-  return int32_t(std::max(double(kBiasFloor), std::min(0.0, v)));
+  return clamp_bias(std::nearbyint(double(score) / u) - std::nearbyint(double(shift) / u));
 }
 
 // cluster_bias of 16 scores at once, the same bits: out[i] = round(score[i] / u[i]) - rounded_shift[i] clamped,
@@ -46,7 +48,7 @@ inline void cluster_bias_x16(const float* score, const double* rounded_shift, co
   }
 #else
   for (int i = 0; i < 16; ++i)
-    out[i] = int32_t(std::max(double(kBiasFloor), std::min(0.0, std::nearbyint(double(score[i]) / u[i]) - rounded_shift[i])));
+    out[i] = clamp_bias(std::nearbyint(double(score[i]) / u[i]) - rounded_shift[i]);
 #endif
 }
 
