@@ -9,7 +9,8 @@
     # -> scores float32 [B, k] (descending, -inf padding), item_ids int64 [B, k] (-1 padding);
     # a zero-length row_to_item returns the rows themselves (what RecModel's later stages read);
     # rescore_margin > 0 and k <= rescore_max_k: every route runs for k + rescore_margin rows, which
-    # `rescore_rows` ranks by the float query on their codes, best k (kernels/rescore_rows.py)
+    # `rescore_rows` ranks by the float query on their codes, best k (kernels/rescore_rows.py); an
+    # exact route passing at most EXACT_FLOAT_ROWS rows hands it all of them (the exact float answer)
     # residual: codes encode item - centroid (item ~= centroid[c] + dim_scale * code + dim_offset): every
     # route adds <query, centroid c> to the rows of cluster c, computed for the clusters it visits
     # (ivf_scan, filtered_topk, rescore_rows; kernels/common.py cluster_bias)
@@ -44,6 +45,7 @@ from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels import candidate_rows as _candidate_rows
 from silverrec.kernels import mol_score as _mol_score
 from silverrec.kernels import rescore_rows as _rescore_rows
+from silverrec.kernels.rescore_rows import EXACT_FLOAT_ROWS
 from silverrec.kernels.rows_to_items import register_cpu_fallback
 
 
@@ -95,6 +97,8 @@ def compose_search(
     rescore = rescore_margin > 0 and k <= rescore_max_k  # Python ints: no device sync
     if rescore:  # every route runs for k + margin rows, re-scored to k at the end
         k = k + rescore_margin
+    # exact routes (re-scored): one row more than EXACT_FLOAT_ROWS tells whether all their passing rows fit
+    k_ex = max(k, EXACT_FLOAT_ROWS + 1) if rescore else k
     per = queries.shape[0] // ops.shape[0] if ops.shape[0] and queries.shape[0] % ops.shape[0] == 0 else 1
     if per > 1:  # one program per request of `per` consecutive queries: repeated to one per query
         ops, rows, vops, vrows, lists, mode = [x.repeat_interleave(per, dim=0) for x in (ops, rows, vops, vrows, lists, mode)]
@@ -116,8 +120,16 @@ def compose_search(
     exact = route > 0
     src = torch.where((route == 1)[:, None], torch.full_like(lists, -2), lists)  # -2: the whole pool
     s_ex, r_ex = steps.filtered_topk(
-        folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k, posting_limit, offsets, cent, cq
+        folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k_ex, posting_limit, offsets,
+        cent, cq
     )
+    if k_ex > k:  # the re-score takes every passing row of an exact route that has at most EXACT_FLOAT_ROWS of
+        # them (its exact float answer; the C++ op ranks those without the int8 scan), else the scan's top k
+        few = r_ex[:, EXACT_FLOAT_ROWS] < 0
+        keep = few[:, None] | (torch.arange(k_ex, device=r_ex.device) < k)[None, :]
+        r_ex = torch.where(keep, r_ex, torch.full_like(r_ex, -1))
+        s_ivf = torch.cat([s_ivf, s_ivf.new_full((s_ivf.shape[0], k_ex - k), float("-inf"))], dim=1)
+        r_ivf = torch.cat([r_ivf, r_ivf.new_full((r_ivf.shape[0], k_ex - k), -1)], dim=1)
     scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
     found = torch.where(exact[:, None], r_ex, r_ivf)
     if rescore:

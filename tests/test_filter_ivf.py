@@ -12,7 +12,7 @@ import silverrec
 from silverrec.filtering.filter_program import FilterPlan, compile_request
 from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED
 from silverrec.kernels.common import cluster_bias, quantize_queries
-from silverrec.kernels.rescore_rows import rescore_margin
+from silverrec.kernels.rescore_rows import EXACT_FLOAT_ROWS, rescore_margin
 from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows, publish_index
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
@@ -82,10 +82,11 @@ def _exact_filtered(module, fwd, queries, filters, k):
 
 def _exact_filtered_rescored(module, fwd, queries, filters, k):
     """What a published snapshot answers exactly (publish/filtered_ivf.py search_model): the exact
-    int8 top k + rescore_margin(k) rows over the filtered items (`_exact_filtered`'s order), ranked
-    by the float query on their decoded codes in float64 (ties: int8 order), best k. -> per query a
-    list of (item id, float64 score)."""
-    items = _exact_filtered(module, fwd, queries, filters, k + rescore_margin(k))
+    int8 top k + rescore_margin(k) rows over the filtered items (`_exact_filtered`'s order), or all of
+    them where at most EXACT_FLOAT_ROWS pass, ranked by the float query on their decoded codes in
+    float64 (ties: int8 order), best k. -> per query a list of (item id, float64 score)."""
+    every = _exact_filtered(module, fwd, queries, filters, EXACT_FLOAT_ROWS + 1)
+    items = [ids if len(ids) <= EXACT_FLOAT_ROWS else ids[: k + rescore_margin(k)] for ids in every]
     row_of = {int(i): r for r, i in enumerate(module.row_to_item.tolist())}
     decoded = module.codes.double() * module.dim_scale.double() + module.dim_offset.double()
     if module.residual:

@@ -163,3 +163,79 @@ def test_the_search_op_rescores_inside(built):  # noqa: F811  (tests/test_filter
     with_margin = torch.ops.silverrec.filtered_ivf_search(*args(big, rescore_margin(big)))
     plain = torch.ops.silverrec.filtered_ivf_search(*args(big, 0))
     assert torch.equal(with_margin[0], plain[0]) and torch.equal(with_margin[1], plain[1])
+
+
+def test_exact_float_rows_is_the_cpp_constant():
+    import re
+    from pathlib import Path
+
+    from silverrec.kernels.rescore_rows import EXACT_FLOAT_ROWS
+
+    text = (Path(__file__).parent.parent / "kernels" / "csrc" / "scan.h").read_text()
+    assert int(re.search(r"kExactFloatRows = (\d+);", text).group(1)) == EXACT_FLOAT_ROWS
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_selective_exact_routes_rank_every_passing_row_in_float(residual):
+    """A re-scored exact route whose filter passes at most EXACT_FLOAT_ROWS rows answers the float top k of
+    all of them (float64 brute force on the decoded codes), which the int8 top k + margin it used to re-score
+    misses here (direct codes: a dimension that dominates the int8 query's scale); more passing rows (a compact scan, a masked whole pool)
+    keep the int8 top k + margin. The C++ op (which ranks the few without the int8 scan) equals the
+    composition bit for bit, duplicated rows included (equal floats: the int8 order, then the row)."""
+    from silverrec.filtering.filter_program import FilterPlan, compile_request
+    from silverrec.filtering.forward_index import ForwardIndex
+    from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
+    from silverrec.kernels.rescore_rows import EXACT_FLOAT_ROWS
+    from silverrec.publish.filtered_ivf import build_filtered_ivf
+    from silverrec.publish.ivf import IVFConfig
+    from silverrec.publish.pool import Pool
+    from silverrec.retrieval.filtered_ivf import MODE_UNPROBED
+    from tests.test_filter_ivf import _exact_filtered, _exact_filtered_rescored, assert_same_ranking
+
+    rng = np.random.default_rng(7)
+    n, d = 4000, 8
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    # dimension 0: four outliers (filtered out) stretch its code range, so that a query weighing it dominates
+    # the int8 query's scale and the other dimensions quantise coarsely: the int8 ranking misses rows
+    x[:, 0] = 0.0
+    x[3990:3994, 0] = [100.0, -100.0, 100.0, -100.0]
+    x[0:40] *= 3  # long: query x[i] (i < 3) ranks row i and its duplicate first
+    x[3000:3040] = x[0:40]  # duplicates: equal codes (and clusters), equal float scores
+    shade = rng.integers(0, 40, n)
+    shade[3000:3040] = shade[0:40] = 39
+    shade[3990:3994] = 0
+    size = rng.integers(0, 3, n)
+    feats = {"shade": [[f"s{v}"] for v in shade], "size": [[f"z{v}"] for v in size]}
+    pool = Pool(np.arange(n, dtype=np.int64) * 2 + 1, x, feats)
+    m, manifest = build_filtered_ivf(pool, IVFConfig(nlist=24, residual=residual))
+    fwd = ForwardIndex.from_codes({"shade": ([f"s{v}" for v in range(40)], shade[m.row_to_item.numpy() // 2 % n]),
+                                   "size": ([f"z{v}" for v in range(3)], size[m.row_to_item.numpy() // 2 % n])})
+    filters = ["shade = s39"] * 3 + ["shade = s1 OR shade = s2", "shade = s5 AND size = z1", "shade = s3", "size = z1",
+                                     "NOT shade = s4", "shade = s6 AND shade = s7"] + ["shade = s8"] * 7
+    b = len(filters)
+    q = torch.from_numpy(x[rng.integers(0, n, b)] + 0.3 * rng.normal(size=(b, d)).astype(np.float32))
+    q[:, 0] = 30.0
+    q[:3] = torch.from_numpy(x[:3])  # the duplicated rows tie at the top
+    passing = [int(fwd.evaluate(f).sum()) for f in filters]
+    assert max(passing) > n // 2 and any(EXACT_FLOAT_ROWS < p <= n // 2 for p in passing) and 0 in passing
+    k = 5
+    request = (*compile_request(filters, FilterPlan.from_config(manifest["filter"])), torch.full((b,), MODE_UNPROBED))
+    args = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits, m.post_rows,
+            m.post_offsets, m.post_sizes, *request, k, 3, 9, m.window_words, m.match_factor, m.avg_cluster, m.num_items,
+            m.exact_cost_ratio, m.posting_limit, rescore_margin(k), RESCORE_MAX_K, m.residual)
+    with torch.inference_mode():
+        got = torch.ops.silverrec.filtered_ivf_search(*args)
+        composed = filtered_ivf_search_torch(*args)
+    assert torch.equal(got[1], composed[1]) and torch.equal(got[0], composed[0])
+    want = _exact_filtered_rescored(m, fwd, q, filters, k)
+    for i in range(b):
+        assert_same_ranking(got[1][i].tolist(), want[i])
+    # the contract changed the answer: the int8 top k + margin, re-scored, misses some float top-k rows
+    old = _exact_filtered(m, fwd, q, filters, k + rescore_margin(k))
+    missed = [i for i in range(b) if passing[i] <= EXACT_FLOAT_ROWS and set(got[1][i].tolist()) - set(old[i]) - {-1}]
+    if not residual:  # (residual codes: each cluster's own ranges, no miss on this data)
+        assert missed, "no query where all passing rows beat the int8 top k + margin: the test shows nothing"
+    # ties: the duplicated pair of each of the first three queries, in the int8 order (equal: the lower row)
+    for i in range(3):
+        rows = [int(torch.nonzero(m.row_to_item == v)[0]) for v in got[1][i, :2].tolist()]
+        assert got[0][i, 0] == got[0][i, 1] and rows[0] < rows[1]

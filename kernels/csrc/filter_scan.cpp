@@ -246,7 +246,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_topk_keys(
 void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
                         const at::Tensor& ops_t, const at::Tensor& rows_t, const at::Tensor& post_rows_t,
                         const at::Tensor& post_off_t, const at::Tensor& lists_t, const at::Tensor& active_t, int64_t k,
-                        int64_t* kp, int64_t* count, const ClusterTerm& term) {
+                        int64_t* kp, int64_t* count, const ClusterTerm& term, const FloatRanking* ranking) {
   check(bits, at::kLong, 2, "bits");
   check(ops_t, at::kLong, 2, "ops");
   check(rows_t, at::kLong, 3, "rows");
@@ -299,9 +299,16 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   });
   std::vector<int64_t> group_of(B, -1), buf_start(groups.size(), 0), mask_group(groups.size(), -1);
   for (size_t g = 0; g < groups.size(); ++g) group_of[groups[g]] = int64_t(g);
+  // groups passing at most kExactFloatRows rows, with a FloatRanking: ranked in float, no int8 scan;
   // groups passing more than N / kMaskDivisor rows scan the pool through a mask, the others a compact buffer
+  TORCH_CHECK(!ranking || !coff || term.scores, "filtered_topk: a float ranking of residual codes needs the terms");
+  std::vector<bool> in_float(groups.size(), false);
   int64_t total = 0, masked = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
+    if (ranking && int64_t(passing[g].size()) <= kExactFloatRows) {
+      in_float[g] = true;
+      continue;
+    }
     if (int64_t(passing[g].size()) * kMaskDivisor > N) {
       mask_group[g] = masked++;
       continue;
@@ -316,16 +323,19 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   std::unique_ptr<int32_t[]> bias_store;  // [nlist, B], a cluster's queries together; zero but where present
   std::vector<std::vector<int64_t>> present(groups.size());  // per group, ascending
   std::vector<int32_t> row_cluster;                          // [total]
+  std::vector<std::vector<int32_t>> float_cluster(groups.size());  // groups ranked in float: each row's cluster
   if (coff) {
     bias_store.reset(new int32_t[B * nlist]());  // zeros: a 16-row tile may read rows past its segment (masked)
     bp = {bias_store.get(), 1, B};
     row_cluster.resize(total);
     for (size_t g = 0; g < groups.size(); ++g) {
       int64_t c = 0;
+      if (in_float[g]) float_cluster[g].resize(passing[g].size());
       for (size_t i = 0; i < passing[g].size(); ++i) {
         while (coff[c + 1] <= passing[g][i]) ++c;
         if (present[g].empty() || present[g].back() != c) present[g].push_back(c);
-        if (mask_group[g] < 0) row_cluster[buf_start[g] + int64_t(i)] = int32_t(c);
+        if (in_float[g]) float_cluster[g][i] = int32_t(c);
+        else if (mask_group[g] < 0) row_cluster[buf_start[g] + int64_t(i)] = int32_t(c);
       }
     }
     std::vector<int64_t> members;
@@ -342,9 +352,10 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   // compact buffer: the passing rows of each small group; big whole-pool groups scan via a mask
   std::vector<int8_t> buf(std::max<int64_t>(total, 1) * D);
   std::vector<int64_t> buf_row(std::max<int64_t>(total, 1));
-  std::vector<int64_t> mask(std::max<int64_t>(masked, 1) * W, 0);
+  std::vector<int64_t> mask(masked * W, 0);  // none without big groups (W words zeroed were ~5% of a selective search)
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& p = passing[g];
+    if (in_float[g]) continue;
     if (mask_group[g] >= 0) {
       int64_t* m = mask.data() + mask_group[g] * W;
       for (int64_t r : p) m[r >> 6] |= int64_t(uint64_t{1} << (r & 63));
@@ -385,7 +396,7 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
       in.segments.push_back({a, z, first, int64_t(in.member_query.size()) - first});
     };
     const auto& p = passing[g];
-    if (p.empty()) continue;
+    if (p.empty() || in_float[g]) continue;
     if (mask_group[g] < 0) {  // the compact buffer: one segment (residual codes: per-row biases, above)
       add_segment(buf_start[g], buf_start[g] + int64_t(p.size()), -1);
       continue;
@@ -401,6 +412,17 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     small.row_cluster = row_cluster.data();
     small.row_bias = bias_store.get();
     small.row_bias_stride = B;
+  }
+  // the groups ranked in float: their members' results go to the ranking's outputs (count stays 0)
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (!in_float[g]) continue;
+    std::vector<int64_t> members;
+    for (int64_t b : live)
+      if (rep[b] == groups[g]) members.push_back(b);
+    for (size_t m0 = 0; m0 < members.size(); m0 += 16)
+      rank_in_float(*ranking, codes.data_ptr<int8_t>(), D, passing[g], coff ? float_cluster[g].data() : nullptr,
+                    coff ? term.scores : nullptr, coff ? bias_store.get() : nullptr, B, members.data() + m0,
+                    int(std::min<size_t>(16, members.size() - m0)), qcodes.data_ptr<int8_t>());
   }
   // each scan writes the rows of its own members only (unpadded), straight into the output
   std::vector<int64_t> count_big(B, 0);

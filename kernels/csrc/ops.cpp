@@ -453,6 +453,18 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   // count_ex[b] keys, unpadded (padding is written once, below)
   at::Tensor keys_ex;
   std::vector<int64_t> count_ex(B, 0);
+  // re-scored exact routes passing at most kExactFloatRows rows: ranked in float by filtered_topk_into itself
+  // (the re-score of a list holding all of them), into float_scores / float_rows
+  FloatRanking ranking;
+  at::Tensor float_scores, float_rows;
+  std::unique_ptr<bool[]> float_done(new bool[B]());
+  if (any_exact && rescore) {
+    TORCH_CHECK(dim_offset.scalar_type() == at::kFloat && dim_offset.numel() == D, "dim_offset: float32 [D] expected");
+    float_scores = at::empty({B, k_out}, at::kFloat);
+    float_rows = at::empty({B, k_out}, at::kLong);
+    ranking = {q.data_ptr<float>(), folded.data_ptr<float>(), dim_offset.data_ptr<float>(), k_out,
+               float_scores.data_ptr<float>(), float_rows.data_ptr<int64_t>(), float_done.get()};
+  }
   if (any_exact) {
     at::Tensor src = at::empty_like(lists), exact = at::empty({B}, at::kBool);
     std::memcpy(src.data_ptr<int64_t>(), lists.data_ptr<int64_t>(), lists.numel() * sizeof(int64_t));
@@ -464,7 +476,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
     }
     keys_ex = at::empty({B, k}, at::kLong);
     filtered_topk_into(qcodes, codes, bits, vops, vrows, post_rows, post_offsets, src, exact, k,
-                       keys_ex.data_ptr<int64_t>(), count_ex.data(), term_ex);
+                       keys_ex.data_ptr<int64_t>(), count_ex.data(), term_ex, rescore ? &ranking : nullptr);
   }
   at::Tensor scores = at::empty({B, k}, at::kFloat), ids = at::empty({B, k}, at::kLong);
   float* so = scores.data_ptr<float>();
@@ -516,6 +528,11 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   std::tie(top_scores, top_rows) = rescore_rows_with_terms(
       q, ids, codes, step ? dim_scale : dim_scale.expand({D}).contiguous(), dim_offset, k_out, offsets_if_residual,
       residual ? std::optional<at::Tensor>(centroids_f) : std::nullopt, terms.get());
+  for (int64_t b = 0; b < B; ++b)  // the queries ranked in float above (their scan lists were empty)
+    if (float_done[b]) {
+      std::memcpy(top_scores.data_ptr<float>() + b * k_out, float_scores.data_ptr<float>() + b * k_out, k_out * sizeof(float));
+      std::memcpy(top_rows.data_ptr<int64_t>() + b * k_out, float_rows.data_ptr<int64_t>() + b * k_out, k_out * sizeof(int64_t));
+    }
   if (!as_rows) {
     int64_t* tr = top_rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < B * k_out; ++i)

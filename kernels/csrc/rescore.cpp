@@ -23,31 +23,6 @@
 namespace silverrec {
 namespace {
 
-// <q, codes> in float32: 16 codes widened per AVX-512 register, two accumulators, one reduction at
-// the end (dot_lanes's portable form kept its 16 lanes in memory: 2x slower here).
-static inline float dot_codes(const float* q, const int8_t* c, int64_t D) {
-#if defined(__AVX512F__)
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  const auto widened = [](const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  };
-  int64_t i = 0;
-  for (; i + 32 <= D; i += 32) {
-    acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_loadu_ps(q + i), widened(c + i)));
-    acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(_mm512_loadu_ps(q + i + 16), widened(c + i + 16)));
-  }
-  if (i + 16 <= D) {
-    acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_loadu_ps(q + i), widened(c + i)));
-    i += 16;
-  }
-  float tail = 0.0f;
-  for (; i < D; ++i) tail += q[i] * float(c[i]);
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + tail;
-#else
-  return dot_lanes(q, c, D);
-#endif
-}
-
 // Row -> cluster for residual codes: buckets of 2^shift rows (about two per cluster), first[i] the cluster
 // holding row i << shift; a row's cluster is its bucket's, or a few after it (no binary search: its chain of
 // dependent loads per scattered row took a selective residual search from 0.204 to 0.274 ms, warm).

@@ -151,11 +151,39 @@ at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, cons
                          const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k,
                          const BiasTable& bias, const ClusterTerm& term = {});
 
-// The same keys, unpadded: query b's count[b] keys at out[b * k ...] (count 0 for inactive queries).
+// Exact routes with the float re-score (kernels/rescore_rows.py EXACT_FLOAT_ROWS, checked by a test): a query
+// whose (program, lists) pass at most this many rows ranks every one of them by the float query on its codes.
+constexpr int64_t kExactFloatRows = 1024;
+
+// Where filtered_topk_into ranks such queries itself (kernels/csrc/float_rank.cpp): each passing row scored
+// <folded[b], code> + <queries[b], dim_offset> (+ the cluster term ClusterTerm::scores, residual codes), the best
+// k kept, ties by the int8 scan's order (its score, then the row): the re-score of an int8 top list that holds
+// every passing row, without the int8 scan.
+struct FloatRanking {
+  const float* queries = nullptr;     // [B, D] float32, unfolded
+  const float* folded = nullptr;      // [B, D] queries x dim_scale
+  const float* dim_offset = nullptr;  // [D]
+  int64_t k = 0;                      // results per query
+  float* scores = nullptr;            // [B, k] out: descending, -inf padded (NaN and -inf scores dropped)
+  int64_t* rows = nullptr;            // [B, k] out: pool rows, -1 padded
+  bool* done = nullptr;               // [B] out: true where ranked here (those queries' count stays 0)
+};
+
+// The same keys, unpadded: query b's count[b] keys at out[b * k ...] (count 0 for inactive queries, and for
+// those `ranking` ranked in float).
 void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
                         const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& post_rows,
                         const at::Tensor& post_offsets, const at::Tensor& lists, const at::Tensor& active, int64_t k,
-                        int64_t* out, int64_t* count, const ClusterTerm& term = {});
+                        int64_t* out, int64_t* count, const ClusterTerm& term = {},
+                        const FloatRanking* ranking = nullptr);
+
+// One group's passing rows (ascending pool rows, at most kExactFloatRows) ranked for its members (<= 16
+// queries) as FloatRanking says. row_cluster[i]: row i's cluster, and terms [nlist, B] the float cluster
+// terms, bias [nlist, B] the int8 scan's biases (residual codes; all three null otherwise); qcodes [B, D]:
+// the int8 queries (ties only).
+void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const std::vector<int64_t>& rows,
+                   const int32_t* row_cluster, const float* terms, const int32_t* bias, int64_t B,
+                   const int64_t* members, int mn, const int8_t* qcodes);
 
 // silverrec::filter_plan: (probes int64 [B, P], bitmask int64 [B, P, Wc], route int64 [B]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(

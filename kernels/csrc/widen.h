@@ -99,4 +99,63 @@ static inline void dot_lanes_x16(const float* qt, const float* e, int64_t n, flo
 #endif
 }
 
+// <q, codes> in float32: 16 codes widened per AVX-512 register, two accumulators, one reduction at
+// the end (dot_lanes's portable form kept its 16 lanes in memory: 2x slower here). The re-score's dot
+// (rescore.cpp) and the exact routes' float ranking (float_rank.cpp): the same bits in both.
+static inline float dot_codes(const float* q, const int8_t* c, int64_t D) {
+#if defined(__AVX512F__)
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  const auto widened = [](const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  };
+  int64_t i = 0;
+  for (; i + 32 <= D; i += 32) {
+    acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_loadu_ps(q + i), widened(c + i)));
+    acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(_mm512_loadu_ps(q + i + 16), widened(c + i + 16)));
+  }
+  if (i + 16 <= D) {
+    acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_loadu_ps(q + i), widened(c + i)));
+    i += 16;
+  }
+  float tail = 0.0f;
+  for (; i < D; ++i) tail += q[i] * float(c[i]);
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + tail;
+#else
+  return dot_lanes(q, c, D);
+#endif
+}
+
+
+#if defined(__AVX512F__)
+// dot_codes of up to 16 queries with one row of codes, the same bits for each: the queries transposed
+// (qt[d * 16 + j] = query j's value d; absent queries zeros), query j in lane j. Lane l of dot_codes's two
+// accumulators becomes a vector a0[l] / a1[l] over the queries, summed in _mm512_reduce_add_ps's tree
+// (halves of 8, 4, then pairs), plus the scalar tail, as there. out[j] = dot_codes(query j, c, D).
+static inline void dot_codes_x16(const float* qt, const int8_t* c, int64_t D, float* out) {
+  __m512 a0[16], a1[16];
+  for (int l = 0; l < 16; ++l) a0[l] = a1[l] = _mm512_setzero_ps();
+  const auto step = [&](__m512* acc, int64_t i) {  // acc[l] += q[i + l] * c[i + l]
+    for (int l = 0; l < 16; ++l)
+      acc[l] = _mm512_add_ps(acc[l], _mm512_mul_ps(_mm512_loadu_ps(qt + (i + l) * 16), _mm512_set1_ps(float(c[i + l]))));
+  };
+  int64_t i = 0;
+  for (; i + 32 <= D; i += 32) {
+    step(a0, i);
+    step(a1, i + 16);
+  }
+  if (i + 16 <= D) {
+    step(a0, i);
+    i += 16;
+  }
+  __m512 tail = _mm512_setzero_ps();
+  for (; i < D; ++i) tail = _mm512_add_ps(tail, _mm512_mul_ps(_mm512_loadu_ps(qt + i * 16), _mm512_set1_ps(float(c[i]))));
+  __m512 v[16];
+  for (int l = 0; l < 16; ++l) v[l] = _mm512_add_ps(a0[l], a1[l]);
+  for (int l = 0; l < 8; ++l) v[l] = _mm512_add_ps(v[8 + l], v[l]);  // _mm512_reduce_add_ps: upper half + lower
+  for (int l = 0; l < 4; ++l) v[l] = _mm512_add_ps(v[4 + l], v[l]);
+  const __m512 even = _mm512_add_ps(v[0], v[2]), odd = _mm512_add_ps(v[1], v[3]);
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(even, odd), tail));
+}
+#endif
+
 }  // namespace silverrec

@@ -1,0 +1,127 @@
+// rank_in_float (scan.h FloatRanking): an exact route's few passing rows ranked by the float query.
+//
+// With the float re-score on, an exact route (whole pool, posting lists) whose filter passes at most
+// kExactFloatRows rows hands all of them to the re-score (kernels/filtered_ivf_search.py): its answer is
+// the float top k over every passing row, ties in the int8 scan's order. This computes that answer
+// without the int8 scan, its top-k state and its sort, and without the re-score's second pass over
+// scattered rows: each row is read once for all of a group's queries, scored with the re-score's own
+// arithmetic (dot_codes: the same bits); then per query a key (the float's order-preserving int32 image,
+// the row's position) per row, select_top and a sort. Exact float ties (equal codes, or chance) take the slow
+// path: the int8 scores that order them in the re-score's list.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "scan.h"
+#include "topk_state.h"
+#include "widen.h"
+
+namespace silverrec {
+namespace {
+
+// A monotone int32 image of a float that is not NaN (-0 as +0, so that equal floats give equal images).
+inline int32_t ordered_bits(float s) {
+  s += 0.0f;
+  int32_t i;
+  std::memcpy(&i, &s, sizeof(i));
+  return i >= 0 ? i : int32_t(i ^ 0x7FFFFFFF);
+}
+
+inline int32_t int8_dot(const int8_t* q, const int8_t* c, int64_t D) {
+  int32_t s = 0;
+  for (int64_t d = 0; d < D; ++d) s += int32_t(q[d]) * int32_t(c[d]);
+  return s;
+}
+
+}  // namespace
+
+void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const std::vector<int64_t>& rows,
+                   const int32_t* row_cluster, const float* terms, const int32_t* bias, int64_t B,
+                   const int64_t* members, int mn, const int8_t* qcodes) {
+  const int64_t S = int64_t(rows.size()), k = fr.k;
+  std::vector<float> f(S * 16);
+  float constant[16] = {};
+  for (int j = 0; j < mn; ++j) constant[j] = dot_lanes(fr.queries + members[j] * D, fr.dim_offset, D);
+#if defined(__AVX512F__)
+  std::vector<float> qt(D * 16, 0.0f);  // the folded queries transposed: qt[d * 16 + j]
+  for (int j = 0; j < mn; ++j)
+    for (int64_t d = 0; d < D; ++d) qt[d * 16 + j] = fr.folded[members[j] * D + d];
+#endif
+  // the re-score's arithmetic (rescore.cpp one_query), so the same bits: dot_codes + constant (+ term)
+  constexpr int64_t kAhead = 8;  // rows are scattered over the pool: fetch a few ahead
+  for (int64_t i = 0; i < S; ++i) {
+    if (i + kAhead < S)
+      for (int64_t o = 0; o < D; o += 64) __builtin_prefetch(codes + rows[i + kAhead] * D + o);
+    const int8_t* c = codes + rows[i] * D;
+    float* fi = f.data() + i * 16;
+#if defined(__AVX512F__)
+    dot_codes_x16(qt.data(), c, D, fi);
+#else
+    for (int j = 0; j < mn; ++j) fi[j] = dot_codes(fr.folded + members[j] * D, c, D);
+#endif
+    for (int j = 0; j < mn; ++j) {
+      fi[j] += constant[j];
+      if (terms) fi[j] += terms[row_cluster[i] * B + members[j]];
+    }
+  }
+  std::vector<int64_t> keys, scratch;
+  std::vector<uint64_t> tmp;
+  keys.reserve(S);
+  const float none = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < mn; ++j) {
+    const int64_t b = members[j];
+    keys.clear();
+    for (int64_t i = 0; i < S; ++i) {
+      const float s = f[i * 16 + j];
+      if (s > none) keys.push_back(make_key(ordered_bits(s), i));  // NaN and -inf: dropped, as the re-score
+    }
+    const int64_t n = int64_t(keys.size()), top = std::min(k, n);
+    select_top(keys.data(), n, top, scratch);
+    bool tie = false;  // equal floats in the top, or across its edge: the int8 order decides
+    if (top > 0 && top < n) {
+      const int64_t low = *std::min_element(keys.begin(), keys.begin() + top);
+      const int64_t out = *std::max_element(keys.begin() + top, keys.end());
+      tie = (low >> 32) == (out >> 32);
+    }
+    sort_keys_descending(keys.data(), top, tmp);
+    for (int64_t t = 1; t < top && !tie; ++t) tie = (keys[t] >> 32) == (keys[t - 1] >> 32);
+    float* so = fr.scores + b * k;
+    int64_t* ro = fr.rows + b * k;
+    if (tie) {  // rare: every row ordered by (float, int8 score, row)
+      struct Entry {
+        float s;
+        int32_t i8;
+        int64_t i;
+      };
+      std::vector<Entry> all;
+      for (int64_t i = 0; i < S; ++i) {
+        const float s = f[i * 16 + j];
+        if (!(s > none)) continue;
+        int32_t i8 = int8_dot(qcodes + b * D, codes + rows[i] * D, D);
+        if (bias) i8 += bias[row_cluster[i] * B + b];
+        all.push_back({s, i8, i});
+      }
+      std::sort(all.begin(), all.end(), [](const Entry& x, const Entry& y) {
+        return x.s != y.s ? x.s > y.s : x.i8 != y.i8 ? x.i8 > y.i8 : x.i < y.i;
+      });
+      for (int64_t t = 0; t < top; ++t) {
+        so[t] = all[t].s;
+        ro[t] = rows[all[t].i];
+      }
+    } else {
+      for (int64_t t = 0; t < top; ++t) {
+        const int64_t i = int64_t{0xFFFFFFFF} - (keys[t] & int64_t{0xFFFFFFFF});
+        so[t] = f[i * 16 + j];
+        ro[t] = rows[i];
+      }
+    }
+    std::fill(so + top, so + k, none);
+    std::fill(ro + top, ro + k, int64_t{-1});
+    fr.done[b] = true;
+  }
+}
+
+}  // namespace silverrec
