@@ -24,6 +24,7 @@ from silverrec.rec_model import RecModel
 from silverrec.spec import ModelSpec
 from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.kernels.bloom_filter import OP_PUSH, OP_TRUE
+from silverrec.kernels.filtered_topk import NO_LISTS
 from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config
 from silverrec.publish.ivf import TORCHSCRIPT_MAX_BYTES, IVFConfig, build_ivf, ivf_manifest_config, tensor_bytes
@@ -213,6 +214,15 @@ def search_example(model: RecModel) -> tuple:
     return (values, lengths, queries, exclude, ops, rows, vops, vrows, lists, mode, k, 6, nprobe, max_probe)
 
 
+def search_timing_example(model: RecModel) -> tuple:
+    """The lightest search (unfiltered, nprobe 1, k 1): the call that `preferred_backend` times, where the
+    two programs' fixed costs are all there is to compare."""
+    (values, lengths, queries, exclude, ops, rows, vops, vrows, lists, mode, _, k0, _, _) = search_example(model)
+    unfiltered = ops[1:].expand_as(ops).clone(), vops[1:].expand_as(vops).clone()  # row 1: TRUE (example_inputs)
+    no_lists, no_exclusions = torch.full_like(lists, NO_LISTS), torch.full_like(exclude, -1)
+    return (values, lengths, queries, no_exclusions, unfiltered[0], rows, unfiltered[1], vrows, no_lists, mode, 1, k0, 1, 1)
+
+
 SEARCH_DYNAMIC = {
     "values": {0: Dim.DYNAMIC},
     "lengths": {0: Dim.DYNAMIC},
@@ -288,7 +298,8 @@ def write_index(
     def write(tmp: Path) -> None:
         with clock("exporting model (torch.export" + (" + TorchScript)" if torchscript else ")")):
             backend = export_module(model, search_example(model), SEARCH_DYNAMIC, tmp, torchscript=torchscript,
-                                    tensors_apart=True, time_backends=time_backends)
+                                    tensors_apart=True, time_backends=time_backends,
+                                    timing_args=search_timing_example(model))
         if backend is not None:
             manifest["backend"] = backend  # load(backend="auto") runs the faster program
         if fwd is not None:

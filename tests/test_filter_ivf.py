@@ -194,6 +194,17 @@ def test_snapshot_export_round_trip_and_cli(built, tmp_path):
     out = publish_index(small, tmp_path / "snap", config=IVFConfig(nlist=30))
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["kind"] == "rec" and manifest["config"]["filter"]["bloom"]["hashes"] == 7
+    # config.backend: both programs timed on the lightest search (unfiltered, nprobe 1, k 1: their fixed costs)
+    from silverrec.kernels.filtered_topk import NO_LISTS
+    from silverrec.publish.filtered_ivf import search_model, search_timing_example
+
+    assert {"preferred", "export_ms", "torchscript_ms"} <= set(manifest["config"]["backend"])
+    model = search_model(build_filtered_ivf(small, IVFConfig(nlist=30))[0])
+    timing = search_timing_example(model)
+    assert timing[-4] == 1 and timing[-2] == 1 and (timing[8] == NO_LISTS).all()  # k, nprobe, no posting lists
+    with torch.inference_mode():
+        ids = model(*timing)[0]
+    assert ids.shape == (2, 1) and (ids >= 0).all()  # unfiltered: an item each
     q = torch.from_numpy(small.embeddings[:5] + 0.1)
     filters = ["country IN (c0, c2)", "NOT lang = l3 AND tag = t1", None, "rare = r1", "country = c1"]
     eager = None
