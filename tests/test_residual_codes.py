@@ -320,13 +320,14 @@ def test_published_residual_snapshot_answers_like_its_decoded_items(tmp_path):
             assert all(feats["color"][(int(i) - 1) // 7] == ["red"] for i in res.item_ids[res.item_ids >= 0].tolist())
 
 
-@pytest.mark.parametrize("d", [8, 40])
+@pytest.mark.parametrize("d", [8, 40, 96, 128])
 def test_fused_search_computes_the_terms_of_the_composition(d):
     """The fused C++ search against the torch composition, bit for bit, on float data (sums inexact, so
     any change of summation order shows): whole-pool and posting-list queries in groups of one, of 3 and
     of 18 sharing a filter (the C++ op computes a group's terms 16 queries at a time, one query alone),
     probed queries, a dimension below 16 and one with a ragged 16-lane tail; with the float re-score,
-    which reads the terms the routes computed."""
+    which reads the terms the routes computed (and whose few-survivor exact routes the C++ op ranks in
+    float itself, at the compile-time widths 96 and 128 too)."""
     from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
 
     rng = np.random.default_rng(d)

@@ -203,11 +203,17 @@ namespace silverrec {
 // std::sort was as fast (86 us either way).
 constexpr int64_t kComparisonSortMax = 128;
 constexpr int64_t kWideDigitMin = 1024;
+inline void radix_sort_keys(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp);
 inline void sort_keys_descending(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp) {
   if (n <= kComparisonSortMax) {
     std::sort(keys, keys + n, std::greater<int64_t>());
     return;
   }
+  radix_sort_keys(keys, n, tmp);
+}
+// The radix sort of sort_keys_descending, at any n (float_rank.cpp sorts a short top with it).
+inline void radix_sort_keys(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp) {
+  if (n <= 1) return;
   // descending signed order == ascending order of ~(key ^ sign bit) as unsigned
   uint64_t* a = reinterpret_cast<uint64_t*>(keys);
   uint64_t varies = 0;  // the bits where some key differs from the first: only their digits are sorted

@@ -129,28 +129,38 @@ static inline float dot_codes(const float* q, const int8_t* c, int64_t D) {
 #if defined(__AVX512F__)
 // dot_codes of up to 16 queries with one row of codes, the same bits for each: the queries transposed
 // (qt[d * 16 + j] = query j's value d; absent queries zeros), query j in lane j. Lane l of dot_codes's two
-// accumulators becomes a vector a0[l] / a1[l] over the queries, summed in _mm512_reduce_add_ps's tree
-// (halves of 8, 4, then pairs), plus the scalar tail, as there. out[j] = dot_codes(query j, c, D).
-static inline void dot_codes_x16(const float* qt, const int8_t* c, int64_t D, float* out) {
-  __m512 a0[16], a1[16];
-  for (int l = 0; l < 16; ++l) a0[l] = a1[l] = _mm512_setzero_ps();
-  const auto step = [&](__m512* acc, int64_t i) {  // acc[l] += q[i + l] * c[i + l]
+// accumulators becomes a vector over the queries (acc0's chunks first, held in memory while acc1's are
+// summed: 16 registers at a time), added, then summed in _mm512_reduce_add_ps's tree (halves of 8, 4,
+// then pairs), plus the scalar tail, as there. cf: D floats of scratch (the row widened once, each value
+// then a broadcast memory operand). DC: D as a compile-time constant (0 = runtime D). out[j] =
+// dot_codes(query j, c, D).
+template <int DC>
+static inline void dot_codes_x16(const float* qt, const int8_t* c, int64_t D_, float* cf, float* out) {
+  const int64_t D = DC ? DC : D_;
+  int64_t w = 0;
+  for (; w + 16 <= D; w += 16)
+    _mm512_storeu_ps(cf + w, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + w)))));
+  for (; w < D; ++w) cf[w] = float(c[w]);
+  const auto chunk = [&](__m512* acc, int64_t i) {  // acc[l] += q[i + l] * c[i + l]
     for (int l = 0; l < 16; ++l)
-      acc[l] = _mm512_add_ps(acc[l], _mm512_mul_ps(_mm512_loadu_ps(qt + (i + l) * 16), _mm512_set1_ps(float(c[i + l]))));
+      acc[l] = _mm512_add_ps(acc[l], _mm512_mul_ps(_mm512_loadu_ps(qt + (i + l) * 16), _mm512_set1_ps(cf[i + l])));
   };
+  alignas(64) float first[16 * 16];  // acc0's lanes
+  __m512 v[16];
+  for (int l = 0; l < 16; ++l) v[l] = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + 32 <= D; i += 32) {
-    step(a0, i);
-    step(a1, i + 16);
-  }
+  for (; i + 32 <= D; i += 32) chunk(v, i);
+  const int64_t end32 = i;
   if (i + 16 <= D) {
-    step(a0, i);
+    chunk(v, i);
     i += 16;
   }
+  for (int l = 0; l < 16; ++l) _mm512_store_ps(first + l * 16, v[l]);
+  for (int l = 0; l < 16; ++l) v[l] = _mm512_setzero_ps();
+  for (int64_t j = 16; j + 16 <= end32; j += 32) chunk(v, j);
   __m512 tail = _mm512_setzero_ps();
-  for (; i < D; ++i) tail = _mm512_add_ps(tail, _mm512_mul_ps(_mm512_loadu_ps(qt + i * 16), _mm512_set1_ps(float(c[i]))));
-  __m512 v[16];
-  for (int l = 0; l < 16; ++l) v[l] = _mm512_add_ps(a0[l], a1[l]);
+  for (; i < D; ++i) tail = _mm512_add_ps(tail, _mm512_mul_ps(_mm512_loadu_ps(qt + i * 16), _mm512_set1_ps(cf[i])));
+  for (int l = 0; l < 16; ++l) v[l] = _mm512_add_ps(_mm512_load_ps(first + l * 16), v[l]);
   for (int l = 0; l < 8; ++l) v[l] = _mm512_add_ps(v[8 + l], v[l]);  // _mm512_reduce_add_ps: upper half + lower
   for (int l = 0; l < 4; ++l) v[l] = _mm512_add_ps(v[4 + l], v[l]);
   const __m512 even = _mm512_add_ps(v[0], v[2]), odd = _mm512_add_ps(v[1], v[3]);
