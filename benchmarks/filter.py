@@ -367,7 +367,8 @@ def conjunction_family(feats: dict, n: int, rng, count: int = 40) -> list[tuple[
 
 
 def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int) -> list[dict]:
-    """silverrec (public search path: compile LRU + estimate + one forward) vs roaring AND + exact
+    """silverrec (the public API: the index written as a snapshot, `silverrec.load(DIR).search(q, k,
+    nprobe=..., filter=...)`, as benchmarks/ann.py; compile LRU + estimate + one forward) vs roaring AND + exact
     float scan of the survivors (timed together) vs Faiss IVF-SQ8 + IDSelectorBitmap fed by the
     roaring AND (bitmap built per call; at equal recall: the smallest nprobe of `FAISS_NPROBES` + nlist
     whose recall reaches ours less `EQUAL_RECALL_SLACK`, and, as a second figure, the smallest reaching
@@ -380,9 +381,10 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
     silverrec's nprobe is fixed per k, not per filter: the unfiltered nprobe that reaches recall
     0.95 at that k on this pool (16 for k = 100; 256 for k = 4096, where nprobe 16 reaches 0.81),
     as a user would set it; Faiss's is chosen per filter."""
+    import tempfile
     from types import SimpleNamespace
 
-    from silverrec.retrieval.filtered_search import search_index
+    from silverrec.publish.filtered_ivf import search_section, write_index
 
     rows = []
     x = gaussian_mixture(n, d, rng)
@@ -400,12 +402,13 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
     module, meta = filter_index(ivf, ForwardIndex.from_codes(feats).permute(ivf.row_to_item), BloomConfig(bits=512, hashes=7))
     module.eval()
     nprobe = 16  # the snapshot's default; ours_nprobe below per k
-    # the root module of a pure-ANN snapshot, as `silverrec publish --pool` builds it (publish/filtered_ivf.py),
-    # in TorchScript: the backend the publisher measured faster for pure-ANN snapshots (ann_api_quick.json)
-    snap = SimpleNamespace(path="bench", module=torch.jit.script(search_model(module)), index=module, config={
-        "nlist": nlist, "default_nprobe": nprobe, "filter": meta,
-        "search": {"default_max_probe": min(nlist, max(64, 8 * nprobe)), "match_factor": module.match_factor, "exact_cost_ratio": module.exact_cost_ratio},
-    })
+    # the index published as `silverrec publish --pool` writes it (publish/filtered_ivf.py write_index: the root
+    # module, its tensors in tensors.pt) and loaded as a user loads it: what `snap.search` serves from
+    cfg = {"dim": d, "nlist": nlist, "default_nprobe": nprobe, "filter": meta, "search": search_section(module, nprobe)}
+    snap_dir = tempfile.TemporaryDirectory(prefix="silverrec_conj_")
+    write_index(module, cfg, Path(snap_dir.name) / "snapshot", torchscript=True)
+    snap = silverrec.load(Path(snap_dir.name) / "snapshot")
+    print(f"[conjunctions] snapshot written and loaded (backend {snap.backend})", flush=True)
     faiss_ix = faiss.IndexIVFScalarQuantizer(quant, d, nlist, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
     faiss_ix.train(x[rng.choice(n, min(n, 100_000), replace=False)])
     faiss_ix.add(x)
@@ -442,8 +445,7 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
                 return [idx[part[:, b][np.argsort(-s_[part[:, b], b])]] for b in range(B)]
 
             def ours():
-                with torch.inference_mode():
-                    return search_index(snap, qt, k, nprobe=ours_nprobe, filter=f)[1]
+                return snap.search(qt, k, nprobe=ours_nprobe, filter=f).item_ids
 
             truth = exact_scan()
             r_ours = recall(ours().numpy(), truth)
@@ -488,7 +490,7 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
             med.setdefault("faiss_ivfsq8_bitmap_recall_0.95", med["faiss_ivfsq8_bitmap"])
             baseline = min(med["roaring_and_exact_scan"], med["faiss_ivfsq8_bitmap"])
             baseline95 = min(med["roaring_and_exact_scan"], med["faiss_ivfsq8_bitmap_recall_0.95"])
-            routes = search_routes(snap, qt, k, ours_nprobe, f)
+            routes = search_routes(SimpleNamespace(config=snap.config, index=module), qt, k, ours_nprobe, f)
             rows.append({"part": "conjunction", "n": n, "k": k, "filter": f, "fraction": frac, "recall": r_ours, "nprobe": ours_nprobe,
                          "faiss_nprobe": best[0], "faiss_recall": faiss_recall.get(best[0]), "faiss_nprobe_recall_0.95": at95,
                          "faiss_recall_by_nprobe": faiss_recall, "load_avg": os.getloadavg()[0],
@@ -499,6 +501,7 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
                   f"(recall {faiss_recall.get(best[0], float('nan')):.3f}) {med['faiss_ivfsq8_bitmap']:8.3f} ms, at 0.95 nprobe {at95:4d} "
                   f"{med['faiss_ivfsq8_bitmap_recall_0.95']:8.3f} ms | ratio {rows[-1]['ratio_vs_best']:.2f} "
                   f"(vs Faiss at 0.95: {rows[-1]['ratio_vs_best_faiss_recall_0.95']:.2f})  [{f}]", flush=True)
+    snap_dir.cleanup()
     return rows
 
 
