@@ -85,8 +85,6 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
       const float s = f[i * 16 + j];
       if (s > none) keys.push_back(make_key(ordered_bits(s), i));  // NaN and -inf: dropped, as the re-score
     }
-    // every key sorted (at most kExactFloatRows: a radix sort above 128 keys, no mispredicted comparisons;
-    // select_top + a comparison sort of the top took longer), the top k first
     // the top k: select_top, then a radix sort even of a short top (no mispredicted comparisons; in one
     // process over varied query batches, 0.241 -> 0.226 ms a 0.024% search against std::sort below 128
     // keys, and radix-sorting all survivors instead cost 0.354 -> 0.385 ms at 0.063%)
