@@ -178,16 +178,21 @@ def search_case(k: int, seed: int):
 
 
 @pytest.mark.parametrize("residual", [False, True])
-def test_search_of_triton_kernels_equals_cpu_op(residual):
+@pytest.mark.parametrize("rescore", [False, True])
+def test_search_of_triton_kernels_equals_cpu_op(residual, rescore):
     """filtered_ivf_search_cuda (every step the op's CUDA kernel: Triton launchers) on CPU tensors == the C++ op,
     bit for bit, on one batch holding posting, probed and whole-pool queries, k above the matches, -1 probes;
-    with residual codes too (every route adds the per-(query, cluster) term)."""
+    with residual codes too (every route adds the per-(query, cluster) term); with the float re-score (the
+    exact routes' few passing rows all re-scored: filtered_topk for EXACT_FLOAT_ROWS + 1 rows on the device,
+    ranked without the int8 scan by the C++ op; scores up to float32 summation order)."""
     from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_cuda
+    from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin
 
     k, nprobe, max_probe, match_factor, ratio, limit = PARAMS[0]
     tensors, n = search_case(k, seed=BATCH * 31 + k)
     (queries, _, _, _, off, centroids, _, bits, _, _, post_sizes, ops, rows, _, _, lists, mode) = tensors
-    scalars = (k, nprobe, max_probe, bitmask_words(off), match_factor, 0, n, ratio, limit, 0, 0, residual)
+    margin = (rescore_margin(k), RESCORE_MAX_K) if rescore else (0, 0)
+    scalars = (k, nprobe, max_probe, bitmask_words(off), match_factor, 0, n, ratio, limit, *margin, residual)
     probes, _, route = filter_plan_torch(*_checked_args(queries, centroids, off, bits, ops, rows, lists, post_sizes, mode,
                                                         *scalars[:9]))
     assert set(route.tolist()) == {0, 1, 2} and bool((probes[route == 0] < 0).any())
@@ -195,8 +200,8 @@ def test_search_of_triton_kernels_equals_cpu_op(residual):
     assert bool((want_i < 0).any())  # k above the matches somewhere: padding
     got_s, got_i = filtered_ivf_search_cuda(*tensors, *scalars)
     assert torch.equal(got_i, want_i)
-    if residual:  # the CUDA exact route shifts by every cluster's term, the CPU by the ones it visits (cluster_bias)
-        torch.testing.assert_close(got_s, want_s)
+    if residual or rescore:  # the CUDA exact route shifts by every cluster's term, the CPU by the ones it visits
+        torch.testing.assert_close(got_s, want_s)  # (cluster_bias); the re-score's sums differ in order
     else:
         assert torch.equal(got_s, want_s)
 
@@ -283,16 +288,20 @@ def recorded_ops():
 
 
 @pytest.mark.parametrize("residual", [False, True])
-def test_cuda_search_has_no_host_sync_and_no_pool_sized_buffer(residual):
+@pytest.mark.parametrize("rescore", [False, True])
+def test_cuda_search_has_no_host_sync_and_no_pool_sized_buffer(residual, rescore):
     """Every tensor op that filtered_ivf_search_cuda runs outside the Triton kernels: none reads a value back to
     the host (`_local_scalar_dense`: .item(), int(), bool()), and none makes a per-query buffer over the pool
-    ([B, N] scores or masks, [B, W] bank words, [B, 64 W] bits)."""
+    ([B, N] scores or masks, [B, W] bank words, [B, 64 W] bits); with the float re-score too (whether an exact
+    route's passing rows all fit is decided on the device)."""
     from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_cuda
+    from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin
 
     k, nprobe, max_probe, match_factor, ratio, limit = PARAMS[0]
     tensors, n = search_case(k, seed=BATCH * 31 + k)
     words = tensors[7].shape[1]
-    scalars = (k, nprobe, max_probe, bitmask_words(tensors[4]), match_factor, 0, n, ratio, limit, 0, 0, residual)
+    margin = (rescore_margin(k), RESCORE_MAX_K) if rescore else (0, 0)
+    scalars = (k, nprobe, max_probe, bitmask_words(tensors[4]), match_factor, 0, n, ratio, limit, *margin, residual)
     with recorded_ops() as ops:
         filtered_ivf_search_cuda(*tensors, *scalars)
     assert len(ops) > 20 and ("triton", []) in ops and not [op for op, _ in ops if op == "_local_scalar_dense"]
