@@ -96,7 +96,7 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
       const int64_t out = *std::max_element(keys.begin() + top, keys.end());
       tie = (low >> 32) == (out >> 32);
     }
-    radix_sort_keys(keys.data(), top, tmp);
+    radix_sort_keys(keys.data(), top, tmp, /*score_only=*/true);  // equal floats are ties: the slow path below
     for (int64_t t = 1; t < top && !tie; ++t) tie = (keys[t] >> 32) == (keys[t - 1] >> 32);
     float* so = fr.scores + b * k;
     int64_t* ro = fr.rows + b * k;

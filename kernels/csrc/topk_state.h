@@ -208,7 +208,7 @@ namespace silverrec {
 // nprobe 16 1.158 -> 1.144 and 1.221 -> 1.163 ms, a 2,027-match whole-pool search 0.534 -> 0.526 ms.
 constexpr int64_t kComparisonSortMax = 16;
 constexpr int64_t kWideDigitMin = 1024;
-inline void radix_sort_keys(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp);
+inline void radix_sort_keys(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp, bool score_only = false);
 inline void sort_keys_descending(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp) {
   if (n <= kComparisonSortMax) {
     std::sort(keys, keys + n, std::greater<int64_t>());
@@ -216,8 +216,9 @@ inline void sort_keys_descending(int64_t* keys, int64_t n, std::vector<uint64_t>
   }
   radix_sort_keys(keys, n, tmp);
 }
-// The radix sort of sort_keys_descending, at any n (float_rank.cpp sorts a short top with it).
-inline void radix_sort_keys(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp) {
+// The radix sort of sort_keys_descending, at any n (float_rank.cpp sorts a short top with it). score_only:
+// the caller needs no order among equal scores (the low 32 bits are left unsorted).
+inline void radix_sort_keys(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp, bool score_only) {
   if (n <= 1) return;
   // descending signed order == ascending order of ~(key ^ sign bit) as unsigned
   uint64_t* a = reinterpret_cast<uint64_t*>(keys);
@@ -230,7 +231,7 @@ inline void radix_sort_keys(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp
   }
   // keys already in ascending row order (a scan's candidates in row order): the passes below are
   // stable, so sorting the score bits alone gives (score desc, row asc), half the passes at 1M rows
-  if (rows_ascending) varies &= ~uint64_t{0xFFFFFFFF};
+  if (rows_ascending || score_only) varies &= ~uint64_t{0xFFFFFFFF};
   const int width = n >= kWideDigitMin ? 11 : 8;
   const uint32_t mask = (1u << width) - 1;
   int shifts[8], nd = 0;  // 64 bits in digits of >= 8: at most 8
