@@ -5,6 +5,7 @@ end-to-end filtered ANN: co-designed selectivity-aware search vs Faiss IVF-SQ8 +
     .venv/bin/python benchmarks/filter.py            # 1M (+10M filter-only at M=512), ~15 min
     .venv/bin/python benchmarks/filter.py --quick    # 200k items, a couple of minutes
     .venv/bin/python benchmarks/filter.py --part conjunctions [--quick]   # part C only: ANDs of frequent values
+                                                   # (ours: snap.search on a written and loaded snapshot)
 
 Writes benchmarks/results/filter.json (filter_quick.json with --quick).
 

@@ -358,8 +358,9 @@ def preferred_backend(programs: dict[str, Any], example: tuple, repeat: int = 20
     """Time each program on `example` (best of `repeat`): `load(backend="auto")` runs the faster one.
     The programs differ by a fixed cost per call, so a light call shows it best (a pure-ANN index's
     export example filters the whole pool: 13.6 vs 14.0 ms at 1M x 96 picked the exported program,
-    whose wrapper then cost 0.19 ms more on each selective search, 0.40 against 0.21 ms). TorchScript was measured 2.3x faster than the exported program's Python wrapper at
-    batch 1 on MovieLens (3.4 vs 7.9 ms), and 1.5-2.3x on a 100k-item pure-ANN index (0.2 vs 0.5 ms)."""
+    whose wrapper then cost 0.19 ms more on each selective search, 0.40 against 0.21 ms). TorchScript
+    was measured 2.3x faster than the exported program's Python wrapper at batch 1 on MovieLens (3.4 vs
+    7.9 ms), and 1.5-2.3x on a 100k-item pure-ANN index (0.2 vs 0.5 ms)."""
     import time
 
     best = {}
