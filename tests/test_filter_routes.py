@@ -144,3 +144,42 @@ def test_estimates_are_close_to_exact_counts_for_independent_features(built):
         if "rare" in f or m == 0:
             continue
         assert 0.6 * m <= e <= 1.6 * m, (f, m, e)
+
+
+@pytest.mark.parametrize("rescore", [False, True])
+def test_one_filter_on_mixed_routes_answers_every_query(rescore):
+    """Queries sharing a filter but routed differently in one batch (probed, whole pool): each whole-pool
+    query answers as it does when the whole batch goes by the whole pool. The probed queries' identical
+    program and lists once made one of them the whole-pool queries' representative, which the exact scan
+    skips: those queries came back empty. C++ op, torch fallback and the Triton composition alike."""
+    from silverrec.filtering.filter_program import FilterPlan, compile_request
+    from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_cuda, filtered_ivf_search_torch
+    from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin
+    from silverrec.publish.filtered_ivf import build_filtered_ivf
+    from silverrec.publish.ivf import IVFConfig
+    from silverrec.publish.pool import Pool
+    from silverrec.retrieval.filtered_ivf import MODE_PROBED, MODE_UNPROBED
+    from tests.test_filtered_topk import _both_paths
+
+    rng = np.random.default_rng(3)
+    n, d = 3000, 16
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    feats = {"shade": [[f"s{v}"] for v in rng.integers(0, 6, n)], "size": [[f"z{v}"] for v in rng.integers(0, 4, n)]}
+    m, manifest = build_filtered_ivf(Pool(np.arange(n, dtype=np.int64), x, feats), IVFConfig(nlist=20))
+    request = compile_request(["shade = s1 AND size = z2"] * 4, FilterPlan.from_config(manifest["filter"]))
+    q = torch.from_numpy(rng.normal(size=(4, d)).astype(np.float32))
+    k = 10
+    margin = (rescore_margin(k), RESCORE_MAX_K) if rescore else (0, 0)
+
+    def search(fn, modes):
+        return fn(q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
+                  m.post_rows, m.post_offsets, m.post_sizes, *request, torch.tensor(modes), k, 3, 9, m.window_words,
+                  m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, *margin, m.residual)
+
+    whole = search(torch.ops.silverrec.filtered_ivf_search, [MODE_UNPROBED] * 4)
+    assert (whole[1] >= 0).all()
+    mixed = [MODE_PROBED, MODE_UNPROBED, MODE_PROBED, MODE_UNPROBED]
+    for got in (*_both_paths(lambda: search(filtered_ivf_search_torch, mixed)), search(filtered_ivf_search_cuda, mixed),
+                search(torch.ops.silverrec.filtered_ivf_search, mixed)):
+        assert torch.equal(got[1][1::2], whole[1][1::2])
+        torch.testing.assert_close(got[0][1::2], whole[0][1::2])

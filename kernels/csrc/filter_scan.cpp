@@ -287,8 +287,9 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
       if (l >= V || l < -1)
         throw std::invalid_argument("posting list id " + std::to_string(l) + " out of range [0, " + std::to_string(V) + ")");
     }
-  // one evaluation per distinct (program, lists)
-  const std::vector<int64_t> rep = representatives(ops, prog, L, T, lists, nullptr, T2, B);
+  // one evaluation per distinct (program, lists) among the live queries (a probed query with the same
+  // program and lists as a whole-pool one must not stand for it: that query went unanswered)
+  const std::vector<int64_t> rep = representatives(ops, prog, L, T, lists, nullptr, T2, B, act);
   std::vector<int64_t> groups;  // representatives of live queries
   for (int64_t b : live)
     if (rep[b] == b) groups.push_back(b);

@@ -112,9 +112,12 @@ inline void eval_block(const int64_t* bank, int64_t W, const int64_t* ops, const
 }
 
 // Queries whose program (ops, rows) and extra per-query words (`extra`, e.g. their windows) equal an
-// earlier query's: rep[b] = that earlier query (or b). Identical requests are evaluated once.
+// earlier query's: rep[b] = that earlier query (or b). Identical requests are evaluated once. With `active`,
+// only active queries represent others (an inactive query is its own): a caller that evaluates the active
+// ones' groups must not find an active query's representative among the queries it skips.
 inline std::vector<int64_t> representatives(const int64_t* ops, const int64_t* rows, int64_t L, int64_t T,
-                                     const int64_t* extra, const int64_t* extra2, int64_t E, int64_t B) {
+                                     const int64_t* extra, const int64_t* extra2, int64_t E, int64_t B,
+                                     const bool* active = nullptr) {
   std::vector<int64_t> rep(B);
   std::unordered_map<uint64_t, std::vector<int64_t>> seen;
   auto same = [&](int64_t a, int64_t b) {
@@ -124,6 +127,8 @@ inline std::vector<int64_t> representatives(const int64_t* ops, const int64_t* r
            (extra2 == nullptr || std::memcmp(extra2 + a * E, extra2 + b * E, E * sizeof(int64_t)) == 0);
   };
   for (int64_t b = 0; b < B; ++b) {
+    rep[b] = b;
+    if (active && !active[b]) continue;
     uint64_t h = 1469598103934665603ull;
     auto mix = [&](const int64_t* p, int64_t n) {
       for (int64_t i = 0; i < n; ++i) h = (h ^ uint64_t(p[i])) * 1099511628211ull;
@@ -132,7 +137,6 @@ inline std::vector<int64_t> representatives(const int64_t* ops, const int64_t* r
     mix(rows + b * L * T, L * T);
     mix(extra + b * E, E);
     if (extra2) mix(extra2 + b * E, E);
-    rep[b] = b;
     auto& bucket = seen[h];
     for (int64_t c : bucket)
       if (same(c, b)) {
