@@ -300,6 +300,8 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   });
   std::vector<int64_t> group_of(B, -1), buf_start(groups.size(), 0), mask_group(groups.size(), -1);
   for (size_t g = 0; g < groups.size(); ++g) group_of[groups[g]] = int64_t(g);
+  std::vector<std::vector<int64_t>> members(groups.size());  // each group's live queries, ascending
+  for (int64_t b : live) members[group_of[rep[b]]].push_back(b);
   // groups passing at most kExactFloatRows rows, with a FloatRanking: ranked in float, no int8 scan;
   // groups passing more than N / kMaskDivisor rows scan the pool through a mask, the others a compact buffer
   TORCH_CHECK(!ranking || !coff || term.scores, "filtered_topk: a float ranking of residual codes needs the terms");
@@ -339,14 +341,11 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
         else if (mask_group[g] < 0) row_cluster[buf_start[g] + int64_t(i)] = int32_t(c);
       }
     }
-    std::vector<int64_t> members;
     for (size_t g = 0; g < groups.size(); ++g) {
       if (present[g].empty()) continue;
-      members.clear();
-      for (int64_t b : live)
-        if (rep[b] == groups[g]) members.push_back(b);
-      for (size_t m0 = 0; m0 < members.size(); m0 += 16)
-        group_terms(term, members.data() + m0, int(std::min<size_t>(16, members.size() - m0)), present[g], D, B,
+      const auto& mg = members[g];
+      for (size_t m0 = 0; m0 < mg.size(); m0 += 16)
+        group_terms(term, mg.data() + m0, int(std::min<size_t>(16, mg.size() - m0)), present[g], D, B,
                     bias_store.get());
     }
   }
@@ -388,12 +387,11 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     // whose rows are all in cluster c (c = -1: no member biases)
     const auto add_segment = [&](int64_t a, int64_t z, int64_t c) {
       const int64_t first = int64_t(in.member_query.size());
-      for (int64_t b : live)
-        if (rep[b] == groups[g]) {
-          in.member_query.push_back(b);
-          in.member_word.push_back(mask_group[g] >= 0 ? mask_group[g] * W : 0);
-          if (c >= 0) in.member_bias.push_back(bp(b, c));
-        }
+      for (int64_t b : members[g]) {
+        in.member_query.push_back(b);
+        in.member_word.push_back(mask_group[g] >= 0 ? mask_group[g] * W : 0);
+        if (c >= 0) in.member_bias.push_back(bp(b, c));
+      }
       in.segments.push_back({a, z, first, int64_t(in.member_query.size()) - first});
     };
     const auto& p = passing[g];
@@ -417,13 +415,11 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   // the groups ranked in float: their members' results go to the ranking's outputs (count stays 0)
   for (size_t g = 0; g < groups.size(); ++g) {
     if (!in_float[g]) continue;
-    std::vector<int64_t> members;
-    for (int64_t b : live)
-      if (rep[b] == groups[g]) members.push_back(b);
-    for (size_t m0 = 0; m0 < members.size(); m0 += 16)
+    const auto& mg = members[g];
+    for (size_t m0 = 0; m0 < mg.size(); m0 += 16)
       rank_in_float(*ranking, codes.data_ptr<int8_t>(), D, passing[g], coff ? float_cluster[g].data() : nullptr,
-                    coff ? term.scores : nullptr, coff ? bias_store.get() : nullptr, B, members.data() + m0,
-                    int(std::min<size_t>(16, members.size() - m0)), qcodes.data_ptr<int8_t>());
+                    coff ? term.scores : nullptr, coff ? bias_store.get() : nullptr, B, mg.data() + m0,
+                    int(std::min<size_t>(16, mg.size() - m0)), qcodes.data_ptr<int8_t>());
   }
   // each scan writes the rows of its own members only (unpadded), straight into the output
   std::vector<int64_t> count_big(B, 0);

@@ -524,15 +524,18 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   }
   streaming_done();  // the streaming stores above, before anyone reads the outputs
   if (!rescore) return {scores, ids};
-  at::Tensor top_scores, top_rows;
-  std::tie(top_scores, top_rows) = rescore_rows_with_terms(
-      q, ids, codes, step ? dim_scale : dim_scale.expand({D}).contiguous(), dim_offset, k_out, offsets_if_residual,
-      residual ? std::optional<at::Tensor>(centroids_f) : std::nullopt, terms.get());
-  for (int64_t b = 0; b < B; ++b)  // the queries ranked in float above (their scan lists were empty)
-    if (float_done[b]) {
-      std::memcpy(top_scores.data_ptr<float>() + b * k_out, float_scores.data_ptr<float>() + b * k_out, k_out * sizeof(float));
-      std::memcpy(top_rows.data_ptr<int64_t>() + b * k_out, float_rows.data_ptr<int64_t>() + b * k_out, k_out * sizeof(int64_t));
-    }
+  at::Tensor top_scores = float_scores, top_rows = float_rows;  // every query ranked in float: no re-score
+  const bool all_float = float_scores.defined() && std::all_of(float_done.get(), float_done.get() + B, [](bool d) { return d; });
+  if (!all_float) {
+    std::tie(top_scores, top_rows) = rescore_rows_with_terms(
+        q, ids, codes, step ? dim_scale : dim_scale.expand({D}).contiguous(), dim_offset, k_out, offsets_if_residual,
+        residual ? std::optional<at::Tensor>(centroids_f) : std::nullopt, terms.get());
+    for (int64_t b = 0; b < B; ++b)  // the queries ranked in float above (their scan lists were empty)
+      if (float_done[b]) {
+        std::memcpy(top_scores.data_ptr<float>() + b * k_out, float_scores.data_ptr<float>() + b * k_out, k_out * sizeof(float));
+        std::memcpy(top_rows.data_ptr<int64_t>() + b * k_out, float_rows.data_ptr<int64_t>() + b * k_out, k_out * sizeof(int64_t));
+      }
+  }
   if (!as_rows) {
     int64_t* tr = top_rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < B * k_out; ++i)

@@ -1,6 +1,7 @@
 // widen: a stored value as float32 (bfloat16: its bits are a float32's upper half; int8: a code), and
 // dot_lanes, a float32 dot product with such values, for the kernels that read the embedding cache in
-// either dtype (candidates.cpp, mol.cpp) or re-score int8 codes (rescore.cpp, without AVX-512). Both
+// either dtype (candidates.cpp, mol.cpp) or re-score int8 codes (rescore.cpp, without AVX-512); and
+// dot_codes / dot_codes_x16, the re-score's dot of int8 codes (rescore.cpp, float_rank.cpp). All
 // are static: each file compiles its own copy under its own floating-point flags (mol.cpp fuses
 // multiply-adds, candidates.cpp does not).
 #pragma once
@@ -99,22 +100,26 @@ static inline void dot_lanes_x16(const float* qt, const float* e, int64_t n, flo
 #endif
 }
 
+#if defined(__AVX512F__)
+// 16 int8 codes as float32 lanes.
+static inline __m512 widen16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
 // <q, codes> in float32: 16 codes widened per AVX-512 register, two accumulators, one reduction at
 // the end (dot_lanes's portable form kept its 16 lanes in memory: 2x slower here). The re-score's dot
 // (rescore.cpp) and the exact routes' float ranking (float_rank.cpp): the same bits in both.
 static inline float dot_codes(const float* q, const int8_t* c, int64_t D) {
 #if defined(__AVX512F__)
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  const auto widened = [](const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  };
   int64_t i = 0;
   for (; i + 32 <= D; i += 32) {
-    acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_loadu_ps(q + i), widened(c + i)));
-    acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(_mm512_loadu_ps(q + i + 16), widened(c + i + 16)));
+    acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_loadu_ps(q + i), widen16(c + i)));
+    acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(_mm512_loadu_ps(q + i + 16), widen16(c + i + 16)));
   }
   if (i + 16 <= D) {
-    acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_loadu_ps(q + i), widened(c + i)));
+    acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_loadu_ps(q + i), widen16(c + i)));
     i += 16;
   }
   float tail = 0.0f;
@@ -124,7 +129,6 @@ static inline float dot_codes(const float* q, const int8_t* c, int64_t D) {
   return dot_lanes(q, c, D);
 #endif
 }
-
 
 #if defined(__AVX512F__)
 // dot_codes of up to 16 queries with one row of codes, the same bits for each: the queries transposed
@@ -138,8 +142,7 @@ template <int DC>
 static inline void dot_codes_x16(const float* qt, const int8_t* c, int64_t D_, float* cf, float* out) {
   const int64_t D = DC ? DC : D_;
   int64_t w = 0;
-  for (; w + 16 <= D; w += 16)
-    _mm512_storeu_ps(cf + w, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + w)))));
+  for (; w + 16 <= D; w += 16) _mm512_storeu_ps(cf + w, widen16(c + w));
   for (; w < D; ++w) cf[w] = float(c[w]);
   const auto chunk = [&](__m512* acc, int64_t i) {  // acc[l] += q[i + l] * c[i + l]
     for (int l = 0; l < 16; ++l)
