@@ -134,6 +134,33 @@ def test_filtered_topk_groups_identical_filters():
         assert torch.equal(got[1], want[1])
 
 
+def test_one_whole_pool_filter_split_between_threads_equals_brute_force():
+    """A batch sharing one whole-pool filter over a pool of 4,700 words (filter_scan.cpp kMinSliceWords: the
+    words are split between the threads, a slice each, and the passing rows joined in order) and enough
+    candidates that the merge runs on both threads: equal to brute force, ties to the lower row."""
+    g = torch.Generator().manual_seed(11)
+    n, d, b, k = 300_000, 8, 16, 700
+    codes = torch.randint(-3, 4, (n, d), dtype=torch.int8, generator=g)  # many score ties
+    queries = torch.randn(b, d, generator=g)
+    one, zero = torch.tensor(1.0), torch.tensor(0.0)
+    bank = _bank(4, n, g)
+    ops = torch.tensor([[1, 1, 2]] * b)  # PUSH (rows 0 & 1), PUSH (~2 & 3), AND: 1/16 of the pool passes
+    prow = torch.tensor([[[0, 1], [~2, 3], [0, 0]]] * b)
+    sel = torch.full((b, 1), NO_LISTS, dtype=torch.int64)
+    active = torch.ones(b, dtype=torch.bool)
+    allowed = _allowed(bank, ops, prow, n)
+    assert n // 20 < int(allowed[0].sum()) < n // 12
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # (on a one-core machine too: the op must split)
+    try:
+        want = _expected(queries, codes, allowed, k, one, zero)
+        got = torch.ops.silverrec.filtered_topk(queries, codes, one, zero, bank, ops, prow, torch.zeros(0, dtype=torch.int32),
+                                                torch.zeros(1, dtype=torch.int64), sel, active, k, n)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+
+
 def test_filtered_topk_rejects_bad_list_ids():
     g = torch.Generator().manual_seed(0)
     n = 500

@@ -211,13 +211,16 @@ def test_selective_exact_routes_rank_every_passing_row_in_float(residual):
     fwd = ForwardIndex.from_codes({"shade": ([f"s{v}" for v in range(40)], shade[m.row_to_item.numpy() // 2 % n]),
                                    "size": ([f"z{v}" for v in range(3)], size[m.row_to_item.numpy() // 2 % n])})
     filters = ["shade = s39"] * 3 + ["shade = s1 OR shade = s2", "shade = s5 AND size = z1", "shade = s3", "size = z1",
-                                     "NOT shade = s4", "shade = s6 AND shade = s7"] + ["shade = s8"] * 7
+                                     "NOT shade = s4", "shade = s6 AND shade = s7"] + ["shade IN (s8, s9, s10, s11)"] * 7
     b = len(filters)
     q = torch.from_numpy(x[rng.integers(0, n, b)] + 0.3 * rng.normal(size=(b, d)).astype(np.float32))
     q[:, 0] = 30.0
     q[:3] = torch.from_numpy(x[:3])  # the duplicated rows tie at the top
     passing = [int(fwd.evaluate(f).sum()) for f in filters]
     assert max(passing) > n // 2 and any(EXACT_FLOAT_ROWS < p <= n // 2 for p in passing) and 0 in passing
+    # the last group: 7 queries x ~400 rows, enough that its rows are scored and its queries ranked on both
+    # threads (scan.h kMinParallelKeys); "shade = s3": one query, one thread
+    assert 7 * passing[-1] >= 2048 and passing[-1] <= EXACT_FLOAT_ROWS
     k = 5
     request = (*compile_request(filters, FilterPlan.from_config(manifest["filter"])), torch.full((b,), MODE_UNPROBED))
     args = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits, m.post_rows,

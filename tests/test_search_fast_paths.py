@@ -52,10 +52,11 @@ def test_unfiltered_batch_equals_the_composition(built, mode, k, nprobe, max_pro
 @pytest.mark.parametrize("mode", [MODE_UNPROBED, MODE_AUTO])
 def test_few_matches_at_large_k_are_padded_once(built, mode):  # noqa: F811
     """k far above the matches (posting route for auto, whole pool for unprobed): the matches
-    equal brute force, then padding to k."""
+    equal brute force, then padding to k. 16 queries x 1500 results: a result large enough (288 KB) that
+    both threads decode and pad it (ops.cpp kParallelResultBytes)."""
     module, _, plan, fwd, queries = built
-    filters = ["rare = r7", "rare IN (r7, r8, r9) AND country = c1", "rare = nowhere", "country = c3 AND rare = r1"]
-    q = queries[: len(filters)]
+    filters = ["rare = r7", "rare IN (r7, r8, r9) AND country = c1", "rare = nowhere", "country = c3 AND rare = r1"] * 4
+    q = _queries(queries[:4], 4, 5)
     k = 1500
     fused, composed, composed_torch = _search(module, plan, q, filters, mode, k, 4, 16)
     for other in (composed, composed_torch):

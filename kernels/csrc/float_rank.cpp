@@ -9,6 +9,7 @@
 // the row's position) per row, select_top and a radix sort. Exact float ties (equal codes, or chance) take the slow
 // path: the int8 scores that order them in the re-score's list.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -46,7 +47,7 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
   float constant[16] = {};
   for (int j = 0; j < mn; ++j) constant[j] = dot_lanes(fr.queries + members[j] * D, fr.dim_offset, D);
 #if defined(__AVX512F__)
-  std::vector<float> qt(D * 16, 0.0f), cf(D);  // the folded queries transposed: qt[d * 16 + j]
+  std::vector<float> qt(D * 16, 0.0f);  // the folded queries transposed: qt[d * 16 + j]
   for (int j = 0; j < mn; ++j)
     for (int64_t d = 0; d < D; ++d) qt[d * 16 + j] = fr.folded[members[j] * D + d];
   auto dots = &dot_codes_x16<0>;  // compile-time widths for the common dimensions (as the scan's)
@@ -59,79 +60,87 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
 #endif
   // the re-score's arithmetic (rescore.cpp one_query), so the same bits: dot_codes + constant (+ term)
   constexpr int64_t kAhead = 8;  // rows are scattered over the pool: fetch a few ahead
-  for (int64_t i = 0; i < S; ++i) {
-    if (i + kAhead < S)
-      for (int64_t o = 0; o < D; o += 64) __builtin_prefetch(codes + rows[i + kAhead] * D + o);
-    const int8_t* c = codes + rows[i] * D;
-    float* fi = f.data() + i * 16;
+  const bool threads = S * mn >= kMinParallelKeys;  // rows split between the threads, then queries
+  at::parallel_for(0, S, threads ? 64 : S, [&](int64_t i0, int64_t i1) {
 #if defined(__AVX512F__)
-    dots(qt.data(), c, D, cf.data(), fi);
-#else
-    for (int j = 0; j < mn; ++j) fi[j] = dot_codes(fr.folded + members[j] * D, c, D);
+    std::vector<float> cf(D);
 #endif
-    for (int j = 0; j < mn; ++j) {
-      fi[j] += constant[j];
-      if (terms) fi[j] += terms[row_cluster[i] * B + members[j]];
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i + kAhead < S)
+        for (int64_t o = 0; o < D; o += 64) __builtin_prefetch(codes + rows[i + kAhead] * D + o);
+      const int8_t* c = codes + rows[i] * D;
+      float* fi = f.data() + i * 16;
+#if defined(__AVX512F__)
+      dots(qt.data(), c, D, cf.data(), fi);
+#else
+      for (int j = 0; j < mn; ++j) fi[j] = dot_codes(fr.folded + members[j] * D, c, D);
+#endif
+      for (int j = 0; j < mn; ++j) {
+        fi[j] += constant[j];
+        if (terms) fi[j] += terms[row_cluster[i] * B + members[j]];
+      }
     }
-  }
-  std::vector<int64_t> keys, scratch;
-  std::vector<uint64_t> tmp;
-  keys.reserve(S);
+  });
   const float none = -std::numeric_limits<float>::infinity();
-  for (int j = 0; j < mn; ++j) {
-    const int64_t b = members[j];
-    keys.clear();
-    for (int64_t i = 0; i < S; ++i) {
-      const float s = f[i * 16 + j];
-      if (s > none) keys.push_back(make_key(ordered_bits(s), i));  // NaN and -inf: dropped, as the re-score
-    }
-    // the top k: select_top, then a radix sort even of a short top (no mispredicted comparisons; in one
-    // process over varied query batches, 0.241 -> 0.226 ms a 0.024% search against std::sort below 128
-    // keys, and radix-sorting all survivors instead cost 0.354 -> 0.385 ms at 0.063%)
-    const int64_t n = int64_t(keys.size()), top = std::min(k, n);
-    select_top(keys.data(), n, top, scratch);
-    bool tie = false;  // equal floats in the top, or across its edge: the int8 order decides
-    if (top > 0 && top < n) {
-      const int64_t low = *std::min_element(keys.begin(), keys.begin() + top);
-      const int64_t out = *std::max_element(keys.begin() + top, keys.end());
-      tie = (low >> 32) == (out >> 32);
-    }
-    radix_sort_keys(keys.data(), top, tmp, /*score_only=*/true);  // equal floats are ties: the slow path below
-    for (int64_t t = 1; t < top && !tie; ++t) tie = (keys[t] >> 32) == (keys[t - 1] >> 32);
-    float* so = fr.scores + b * k;
-    int64_t* ro = fr.rows + b * k;
-    if (tie) {  // rare: every row ordered by (float, int8 score, row)
-      struct Entry {
-        float s;
-        int32_t i8;
-        int64_t i;
-      };
-      std::vector<Entry> all;
+  at::parallel_for(0, mn, threads ? 1 : mn, [&](int64_t j0, int64_t j1) {
+    std::vector<int64_t> keys, scratch;
+    std::vector<uint64_t> tmp;
+    keys.reserve(S);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t b = members[j];
+      keys.clear();
       for (int64_t i = 0; i < S; ++i) {
         const float s = f[i * 16 + j];
-        if (!(s > none)) continue;
-        int32_t i8 = int8_dot(qcodes + b * D, codes + rows[i] * D, D);
-        if (bias) i8 += bias[row_cluster[i] * B + b];
-        all.push_back({s, i8, i});
+        if (s > none) keys.push_back(make_key(ordered_bits(s), i));  // NaN and -inf: dropped, as the re-score
       }
-      std::sort(all.begin(), all.end(), [](const Entry& x, const Entry& y) {
-        return x.s != y.s ? x.s > y.s : x.i8 != y.i8 ? x.i8 > y.i8 : x.i < y.i;
-      });
-      for (int64_t t = 0; t < top; ++t) {
-        so[t] = all[t].s;
-        ro[t] = rows[all[t].i];
+      // the top k: select_top, then a radix sort even of a short top (no mispredicted comparisons; in one
+      // process over varied query batches, 0.241 -> 0.226 ms a 0.024% search against std::sort below 128
+      // keys, and radix-sorting all survivors instead cost 0.354 -> 0.385 ms at 0.063%)
+      const int64_t n = int64_t(keys.size()), top = std::min(k, n);
+      select_top(keys.data(), n, top, scratch);
+      bool tie = false;  // equal floats in the top, or across its edge: the int8 order decides
+      if (top > 0 && top < n) {
+        const int64_t low = *std::min_element(keys.begin(), keys.begin() + top);
+        const int64_t out = *std::max_element(keys.begin() + top, keys.end());
+        tie = (low >> 32) == (out >> 32);
       }
-    } else {
-      for (int64_t t = 0; t < top; ++t) {
-        const int64_t i = int64_t{0xFFFFFFFF} - (keys[t] & int64_t{0xFFFFFFFF});
-        so[t] = f[i * 16 + j];
-        ro[t] = rows[i];
+      radix_sort_keys(keys.data(), top, tmp, /*score_only=*/true);  // equal floats are ties: the slow path below
+      for (int64_t t = 1; t < top && !tie; ++t) tie = (keys[t] >> 32) == (keys[t - 1] >> 32);
+      float* so = fr.scores + b * k;
+      int64_t* ro = fr.rows + b * k;
+      if (tie) {  // rare: every row ordered by (float, int8 score, row)
+        struct Entry {
+          float s;
+          int32_t i8;
+          int64_t i;
+        };
+        std::vector<Entry> all;
+        for (int64_t i = 0; i < S; ++i) {
+          const float s = f[i * 16 + j];
+          if (!(s > none)) continue;
+          int32_t i8 = int8_dot(qcodes + b * D, codes + rows[i] * D, D);
+          if (bias) i8 += bias[row_cluster[i] * B + b];
+          all.push_back({s, i8, i});
+        }
+        std::sort(all.begin(), all.end(), [](const Entry& x, const Entry& y) {
+          return x.s != y.s ? x.s > y.s : x.i8 != y.i8 ? x.i8 > y.i8 : x.i < y.i;
+        });
+        for (int64_t t = 0; t < top; ++t) {
+          so[t] = all[t].s;
+          ro[t] = rows[all[t].i];
+        }
+      } else {
+        for (int64_t t = 0; t < top; ++t) {
+          const int64_t i = int64_t{0xFFFFFFFF} - (keys[t] & int64_t{0xFFFFFFFF});
+          so[t] = f[i * 16 + j];
+          ro[t] = rows[i];
+        }
       }
+      std::fill(so + top, so + k, none);
+      std::fill(ro + top, ro + k, int64_t{-1});
+      fr.done[b] = true;
     }
-    std::fill(so + top, so + k, none);
-    std::fill(ro + top, ro + k, int64_t{-1});
-    fr.done[b] = true;
-  }
+  });
 }
 
 }  // namespace silverrec

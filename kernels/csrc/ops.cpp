@@ -256,7 +256,7 @@ std::tuple<at::Tensor, at::Tensor> keys_to_results(const at::Tensor& keys, const
   check(keys, at::kLong, 2, "keys");
   check(qscale, at::kFloat, 1, "qscale");
   check(qsum, at::kFloat, 1, "qsum");
-  const int64_t B = keys.size(0), k = keys.size(1);
+  const int64_t B = keys.size(0);
   TORCH_CHECK(qscale.size(0) == B && qsum.size(0) == B, "qscale / qsum must have B entries");
   return decode_keys(keys, qscale.data_ptr<float>(), qsum.data_ptr<float>(), scale.item<float>(), offset.item<float>());
 }
@@ -319,6 +319,8 @@ void fill_streaming(T* p, int64_t n, T v) {
 #endif
   std::fill(p, p + n, v);
 }
+
+constexpr int64_t kParallelResultBytes = int64_t{1} << 18;
 
 inline void streaming_done() {
 #if defined(__AVX512F__)
@@ -495,34 +497,40 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   const int64_t* id64 = ids32 ? nullptr : row_to_item.data_ptr<int64_t>();
   const auto item_of = [&](int64_t r) { return id32 ? int64_t(id32[r]) : id64[r]; };
   const float none = -std::numeric_limits<float>::infinity();
-  for (int64_t b = 0; b < B; ++b) {
-    // keys decode here (keys_to_results with scale 1, offset 0): the exact routes' count_ex[b], or
-    // the unverified probed scan's k (padded); then padding once
-    float* sb = so + b * k;
-    int64_t* ib = io + b * k;
-    const float mul = 1.0f * qs[b], add = 0.0f * qm[b];
-    int64_t i = 0;
-    if (rt[b] > 0 || k_pr) {
-      const int64_t* key = (rt[b] > 0 ? k_ex : k_pr) + b * k;
-      const int64_t n = rt[b] > 0 ? count_ex[b] : k;
-      for (; i < n; ++i) {
-        float sc;
-        int64_t r;
-        decode_key(key[i], mul, add, sc, r);
-        sb[i] = (residual ? sc + (rt[b] > 0 ? shift_ex[b] : shift[b]) : sc) + cst[b];
-        ib[i] = r < 0 ? -1 : !map_ids ? r : item_of(r);
+  // a large result (k 4096: 768 KB per 16 queries) is decoded and padded by every thread, a query each:
+  // one core's streaming stores do not fill the memory bus (0.024% k 4096: 0.239 -> 0.219 ms, 0.063%:
+  // 0.375 -> 0.348 ms, in one process over varied batches); a small one stays on this thread
+  const int64_t grain = B * k * int64_t(sizeof(float) + sizeof(int64_t)) >= kParallelResultBytes ? 1 : B;
+  at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      // keys decode here (keys_to_results with scale 1, offset 0): the exact routes' count_ex[b], or
+      // the unverified probed scan's k (padded); then padding once
+      float* sb = so + b * k;
+      int64_t* ib = io + b * k;
+      const float mul = 1.0f * qs[b], add = 0.0f * qm[b];
+      int64_t i = 0;
+      if (rt[b] > 0 || k_pr) {
+        const int64_t* key = (rt[b] > 0 ? k_ex : k_pr) + b * k;
+        const int64_t n = rt[b] > 0 ? count_ex[b] : k;
+        for (; i < n; ++i) {
+          float sc;
+          int64_t r;
+          decode_key(key[i], mul, add, sc, r);
+          sb[i] = (residual ? sc + (rt[b] > 0 ? shift_ex[b] : shift[b]) : sc) + cst[b];
+          ib[i] = r < 0 ? -1 : !map_ids ? r : item_of(r);
+        }
+      } else if (s_pr) {
+        for (; i < k; ++i) {
+          const int64_t r = r_pr[b * k + i];
+          sb[i] = s_pr[b * k + i] + cst[b];
+          ib[i] = r < 0 ? -1 : !map_ids ? r : item_of(r);
+        }
       }
-    } else if (s_pr) {
-      for (; i < k; ++i) {
-        const int64_t r = r_pr[b * k + i];
-        sb[i] = s_pr[b * k + i] + cst[b];
-        ib[i] = r < 0 ? -1 : !map_ids ? r : item_of(r);
-      }
+      fill_streaming(sb + i, k - i, none + cst[b]);
+      fill_streaming(ib + i, k - i, int64_t{-1});
     }
-    fill_streaming(sb + i, k - i, none + cst[b]);
-    fill_streaming(ib + i, k - i, int64_t{-1});
-  }
-  streaming_done();  // the streaming stores above, before anyone reads the outputs
+    streaming_done();  // each thread's streaming stores, before anyone reads the outputs
+  });
   if (!rescore) return {scores, ids};
   at::Tensor top_scores = float_scores, top_rows = float_rows;  // every query ranked in float: no re-score
   const bool all_float = float_scores.defined() && std::all_of(float_done.get(), float_done.get() + B, [](bool d) { return d; });

@@ -39,10 +39,10 @@ namespace {
 
 constexpr int64_t kPieceRows = 8192;  // rows per work item (a multiple of 64)
 constexpr int kLaneMin = 4;           // members sharing a segment from which LaneKernel is used
-constexpr int64_t kMinParallelWork = 1 << 16;  // (row, query) pairs below which one thread scans: under
-// OMP_WAIT_POLICY=PASSIVE (silverrec's default) waking the second thread cost more than it saved below it
-// (1M x 96, batch 16: a 0.063%-selective filter 0.53 -> 0.33 ms, 10k pairs; unfiltered snap.search at
-// nprobe 4..128 0.96-0.57x Faiss IVF-SQ8 against 1.07-0.58x with 1 << 13, same session)
+constexpr int64_t kMinParallelWork = 1 << 14;  // (row, query) pairs below which one thread scans. 1 << 16
+// (session 16, when waking the second thread under OMP_WAIT_POLICY=PASSIVE cost more) left 62k-pair scans on
+// one thread; in one process over varied batches (1M x 96, batch 16, k 100), against 1 << 16: unfiltered
+// nprobe 4 0.696 -> 0.566 ms, a 0.2% filter's 2,000 rows 0.530 -> 0.487 ms; 1 << 13 was no better
 
 struct Piece {
   int64_t segment, start, end;
@@ -291,7 +291,7 @@ class Scanner {
     int64_t pending = 0;
     for (auto& per_worker : states_)
       for (auto& st : per_worker) pending += st.n;
-    at::parallel_for(0, B, pending < kMinParallelWork ? B : 1, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, B, pending < kMinParallelKeys ? B : 1, [&](int64_t b0, int64_t b1) {
       std::vector<int64_t> all, scratch;
       std::vector<uint64_t> tmp;
       for (int64_t b = b0; b < b1; ++b) {
