@@ -20,3 +20,17 @@ def _seed():
     torch.manual_seed(0)
     np.random.seed(0)
     yield
+
+
+@pytest.fixture(params=["spinning", "sleeping"])
+def worker_policy(request):
+    """The C++ ops' thresholds for splitting work between threads, pinned for the test to those of spinning
+    or of sleeping OpenMP workers (kernels/csrc/threads.h): the same results either way."""
+    from silverrec.kernels.cpu_ext import cpu_ext
+
+    ext = cpu_ext()
+    if ext is None:
+        pytest.skip("the C++ CPU extension is not built")
+    ext.set_workers_sleep(1 if request.param == "sleeping" else 0)
+    yield request.param
+    ext.set_workers_sleep(-1)

@@ -134,10 +134,11 @@ def test_filtered_topk_groups_identical_filters():
         assert torch.equal(got[1], want[1])
 
 
-def test_one_whole_pool_filter_split_between_threads_equals_brute_force():
-    """A batch sharing one whole-pool filter over a pool of 4,700 words (filter_scan.cpp kMinSliceWords: the
-    words are split between the threads, a slice each, and the passing rows joined in order) and enough
-    candidates that the merge runs on both threads: equal to brute force, ties to the lower row."""
+def test_one_whole_pool_filter_split_between_threads_equals_brute_force(worker_policy):
+    """A batch sharing one whole-pool filter over a pool of 4,700 words (threads.h kMinSliceWords, spinning
+    workers: the words are split between the threads, a slice each, and the passing rows joined in order)
+    and enough candidates that the merge runs on both threads: equal to brute force, ties to the lower row
+    (and so with the sleeping workers' thresholds, on one thread)."""
     g = torch.Generator().manual_seed(11)
     n, d, b, k = 300_000, 8, 16, 700
     codes = torch.randint(-3, 4, (n, d), dtype=torch.int8, generator=g)  # many score ties

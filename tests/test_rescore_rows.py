@@ -176,7 +176,7 @@ def test_exact_float_rows_is_the_cpp_constant():
 
 
 @pytest.mark.parametrize("residual", [False, True])
-def test_selective_exact_routes_rank_every_passing_row_in_float(residual):
+def test_selective_exact_routes_rank_every_passing_row_in_float(residual, worker_policy):
     """A re-scored exact route whose filter passes at most EXACT_FLOAT_ROWS rows answers the float top k of
     all of them (float64 brute force on the decoded codes), which the int8 top k + margin it used to re-score
     misses here (direct codes: a dimension that dominates the int8 query's scale); more passing rows (a compact scan, a masked whole pool)
@@ -219,7 +219,7 @@ def test_selective_exact_routes_rank_every_passing_row_in_float(residual):
     passing = [int(fwd.evaluate(f).sum()) for f in filters]
     assert max(passing) > n // 2 and any(EXACT_FLOAT_ROWS < p <= n // 2 for p in passing) and 0 in passing
     # the last group: 7 queries x ~400 rows, enough that its rows are scored and its queries ranked on both
-    # threads (scan.h kMinParallelKeys); "shade = s3": one query, one thread
+    # threads where workers spin (threads.h kMinParallelKeys); "shade = s3": one query, one thread
     assert 7 * passing[-1] >= 2048 and passing[-1] <= EXACT_FLOAT_ROWS
     k = 5
     request = (*compile_request(filters, FilterPlan.from_config(manifest["filter"])), torch.full((b,), MODE_UNPROBED))

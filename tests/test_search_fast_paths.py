@@ -50,10 +50,10 @@ def test_unfiltered_batch_equals_the_composition(built, mode, k, nprobe, max_pro
 
 
 @pytest.mark.parametrize("mode", [MODE_UNPROBED, MODE_AUTO])
-def test_few_matches_at_large_k_are_padded_once(built, mode):  # noqa: F811
+def test_few_matches_at_large_k_are_padded_once(built, mode, worker_policy):  # noqa: F811
     """k far above the matches (posting route for auto, whole pool for unprobed): the matches
     equal brute force, then padding to k. 16 queries x 1500 results: a result large enough (288 KB) that
-    both threads decode and pad it (ops.cpp kParallelResultBytes)."""
+    both threads decode and pad it where workers spin (threads.h kParallelResultBytes)."""
     module, _, plan, fwd, queries = built
     filters = ["rare = r7", "rare IN (r7, r8, r9) AND country = c1", "rare = nowhere", "country = c3 AND rare = r1"] * 4
     q = _queries(queries[:4], 4, 5)

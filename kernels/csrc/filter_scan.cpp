@@ -42,12 +42,6 @@ using namespace program;
 // the rows the mask would drag along (16-row blocks with any passing row are scored whole).
 constexpr int64_t kMaskDivisor = 2;
 
-// Filter evaluation below this many words (64 rows each; or posting-list entries) stays on one thread; a
-// whole-pool group's words are split between the threads when the batch has fewer groups than threads
-// (1M x 96, batch 16, one 3-value AND, in one process over varied batches: 241 matches 0.156 -> 0.139 ms
-// at k 100, 0.178 -> 0.157 ms at k 4096; 612 matches 0.222 -> 0.204 ms at k 100).
-constexpr int64_t kMinSliceWords = 4096;
-
 // Program b on rows[0, n) (n <= kBlock, each row >= 0): pass[i] = bit (row & 63) of its word.
 void eval_rows(const int64_t* bank, int64_t W, const int64_t* ops, const int64_t* prog_rows, int64_t L, int64_t T,
                int64_t b, const int64_t* rows, int64_t n, int64_t* widx, int64_t* stack, uint8_t* pass) {
@@ -302,7 +296,7 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   // tasks: a posting-list group, or a slice of the pool's words for a whole-pool group (one group's
   // evaluation is split when there are fewer groups than threads)
   const int64_t threads = at::get_num_threads();
-  const int64_t slices = int64_t(groups.size()) < threads && W >= kMinSliceWords ? threads : 1;
+  const int64_t slices = int64_t(groups.size()) < threads && W >= kMinSliceWords() ? threads : 1;
   struct Task {
     int64_t g, wa, wz;
   };
@@ -320,7 +314,7 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     work += W;
   }
   std::vector<std::vector<int64_t>> part(tasks.size());
-  const int64_t grain = work >= kMinSliceWords ? 1 : int64_t(tasks.size());
+  const int64_t grain = work >= kMinSliceWords() ? 1 : int64_t(tasks.size());
   at::parallel_for(0, int64_t(tasks.size()), grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       part[t] = passing_rows(bank, W, N, ops, prog, L, T, groups[tasks[t].g], lists, T2, post_rows, post_off,

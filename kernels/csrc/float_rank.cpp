@@ -60,7 +60,7 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
 #endif
   // the re-score's arithmetic (rescore.cpp one_query), so the same bits: dot_codes + constant (+ term)
   constexpr int64_t kAhead = 8;  // rows are scattered over the pool: fetch a few ahead
-  const bool threads = S * mn >= kMinParallelKeys;  // rows split between the threads, then queries
+  const bool threads = S * mn >= kMinParallelKeys();  // rows split between the threads, then queries
   at::parallel_for(0, S, threads ? 64 : S, [&](int64_t i0, int64_t i1) {
 #if defined(__AVX512F__)
     std::vector<float> cf(D);

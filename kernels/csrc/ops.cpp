@@ -320,8 +320,6 @@ void fill_streaming(T* p, int64_t n, T v) {
   std::fill(p, p + n, v);
 }
 
-constexpr int64_t kParallelResultBytes = int64_t{1} << 18;
-
 inline void streaming_done() {
 #if defined(__AVX512F__)
   _mm_sfence();
@@ -497,10 +495,8 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   const int64_t* id64 = ids32 ? nullptr : row_to_item.data_ptr<int64_t>();
   const auto item_of = [&](int64_t r) { return id32 ? int64_t(id32[r]) : id64[r]; };
   const float none = -std::numeric_limits<float>::infinity();
-  // a large result (k 4096: 768 KB per 16 queries) is decoded and padded by every thread, a query each:
-  // one core's streaming stores do not fill the memory bus (0.024% k 4096: 0.239 -> 0.219 ms, 0.063%:
-  // 0.375 -> 0.348 ms, in one process over varied batches); a small one stays on this thread
-  const int64_t grain = B * k * int64_t(sizeof(float) + sizeof(int64_t)) >= kParallelResultBytes ? 1 : B;
+  // a large result (k 4096: 768 KB per 16 queries) is decoded and padded by every thread, a query each
+  const int64_t grain = B * k * int64_t(sizeof(float) + sizeof(int64_t)) >= kParallelResultBytes() ? 1 : B;
   at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       // keys decode here (keys_to_results with scale 1, offset 0): the exact routes' count_ex[b], or
@@ -583,6 +579,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bitmask"), py::arg("k"), nogil);
   m.def("quantize_queries", &quantize_queries, "per-query symmetric int8 codes and scales (common.py, bit for bit)",
         py::arg("queries"), nogil);
+  m.def("set_workers_sleep", &silverrec::set_workers_sleep,
+        "tests: the thread thresholds of sleeping (1) or spinning (0) OpenMP workers, -1: OMP_WAIT_POLICY's",
+        py::arg("pin"));
+  m.def("workers_sleep", &silverrec::workers_sleep, "whether the ops use the thread thresholds of sleeping OpenMP workers");
   m.def("keys_to_results", &keys_to_results, "keys -> (scores float32, rows int64), -inf / -1 padding",
         py::arg("keys"), py::arg("qscale"), py::arg("qsum"), py::arg("scale"), py::arg("offset"), nogil);
   m.def("bloom_filter", &silverrec::bloom_filter, "filter programs over word windows -> int64 [B, P, n_words]",

@@ -39,10 +39,6 @@ namespace {
 
 constexpr int64_t kPieceRows = 8192;  // rows per work item (a multiple of 64)
 constexpr int kLaneMin = 4;           // members sharing a segment from which LaneKernel is used
-constexpr int64_t kMinParallelWork = 1 << 14;  // (row, query) pairs below which one thread scans. 1 << 16
-// (session 16, when waking the second thread under OMP_WAIT_POLICY=PASSIVE cost more) left 62k-pair scans on
-// one thread; in one process over varied batches (1M x 96, batch 16, k 100), against 1 << 16: unfiltered
-// nprobe 4 0.696 -> 0.566 ms, a 0.2% filter's 2,000 rows 0.530 -> 0.487 ms; 1 << 13 was no better
 
 struct Piece {
   int64_t segment, start, end;
@@ -104,7 +100,7 @@ class Scanner {
       work += (seg.end - seg.start) * seg.count;
       rows += seg.end - seg.start;
     }
-    const int64_t threads = work < kMinParallelWork ? 1 : at::get_num_threads();
+    const int64_t threads = work < kMinParallelWork() ? 1 : at::get_num_threads();
     // pieces of <= kPieceRows rows, and small enough that every thread gets some (a few thousand
     // passing rows shared by a batch are one segment: one piece would leave the other threads idle)
     const int64_t piece_rows = threads == 1 ? kPieceRows : std::max<int64_t>(64, std::min(kPieceRows, rows / (4 * threads)));
@@ -291,7 +287,7 @@ class Scanner {
     int64_t pending = 0;
     for (auto& per_worker : states_)
       for (auto& st : per_worker) pending += st.n;
-    at::parallel_for(0, B, pending < kMinParallelKeys ? B : 1, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, B, pending < kMinParallelKeys() ? B : 1, [&](int64_t b0, int64_t b1) {
       std::vector<int64_t> all, scratch;
       std::vector<uint64_t> tmp;
       for (int64_t b = b0; b < b1; ++b) {

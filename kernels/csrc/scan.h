@@ -10,6 +10,8 @@
 #include <tuple>
 #include <vector>
 
+#include "threads.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -150,14 +152,6 @@ std::tuple<at::Tensor, at::Tensor> filtered_topk_keys(
 at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& cluster_offsets,
                          const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k,
                          const BiasTable& bias, const ClusterTerm& term = {});
-
-// Per-query ranking work (keys selected and sorted, or rows x queries scored in float) below which one thread
-// does it: a key's select and radix sort cost ~10x a scanned (row, query) pair, so this is far below the
-// scan's threshold (scan.cpp kMinParallelWork). 1M x 96, batch 16, in one process over varied batches: k 4096
-// merge, 241 matches (3,856 keys) 0.207 -> 0.189 ms, 612 matches 0.345 -> 0.312 ms against the scan's
-// threshold (512: no better); the float ranking (k 100) 0.211 -> 0.193 ms at 241 matches, 0.330 -> 0.268 ms
-// at 612, its rows scored and its queries ranked on both threads.
-constexpr int64_t kMinParallelKeys = int64_t{1} << 11;
 
 // Exact routes with the float re-score (kernels/rescore_rows.py EXACT_FLOAT_ROWS, checked by a test): a query
 // whose (program, lists) pass at most this many rows ranks every one of them by the float query on its codes.
