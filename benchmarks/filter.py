@@ -631,6 +631,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-10m", action="store_true")
     ap.add_argument("--part", choices=["all", "conjunctions"], default="all", help="conjunctions: only part C (1M x 96, or 200k with --quick)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (module docstring)")
+    ap.add_argument("--name", default=None, help="results file stem (default: filter_conj / filter / their _quick forms), "
+                    "e.g. for a run under another OMP_WAIT_POLICY")
     args = ap.parse_args(argv)
     if args.device != "cpu":
         return cuda_part(args, require_device(args.device))
@@ -648,7 +650,7 @@ def main(argv=None) -> int:
     if args.part == "conjunctions":
         n = 200_000 if args.quick else 1_000_000
         results["rows"] += conjunction_part(n, 96, 256 if args.quick else 1024, [100, 4096], rng, 5 if args.quick else 15)
-        out = Path(__file__).parent / "results" / ("filter_conj_quick.json" if args.quick else "filter_conj.json")
+        out = Path(__file__).parent / "results" / f"{args.name or ('filter_conj_quick' if args.quick else 'filter_conj')}.json"
         out.write_text(json.dumps(results, indent=1))
         print(f"wrote {out}")
         return 0
@@ -660,7 +662,7 @@ def main(argv=None) -> int:
         if not args.skip_10m:
             results["rows"] += filter_part(10_000_000, [512], [1, 16, 64], rng, nlist=12600, nprobe=32)
         results["rows"] += ann_part(1_000_000, 64, 1024, [100, 4096], rng, 512)
-    out = Path(__file__).parent / "results" / ("filter_quick.json" if args.quick else "filter.json")
+    out = Path(__file__).parent / "results" / f"{args.name or ('filter_quick' if args.quick else 'filter')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"wrote {out}")
