@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.silverrec-setup
 
-.PHONY: setup demo test test-gpu bench bench-serve lock clean
+.PHONY: setup demo test test-portable test-gpu bench bench-serve lock clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,28 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+	$(MAKE) test-portable
+
+# The C++ kernels' other code paths (kernels/csrc: AVX-512 with VNNI, AVX-512 without it, AVX2, SSE), of
+# which a machine runs only its own under -march=native: each instruction set (ISAS, gcc -march names)
+# is built under build/portable/ (SILVERREC_MARCH) and the kernel tests run on that build
+# (SILVERREC_CPU_EXT_PATH; test_the_build_under_test_is_loaded checks it is loaded and its ISA). `make test`
+# covers x86-64-v4 (AVX-512 without VNNI: Skylake-X) and x86-64-v3 (AVX2: Zen 2/3, Haswell), ~3 min each;
+# add x86-64-v2 (SSE4.2: the scalar paths) with `make test-portable ISAS="x86-64-v4 x86-64-v3 x86-64-v2"`.
+ISAS ?= x86-64-v4 x86-64-v3
+PORTABLE_TESTS := tests/test_cpu_scan.py tests/test_filtered_topk.py tests/test_rescore_rows.py \
+	tests/test_search_fast_paths.py tests/test_filter_routes.py tests/test_mol_score.py tests/test_candidate_rows.py \
+	tests/test_residual_codes.py tests/test_bloom_filter.py tests/test_int8_topk.py
+test-portable: setup
+	@set -e; mkdir -p build/portable; for march in $(ISAS); do \
+		case $$march in x86-64-v4) isa=avx512;; x86-64-v3) isa=avx2;; x86-64-v2) isa=sse;; *) isa=;; esac; \
+		echo "building the C++ kernels for -march=$$march ($${isa:-any ISA})"; \
+		SILVERREC_MARCH=$$march $(BIN)/python setup.py -q build_ext --build-lib build/portable/$$march \
+			--build-temp build/portable/$$march-obj > build/portable/$$march.log 2>&1 \
+			|| { tail -30 build/portable/$$march.log; exit 1; }; \
+		SILVERREC_CPU_EXT_PATH=$$(ls $(CURDIR)/build/portable/$$march/silverrec/kernels/_cpu*.so) \
+			SILVERREC_EXPECT_ISA=$$isa $(BIN)/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS); \
+	done
 
 # The GPU suite (tests/gpu; README "GPU"): on a machine whose python3 already has torch and triton, with
 # no venv, no install and no network (tools/repo_import.py maps pyproject's package folders). Triton

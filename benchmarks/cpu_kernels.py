@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import sys
@@ -29,14 +28,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, alternate, machine_info, print_table  # noqa: E402
-
-
-def load_ext(path: str) -> None:
-    """Make `silverrec.kernels._cpu` the extension at `path` (before anything imports it)."""
-    spec = importlib.util.spec_from_file_location("silverrec.kernels._cpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["silverrec.kernels._cpu"] = mod
-    spec.loader.exec_module(mod)
 
 
 def main() -> int:
@@ -55,10 +46,10 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.n, args.reps = 100_000, 3
-    if args.ext:
-        load_ext(args.ext)
+    if args.ext:  # kernels/cpu_ext.py loads this build instead of the package's
+        os.environ["SILVERREC_CPU_EXT_PATH"] = args.ext
     import faiss
-    from exact_topk import gaussian_mixture  # imports silverrec: after load_ext
+    from exact_topk import gaussian_mixture
 
     from silverrec.kernels.cpu_ext import cpu_ext
     from silverrec.publish.quantize import quantize_global

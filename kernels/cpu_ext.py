@@ -9,11 +9,16 @@ the reference semantics, after one warning. Results are bit-identical either way
 Python custom ops. `filtered_ivf_search` is defined in Python too, and loading the extension
 registers its CPU kernel with the dispatcher (kernels/filtered_ivf_search.py); snapshots name the
 ops, not their kernels, so export / TorchScript are unaffected.
+
+`SILVERREC_CPU_EXT_PATH` loads the extension from another build of the same sources instead (a .so
+built for another instruction set: `make test-portable` runs the kernel tests on the AVX2 and SSE4.2
+fallbacks of kernels/csrc/, which a machine with AVX-512 never executes otherwise).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from types import ModuleType
 from typing import Optional
@@ -28,9 +33,22 @@ def cpu_ext() -> Optional[ModuleType]:
         if os.environ.get("SILVERREC_CPU_EXT", "1") != "0":
             import importlib.util
 
+            path = os.environ.get("SILVERREC_CPU_EXT_PATH")
             try:
-                built = importlib.util.find_spec("silverrec.kernels._cpu") is not None
-                from silverrec.kernels import _cpu as mod  # type: ignore[attr-defined,no-redef]
+                loaded = sys.modules.get("silverrec.kernels._cpu")
+                if path and loaded is not None and getattr(loaded, "__file__", None) == path:
+                    built, mod = True, loaded  # (set_enabled(True) after a switch-off)
+                elif path:  # another build: imported under the package's name, from its file
+                    spec = importlib.util.spec_from_file_location("silverrec.kernels._cpu", path)
+                    if spec is None or not os.path.isfile(path):
+                        raise ImportError(f"SILVERREC_CPU_EXT_PATH={path!r} is not an extension module file")
+                    built = True
+                    mod = importlib.util.module_from_spec(spec)
+                    sys.modules["silverrec.kernels._cpu"] = mod  # later imports of the name get this build
+                    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+                else:
+                    built = importlib.util.find_spec("silverrec.kernels._cpu") is not None
+                    from silverrec.kernels import _cpu as mod  # type: ignore[attr-defined,no-redef]
             except ImportError as e:
                 # not built (a checkout run without an install, as `make test-gpu` does) or built
                 # for another torch: the message says which, not Python's "partially initialized"

@@ -21,9 +21,25 @@ from silverrec.kernels.common import EMPTY_KEY, quantize_queries
 from silverrec.kernels.int8_topk import topk_keys_cpu
 from silverrec.kernels.ivf_scan import bitmask_words, canonical_probes, scan_keys_cpu
 
-ext = pytest.importorskip("silverrec.kernels._cpu", reason="C++ extension not built")
+ext = cpu_ext_mod.cpu_ext()  # the package's build, or the one SILVERREC_CPU_EXT_PATH names (make test-portable)
+if ext is None:
+    pytest.skip("C++ extension not built", allow_module_level=True)
 
 DIMS = [1, 3, 13, 127, 128, 130, 784]
+
+
+def test_the_build_under_test_is_loaded():
+    """`make test-portable` runs the kernel tests on builds for other instruction sets (SILVERREC_CPU_EXT_PATH,
+    SILVERREC_EXPECT_ISA): the build named is the one every op runs, and it was compiled for that set (its
+    fallback paths, not the machine's native ones)."""
+    path = os.environ.get("SILVERREC_CPU_EXT_PATH")
+    if path:
+        assert os.path.samefile(ext.__file__, path)
+        from silverrec.kernels import _cpu
+
+        assert _cpu is ext
+    want = os.environ.get("SILVERREC_EXPECT_ISA")
+    assert ext.isa() == want if want else ext.isa() in ("avx512-vnni", "avx512", "avx2", "sse")
 
 
 def _codes(n, d, g, ties=False):

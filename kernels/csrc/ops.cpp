@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "dot.h"
 #include "program.h"
 #include "scan.h"
 #include "topk_state.h"
@@ -560,6 +561,20 @@ TORCH_LIBRARY_IMPL(silverrec, CPU, m) {
   m.impl("rows_to_items", &silverrec::rows_to_items);
 }
 
+// The instruction set this build's kernels use: "avx512-vnni", "avx512" (AVX-512F without VNNI: the dot products
+// take the AVX2 path, dot.h), "avx2" or "sse" (make test-portable checks each build is the one it claims).
+std::string isa() {
+#if SILVERREC_VNNI
+  return "avx512-vnni";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif SILVERREC_AVX2
+  return "avx2";
+#else
+  return "sse";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using namespace silverrec;
@@ -582,6 +597,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_workers_sleep", &silverrec::set_workers_sleep,
         "tests: the thread thresholds of sleeping (1) or spinning (0) OpenMP workers, -1: OMP_WAIT_POLICY's",
         py::arg("pin"));
+  m.def("isa", &isa, "the instruction set of this build's kernels (avx512-vnni, avx512, avx2, sse)");
   m.def("workers_sleep", &silverrec::workers_sleep, "whether the ops use the thread thresholds of sleeping OpenMP workers");
   m.def("keys_to_results", &keys_to_results, "keys -> (scores float32, rows int64), -inf / -1 padding",
         py::arg("keys"), py::arg("qscale"), py::arg("qsum"), py::arg("scale"), py::arg("offset"), nogil);
