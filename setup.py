@@ -4,8 +4,8 @@ All package metadata lives in pyproject.toml; this file only adds the extension 
 compiled with -march=native for the machine that builds it (the editable install in `make setup`),
 so AVX512-VNNI is used where the CPU has it. Set SILVERREC_NO_EXT=1 to skip it: the ops then run
 their torch implementations (kernels/*.py load the extension lazily and fall back with a warning).
-SILVERREC_MARCH overrides -march (`make test-portable` builds the AVX2 and SSE4.2 fallbacks with
-x86-64-v3 and x86-64-v2 and runs the kernel tests on them).
+SILVERREC_MARCH overrides -march (`make test-portable` builds x86-64-v4 and x86-64-v3, and any ISAS
+named, under build/portable/ and runs the kernel tests on each: the fallback paths this machine skips).
 """
 
 import os

@@ -11,8 +11,8 @@ registers its CPU kernel with the dispatcher (kernels/filtered_ivf_search.py); s
 ops, not their kernels, so export / TorchScript are unaffected.
 
 `SILVERREC_CPU_EXT_PATH` loads the extension from another build of the same sources instead (a .so
-built for another instruction set: `make test-portable` runs the kernel tests on the AVX2 and SSE4.2
-fallbacks of kernels/csrc/, which a machine with AVX-512 never executes otherwise).
+built for another instruction set: `make test-portable` runs the kernel tests on the AVX-512-without-VNNI
+and AVX2 builds of kernels/csrc/, whose paths a machine with AVX-512 VNNI never executes otherwise).
 """
 
 from __future__ import annotations
