@@ -6,6 +6,10 @@
 // default: silverrec/threads.py) must be woken, ~70 us a region on the 2-vCPU benchmark VM (a parallel
 // torch.add of 40k floats: 4.4 vs 72 us). So a light search (a few hundred matching rows: 0.15-0.3 ms)
 // is split between threads only where workers spin; under PASSIVE the same splits ran it 2.5x slower.
+// (On that VM the PASSIVE cost depends on what the caller did before the region, in a one-off C++ probe
+// of an empty region: 52-64 us right after another region, ~4 us after 10-40 us of serial work, 65-100 us
+// after 150 us or more of it, as a search's first region after its Python prelude. One region per call,
+// whose worker picks up tasks only once it has woken, would pay the wake off the caller's path.)
 #pragma once
 
 #include <cctype>
