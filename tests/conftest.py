@@ -22,15 +22,26 @@ def _seed():
     yield
 
 
-@pytest.fixture(params=["spinning", "sleeping"])
-def worker_policy(request):
-    """The C++ ops' thresholds for splitting work between threads, pinned for the test to those of spinning
-    or of sleeping OpenMP workers (kernels/csrc/threads.h): the same results either way."""
+@pytest.fixture(params=["alone", "shared"])
+def team_mode(request):
+    """The C++ ops' parallel steps (kernels/csrc/team.h) pinned to the calling thread alone, or shared: each step of
+    several chunks waits until a helper thread has taken one, and the test fails unless some chunk ran on a helper
+    (the split paths, whatever the wake latency). The same results either way."""
     from silverrec.kernels.cpu_ext import cpu_ext
 
     ext = cpu_ext()
     if ext is None:
         pytest.skip("the C++ CPU extension is not built")
-    ext.set_workers_sleep(1 if request.param == "sleeping" else 0)
-    yield request.param
-    ext.set_workers_sleep(-1)
+    if request.param == "shared" and torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: the team has no helpers")
+    before = ext.team_helper_chunks()
+    ext.set_team_pin(0 if request.param == "alone" else 1)
+    try:
+        yield request.param
+    finally:
+        ext.set_team_pin(-1)
+    ran = ext.team_helper_chunks() - before
+    if request.param == "alone":
+        assert ran == 0, f"{ran} chunks ran on helpers with the team pinned to the calling thread"
+    else:
+        assert ran > 0, "no chunk of the test's steps ran on a helper thread: its split paths went untested"

@@ -134,7 +134,7 @@ def test_filtered_topk_groups_identical_filters():
         assert torch.equal(got[1], want[1])
 
 
-def test_one_whole_pool_filter_split_between_threads_equals_brute_force(worker_policy):
+def test_one_whole_pool_filter_split_between_threads_equals_brute_force(team_mode):
     """A batch sharing one whole-pool filter over a pool of 4,700 words (threads.h kMinSliceWords, spinning
     workers: the words are split between the threads, a slice each, and the passing rows joined in order)
     and enough candidates that the merge runs on both threads: equal to brute force, ties to the lower row

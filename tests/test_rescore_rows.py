@@ -176,7 +176,7 @@ def test_exact_float_rows_is_the_cpp_constant():
 
 
 @pytest.mark.parametrize("residual", [False, True])
-def test_selective_exact_routes_rank_every_passing_row_in_float(residual, worker_policy):
+def test_selective_exact_routes_rank_every_passing_row_in_float(residual, team_mode):
     """A re-scored exact route whose filter passes at most EXACT_FLOAT_ROWS rows answers the float top k of
     all of them (float64 brute force on the decoded codes), which the int8 top k + margin it used to re-score
     misses here (direct codes: a dimension that dominates the int8 query's scale); more passing rows (a compact scan, a masked whole pool)

@@ -50,7 +50,7 @@ def test_unfiltered_batch_equals_the_composition(built, mode, k, nprobe, max_pro
 
 
 @pytest.mark.parametrize("mode", [MODE_UNPROBED, MODE_AUTO])
-def test_few_matches_at_large_k_are_padded_once(built, mode, worker_policy):  # noqa: F811
+def test_few_matches_at_large_k_are_padded_once(built, mode, team_mode):  # noqa: F811
     """k far above the matches (posting route for auto, whole pool for unprobed): the matches
     equal brute force, then padding to k. 16 queries x 1500 results: a result large enough (288 KB) that
     both threads decode and pad it where workers spin (threads.h kParallelResultBytes)."""

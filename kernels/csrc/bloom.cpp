@@ -14,7 +14,6 @@
 // bloom_filter_counts (silverrec::bloom_filter_counts) takes row ranges [lo, hi) instead of word
 // starts: it evaluates only the words each range touches (windows sized per slot, not n_words),
 // zeroes bits outside the range and returns per-window popcounts, fusing the IVF planner's counts.
-#include <ATen/Parallel.h>
 #include <sys/mman.h>
 
 #include <cstring>
@@ -26,6 +25,7 @@
 
 #include "program.h"
 #include "scan.h"
+#include "team.h"
 
 namespace silverrec {
 namespace {
@@ -83,7 +83,7 @@ at::Tensor bloom_filter(const at::Tensor& bits, const at::Tensor& ops_t, const a
 
   const int64_t per_query = P * n_words, blocks = (per_query + kBlock - 1) / kBlock;
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, int64_t(uniq.size()) * blocks, 4, [&](int64_t t0, int64_t t1) {
+  team_for(0, int64_t(uniq.size()) * blocks, 4, [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> stack((L + 1) * kBlock), widx(kBlock);
     std::vector<uint8_t> valid(kBlock);
     for (int64_t task = t0; task < t1; ++task) {
@@ -144,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor> bloom_filter_counts(const at::Tensor& bits, c
   }
   std::vector<int64_t> part(tasks.size(), 0);
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, int64_t(tasks.size()), 16, [&](int64_t t0, int64_t t1) {
+  team_for(0, int64_t(tasks.size()), 16, [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> stack((L + 1) * kBlock);
     for (int64_t ti = t0; ti < t1; ++ti) {
       const Task& tk = tasks[ti];

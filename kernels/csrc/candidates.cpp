@@ -5,7 +5,6 @@
 // products, whose summation order differs from the batched matmul's).
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +15,7 @@
 
 #include "row_counts.h"
 #include "scored.h"
+#include "team.h"
 #include "widen.h"
 
 namespace silverrec {
@@ -100,7 +100,7 @@ at::Tensor candidate_rows(const at::Tensor& queries_in, const at::Tensor& found_
   const int64_t* f = found.data_ptr<int64_t>();
   const int64_t* ex = exclude.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+  team_for(0, B, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       if (emb.scalar_type() == at::kFloat)
         one_request(q + b * T * D, f + b * T * K, ex + b * E, T, K, D, E, emb.data_ptr<float>(), n, k0, limit,

@@ -11,7 +11,6 @@
 //               increasing within a group, so the order (score, then lower row) is unchanged.
 //               Whole-pool groups with more than half the pool passing scan it through a bitmask
 //               instead of copying their rows.
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -29,6 +28,7 @@
 
 #include "program.h"
 #include "scan.h"
+#include "team.h"
 #include "topk_state.h"
 #include "widen.h"
 
@@ -185,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor> verify_topk(const at::Tensor& bits, const at:
   int64_t* ro = out_rows.data_ptr<int64_t>();
   int64_t valid = 0;  // threads only for enough rows to evaluate
   for (int64_t i = 0; i < B * K2; ++i) valid += rin[i] >= 0;
-  at::parallel_for(0, B, valid * L < (int64_t{1} << 15) ? B : 1, [&](int64_t b0, int64_t b1) {
+  team_for(0, B, valid * L < (int64_t{1} << 15) ? B : 1, [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> stack((L + 1) * kBlock), widx(kBlock), rows(kBlock), pos(kBlock);
     std::vector<uint8_t> pass(kBlock);
     for (int64_t b = b0; b < b1; ++b) {
@@ -216,6 +216,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_topk_keys(
     const at::Tensor& active_t, int64_t k, const std::optional<at::Tensor>& cluster_offsets,
     const std::optional<at::Tensor>& centroids, const std::optional<at::Tensor>& centroid_queries,
     const std::optional<at::Tensor>& unit) {
+  TeamCall team;  // the helpers wake now, to be awake by the first parallel step
   check(ops_t, at::kLong, 2, "ops");
   const int64_t B = ops_t.size(0);
   at::Tensor keys = at::empty({B, k}, at::kLong), shift;
@@ -295,8 +296,8 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     if (rep[b] == b) groups.push_back(b);
   // tasks: a posting-list group, or a slice of the pool's words for a whole-pool group (one group's
   // evaluation is split when there are fewer groups than threads)
-  const int64_t threads = at::get_num_threads();
-  const int64_t slices = int64_t(groups.size()) < threads && W >= kMinSliceWords() ? threads : 1;
+  const int64_t threads = team_threads();
+  const int64_t slices = int64_t(groups.size()) < threads && W >= kMinSliceWords ? threads : 1;
   struct Task {
     int64_t g, wa, wz;
   };
@@ -314,8 +315,8 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     work += W;
   }
   std::vector<std::vector<int64_t>> part(tasks.size());
-  const int64_t grain = work >= kMinSliceWords() ? 1 : int64_t(tasks.size());
-  at::parallel_for(0, int64_t(tasks.size()), grain, [&](int64_t t0, int64_t t1) {
+  const int64_t grain = work >= kMinSliceWords ? 1 : int64_t(tasks.size());
+  team_for(0, int64_t(tasks.size()), grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       part[t] = passing_rows(bank, W, N, ops, prog, L, T, groups[tasks[t].g], lists, T2, post_rows, post_off,
                              tasks[t].wa, tasks[t].wz);

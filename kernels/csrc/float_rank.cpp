@@ -9,7 +9,6 @@
 // the row's position) per row, select_top and a radix sort. Exact float ties (equal codes, or chance) take the slow
 // path: the int8 scores that order them in the re-score's list.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -17,6 +16,7 @@
 #include <vector>
 
 #include "scan.h"
+#include "team.h"
 #include "topk_state.h"
 #include "widen.h"
 
@@ -60,8 +60,8 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
 #endif
   // the re-score's arithmetic (rescore.cpp one_query), so the same bits: dot_codes + constant (+ term)
   constexpr int64_t kAhead = 8;  // rows are scattered over the pool: fetch a few ahead
-  const bool threads = S * mn >= kMinParallelKeys();  // rows split between the threads, then queries
-  at::parallel_for(0, S, threads ? 64 : S, [&](int64_t i0, int64_t i1) {
+  const bool threads = S * mn >= kMinParallelKeys;  // rows split between the threads, then queries
+  team_for(0, S, threads ? 64 : S, [&](int64_t i0, int64_t i1) {
 #if defined(__AVX512F__)
     std::vector<float> cf(D);
 #endif
@@ -82,7 +82,7 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
     }
   });
   const float none = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, mn, threads ? 1 : mn, [&](int64_t j0, int64_t j1) {
+  team_for(0, mn, threads ? 1 : mn, [&](int64_t j0, int64_t j1) {
     std::vector<int64_t> keys, scratch;
     std::vector<uint64_t> tmp;
     keys.reserve(S);

@@ -13,7 +13,6 @@
 #include <immintrin.h>
 #endif
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +21,7 @@
 #include <limits>
 #include <vector>
 
+#include "team.h"
 #include "widen.h"
 
 namespace silverrec {
@@ -309,7 +309,7 @@ at::Tensor mol_score(const at::Tensor& user_in, const at::Tensor& rows_in, const
   float* o = out.data_ptr<float>();
   // one task per (request, block of kLanes candidates): a batch of one long list splits across threads too
   const int64_t blocks = (K + kLanes - 1) / kLanes;
-  at::parallel_for(0, B * blocks, 4, [&](int64_t lo, int64_t hi) {
+  team_for(0, B * blocks, 4, [&](int64_t lo, int64_t hi) {
     std::vector<vf> buf(D + p_x * comp_dim + 2 * H + 2 * P);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / blocks, k0 = (i % blocks) * kLanes;

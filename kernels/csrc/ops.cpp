@@ -21,6 +21,7 @@
 #include "dot.h"
 #include "program.h"
 #include "scan.h"
+#include "team.h"
 #include "topk_state.h"
 #include "widen.h"
 
@@ -338,6 +339,7 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
     int64_t k, int64_t nprobe, int64_t max_probe, int64_t window_words, int64_t match_factor, int64_t avg_cluster,
     int64_t num_items, double exact_cost_ratio, int64_t posting_limit, int64_t rescore_margin, int64_t rescore_max_k,
     bool residual) {
+  TeamCall team;  // the helpers wake now, to be awake by the first parallel step
   // inputs may come from anywhere (eager calls, other graphs): contiguous views for the kernels
   const at::Tensor queries = queries_in.contiguous();
   const at::Tensor codes = codes_in.contiguous();
@@ -497,8 +499,8 @@ std::tuple<at::Tensor, at::Tensor> filtered_ivf_search(
   const auto item_of = [&](int64_t r) { return id32 ? int64_t(id32[r]) : id64[r]; };
   const float none = -std::numeric_limits<float>::infinity();
   // a large result (k 4096: 768 KB per 16 queries) is decoded and padded by every thread, a query each
-  const int64_t grain = B * k * int64_t(sizeof(float) + sizeof(int64_t)) >= kParallelResultBytes() ? 1 : B;
-  at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
+  const int64_t grain = B * k * int64_t(sizeof(float) + sizeof(int64_t)) >= kParallelResultBytes ? 1 : B;
+  team_for(0, B, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       // keys decode here (keys_to_results with scale 1, offset 0): the exact routes' count_ex[b], or
       // the unverified probed scan's k (padded); then padding once
@@ -594,11 +596,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bitmask"), py::arg("k"), nogil);
   m.def("quantize_queries", &quantize_queries, "per-query symmetric int8 codes and scales (common.py, bit for bit)",
         py::arg("queries"), nogil);
-  m.def("set_workers_sleep", &silverrec::set_workers_sleep,
-        "tests: the thread thresholds of sleeping (1) or spinning (0) OpenMP workers, -1: OMP_WAIT_POLICY's",
-        py::arg("pin"));
+  m.def("set_team_pin", &silverrec::set_team_pin,
+        "tests: -1 the ops' steps shared with the helpers that are awake, 0 every step on the calling thread, "
+        "1 each step of several chunks waits for a helper to take one (team.h)", py::arg("pin"));
+  m.def("team_helper_chunks", &silverrec::team_helper_chunks, "chunks of the ops' steps run on helper threads so far");
+  m.def("team_probe", &silverrec::team_probe, "tests: the thread that ran each index of a team_for (team.h)",
+        py::arg("n"), py::arg("grain"), py::arg("throw_at") = -1, nogil);
   m.def("isa", &isa, "the instruction set of this build's kernels (avx512-vnni, avx512, avx2, sse)");
-  m.def("workers_sleep", &silverrec::workers_sleep, "whether the ops use the thread thresholds of sleeping OpenMP workers");
   m.def("keys_to_results", &keys_to_results, "keys -> (scores float32, rows int64), -inf / -1 padding",
         py::arg("keys"), py::arg("qscale"), py::arg("qsum"), py::arg("scale"), py::arg("offset"), nogil);
   m.def("bloom_filter", &silverrec::bloom_filter, "filter programs over word windows -> int64 [B, P, n_words]",

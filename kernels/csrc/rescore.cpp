@@ -5,7 +5,6 @@
 // rounding of the dot products, whose summation order differs from the batched matmul's.
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -18,6 +17,7 @@
 #endif
 
 #include "scored.h"
+#include "team.h"
 #include "widen.h"
 
 namespace silverrec {
@@ -161,7 +161,7 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows_with_terms(const at::Tensor& que
   // region wakes a sleeping worker, which costs more than ~1M multiply-adds (batch 16 at k 100: 0.2M)
   constexpr int64_t kMacsPerTask = int64_t{1} << 20;
   const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(1, K * D));
-  at::parallel_for(0, B, grain, [&](int64_t lo, int64_t hi) {
+  team_for(0, B, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b)
       one_query(q + b * D, f + b * K, K, c, n, D, dim_scale.data_ptr<float>(), dim_offset.data_ptr<float>(),
                 cluster_of ? &*cluster_of : nullptr, cent, terms && nlist ? terms + b : nullptr, B, k, s + b * k,

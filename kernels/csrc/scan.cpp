@@ -24,7 +24,6 @@
 // Output: keys int64 [B, k], sorted descending, kEmptyKey padding: bit-identical to the torch paths.
 #include "scan.h"
 
-#include <ATen/Parallel.h>
 
 #include <atomic>
 #include <cstring>
@@ -32,6 +31,7 @@
 #include <string>
 
 #include "dot.h"
+#include "team.h"
 #include "topk_state.h"
 
 namespace silverrec {
@@ -100,7 +100,7 @@ class Scanner {
       work += (seg.end - seg.start) * seg.count;
       rows += seg.end - seg.start;
     }
-    const int64_t threads = work < kMinParallelWork() ? 1 : at::get_num_threads();
+    const int64_t threads = work < kMinParallelWork ? 1 : team_threads();
     // pieces of <= kPieceRows rows, and small enough that every thread gets some (a few thousand
     // passing rows shared by a batch are one segment: one piece would leave the other threads idle)
     const int64_t piece_rows = threads == 1 ? kPieceRows : std::max<int64_t>(64, std::min(kPieceRows, rows / (4 * threads)));
@@ -122,7 +122,7 @@ class Scanner {
     if (workers == 1)
       work_fn(0, 1);
     else
-      at::parallel_for(0, workers, 1, work_fn);
+      team_for(0, workers, 1, work_fn);
     merge(out, count);
   }
 
@@ -287,7 +287,7 @@ class Scanner {
     int64_t pending = 0;
     for (auto& per_worker : states_)
       for (auto& st : per_worker) pending += st.n;
-    at::parallel_for(0, B, pending < kMinParallelKeys() ? B : 1, [&](int64_t b0, int64_t b1) {
+    team_for(0, B, pending < kMinParallelKeys ? B : 1, [&](int64_t b0, int64_t b1) {
       std::vector<int64_t> all, scratch;
       std::vector<uint64_t> tmp;
       for (int64_t b = b0; b < b1; ++b) {
