@@ -44,6 +44,8 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows_with_terms(
     const at::Tensor& queries, const at::Tensor& found, const at::Tensor& codes, const at::Tensor& dim_scale,
     const at::Tensor& dim_offset, int64_t k, const std::optional<at::Tensor>& cluster_offsets,
     const std::optional<at::Tensor>& centroids, const float* terms);
+// kernels/csrc/plan.cpp
+at::Tensor centroid_scores(const at::Tensor& centroids, const at::Tensor& queries);
 // kernels/csrc/encode.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
     const at::Tensor& rows, const at::Tensor& offsets, int64_t exclude_limit, int64_t history_len, int64_t recent_len,
@@ -600,6 +602,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "tests: -1 the ops' steps shared with the helpers that are awake, 0 every step on the calling thread, "
         "1 each step of several chunks waits for a helper to take one (team.h)", py::arg("pin"));
   m.def("team_helper_chunks", &silverrec::team_helper_chunks, "chunks of the ops' steps run on helper threads so far");
+  m.def("centroid_scores", &silverrec::centroid_scores, "centroids @ queries^T [C, B] as filter_plan computes it (plan.cpp)",
+        py::arg("centroids"), py::arg("queries"), nogil);
   m.def("team_probe", &silverrec::team_probe, "tests: the thread that ran each index of a team_for (team.h)",
         py::arg("n"), py::arg("grain"), py::arg("throw_at") = -1, nogil);
   m.def("isa", &isa, "the instruction set of this build's kernels (avx512-vnni, avx512, avx2, sse)");

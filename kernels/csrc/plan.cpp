@@ -8,6 +8,8 @@
 // unprobed by its mode (the caller's estimate, silverrec/retrieval/filtered_search.py) computes no
 // centroid scores and evaluates no cluster at all.
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <omp.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -22,9 +24,37 @@
 
 #include "program.h"
 #include "scan.h"
+#include "team.h"
 #include "topk_state.h"
 
 namespace silverrec {
+
+// centroids @ queries^T float32 [C, B], as one at::mm computes it, in blocks of centroid rows shared with
+// the team's helpers (team.h), each block one single-threaded at::mm. MKL splits this form's rows between
+// its own threads and gives the same bits at any thread count (tests/test_team.py checks the blocks
+// against one at::mm); run as one mm it took 220 us on one thread at C 4000, B 16, D 128, and 270-290 us on
+// two under PASSIVE (its sleeping worker's wakes), ~40% of an unfiltered nprobe-4 search.
+at::Tensor centroid_scores(const at::Tensor& centroids, const at::Tensor& queries) {
+  const int64_t C = centroids.size(0), B = queries.size(0);
+  const at::Tensor qt = queries.t();
+  at::Tensor out = at::empty({C, B}, centroids.options());
+  constexpr int64_t kRows = 128;  // rows a block (a multiple of MKL's 16-row panels)
+  const int64_t blocks = (C + kRows - 1) / kRows;
+  const bool inference = c10::InferenceMode::is_enabled();
+  float* o = out.data_ptr<float>();
+  team_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    struct OneOmpThread {  // MKL reads the calling thread's OpenMP setting: this block on one thread
+      const int before = omp_get_max_threads();
+      OneOmpThread() { omp_set_num_threads(1); }
+      ~OneOmpThread() { omp_set_num_threads(before); }
+    } one;
+    c10::InferenceMode mode(inference);
+    const int64_t lo = b0 * kRows, hi = std::min(C, b1 * kRows);
+    at::Tensor dst = at::from_blob(o + lo * B, {hi - lo, B}, centroids.options());
+    at::mm_out(dst, centroids.narrow(0, lo, hi - lo), qt);
+  });
+  return out;
+}
 
 namespace {
 constexpr int64_t kModeAuto = 0, kModeProbed = 1, kModeUnprobed = 2;
@@ -146,9 +176,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
   for (int64_t b : probing) need_counts |= md[b] != kModeProbed;
   const bool unmasked = !mask_if_unused && !need_counts && program::pushes_nothing(ops.data_ptr<int64_t>(), ops.numel());
   if (probing.empty() && !mask_if_unused) return {probes, at::Tensor(), route};  // every query on posting lists
-  // the reference's scores: centroids @ queries^T (MKL splits this form across threads; the
-  // queries @ centroids^T form ran on one), [C, B]
-  const at::Tensor scores = probing.empty() ? at::Tensor() : at::mm(centroids, queries.t()).contiguous();
+  // the reference's scores: centroids @ queries^T, [C, B]
+  const at::Tensor scores = probing.empty() ? at::Tensor() : centroid_scores(centroids, queries);
   if (unmasked) {
     std::vector<int64_t> top(B * nprobe, -1);
     top_candidates(scores.data_ptr<float>(), C, B, nprobe, probing, top.data());

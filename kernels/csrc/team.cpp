@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 #include <linux/futex.h>
+#include <omp.h>
 #include <pthread.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -92,6 +93,7 @@ void join_step(Team& T, uint64_t s) {
 void helper_main(Team* team, int64_t index) {
   t_helper = true;
   t_index = 1 + index;
+  omp_set_num_threads(1);  // a torch or BLAS call in a chunk stays on this thread (MKL reads it)
   Team& T = *team;
   uint64_t done = 0;
   for (;;) {

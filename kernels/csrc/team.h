@@ -39,8 +39,9 @@ void team_for_chunks(int64_t n, int64_t grain, ChunkFn fn, const void* ctx);
 
 // f(lo, hi) over [begin, end) in chunks of >= grain (a few per thread, so that a helper that wakes late still
 // takes a share): the calling thread takes chunks, and so does every awake helper; returns when all are
-// done, rethrowing the first exception. Opens a TeamCall when none is open. f may run on a helper, so it
-// must not use torch's parallel functions; a team_for inside f runs on f's thread.
+// done, rethrowing the first exception. Opens a TeamCall when none is open. f may run on a helper, whose
+// OpenMP thread count is 1 (torch and BLAS calls in f run on its thread), with torch's thread-local state
+// (inference mode, grad mode) at its defaults; a team_for inside f runs on f's thread.
 // (at::parallel_for's signature; grain is the smallest chunk.)
 template <class F>
 inline void team_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
