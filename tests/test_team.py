@@ -29,11 +29,11 @@ def test_every_index_runs_once(n, grain, pin):
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one intra-op thread: the team has no helpers")
-def test_a_shared_step_runs_on_the_caller_and_a_helper(pin):
-    pin(1)  # each step waits until a helper has taken a chunk
+def test_a_shared_step_runs_on_a_helper(pin):
+    pin(1)  # each step waits until a helper has taken a chunk (the caller takes the rest, if any is left)
     ran = EXT.team_probe(64, 1)
     assert -1 not in ran and -2 not in ran
-    assert 0 in ran and any(r >= 1 for r in ran), ran
+    assert any(r >= 1 for r in ran), ran
 
 
 @pytest.mark.parametrize("mode", [-1, 0, 1])

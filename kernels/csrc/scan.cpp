@@ -12,7 +12,7 @@
 // for int8_topk it is [0, N) with every query and no bitmask.
 //
 // Work: segments are cut into pieces of <= kPieceRows rows (64-aligned), and worker threads
-// (at::parallel_for, one per thread) take pieces from an atomic counter in the given order (for
+// (team_for, team.h: one per thread) take pieces from an atomic counter in the given order (for
 // ivf_scan: clusters ordered by the best probe rank any query gave them, so every query's nearest
 // clusters come first and its threshold rises early). Each worker keeps its own TopK per query;
 // per-query results are merged at the end. A piece walks 64-row words: the allowed-row word of
