@@ -29,6 +29,24 @@
 
 namespace silverrec {
 
+// libtorch's MKL, where torch was built with it (weak: absent from other builds): this thread's own count,
+// which overrides the process-wide one torch.set_num_threads sets (0: none of its own)
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // mkl.h: mkl_set_num_threads_local
+
+namespace {
+// BLAS calls on this thread use one thread while it lives: MKL's thread-local count, and the OpenMP
+// count of this thread (MKL without a count of its own and OpenMP BLAS builds read it).
+struct OneBlasThread {
+  const int omp_before = omp_get_max_threads();
+  const int mkl_before = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
+  OneBlasThread() { omp_set_num_threads(1); }
+  ~OneBlasThread() {
+    omp_set_num_threads(omp_before);
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(mkl_before);
+  }
+};
+}  // namespace
+
 // centroids @ queries^T float32 [C, B], as one at::mm computes it, in blocks of centroid rows shared with
 // the team's helpers (team.h), each block one single-threaded at::mm. MKL splits this form's rows between
 // its own threads and gives the same bits at any thread count (tests/test_team.py checks the blocks
@@ -43,11 +61,7 @@ at::Tensor centroid_scores(const at::Tensor& centroids, const at::Tensor& querie
   const bool inference = c10::InferenceMode::is_enabled();
   float* o = out.data_ptr<float>();
   team_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    struct OneOmpThread {  // MKL reads the calling thread's OpenMP setting: this block on one thread
-      const int before = omp_get_max_threads();
-      OneOmpThread() { omp_set_num_threads(1); }
-      ~OneOmpThread() { omp_set_num_threads(before); }
-    } one;
+    OneBlasThread one;
     c10::InferenceMode mode(inference);
     const int64_t lo = b0 * kRows, hi = std::min(C, b1 * kRows);
     at::Tensor dst = at::from_blob(o + lo * B, {hi - lo, B}, centroids.options());
