@@ -22,26 +22,27 @@ def _seed():
     yield
 
 
-@pytest.fixture(params=["alone", "shared"])
+@pytest.fixture(params=["alone", "team", "openmp"])
 def team_mode(request):
-    """The C++ ops' parallel steps (kernels/csrc/team.h) pinned to the calling thread alone, or shared: each step of
-    several chunks waits until a helper thread has taken one, and the test fails unless some chunk ran on a helper
-    (the split paths, whatever the wake latency). The same results either way."""
+    """Who runs the C++ ops' parallel steps (kernels/csrc/team.h), pinned for the test: the calling thread alone;
+    the helper team, each step of several chunks waiting until a helper has taken one, and the test fails unless
+    some chunk ran on a helper (the split paths, whatever the wake latency); or torch's OpenMP threads (where
+    their workers spin). The same results every way."""
     from silverrec.kernels.cpu_ext import cpu_ext
 
     ext = cpu_ext()
     if ext is None:
         pytest.skip("the C++ CPU extension is not built")
-    if request.param == "shared" and torch.get_num_threads() < 2:
-        pytest.skip("one intra-op thread: the team has no helpers")
+    if request.param != "alone" and torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: nothing to split between")
     before = ext.team_helper_chunks()
-    ext.set_team_pin(0 if request.param == "alone" else 1)
+    ext.set_team_pin({"alone": 0, "team": 1, "openmp": 2}[request.param])
     try:
         yield request.param
     finally:
         ext.set_team_pin(-1)
     ran = ext.team_helper_chunks() - before
-    if request.param == "alone":
-        assert ran == 0, f"{ran} chunks ran on helpers with the team pinned to the calling thread"
-    else:
+    if request.param == "team":
         assert ran > 0, "no chunk of the test's steps ran on a helper thread: its split paths went untested"
+    else:
+        assert ran == 0, f"{ran} chunks ran on helpers with the steps pinned to {request.param}"

@@ -22,8 +22,9 @@ def pin():
 
 @pytest.mark.parametrize("n, grain", [(1, 1), (2, 1), (7, 3), (100, 1), (1000, 64), (4097, 1)])
 def test_every_index_runs_once(n, grain, pin):
-    pin(-1)
-    assert set(EXT.team_probe(n, grain)) <= set(range(torch.get_num_threads()))
+    for mode in (-1, 1, 2):  # as the policy says, the team, OpenMP
+        pin(mode)
+        assert set(EXT.team_probe(n, grain)) <= set(range(torch.get_num_threads())), mode
     pin(0)
     assert EXT.team_probe(n, grain) == [0] * n
 
@@ -36,7 +37,7 @@ def test_a_shared_step_runs_on_a_helper(pin):
     assert any(r >= 1 for r in ran), ran
 
 
-@pytest.mark.parametrize("mode", [-1, 0, 1])
+@pytest.mark.parametrize("mode", [-1, 0, 1, 2])
 def test_an_error_in_any_chunk_reaches_the_caller(mode, pin):
     pin(mode)
     for at in (0, 31, 63):
@@ -45,7 +46,9 @@ def test_an_error_in_any_chunk_reaches_the_caller(mode, pin):
     assert EXT.team_probe(64, 1) != []  # the team still answers after errors
 
 
-def test_two_threads_at_once_each_get_every_index():
+@pytest.mark.parametrize("mode", [1, 2])
+def test_two_threads_at_once_each_get_every_index(mode, pin):
+    pin(mode)
     results, errors = [], []
 
     def run():
@@ -65,11 +68,13 @@ def test_two_threads_at_once_each_get_every_index():
 
 
 def _child(queue):
+    EXT.set_team_pin(1)
     ran = EXT.team_probe(512, 1)
     queue.put(-1 not in ran and -2 not in ran)
 
 
-def test_a_forked_child_gets_its_own_team():
+def test_a_forked_child_gets_its_own_team(pin):
+    pin(1)
     EXT.team_probe(512, 1)  # the parent's helpers are running
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()

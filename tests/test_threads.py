@@ -1,5 +1,6 @@
-"""silverrec/threads.py: the OpenMP wait policy torch runs under, as the package sets and reads it (each case in a
-fresh interpreter: OpenMP reads the policy once, when torch loads)."""
+"""silverrec/threads.py: the OpenMP wait policy torch runs under, as the package sets and reads it, and as the
+C++ ops read it to choose who runs their parallel steps (each case in a fresh interpreter: OpenMP reads the policy
+once, when torch loads)."""
 
 import os
 import subprocess
@@ -8,14 +9,15 @@ import sys
 import pytest
 
 PROBE = "from silverrec.threads import OMP_PASSIVE; from silverrec.serving.recommend import ONE_THREAD_MAX_BATCH; " \
-        "import os; print(os.environ.get('OMP_WAIT_POLICY'), OMP_PASSIVE, ONE_THREAD_MAX_BATCH)"
+        "from silverrec.kernels.cpu_ext import cpu_ext; " \
+        "import os; print(os.environ.get('OMP_WAIT_POLICY'), OMP_PASSIVE, ONE_THREAD_MAX_BATCH, cpu_ext().parallel_runner())"
 
 
 @pytest.mark.parametrize("first, env, want", [
-    ("import silverrec", None, "PASSIVE True 16"),  # silverrec before torch: it sets PASSIVE
-    ("import torch; import silverrec", None, "None False 1"),  # torch loaded OpenMP first: default policy
-    ("import silverrec", "ACTIVE", "ACTIVE False 1"),  # the user's setting wins
-    ("import torch; import silverrec", "passive", "passive True 16"),
+    ("import silverrec", None, "PASSIVE True 16 team"),  # silverrec before torch: it sets PASSIVE
+    ("import torch; import silverrec", None, "None False 1 openmp"),  # torch loaded OpenMP first: default policy
+    ("import silverrec", "ACTIVE", "ACTIVE False 1 openmp"),  # the user's setting wins
+    ("import torch; import silverrec", "passive", "passive True 16 team"),
 ])
 def test_wait_policy_and_the_one_thread_batch(first, env, want):
     environ = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}

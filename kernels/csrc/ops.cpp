@@ -599,8 +599,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_queries", &quantize_queries, "per-query symmetric int8 codes and scales (common.py, bit for bit)",
         py::arg("queries"), nogil);
   m.def("set_team_pin", &silverrec::set_team_pin,
-        "tests: -1 the ops' steps shared with the helpers that are awake, 0 every step on the calling thread, "
-        "1 each step of several chunks waits for a helper to take one (team.h)", py::arg("pin"));
+        "tests: -1 the team under OMP_WAIT_POLICY=PASSIVE, else OpenMP; 0 every step on the calling thread; "
+        "1 the team, each step of several chunks waiting for a helper to take one; 2 OpenMP (team.h)", py::arg("pin"));
+  m.def("parallel_runner", &silverrec::parallel_runner, "who runs the ops' parallel steps: team, openmp or alone");
   m.def("team_helper_chunks", &silverrec::team_helper_chunks, "chunks of the ops' steps run on helper threads so far");
   m.def("centroid_scores", &silverrec::centroid_scores, "centroids @ queries^T [C, B] as filter_plan computes it (plan.cpp)",
         py::arg("centroids"), py::arg("queries"), nogil);

@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdlib>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -18,6 +20,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 #if defined(__x86_64__)
@@ -62,6 +65,27 @@ thread_local bool t_owner = false; // this thread's outermost TeamCall holds the
 thread_local bool t_in_step = false;
 thread_local bool t_helper = false;
 thread_local int64_t t_index = 0;  // 0 the calling thread, 1 + i helper i (team_probe)
+
+// Who runs the ops' parallel steps: the team where torch's OpenMP workers sleep between regions
+// (OMP_WAIT_POLICY=PASSIVE, silverrec's default: silverrec/threads.py sets it before torch loads, and
+// OpenMP read it then), torch's OpenMP workers where they spin (any other policy: they keep a core busy
+// between ops, and helpers of ours would contend with them for it: conjunctions at 8.6%, k 100, 1.9 ->
+// 3.1 ms on 2 vCPUs). Tests pin either, or the calling thread alone (set_team_pin).
+enum class Runner { kAlone, kTeam, kOpenMP };
+Runner runner() {
+  static const bool passive = [] {
+    const char* v = std::getenv("OMP_WAIT_POLICY");
+    std::string p = v ? v : "";
+    for (char& c : p) c = char(std::toupper(static_cast<unsigned char>(c)));
+    return p.find("PASSIVE") != std::string::npos;
+  }();
+  switch (g_pin.load()) {
+    case 0: return Runner::kAlone;
+    case 1: return Runner::kTeam;
+    case 2: return Runner::kOpenMP;
+    default: return passive ? Runner::kTeam : Runner::kOpenMP;
+  }
+}
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t val) {
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, nullptr, nullptr, 0);
@@ -137,7 +161,7 @@ void after_fork_in_child() {
 }  // namespace
 
 TeamCall::TeamCall() : owner_(false) {
-  if (t_depth++ > 0 || t_helper || g_pin.load() == 0) return;
+  if (t_depth++ > 0 || t_helper || runner() != Runner::kTeam) return;
   Team& T = *g_team;
   int free = 0;
   if (!T.held.compare_exchange_strong(free, 1)) return;  // another thread's call holds it
@@ -145,9 +169,13 @@ TeamCall::TeamCall() : owner_(false) {
   const int64_t want = std::max<int64_t>(0, at::get_num_threads() - 1);
   static std::once_flag fork_hook;
   std::call_once(fork_hook, [] { pthread_atfork(nullptr, nullptr, after_fork_in_child); });
-  for (; T.started < want; ++T.started) std::thread(helper_main, &T, T.started).detach();
-  T.helpers_now.store(want);
-  if (want == 0) return;
+  try {
+    for (; T.started < want; ++T.started) std::thread(helper_main, &T, T.started).detach();
+  } catch (const std::system_error&) {  // no more threads to be had: the call uses those it has
+  }
+  const int64_t helpers = std::min(want, T.started);
+  T.helpers_now.store(helpers);
+  if (helpers == 0) return;
   T.in_call.store(true);
   wake_helpers(T);
 }
@@ -162,12 +190,18 @@ TeamCall::~TeamCall() {
 }
 
 int64_t team_threads() {
-  if (t_helper || t_in_step || g_pin.load() == 0) return 1;
+  if (t_helper || t_in_step) return 1;
+  const Runner r = runner();
+  if (r == Runner::kAlone) return 1;
+  if (r == Runner::kOpenMP) return at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
   if (t_depth > 0) return t_owner ? 1 + g_team->helpers_now.load() : 1;
   return g_team->held.load() ? 1 : std::max<int64_t>(1, at::get_num_threads());
 }
 
 void team_for_chunks(int64_t n, int64_t grain, ChunkFn fn, const void* ctx) {
+  const Runner r = runner();
+  if (r == Runner::kAlone || t_helper || t_in_step) return fn(ctx, 0, n);
+  if (r == Runner::kOpenMP) return at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) { fn(ctx, lo, hi); });
   TeamCall call;  // nests in the op's call when one is open
   const int64_t threads = team_threads();
   const int64_t chunk = std::max<int64_t>({1, grain, (n + 4 * threads - 1) / (4 * threads)});
@@ -203,6 +237,14 @@ void team_for_chunks(int64_t n, int64_t grain, ChunkFn fn, const void* ctx) {
 }
 
 void set_team_pin(int pin) { g_pin.store(pin); }
+
+std::string parallel_runner() {
+  switch (runner()) {
+    case Runner::kAlone: return "alone";
+    case Runner::kTeam: return "team";
+    default: return "openmp";
+  }
+}
 
 std::vector<int64_t> team_probe(int64_t n, int64_t grain, int64_t throw_at) {
   std::vector<int64_t> ran(std::max<int64_t>(n, 0), -1);

@@ -1,5 +1,7 @@
-// The helper threads of the CPU ops' parallel steps. An op call wakes them as it starts, and they take
-// chunks of its steps from the moment they are awake; the calling thread never waits for a wake.
+// The helper threads of the CPU ops' parallel steps, where torch's OpenMP workers sleep between regions
+// (silverrec's default; where they spin, the steps run on them: team.cpp runner()). An op call wakes the
+// helpers as it starts, and they take chunks of its steps from the moment they are awake; the calling
+// thread never waits for a wake.
 //
 // Why not at::parallel_for (OpenMP): under OMP_WAIT_POLICY=PASSIVE, silverrec's default
 // (silverrec/threads.py), each parallel region wakes the sleeping workers, and its closing barrier puts
@@ -12,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace silverrec {
@@ -57,9 +60,12 @@ inline void team_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   }, &ctx);
 }
 
-// Tests: -1 as above; 0 every step on the calling thread; 1 a step of several chunks waits (up to 1 s)
-// until a helper has taken one, so that the split paths run whatever the wake latency.
+// Tests: -1 as above (the team under OMP_WAIT_POLICY=PASSIVE, else torch's OpenMP threads: team.cpp
+// runner()); 0 every step on the calling thread; 1 the team, each step of several chunks waiting (up to
+// 1 s) until a helper has taken one, so that the split paths run whatever the wake latency; 2 OpenMP.
 void set_team_pin(int pin);
+// "team", "openmp" or "alone": who runs the steps now.
+std::string parallel_runner();
 // Chunks run on helpers since the process started (tests check that a pinned step was shared).
 int64_t team_helper_chunks();
 // Tests: team_for over [0, n) in chunks of >= grain; per index, the thread that ran it (0 the caller, 1 + i

@@ -1,5 +1,6 @@
-// The work below which one thread does a step of the CPU ops (each step runs on the helper team of
-// team.h, whose helpers take a step's chunks within ~4 us once awake; the caller never waits for a wake).
+// The work below which one thread does a step of the CPU ops. A step runs on the helper team of team.h
+// (the caller never waits for a wake; awake helpers take a chunk within ~4 us) or, where torch's OpenMP
+// workers spin between regions, on them (they too take a region within ~4 us).
 #pragma once
 
 #include <cstdint>
