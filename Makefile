@@ -33,10 +33,12 @@ test: setup
 # (SILVERREC_CPU_EXT_PATH; test_the_build_under_test_is_loaded checks it is loaded and its ISA). `make test`
 # covers x86-64-v4 (AVX-512 without VNNI: Skylake-X) and x86-64-v3 (AVX2: Zen 2/3, Haswell), ~3 min each;
 # add x86-64-v2 (SSE4.2: the scalar paths) with `make test-portable ISAS="x86-64-v4 x86-64-v3 x86-64-v2"`.
+# These runs use OMP_WAIT_POLICY=PASSIVE, silverrec's default, under which the ops' parallel steps run on
+# their helper team (kernels/csrc/team.h); the main suite imports torch first, so its steps run on OpenMP.
 ISAS ?= x86-64-v4 x86-64-v3
 PORTABLE_TESTS := tests/test_cpu_scan.py tests/test_filtered_topk.py tests/test_rescore_rows.py \
 	tests/test_search_fast_paths.py tests/test_filter_routes.py tests/test_mol_score.py tests/test_candidate_rows.py \
-	tests/test_residual_codes.py tests/test_bloom_filter.py tests/test_int8_topk.py
+	tests/test_residual_codes.py tests/test_bloom_filter.py tests/test_int8_topk.py tests/test_team.py
 test-portable: setup
 	@set -e; mkdir -p build/portable; for march in $(ISAS); do \
 		case $$march in x86-64-v4) isa=avx512;; x86-64-v3) isa=avx2;; x86-64-v2) isa=sse;; *) isa=;; esac; \
@@ -44,7 +46,7 @@ test-portable: setup
 		SILVERREC_MARCH=$$march $(BIN)/python setup.py -q build_ext --build-lib build/portable/$$march \
 			--build-temp build/portable/$$march-obj > build/portable/$$march.log 2>&1 \
 			|| { tail -30 build/portable/$$march.log; exit 1; }; \
-		SILVERREC_CPU_EXT_PATH=$$(ls $(CURDIR)/build/portable/$$march/silverrec/kernels/_cpu*.so) \
+		SILVERREC_CPU_EXT_PATH=$$(ls $(CURDIR)/build/portable/$$march/silverrec/kernels/_cpu*.so) OMP_WAIT_POLICY=PASSIVE \
 			SILVERREC_EXPECT_ISA=$$isa $(BIN)/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS); \
 	done
 

@@ -11,11 +11,11 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
-#include <cstdlib>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
