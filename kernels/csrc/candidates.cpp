@@ -5,7 +5,6 @@
 // products, whose summation order differs from the batched matmul's).
 #include <torch/extension.h>
 
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -13,7 +13,6 @@
 #include <immintrin.h>
 #endif
 
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

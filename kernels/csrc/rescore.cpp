@@ -5,7 +5,6 @@
 // rounding of the dot products, whose summation order differs from the batched matmul's.
 #include <torch/extension.h>
 
-
 #include <algorithm>
 #include <cstdint>
 #include <limits>

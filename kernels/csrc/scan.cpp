@@ -24,7 +24,6 @@
 // Output: keys int64 [B, k], sorted descending, kEmptyKey padding: bit-identical to the torch paths.
 #include "scan.h"
 
-
 #include <atomic>
 #include <cstring>
 #include <stdexcept>
