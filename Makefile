@@ -31,7 +31,7 @@ test: setup
 # which a machine runs only its own under -march=native: each instruction set (ISAS, gcc -march names)
 # is built under build/portable/ (SILVERREC_MARCH) and the kernel tests run on that build
 # (SILVERREC_CPU_EXT_PATH; test_the_build_under_test_is_loaded checks it is loaded and its ISA). `make test`
-# covers x86-64-v4 (AVX-512 without VNNI: Skylake-X) and x86-64-v3 (AVX2: Zen 2/3, Haswell), ~3 min each;
+# covers x86-64-v4 (AVX-512 without VNNI: Skylake-X) and x86-64-v3 (AVX2: Zen 2/3, Haswell), ~2 min each;
 # add x86-64-v2 (SSE4.2: the scalar paths) with `make test-portable ISAS="x86-64-v4 x86-64-v3 x86-64-v2"`.
 # These runs use OMP_WAIT_POLICY=PASSIVE, silverrec's default, under which the ops' parallel steps run on
 # their helper team (kernels/csrc/team.h); the main suite imports torch first, so its steps run on OpenMP.

@@ -3,7 +3,9 @@
 // position in the search's list), tasks merged rank by rank (union or intersection), first `limit`.
 // The same results as the composition `candidate_rows_torch` (up to float rounding of the dot
 // products, whose summation order differs from the batched matmul's).
-#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "tensor.h"
 
 #include <algorithm>
 #include <cmath>

@@ -6,7 +6,7 @@
 // Why in C++: at batch 1 the numpy path is some forty small calls (~0.2 ms after a forward has
 // evicted the interpreter's caches), a fifth of a MovieLens recommend; the work itself is a few
 // hundred rows.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -8,7 +8,7 @@
 // arithmetic (dot_codes: the same bits); then per query a key (the float's order-preserving int32 image,
 // the row's position) per row, select_top and a radix sort. Exact float ties (equal codes, or chance) take the slow
 // path: the int8 scores that order them in the re-score's list.
-#include <ATen/ATen.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cstring>

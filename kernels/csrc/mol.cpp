@@ -7,7 +7,9 @@
 // with its reference only up to rounding anyway, so its multiply-adds may fuse.
 #pragma GCC optimize("fp-contract=fast")
 
-#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "tensor.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>

@@ -3,7 +3,10 @@
 // Each function turns one op's arguments into scan segments (scan.h) and returns int64 sort keys;
 // the Python custom ops (kernels/*.py) quantise queries and dequantise scores around them. Bad
 // values raise ValueError (std::invalid_argument) with the same messages as the torch paths.
-#include <torch/extension.h>
+#include <torch/library.h>
+#include <torch/python.h>
+
+#include "tensor.h"
 
 #include <algorithm>
 #include <cstring>

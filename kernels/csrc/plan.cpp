@@ -7,7 +7,7 @@
 // call replaces some thirty small tensor ops, and a batch that takes the posting route or is
 // unprobed by its mode (the caller's estimate, silverrec/retrieval/filtered_search.py) computes no
 // centroid scores and evaluates no cluster at all.
-#include <ATen/ATen.h>
+#include "tensor.h"
 #include <c10/core/InferenceMode.h>
 #include <omp.h>
 #if defined(__AVX2__)

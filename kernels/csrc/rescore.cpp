@@ -3,7 +3,9 @@
 // the query folded by the per-dimension scales, each row's codes widened and dotted in float32 lanes
 // (AVX-512, or widen.h's portable lanes), a partial sort. The same results as the composition `rescore_rows_torch` up to float
 // rounding of the dot products, whose summation order differs from the batched matmul's.
-#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "tensor.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -1,7 +1,7 @@
 // Fused CPU scan (scan.cpp) and the bloom filter evaluator (bloom.cpp): shared declarations.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cmath>
