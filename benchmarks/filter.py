@@ -355,15 +355,17 @@ EQUAL_RECALL_SLACK = 0.005
 
 
 def conjunction_family(feats: dict, n: int, rng, count: int = 40) -> list[tuple[str, float]]:
-    """Random ANDs of 2-3 single frequent values (one per feature), their exact fractions, plus two
-    broad filters (~7% and ~50%): the most common filter shape in recommendation."""
+    """Random ANDs of 2-3 single frequent values (one per feature): the most common filter shape in
+    recommendation; plus filters for the ends of the issue's range (0.01% to 50%) that random ANDs of
+    these features miss: the three least frequent values (~0.011%), and broad filters (~9%, ~35%, ~67%)."""
     out = []
     names = list(feats)
     for _ in range(count):
         chosen = rng.choice(names, size=int(rng.integers(2, 4)), replace=False)
         terms = [f"{f} = {f[0]}{int(rng.integers(0, len(feats[f][0])))}" for f in chosen]
         out.append(" AND ".join(terms))
-    out += ["country IN (c0, c1) AND NOT lang IN (l0, l1, l2, l3, l4, l5, l6)", "NOT country = c0"]
+    out += ["category = c15 AND country = c5 AND lang = l9",
+            "country IN (c0, c1) AND NOT lang IN (l0, l1, l2, l3, l4, l5, l6)", "country IN (c1, c2)", "NOT country = c0"]
     return out
 
 

@@ -162,6 +162,40 @@ def test_one_whole_pool_filter_split_between_threads_equals_brute_force(team_mod
     assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
 
 
+def test_one_posting_list_group_split_between_threads_equals_brute_force(team_mode):
+    """One filter's posting list of 8,192 rows (threads.h kMinSliceWords: split into a slice per thread):
+    its first half dense (4,096 consecutive rows: the program runs over their words' range, filter_scan.cpp
+    kDenseListWords), its second half sparse (one row every 300 over 19k words: each row gathers its own
+    word); the passing rows, joined in order, ranked: equal to brute force."""
+    g = torch.Generator().manual_seed(12)
+    first, step = 100_000, 300
+    rows = torch.cat([torch.arange(4096), first + step * torch.arange(4096)]).to(torch.int32)
+    n, d, b, k = int(rows[-1]) + 1000, 4, 2, 3000
+    codes = torch.randint(-3, 4, (n, d), dtype=torch.int8, generator=g)  # many score ties
+    queries = torch.randn(b, d, generator=g)
+    one, zero = torch.tensor(1.0), torch.tensor(0.0)
+    bank = _bank(4, n, g)
+    ops = torch.tensor([[1, 1, 3]] * b)  # PUSH (rows 0 & 1), PUSH (~2), OR: 5/8 of the rows pass
+    prow = torch.tensor([[[0, 1], [~2, ~2], [0, 0]]] * b)
+    post_rows, post_off = rows, torch.tensor([0, len(rows)])
+    sel = torch.tensor([[0]] * b)
+    active = torch.ones(b, dtype=torch.bool)
+    cand = torch.zeros(n, dtype=torch.bool)
+    cand[rows.long()] = True
+    allowed = _allowed(bank, ops, prow, n) & cand
+    assert 4096 < int(allowed[0].sum()) < 6000  # rows pass and fail in both halves
+    assert 1000 < int(allowed[0, first:].sum()) < 3000
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # (on a one-core machine too: the op must split)
+    try:
+        want = _expected(queries, codes, allowed, k, one, zero)
+        got = torch.ops.silverrec.filtered_topk(queries, codes, one, zero, bank, ops, prow, post_rows, post_off, sel,
+                                                active, k, n)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+
+
 def test_filtered_topk_rejects_bad_list_ids():
     g = torch.Generator().manual_seed(0)
     n = 500

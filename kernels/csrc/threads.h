@@ -18,9 +18,10 @@ constexpr int64_t kMinParallelWork = int64_t{1} << 14;
 // keys) 0.207 -> 0.189 ms, 612 matches 0.345 -> 0.312 ms (512: no better); the float ranking (k 100): 241
 // matches 0.211 -> 0.193 ms, 612 matches 0.330 -> 0.268 ms.
 constexpr int64_t kMinParallelKeys = int64_t{1} << 11;
-// Filter words (64 rows each) or posting-list entries evaluated (filter_scan.cpp); a whole-pool group's words
-// are split between the threads when the batch has fewer groups than threads: one 3-value AND, 241 matches,
-// 0.156 -> 0.139 ms at k 100, 0.178 -> 0.157 ms at k 4096; 612 matches 0.222 -> 0.204 ms.
+// Filter words (64 rows each) or posting-list entries evaluated (filter_scan.cpp); a whole-pool group's words,
+// or a posting-list group's entries, are split between the threads when the batch has fewer groups than
+// threads: one 3-value AND, 241 matches, 0.156 -> 0.139 ms at k 100, 0.178 -> 0.157 ms at k 4096; 612 matches
+// 0.222 -> 0.204 ms.
 constexpr int64_t kMinSliceWords = 4096;
 // Bytes of a search's result decoded and padded (ops.cpp; k 4096 x 16 queries: 768 KB, nearly all padding):
 // one core's streaming stores do not fill the memory bus: 241 matches 0.239 -> 0.219 ms, 612: 0.375 -> 0.348.
