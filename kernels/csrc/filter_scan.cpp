@@ -80,22 +80,24 @@ std::vector<int64_t> pool_passing_rows(const int64_t* bank, int64_t W, int64_t N
   return out;
 }
 
-// The rows of group representative b's posting lists, ascending, each once.
-std::vector<int64_t> list_rows(const int64_t* lists, int64_t T2, int64_t b, const int32_t* post_rows, const int64_t* post_off) {
-  std::vector<int64_t> cand;
+// The rows of group representative b's posting lists, ascending, each once: one list's own entries (no
+// copy), or several lists' merged into `merged`.
+struct ListRows {
+  const int32_t* rows = nullptr;
+  int64_t n = 0;
+};
+ListRows list_rows(const int64_t* lists, int64_t T2, int64_t b, const int32_t* post_rows, const int64_t* post_off,
+                   std::vector<int32_t>& merged) {
   const int64_t* lb = lists + b * T2;
-  int64_t used = 0;
-  for (int64_t t = 0; t < T2; ++t) {
-    const int64_t l = lb[t];
-    if (l < 0) continue;
-    ++used;
-    for (int64_t e = post_off[l]; e < post_off[l + 1]; ++e) cand.push_back(post_rows[e]);
-  }
-  if (used > 1) {  // a row can sit in several of the lists: one candidate each
-    std::sort(cand.begin(), cand.end());
-    cand.erase(std::unique(cand.begin(), cand.end()), cand.end());
-  }
-  return cand;
+  int64_t used = 0, only = -1;
+  for (int64_t t = 0; t < T2; ++t)
+    if (lb[t] >= 0) ++used, only = lb[t];
+  if (used <= 1) return only < 0 ? ListRows{} : ListRows{post_rows + post_off[only], post_off[only + 1] - post_off[only]};
+  for (int64_t t = 0; t < T2; ++t)
+    if (lb[t] >= 0) merged.insert(merged.end(), post_rows + post_off[lb[t]], post_rows + post_off[lb[t] + 1]);
+  std::sort(merged.begin(), merged.end());  // a row can sit in several of the lists: one candidate each
+  merged.erase(std::unique(merged.begin(), merged.end()), merged.end());
+  return {merged.data(), int64_t(merged.size())};
 }
 
 // The rows of cand[ca, cz) (ascending) that pass group representative b's program, ascending. Rows
@@ -103,8 +105,7 @@ std::vector<int64_t> list_rows(const int64_t* lists, int64_t T2, int64_t b, cons
 // over that range's words, a block at a time, as the whole-pool route does; sparse rows gather their own
 // words (a list of 24k rows over 15.6k words: 0.2 ms gathered, where the pool's words took 0.07).
 std::vector<int64_t> list_passing_rows(const int64_t* bank, int64_t W, const int64_t* ops, const int64_t* prog_rows,
-                                       int64_t L, int64_t T, int64_t b, const std::vector<int64_t>& cand, int64_t ca,
-                                       int64_t cz) {
+                                       int64_t L, int64_t T, int64_t b, const int32_t* cand, int64_t ca, int64_t cz) {
   std::vector<int64_t> out;
   std::vector<int64_t> stack((L + 1) * kBlock), widx(kBlock);
   if (ca >= cz) return out;
@@ -118,12 +119,14 @@ std::vector<int64_t> list_passing_rows(const int64_t* bank, int64_t W, const int
     }
     return out;
   }
+  std::vector<int64_t> rows(kBlock);
   std::vector<uint8_t> pass(kBlock);
   for (int64_t i0 = ca; i0 < cz; i0 += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, cz - i0);
-    eval_rows(bank, W, ops, prog_rows, L, T, b, cand.data() + i0, n, widx.data(), stack.data(), pass.data());
+    std::copy(cand + i0, cand + i0 + n, rows.begin());
+    eval_rows(bank, W, ops, prog_rows, L, T, b, rows.data(), n, widx.data(), stack.data(), pass.data());
     for (int64_t i = 0; i < n; ++i)
-      if (pass[i]) out.push_back(cand[i0 + i]);
+      if (pass[i]) out.push_back(rows[i]);
   }
   return out;
 }
@@ -330,12 +333,13 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     int64_t g, a, z;  // words [a, z) of the pool, or entries [a, z) of the group's list rows
   };
   std::vector<Task> tasks;
-  std::vector<std::vector<int64_t>> cand(groups.size());  // each posting-list group's rows
+  std::vector<ListRows> cand(groups.size());  // each posting-list group's rows
+  std::vector<std::vector<int32_t>> merged(groups.size());
   int64_t work = 0;  // words evaluated, or posting-list entries (one word gathered each)
   for (size_t g = 0; g < groups.size(); ++g) {
     const bool posting = lists[groups[g] * T2] != kNoLists;
-    if (posting) cand[g] = list_rows(lists, T2, groups[g], post_rows, post_off);
-    const int64_t n = posting ? int64_t(cand[g].size()) : W, step = posting ? 1 : kBlock;
+    if (posting) cand[g] = list_rows(lists, T2, groups[g], post_rows, post_off, merged[g]);
+    const int64_t n = posting ? cand[g].n : W, step = posting ? 1 : kBlock;
     const int64_t slices = split && n >= kMinSliceWords ? threads : 1;
     for (int64_t s = 0; s < slices; ++s)  // slices of whole blocks (pool words)
       tasks.push_back({int64_t(g), n * s / slices / step * step, s + 1 == slices ? n : n * (s + 1) / slices / step * step});
@@ -347,7 +351,7 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     for (int64_t t = t0; t < t1; ++t) {
       const Task& tk = tasks[t];
       const int64_t b = groups[tk.g];
-      part[t] = lists[b * T2] != kNoLists ? list_passing_rows(bank, W, ops, prog, L, T, b, cand[tk.g], tk.a, tk.z)
+      part[t] = lists[b * T2] != kNoLists ? list_passing_rows(bank, W, ops, prog, L, T, b, cand[tk.g].rows, tk.a, tk.z)
                                           : pool_passing_rows(bank, W, N, ops, prog, L, T, b, tk.a, tk.z);
     }
   });
