@@ -103,7 +103,8 @@ ListRows list_rows(const int64_t* lists, int64_t T2, int64_t b, const int32_t* p
 // The rows of cand[ca, cz) (ascending) that pass group representative b's program, ascending. Rows
 // dense in their words' range (at least one per kDenseListWords words) are read from the program run
 // over that range's words, a block at a time, as the whole-pool route does; sparse rows gather their own
-// words (a list of 24k rows over 15.6k words: 0.2 ms gathered, where the pool's words took 0.07).
+// words (a 3-value AND whose rarest value has a list of 24k rows, 1M rows: 0.32 ms gathered on one thread,
+// 0.21 ms now, the whole-pool route 0.18 ms). Lists are ascending (publish/postings.py).
 std::vector<int64_t> list_passing_rows(const int64_t* bank, int64_t W, const int64_t* ops, const int64_t* prog_rows,
                                        int64_t L, int64_t T, int64_t b, const int32_t* cand, int64_t ca, int64_t cz) {
   std::vector<int64_t> out;
@@ -114,8 +115,10 @@ std::vector<int64_t> list_passing_rows(const int64_t* bank, int64_t W, const int
     for (int64_t w0 = w_first, i = ca; w0 < w_end; w0 += kBlock) {
       const int64_t n = std::min(kBlock, w_end - w0);
       eval_block(bank, W, ops, prog_rows, L, T, b, w0, nullptr, n, stack.data());
-      for (; i < cz && (cand[i] >> 6) < w0 + n; ++i)
-        if ((uint64_t(stack[(cand[i] >> 6) - w0]) >> (cand[i] & 63)) & 1) out.push_back(cand[i]);
+      for (; i < cz && (cand[i] >> 6) < w0 + n; ++i) {
+        const int64_t wi = (cand[i] >> 6) - w0;  // >= 0 for an ascending list; never read before the block
+        if (wi >= 0 && (uint64_t(stack[wi]) >> (cand[i] & 63)) & 1) out.push_back(cand[i]);
+      }
     }
     return out;
   }
@@ -325,8 +328,7 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
   for (int64_t b : live)
     if (rep[b] == b) groups.push_back(b);
   // tasks: a slice of a group's posting-list rows, or of the pool's words for a whole-pool group (a
-  // group's evaluation is split when there are fewer groups than threads: a list of 24k rows took 0.2 ms
-  // on one thread while the other waited)
+  // group's evaluation is split when there are fewer groups than threads)
   const int64_t threads = team_threads();
   const bool split = int64_t(groups.size()) < threads;
   struct Task {
