@@ -88,6 +88,20 @@ def dot_lanes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return lane[..., 0]
 
 
+def centroid_scores(centroids: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """The probe scores: centroids float32 [C, D], queries float32 [B, D] -> float32 [B, C], <q, c>.
+
+    On the CPU in `dot_lanes`'s order, the bits kernels/csrc/centroid_probe.cpp ranks by (it scores only
+    the centroids an int8 screen cannot rule out, and needs an order it can reproduce per centroid: an
+    MKL sgemm's sums depend on the matrix shapes). On CUDA one matmul: cuBLAS's sums (the GPU never
+    matched the CPU's bits; tests/gpu compare probes on data without near ties)."""
+    if queries.is_cuda:
+        return (centroids @ queries.t()).t()
+    rows = max(1, (1 << 22) // max(1, queries.shape[0] * queries.shape[1]))  # [B, rows, D] products at a time
+    return torch.cat([dot_lanes(queries[:, None, :], centroids[None, i : i + rows])
+                      for i in range(0, centroids.shape[0], rows)], dim=1)
+
+
 def cluster_bias(
     cluster_scores: torch.Tensor, query_scale: torch.Tensor, scale: torch.Tensor, visited: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

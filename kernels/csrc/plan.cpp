@@ -1,151 +1,26 @@
 // silverrec::filter_plan CPU path: the filtered IVF search's per-query routing in one call.
 //
 // Same decisions, in the same float32 arithmetic, as kernels/filter_plan.py `filter_plan_torch`
-// (the reference and the CUDA path): posting route, centroid candidates (one at::mm, so the
-// scores are bit-identical; best first, ties to the lower cluster), the filter with per-cluster
+// (the reference and the CUDA path): posting route, centroid candidates (centroid_probe.cpp: the
+// reference's scores, bit-identical; best first, ties to the lower cluster), the filter with per-cluster
 // match counts on the candidates (bloom_filter_counts), widening, and the whole-pool switch. One
 // call replaces some thirty small tensor ops, and a batch that takes the posting route or is
 // unprobed by its mode (the caller's estimate, silverrec/retrieval/filtered_search.py) computes no
 // centroid scores and evaluates no cluster at all.
 #include "tensor.h"
-#include <c10/core/InferenceMode.h>
-#include <omp.h>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <limits>
-#include <numeric>
 #include <tuple>
 #include <vector>
 
 #include "program.h"
 #include "scan.h"
-#include "team.h"
-#include "topk_state.h"
 
 namespace silverrec {
 
-// libtorch's MKL, where torch was built with it (weak: absent from other builds): this thread's own count,
-// which overrides the process-wide one torch.set_num_threads sets (0: none of its own)
-extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // mkl.h: mkl_set_num_threads_local
-
-namespace {
-// BLAS calls on this thread use one thread while it lives: MKL's thread-local count, and the OpenMP
-// count of this thread (MKL without a count of its own and OpenMP BLAS builds read it).
-struct OneBlasThread {
-  const int omp_before = omp_get_max_threads();
-  const int mkl_before = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
-  OneBlasThread() { omp_set_num_threads(1); }
-  ~OneBlasThread() {
-    omp_set_num_threads(omp_before);
-    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(mkl_before);
-  }
-};
-}  // namespace
-
-// centroids @ queries^T float32 [C, B], as one at::mm computes it, in blocks of centroid rows shared with
-// the team's helpers (team.h), each block one single-threaded at::mm. MKL splits this form's rows between
-// its own threads and gives the same bits at any thread count (tests/test_team.py checks the blocks
-// against one at::mm); run as one mm it took 220 us on one thread at C 4000, B 16, D 128, and 270-290 us on
-// two under PASSIVE (its sleeping worker's wakes), ~40% of an unfiltered nprobe-4 search.
-at::Tensor centroid_scores(const at::Tensor& centroids, const at::Tensor& queries) {
-  const int64_t C = centroids.size(0), B = queries.size(0);
-  const at::Tensor qt = queries.t();
-  at::Tensor out = at::empty({C, B}, centroids.options());
-  constexpr int64_t kRows = 128;  // rows a block (a multiple of MKL's 16-row panels)
-  const int64_t blocks = (C + kRows - 1) / kRows;
-  const bool inference = c10::InferenceMode::is_enabled();
-  float* o = out.data_ptr<float>();
-  team_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    OneBlasThread one;
-    c10::InferenceMode mode(inference);
-    const int64_t lo = b0 * kRows, hi = std::min(C, b1 * kRows);
-    at::Tensor dst = at::from_blob(o + lo * B, {hi - lo, B}, centroids.options());
-    at::mm_out(dst, centroids.narrow(0, lo, hi - lo), qt);
-  });
-  return out;
-}
-
 namespace {
 constexpr int64_t kModeAuto = 0, kModeProbed = 1, kModeUnprobed = 2;
-constexpr int64_t kInsertMax = 16;  // candidates up to which the top-P is kept by insertion (beyond: select + sort)
-#if defined(__AVX2__)
-// Queries b0 .. b0 + 7 whose score of a centroid (row[b]) beats their threshold: an 8-bit mask.
-inline int beats8(const float* row, const float* thr) {
-  return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row), _mm256_loadu_ps(thr), _CMP_GT_OQ));
-}
-#endif
-
-// The best P (<= kInsertMax) centroids of each probing query from the scores sc float32 [C, B]
-// (row c: every query's score of centroid c), best first, equal scores to the lower centroid:
-// cand[b * P + j]. One pass over the rows: each query's P-th best score is its threshold, a whole
-// row is compared against the thresholds at once, and the few centroids that beat one are inserted.
-// The same comparisons, in the same order per query, as one insertion pass per query.
-void top_p_rows(const float* sc, int64_t C, int64_t B, int64_t P, const std::vector<int64_t>& probing,
-                int64_t* cand) {
-  std::vector<float> best(B * P), thr(B, std::numeric_limits<float>::infinity());  // +inf: never beaten
-  auto insert = [&](int64_t b, int64_t c, int64_t held) {
-    float* bs = best.data() + b * P;
-    int64_t* id = cand + b * P;
-    const float s = sc[c * B + b];
-    int64_t j = held < P ? held : P - 1;
-    for (; j > 0 && bs[j - 1] < s; --j) {
-      bs[j] = bs[j - 1];
-      id[j] = id[j - 1];
-    }
-    bs[j] = s;
-    id[j] = c;
-  };
-  for (int64_t c = 0; c < P; ++c)  // the first P fill the lists
-    for (int64_t b : probing) insert(b, c, c);
-  for (int64_t b : probing) thr[b] = best[b * P + P - 1];
-  for (int64_t c = P; c < C; ++c) {
-    const float* row = sc + c * B;
-    int64_t b = 0;
-#if defined(__AVX2__)
-    for (; b + 8 <= B; b += 8)
-      for (int m = beats8(row + b, thr.data() + b); m; m &= m - 1) {
-        const int64_t q = b + __builtin_ctz(m);
-        insert(q, c, P);
-        thr[q] = best[q * P + P - 1];
-      }
-#endif
-    for (; b < B; ++b)
-      if (row[b] > thr[b]) {
-        insert(b, c, P);
-        thr[b] = best[b * P + P - 1];
-      }
-  }
-}
-
-// The best P centroids of each probing query (cand[b * P + j], best first, equal scores to the lower
-// centroid) from the scores sc float32 [C, B]: by insertion up to kInsertMax, else a selection and a
-// sort of the selected.
-void top_candidates(const float* sc, int64_t C, int64_t B, int64_t P, const std::vector<int64_t>& probing,
-                    int64_t* cand) {
-  if (P <= kInsertMax) return top_p_rows(sc, C, B, P, probing, cand);
-  // as the scan's sort keys (topk_state.h): the score's bits made to order as signed ints in the high
-  // half, the centroid in the low half, so that one vectorised selection and one radix sort of
-  // distinct int64 keys give the order (higher score, then lower centroid) without a comparator
-  std::vector<int64_t> keys(C), scratch;
-  std::vector<uint64_t> tmp;
-  for (int64_t b : probing) {
-    for (int64_t c = 0; c < C; ++c) {
-      const float x = sc[c * B + b] + 0.0f;  // -0 as +0: equal scores, equal keys' high halves
-      int32_t bits;
-      std::memcpy(&bits, &x, 4);
-      keys[c] = make_key(bits < 0 ? bits ^ 0x7FFFFFFF : bits, c);
-    }
-    select_top(keys.data(), C, P, scratch);
-    sort_keys_descending(keys.data(), P, tmp);
-    for (int64_t j = 0; j < P; ++j) cand[b * P + j] = int64_t{0xFFFFFFFF} - (keys[j] & int64_t{0xFFFFFFFF});
-  }
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
@@ -190,11 +65,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
   for (int64_t b : probing) need_counts |= md[b] != kModeProbed;
   const bool unmasked = !mask_if_unused && !need_counts && program::pushes_nothing(ops.data_ptr<int64_t>(), ops.numel());
   if (probing.empty() && !mask_if_unused) return {probes, at::Tensor(), route};  // every query on posting lists
-  // the reference's scores: centroids @ queries^T, [C, B]
-  const at::Tensor scores = probing.empty() ? at::Tensor() : centroid_scores(centroids, queries);
   if (unmasked) {
     std::vector<int64_t> top(B * nprobe, -1);
-    top_candidates(scores.data_ptr<float>(), C, B, nprobe, probing, top.data());
+    centroid_candidates(centroids, queries, nprobe, probing, top.data());
     for (int64_t b : probing) std::copy(top.begin() + b * nprobe, top.begin() + (b + 1) * nprobe, pr + b * P);
     return {probes, at::Tensor(), route};
   }
@@ -203,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
   std::fill(lo_t.data_ptr<int64_t>(), lo_t.data_ptr<int64_t>() + B * P, int64_t{-1});
   std::fill(hi_t.data_ptr<int64_t>(), hi_t.data_ptr<int64_t>() + B * P, int64_t{0});
   if (!probing.empty()) {
-    top_candidates(scores.data_ptr<float>(), C, B, P, probing, cand.data());
+    centroid_candidates(centroids, queries, P, probing, cand.data());
     int64_t *lo = lo_t.data_ptr<int64_t>(), *hi = hi_t.data_ptr<int64_t>();
     for (int64_t b : probing)
       for (int64_t j = b * P; j < (b + 1) * P; ++j) {

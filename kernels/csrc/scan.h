@@ -187,6 +187,12 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
                    const int32_t* row_cluster, const float* terms, const int32_t* bias, int64_t B,
                    const int64_t* members, int mn, const int8_t* qcodes);
 
+// The best P centroids of each probing query b (centroid_probe.cpp): cand[b * P + j], best first by float32
+// <q, c> in dot_lanes's order, equal scores to the lower centroid. centroids float32 [C, D], queries float32
+// [B, D], both contiguous; screen false: every score computed (the tests' second path).
+void centroid_candidates(const at::Tensor& centroids, const at::Tensor& queries, int64_t P,
+                         const std::vector<int64_t>& probing, int64_t* cand, bool screen = true);
+
 // silverrec::filter_plan: (probes int64 [B, P], bitmask int64 [B, P, Wc], route int64 [B]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
     const at::Tensor& queries, const at::Tensor& centroids, const at::Tensor& cluster_offsets, const at::Tensor& bits,
