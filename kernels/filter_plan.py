@@ -13,7 +13,7 @@
 
 The decisions, per query (the module docstring of silverrec/retrieval/filtered_ivf.py explains why):
 posting route when the lists hold <= posting_limit rows (not in probed mode); otherwise the
-`max_probe` best centroids by inner product (`common.centroid_scores`; ties to the lower cluster), the filter and its match
+`max_probe` best centroids by inner product (silverrec::centroid_candidates, kernels/centroid_probe.py), the filter and its match
 count on each, the shortest prefix holding target = k x match_factor / sqrt(d) matches, d = the
 candidates' match density (matches / rows; at least nprobe clusters, exactly nprobe in probed
 mode), and the whole-pool route when even all candidates hold fewer, or when the prefix would scan
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from silverrec.kernels.common import centroid_scores
+from silverrec.kernels.centroid_probe import centroid_candidates_torch
 from silverrec.kernels.cpu_ext import cpu_ext
 
 
@@ -46,8 +46,7 @@ def filter_plan_torch(
     n_lists = post_sizes.shape[0] - 1
     sizes_l = post_sizes[torch.where(lists >= 0, lists, torch.full_like(lists, n_lists))].sum(dim=1)
     posting = (lists[:, 0] != -2) & (sizes_l <= posting_limit) & (mode_t != 1)
-    scores = centroid_scores(centroids, queries)  # [B, C], the bits plan.cpp ranks by
-    cand = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :max_probe]  # ties: lower cluster
+    cand = centroid_candidates_torch(queries, centroids, max_probe)  # [B, P] best first, ties to the lower cluster
     skip = posting | (mode_t == 2)  # posting route, or whole pool by the caller's choice: no candidates
     lo = torch.where(skip[:, None], torch.full_like(cand, -1), cluster_offsets[cand])  # -1: not evaluated
     hi = cluster_offsets[cand + 1]

@@ -1,12 +1,11 @@
 """Triton path of `silverrec::filter_plan` on CUDA (the contract is in kernels/filter_plan.py).
 
 `filter_plan_torch` issues some seventy small launches per batch (benchmarks/cuda_launches.py).
-Here the centroid scores stay one call (`common.centroid_scores`: one matmul on CUDA) and the candidate
-selection one stable sort (ties to the lower cluster, as plan.cpp), and everything else is two Triton kernels with one program per query
-around the Triton `bloom_filter_counts` (13 launches in all):
+Here the candidates stay the reference's call (`centroid_candidates_torch`: one matmul on CUDA and one
+stable sort, ties to the lower cluster, as plan.cpp), and everything else is two Triton kernels with one
+program per query around the Triton `bloom_filter_counts` (13 launches in all):
 
-    scores = centroid_scores(centroids, queries)        # float32 [B, C], the reference's call
-    cand   = stable sort of scores, first max_probe     # int64 [B, P], best first
+    cand = centroid_candidates_torch(queries, centroids, max_probe)   # int64 [B, P], best first
     _plan_ranges_kernel:  posting route (sum of the query's list sizes <= posting_limit, not
                           probed mode) -> route 2; row ranges [lo, hi) of the candidates
                           (lo = -1: not evaluated, for posting and unprobed-mode queries)
@@ -29,7 +28,7 @@ import triton
 import triton.language as tl
 
 from silverrec.kernels.bloom_filter_triton import bloom_filter_counts_triton
-from silverrec.kernels.common import centroid_scores
+from silverrec.kernels.centroid_probe import centroid_candidates_torch
 
 
 @triton.jit
@@ -126,8 +125,7 @@ def filter_plan_triton(
     """
     B, P = queries.shape[0], max_probe
     dev = queries.device
-    scores = centroid_scores(centroids, queries)  # [B, C]: the reference's call, so the scores are bit-identical
-    cand = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :P].contiguous()  # ties: lower cluster
+    cand = centroid_candidates_torch(queries, centroids, P)  # [B, P]: the reference's call, so the same candidates
     lo = torch.empty((B, P), dtype=torch.int64, device=dev)
     hi = torch.empty((B, P), dtype=torch.int64, device=dev)
     route = torch.empty((B,), dtype=torch.int64, device=dev)

@@ -82,16 +82,3 @@ def test_a_forked_child_gets_its_own_team(pin):
     child.start()
     child.join(timeout=60)
     assert child.exitcode == 0 and queue.get(timeout=5) is True
-
-
-@pytest.mark.parametrize("c, d, b", [(4000, 128, 16), (3999, 96, 7), (4000, 96, 1), (1000, 64, 64), (300, 32, 3)])
-def test_centroid_scores_in_blocks_equal_one_mm_bit_for_bit(c, d, b, team_mode):
-    """filter_plan's probe choice is the reference's (kernels/filter_plan.py) only if its scores are the same bits:
-    blocks of centroid rows on the team, each its own at::mm, against one torch.mm, in and out of inference mode."""
-    torch.set_num_threads(torch.get_num_threads())  # as benchmarks do: MKL then has a process-wide count of its own
-    g = torch.Generator().manual_seed(c + d + b)
-    centroids, queries = torch.randn(c, d, generator=g), torch.randn(b, d, generator=g)
-    want = torch.mm(centroids, queries.t())
-    assert torch.equal(EXT.centroid_scores(centroids, queries), want)
-    with torch.inference_mode():
-        assert torch.equal(EXT.centroid_scores(centroids, queries), want)

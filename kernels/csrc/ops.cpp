@@ -606,7 +606,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "1 the team, each step of several chunks waiting for a helper to take one; 2 OpenMP (team.h)", py::arg("pin"));
   m.def("parallel_runner", &silverrec::parallel_runner, "who runs the ops' parallel steps: team, openmp or alone");
   m.def("team_helper_chunks", &silverrec::team_helper_chunks, "chunks of the ops' steps run on helper threads so far");
-  m.def("centroid_candidates", [](const at::Tensor& centroids, const at::Tensor& queries, int64_t P, bool screen) {
+  m.def("centroid_candidates", [](const at::Tensor& queries, const at::Tensor& centroids, int64_t P, bool screen) {
           const at::Tensor c = centroids.contiguous(), q = queries.contiguous();
           at::Tensor out = at::empty({q.size(0), P}, at::kLong);
           std::vector<int64_t> all(q.size(0));
@@ -614,7 +614,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           centroid_candidates(c, q, P, all, out.data_ptr<int64_t>(), screen);
           return out;
         }, "each query's best P centroids int64 [B, P] as filter_plan picks them (centroid_probe.cpp); screen "
-        "false: every score computed", py::arg("centroids"), py::arg("queries"), py::arg("P"), py::arg("screen") = true, nogil);
+        "false: every score computed", py::arg("queries"), py::arg("centroids"), py::arg("P"), py::arg("screen") = true, nogil);
   m.def("team_probe", &silverrec::team_probe, "tests: the thread that ran each index of a team_for (team.h)",
         py::arg("n"), py::arg("grain"), py::arg("throw_at") = -1, nogil);
   m.def("isa", &isa, "the instruction set of this build's kernels (avx512-vnni, avx512, avx2, sse)");

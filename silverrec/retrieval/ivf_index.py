@@ -95,9 +95,9 @@ class Int8IVFIndex(nn.Module):
         return x
 
     def probe(self, queries: torch.Tensor, nprobe: int) -> torch.Tensor:
-        """queries float [B, D] -> probes int64 [B, nprobe]: cluster ids by descending dot product
-        (scores as centroids @ queries^T, the same call as silverrec::filter_plan's)."""
-        return torch.topk((self.centroids @ queries.float().t()).t(), nprobe, dim=1).indices
+        """queries float [B, D] -> probes int64 [B, nprobe]: cluster ids by descending dot product, ties to the
+        lower cluster (silverrec::centroid_candidates, the op that picks silverrec::filter_plan's)."""
+        return torch.ops.silverrec.centroid_candidates(queries.float(), self.centroids, nprobe)
 
     def scan(
         self, queries: torch.Tensor, probes: torch.Tensor, k: int, bitmask: Optional[torch.Tensor] = None

@@ -93,7 +93,7 @@ def routed_rows(centroids: Optional[torch.Tensor], owned: Optional[Sequence[int]
     nprobe = options.get("nprobe") or default_nprobe
     if isinstance(nprobe, bool) or not isinstance(nprobe, int) or not 1 <= nprobe <= centroids.shape[0]:
         return None  # the shard's handler names the bad value
-    probes = torch.topk((centroids @ queries.t()).t(), nprobe, dim=1).indices  # [B, nprobe], as filter_plan scores
+    probes = torch.ops.silverrec.centroid_candidates(queries, centroids, nprobe)  # [B, nprobe]: the shards' probes
     mine = torch.zeros(centroids.shape[0], dtype=torch.bool)
     mine[torch.as_tensor(list(owned), dtype=torch.int64)] = True
     return mine[probes].any(dim=1)
