@@ -14,9 +14,14 @@
 //   <q, c> >= the P-th largest score >= T, so approx + err >= T: the survivors (approx + err >= T)
 //   hold every centroid of the top P, and every one tied with its last. Scoring the survivors exactly
 //   gives the same P, in the same order, as scoring all of them.
+// Builds without AVX512-VNNI (AVX2: vpmaddwd does no more multiply-adds an instruction than an FMA) screen
+// with a BLAS sgemm instead, whose sums (any order, fused or not) lie within gamma x |q|_inf |c|_1 of the
+// exact ones: the same survivors' logic, at the sgemm's speed.
 #include "tensor.h"
 
+#include <c10/core/InferenceMode.h>
 #include <c10/util/intrusive_ptr.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -40,6 +45,11 @@
 #include "widen.h"
 
 namespace silverrec {
+
+// libtorch's MKL, where torch was built with it (weak: absent from other builds): this thread's own count,
+// which overrides the process-wide one torch.set_num_threads sets (0: none of its own)
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // mkl.h: mkl_set_num_threads_local
+
 namespace {
 
 constexpr int64_t kInsertMax = 16;  // candidates up to which the top-P is kept by insertion (beyond: select + sort)
@@ -145,7 +155,7 @@ bool quantize_rows(const float* x, int64_t n, int64_t D, int8_t* codes, float* s
   return finite;
 }
 
-// A centroid matrix's int8 codes (quantize_rows) as 16-row tiles, kept for as long as its tensor lives
+// A centroid matrix's int8 codes (quantize_rows) as 16-row tiles (VNNI builds), kept for as long as its tensor lives
 // unchanged: tile t holds centroids 16t .. 16t + 15 as [G][16][4] bytes (G = ceil(D / 4); group g of row l
 // at [g][l]: one vector per group, each lane a row's 4 bytes, the VNNI operand), each byte flipped to u8
 // (code + 128: vpdpbusd multiplies unsigned by signed bytes); rows past C and dimensions past D code 0.
@@ -159,7 +169,7 @@ struct CentroidCodes {
 
   explicit CentroidCodes(const at::Tensor& t)
       : source(t.getIntrusivePtr()), data(t.data_ptr()), version(t.is_inference() ? -1 : t._version()),
-        C(t.size(0)), D(t.size(1)), G((D + 3) / 4), tiles((C + kTile - 1) / kTile), packed(tiles * G * 64, 0x80),
+        C(t.size(0)), D(t.size(1)), G((D + 3) / 4), tiles((C + kTile - 1) / kTile), packed(SILVERREC_VNNI ? tiles * G * 64 : 0, 0x80),
         scale(tiles * kTile, 0.0f), l1(tiles * kTile, 0.0f), amax(tiles * kTile, 0.0f), finite(true) {
     const float* x = t.data_ptr<float>();
     std::vector<char> ok(tiles, 1);
@@ -168,6 +178,7 @@ struct CentroidCodes {
       for (int64_t ti = t0; ti < t1; ++ti) {
         const int64_t r0 = ti * kTile, n = std::min<int64_t>(kTile, C - r0);
         ok[ti] = quantize_rows(x + r0 * D, n, D, codes.data(), scale.data() + r0, l1.data() + r0, amax.data() + r0);
+        if (!SILVERREC_VNNI) continue;  // the BLAS screen reads the floats (and l1, amax) only
         uint8_t* tile = packed.data() + ti * G * 64;
         for (int64_t l = 0; l < n; ++l)
           for (int64_t d = 0; d < D; ++d) tile[(d / 4) * 64 + l * 4 + d % 4] = uint8_t(codes[l * D + d] ^ 0x80);
@@ -259,7 +270,6 @@ struct QueryCodes {
 static inline void dpbusd_bcast(__m512i& acc, __m512i v, const int32_t* b) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(v), "m"(*b));
 }
-#endif
 
 // The screen of one tile (16 centroids) against the first J queries of the block from q0 (a multiple of 16):
 // lo / hi [.., stride] rows q0 + j, columns 16t .. 16t + 15, the bounds of <q_j, c>.
@@ -269,7 +279,6 @@ void screen_tile(const CentroidCodes& cc, int64_t t, const QueryCodes& qc, int64
   const int64_t G = cc.G;
   alignas(64) int32_t dots[J][kTile];
   const int32_t* qg = qc.qg.data() + q0 * G;  // the block's [G][16]
-#if SILVERREC_VNNI
   const uint8_t* tile = cc.packed.data() + t * G * 64;
   __m512i acc[J];
 #pragma GCC unroll 16
@@ -282,19 +291,6 @@ void screen_tile(const CentroidCodes& cc, int64_t t, const QueryCodes& qc, int64
 #pragma GCC unroll 16
   for (int j = 0; j < J; ++j)
     _mm512_store_si512(dots[j], _mm512_sub_epi32(acc[j], _mm512_set1_epi32(qc.corr[q0 + j])));
-#else
-  const uint8_t* tile = cc.packed.data() + t * G * 64;
-  for (int j = 0; j < J; ++j)
-    for (int l = 0; l < kTile; ++l) {
-      int32_t sum = 0;
-      for (int64_t g = 0; g < G; ++g) {
-        const int32_t w = qg[g * kTile + j];
-        for (int b = 0; b < 4; ++b)
-          sum += int32_t(int8_t(tile[g * 64 + l * 4 + b] ^ 0x80)) * int32_t(int8_t(uint32_t(w) >> (8 * b)));
-      }
-      dots[j][l] = sum;
-    }
-#endif
   const int64_t c0 = t * kTile;
   const float *scr = cc.scale.data() + c0, *l1r = cc.l1.data() + c0;
   const int live = int(std::min<int64_t>(kTile, cc.C - c0));  // rows past C: never candidates
@@ -313,6 +309,49 @@ void screen_tile(const CentroidCodes& cc, int64_t t, const QueryCodes& qc, int64
     for (int l = live; l < kTile; ++l) lr[l] = hr[l] = -std::numeric_limits<float>::infinity();
   }
 }
+
+#else
+// BLAS calls on this thread use one thread while it lives: MKL's thread-local count, and the OpenMP
+// count of this thread (MKL without a count of its own and OpenMP BLAS builds read it).
+struct OneBlasThread {
+  const int omp_before = omp_get_max_threads();
+  const int mkl_before = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
+  OneBlasThread() { omp_set_num_threads(1); }
+  ~OneBlasThread() {
+    omp_set_num_threads(omp_before);
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(mkl_before);
+  }
+};
+
+// The screen without VNNI: lo / hi [Qp, Cp] from the scores of q float32 [Q, D] by sgemm, in blocks of
+// centroid rows on the team, each one single-threaded call; the bound gamma x |q|_inf |c|_1 covers any
+// summation order of the sgemm and of dot_lanes, with spare.
+void screen_blas(const at::Tensor& centroids, const float* q, const CentroidCodes& cc, const QueryCodes& qc,
+                 int64_t Q, float* lo, float* hi, int64_t Cp) {
+  const int64_t C = cc.C, D = cc.D;
+  const at::Tensor qm = at::from_blob(const_cast<float*>(q), {Q, D}, at::kFloat);
+  const float gamma = float((D + D / 16 + 16) * 1.2e-7);
+  const bool inference = c10::InferenceMode::is_enabled();
+  constexpr int64_t kRows = 128;  // rows a block (a multiple of MKL's 16-row panels)
+  team_for(0, (C + kRows - 1) / kRows, 1, [&](int64_t b0, int64_t b1) {
+    OneBlasThread one;
+    c10::InferenceMode mode(inference);
+    const int64_t c0 = b0 * kRows, c1 = std::min(C, b1 * kRows);
+    at::Tensor out = at::from_blob(lo + c0, {Q, c1 - c0}, {Cp, 1}, at::kFloat);
+    at::mm_out(out, qm, centroids.narrow(0, c0, c1 - c0).t());
+    for (int64_t i = 0; i < Q; ++i)
+      for (int64_t c = c0; c < c1; ++c) {
+        const float a = lo[i * Cp + c];
+        const float e = gamma * (qc.amax[i] * cc.l1[c]) + 1e-6f * std::fabs(a);
+        lo[i * Cp + c] = a - e;
+        hi[i * Cp + c] = a + e;
+      }
+  });
+  for (int64_t i = 0; i < Q; ++i)  // rows past C: never candidates
+    std::fill(lo + i * Cp + C, lo + (i + 1) * Cp, -std::numeric_limits<float>::infinity()),
+        std::fill(hi + i * Cp + C, hi + (i + 1) * Cp, -std::numeric_limits<float>::infinity());
+}
+#endif
 
 // The P-th largest of x[0, n) (P <= n): by insertion into a sorted P-list with a vector pre-test (P <=
 // kInsertMax), else a selection of the orderable keys.
@@ -388,6 +427,7 @@ void centroid_candidates(const at::Tensor& centroids, const at::Tensor& queries,
   // 1. the screen: lower and upper bounds of every score, [Qp, Cp] (query i's row: all centroids)
   const int64_t tiles = cc->tiles, Cp = tiles * kTile;
   std::unique_ptr<float[]> lo(new float[Qp * Cp]), hi(new float[Qp * Cp]);
+#if SILVERREC_VNNI
   const float slack = float((D / 16 + 8) * 1.2e-7);  // dot_lanes: D/16 + 4 rounded adds per product, and spare
   team_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
@@ -400,6 +440,9 @@ void centroid_candidates(const at::Tensor& centroids, const at::Tensor& queries,
         else screen_tile<1>(*cc, t, *qc, q0, slack, lo.get(), hi.get(), Cp);
       }
   });
+#else
+  screen_blas(centroids, q.data(), *cc, *qc, Q, lo.get(), hi.get(), Cp);
+#endif
   // 2. per query: the threshold (its P-th largest lower bound), the survivors (upper bound >= it) scored
   // exactly, and the best P of them in the reference's order
   team_for(0, Q, 1, [&](int64_t i0, int64_t i1) {
