@@ -111,6 +111,17 @@ def test_values_outside_the_bound_take_the_exact_path():
 
 
 @needs_ext
+@pytest.mark.parametrize("where", ["query", "centroid"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values_take_the_exact_path(where, bad):
+    """A NaN or an infinity anywhere: no screen (its bound would not hold), the exact path's answer."""
+    g = torch.Generator().manual_seed(6)
+    centroids, q = torch.randn(500, 48, generator=g), torch.randn(5, 48, generator=g)
+    (q if where == "query" else centroids)[2, 7] = bad
+    assert torch.equal(EXT.centroid_candidates(q, centroids, 4), EXT.centroid_candidates(q, centroids, 4, False))
+
+
+@needs_ext
 def test_codes_follow_the_centroids():
     """The int8 codes are cached per centroid tensor: changed in place (its version moves) or replaced, the
     candidates follow; inference tensors (no version count) are coded afresh on each call."""

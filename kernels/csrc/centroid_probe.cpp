@@ -140,7 +140,7 @@ bool quantize_rows(const float* x, int64_t n, int64_t D, int8_t* codes, float* s
       m = std::max(m, std::fabs(r[d]));
       sum += std::fabs(r[d]);
     }
-    finite &= std::isfinite(m);
+    finite &= std::isfinite(sum);  // (not m: std::max passes over a NaN)
     const float s = m / 127.0f;
     int8_t* q = codes + i * D;
     if (s > 0.0f && std::isfinite(s)) {
@@ -165,6 +165,7 @@ struct CentroidCodes {
   int64_t version, C, D, G, tiles;
   std::vector<uint8_t> packed;         // [tiles][G][16][4]
   std::vector<float> scale, l1, amax;  // [tiles * 16], zeros past C
+  float max_l1;                        // the largest |c|_1
   bool finite;
 
   explicit CentroidCodes(const at::Tensor& t)
@@ -185,6 +186,7 @@ struct CentroidCodes {
       }
     });
     finite = std::all_of(ok.begin(), ok.end(), [](char v) { return v != 0; });
+    max_l1 = *std::max_element(l1.begin(), l1.end());
   }
 
   bool same(const at::Tensor& t) const {
@@ -411,9 +413,8 @@ void centroid_candidates(const at::Tensor& centroids, const at::Tensor& queries,
     cc = codes_of(centroids);
     qc.reset(new QueryCodes(q.data(), Q, Qp, D));
     // no product and no sum may overflow (the bound would not hold): |q|_inf |c|_1 well inside float
-    const float cl1 = *std::max_element(cc->l1.begin(), cc->l1.end());
     screened = cc->finite && qc->finite;
-    for (int64_t i = 0; i < Q && screened; ++i) screened &= qc->amax[i] * cl1 < 1e30f;
+    for (int64_t i = 0; i < Q && screened; ++i) screened &= qc->amax[i] * cc->max_l1 < 1e30f;
   }
   if (!screened) {  // every score exact: [C, Qp], the best P of each column
     std::unique_ptr<float[]> sc(new float[C * Qp]);

@@ -607,6 +607,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_runner", &silverrec::parallel_runner, "who runs the ops' parallel steps: team, openmp or alone");
   m.def("team_helper_chunks", &silverrec::team_helper_chunks, "chunks of the ops' steps run on helper threads so far");
   m.def("centroid_candidates", [](const at::Tensor& queries, const at::Tensor& centroids, int64_t P, bool screen) {
+          TeamCall team;  // the helpers wake once for the call's steps
           const at::Tensor c = centroids.contiguous(), q = queries.contiguous();
           at::Tensor out = at::empty({q.size(0), P}, at::kLong);
           std::vector<int64_t> all(q.size(0));
