@@ -1,6 +1,7 @@
 """ANN benchmark: silverrec Int8IVFIndex vs Faiss IVFFlat / IVF-SQ8 and hnswlib, one process.
 
-Two silverrec rows: "silverrec" calls the index module (the scan alone), "silverrec-api" the public
+Two silverrec rows: "silverrec" calls the index module (`Int8IVFIndex.forward`: the probe and the int8
+scan as one op, no float re-score, no request checks), "silverrec-api" the public
 API on a published snapshot of the same index (`silverrec.load(DIR).search(q, k, nprobe=...)`: the
 predictor's checks and request compilation, the root module's forward in the backend the publisher
 measured faster), which is what users get (issue 11: the API's fixed cost).

@@ -333,3 +333,21 @@ def test_predictor_nprobe_validation(tmp_path):
     e_scores, e_ids = rescored(index, q, e_scores, e_rows, 20)
     assert torch.equal(r.item_ids, e_ids)
     torch.testing.assert_close(r.scores, e_scores)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_forward_is_scan_of_probe_bit_for_bit(residual):
+    """forward (one fused op, no filter) == scan(probe) (the two public steps), scores and ids, with k past the
+    probed items and nprobe = nlist; its request row is the filtered search's probed mode."""
+    from silverrec.retrieval.filtered_ivf import MODE_PROBED
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3000, 40, generator=g)
+    index, _ = build_ivf(Pool(np.arange(3000, dtype=np.int64) * 7, x.numpy()), IVFConfig(nlist=24, seed=0, residual=residual))
+    assert int(index.probed) == MODE_PROBED
+    q = torch.randn(9, 40, generator=g)
+    with torch.inference_mode():
+        for k, nprobe in [(1, 1), (10, 3), (100, 8), (500, 2), (3100, 24)]:
+            want = index.scan(q, index.probe(q, nprobe), k)
+            got = index(q, k, nprobe)
+            assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (k, nprobe)
