@@ -110,21 +110,16 @@ void top_p_rows(const float* sc, int64_t C, int64_t B, int64_t P, const std::vec
 void top_candidates(const float* sc, int64_t C, int64_t B, int64_t P, const std::vector<int64_t>& probing,
                     int64_t* cand) {
   if (P <= kInsertMax) return top_p_rows(sc, C, B, P, probing, cand);
-  // as the scan's sort keys (topk_state.h): the score's bits made to order as signed ints in the high
-  // half, the centroid in the low half, so that one vectorised selection and one radix sort of
-  // distinct int64 keys give the order (higher score, then lower centroid) without a comparator
+  // as the scan's sort keys (topk_state.h): the score's ordered bits in the high half, the centroid in the
+  // low half, so that one vectorised selection and one radix sort of distinct int64 keys give the order
+  // (higher score, then lower centroid) without a comparator
   std::vector<int64_t> keys(C), scratch;
   std::vector<uint64_t> tmp;
   for (int64_t b : probing) {
-    for (int64_t c = 0; c < C; ++c) {
-      const float x = sc[c * B + b] + 0.0f;  // -0 as +0: equal scores, equal keys' high halves
-      int32_t bits;
-      std::memcpy(&bits, &x, 4);
-      keys[c] = make_key(bits < 0 ? bits ^ 0x7FFFFFFF : bits, c);
-    }
+    for (int64_t c = 0; c < C; ++c) keys[c] = make_key(ordered_bits(sc[c * B + b]), c);
     select_top(keys.data(), C, P, scratch);
     sort_keys_descending(keys.data(), P, tmp);
-    for (int64_t j = 0; j < P; ++j) cand[b * P + j] = int64_t{0xFFFFFFFF} - (keys[j] & int64_t{0xFFFFFFFF});
+    for (int64_t j = 0; j < P; ++j) cand[b * P + j] = key_row(keys[j]);
   }
 }
 
@@ -380,15 +375,10 @@ float pth_largest(const float* x, int64_t n, int64_t P, std::vector<int64_t>& ke
     return thr;
   }
   keys.resize(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i] + 0.0f;
-    int32_t bits;
-    std::memcpy(&bits, &v, 4);
-    keys[i] = make_key(bits < 0 ? bits ^ 0x7FFFFFFF : bits, i);
-  }
+  for (int64_t i = 0; i < n; ++i) keys[i] = make_key(ordered_bits(x[i]), i);
   select_top(keys.data(), n, P, scratch);
   const int64_t k = *std::min_element(keys.begin(), keys.begin() + P);
-  const int64_t c = int64_t{0xFFFFFFFF} - (k & int64_t{0xFFFFFFFF});
+  const int64_t c = key_row(k);
   return x[c];
 }
 

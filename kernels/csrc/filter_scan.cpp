@@ -493,7 +493,7 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
     for (int64_t b : live) {
       if (mask_group[group_of[rep[b]]] >= 0) continue;
       for (int64_t i = b * k; i < b * k + count[b]; ++i) {  // buffer positions -> pool rows
-        const int64_t pos = int64_t{0xFFFFFFFF} - (kp[i] & int64_t{0xFFFFFFFF});
+        const int64_t pos = key_row(kp[i]);
         kp[i] = (kp[i] & ~int64_t{0xFFFFFFFF}) | (int64_t{0xFFFFFFFF} - buf_row[pos]);
       }
     }

@@ -23,14 +23,6 @@
 namespace silverrec {
 namespace {
 
-// A monotone int32 image of a float that is not NaN (-0 as +0, so that equal floats give equal images).
-inline int32_t ordered_bits(float s) {
-  s += 0.0f;
-  int32_t i;
-  std::memcpy(&i, &s, sizeof(i));
-  return i >= 0 ? i : int32_t(i ^ 0x7FFFFFFF);
-}
-
 inline int32_t int8_dot(const int8_t* q, const int8_t* c, int64_t D) {
   int32_t s = 0;
   for (int64_t d = 0; d < D; ++d) s += int32_t(q[d]) * int32_t(c[d]);
@@ -131,7 +123,7 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
         }
       } else {
         for (int64_t t = 0; t < top; ++t) {
-          const int64_t i = int64_t{0xFFFFFFFF} - (keys[t] & int64_t{0xFFFFFFFF});
+          const int64_t i = key_row(keys[t]);
           so[t] = f[i * 16 + j];
           ro[t] = rows[i];
         }

@@ -48,7 +48,6 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows_with_terms(
     const at::Tensor& queries, const at::Tensor& found, const at::Tensor& codes, const at::Tensor& dim_scale,
     const at::Tensor& dim_offset, int64_t k, const std::optional<at::Tensor>& cluster_offsets,
     const std::optional<at::Tensor>& centroids, const float* terms);
-// kernels/csrc/plan.cpp
 // kernels/csrc/encode.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
     const at::Tensor& rows, const at::Tensor& offsets, int64_t exclude_limit, int64_t history_len, int64_t recent_len,
@@ -236,7 +235,7 @@ inline void decode_key(int64_t key, float mul, float add, float& score, int64_t&
   } else {
     const float prod = float(key >> 32) * mul;
     score = prod + add;
-    row = int64_t{0xFFFFFFFF} - (key & int64_t{0xFFFFFFFF});
+    row = key_row(key);
   }
 }
 

@@ -25,6 +25,18 @@ inline int64_t make_key(int32_t score, int64_t row) {
   return int64_t(score) * (int64_t{1} << 32) + (int64_t{0xFFFFFFFF} - row);
 }
 
+// The row (or position) a key carries: make_key's inverse for its low half.
+inline int64_t key_row(int64_t key) { return int64_t{0xFFFFFFFF} - (key & int64_t{0xFFFFFFFF}); }
+
+// A monotone int32 image of a float that is not NaN (-0 as +0, so that equal floats give equal images):
+// float scores as make_key's score (float_rank.cpp, centroid_probe.cpp).
+inline int32_t ordered_bits(float s) {
+  s += 0.0f;
+  int32_t i;
+  std::memcpy(&i, &s, sizeof(i));
+  return i >= 0 ? i : int32_t(i ^ 0x7FFFFFFF);
+}
+
 #if !defined(__AVX512F__) && defined(__AVX2__)
 // AVX2 has no compress store: vpermd tables that move the 64-bit lanes of a 4-bit mask to the front
 // (>= pivot) or to the back (< pivot) of a 4-lane vector.
