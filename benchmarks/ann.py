@@ -4,7 +4,7 @@ Two silverrec rows: "silverrec" calls the index module (`Int8IVFIndex.forward`: 
 scan as one op, no float re-score, no request checks), "silverrec-api" the public
 API on a published snapshot of the same index (`silverrec.load(DIR).search(q, k, nprobe=...)`: the
 predictor's checks and request compilation, the root module's forward in the backend the publisher
-measured faster), which is what users get (issue 11: the API's fixed cost).
+measured faster), which is what users get (its fixed cost included).
 
 Same data, same queries, same thread count for everyone. Faiss gets the SAME coarse quantiser
 (silverrec's k-means centroids) and the SAME item-to-list assignment (`add_preassigned`), so the
@@ -17,7 +17,7 @@ product with those centroids exactly like silverrec. hnswlib (ip space) builds i
 Prints one table per dataset and writes benchmarks/results/ann.json (ann_quick.json for --quick):
 recall@k against float brute force, latency per batch of 16 (warm-up excluded; median, p20, p80; the
 systems alternated in blocks of 5 calls with the same repeat count, load average recorded per point),
-latency ratio at equal recall, build time, index memory, and the issue's targets met / not met.
+latency ratio at equal recall, build time, index memory, and the targets met / not met.
 `--recall-queries Q` measures recall over Q queries (the first 32 timed, the rest untimed): 32 queries
 are 3,200 neighbours at k 100, too few to compare recalls 0.005 apart. Equal recall is read both
 ways: at each of our points (the fastest SQ8 point reaching our recall) and at each SQ8 point (our

@@ -356,7 +356,7 @@ EQUAL_RECALL_SLACK = 0.005
 
 def conjunction_family(feats: dict, n: int, rng, count: int = 40) -> list[tuple[str, float]]:
     """Random ANDs of 2-3 single frequent values (one per feature): the most common filter shape in
-    recommendation; plus filters for the ends of the issue's range (0.01% to 50%) that random ANDs of
+    recommendation; plus filters for the ends of the measured range (0.01% to 50%) that random ANDs of
     these features miss: the three least frequent values (0.014%), and broad filters (~9%, ~35%, ~67%)."""
     out = []
     names = list(feats)

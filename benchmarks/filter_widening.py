@@ -1,4 +1,4 @@
-"""How many matching items must the probed route collect for filtered recall@100 >= 0.95? (issue 11)
+"""How many matching items must the probed route collect for filtered recall@100 >= 0.95?
 
     .venv/bin/python benchmarks/filter_widening.py [--n 1000000] [--queries 64]
 

@@ -23,7 +23,7 @@ semantic-ID checkpoint (DIR/generative_seed{S}.ckpt).
     python benchmarks/generative_quality.py --hybrid DIR --two-tower 'tt_seed{seed}.ckpt' [--seeds 0 1 2]
         [--validation 'ttv_seed{seed}.ckpt' 'DIRV/generative_seed{seed}.ckpt']
 
-measures the hybrid instead (issue 13: hybrid NDCG@10 >= the better of ANN only and generative
+measures the hybrid instead (target: hybrid NDCG@10 >= the better of ANN only and generative
 only): per seed, benchmarks/recommend.py's `sources_quality` (one hybrid RecModel asked for each
 source per request) over that seed's two-tower checkpoint and DIR/generative_seed{S}.ckpt, on the
 seed's split; mean and std over seeds -> benchmarks/results/generative_quality_hybrid.json. With
@@ -33,7 +33,7 @@ validation split (publish/fusion.py); each row records the choice and its valida
 Popularity is the same list for every user (history excluded). Mean and sample std over seeds
 (each seed: the timestamp tie-break of the logs, the initialisation and the batches).
 
-Target (issue 13): semantic-ID HR@10 >= 0.9 x the item-token decoder's at equal training minutes.
+Target: semantic-ID HR@10 >= 0.9 x the item-token decoder's at equal training minutes.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def reference_rows(args) -> dict[int, dict]:
 
 def hybrid_main(args, towers: list[str]) -> int:
     """HR / NDCG of ANN only, generative only and hybrid per seed (benchmarks/recommend.py
-    `sources_quality`), mean and std over seeds, and the issue-13 verdict on NDCG@10."""
+    `sources_quality`), mean and std over seeds, and the verdict on NDCG@10 (hybrid >= the better source)."""
     from recommend import sources_quality
 
     rows, runs = [], {name: [] for name in ("ann", "generative", "hybrid")}

@@ -1,4 +1,4 @@
-"""Which ranking of the hybrid's union could beat the better source? (issue 13, MovieLens)
+"""Which ranking of the hybrid's union could beat the better source? (MovieLens)
 
     python benchmarks/hybrid_fusions.py --test TT GEN --valid TTV GENV [--seeds 0 1 2]
 
@@ -15,8 +15,8 @@ NDCG@10 / HR@10 mean and sample std over seeds, on both splits:
 - the sources alone, as the snapshot serves them (`fused_topk`: ANN by value; the decode's rows by
   value + 0.5 x log-prob);
 - publish/fusion.py's family: value + w x the log-prob the forward ranks with (exact for the
-  decode's rows and the ANN rows whose prefix its last step extends, else the first code's; until
-  session 12: a missed row at the request's lowest beam log-prob), w in `WEIGHTS`, each priority;
+  decode's rows and the ANN rows whose prefix its last step extends, else the first code's), w in
+  `WEIGHTS`, each priority;
 - reciprocal rank fusion (Cormack et al. 2009; c 10 and 60) of the value ranking of the ANN's rows
   and the log-prob ranking of the decode's rows;
 - value + w x the decoder's full log-prob of every candidate (no lower bound);
@@ -26,7 +26,7 @@ A family beats "the better source" only if it does so on both splits. Writes
 benchmarks/results/hybrid_fusions.json (--name: another name; hybrid_fusions_4000steps.json holds
 the same study with decoders trained for 4,000 steps instead of 1,000).
 
-Checkpoints of the session-12 run: two-tower `benchmarks/quality.py` (1,500 / 150 steps, its temporary
+Checkpoints of the recorded run: two-tower `benchmarks/quality.py` (1,500 / 150 steps, its temporary
 directory's seed{S}.ckpt), stage valid the same config with `stage = "valid"`; decoders
 publish/train_generative.py's TrainConfig(embeddings=that two-tower checkpoint, max_steps=1000,
 eval_beam=64, seed=S[, stage="valid"]).

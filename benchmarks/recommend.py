@@ -37,7 +37,7 @@ embedding cache vs recomputing the item tower; snapshot bytes per item.
    `rank_rows` runs, `EmbeddingCache.lookup` without the OverArch's cached item side, vs the item
    tower's forward + the dense gather; the full `lookup` with that item side, and the masked
    `EmbeddingCache.gather`, beside it) and the whole OverArch alone. The
-   issue's target (cache >= 10x faster than recomputing the item tower at 10k items) is checked
+   target (cache >= 10x faster than recomputing the item tower at 10k items) is checked
    on the synthetic pool, both for the whole rank and for the embedding step alone.
 3. Bytes per item by part (manifest `bytes_per_item`) and the int8 user tower against fp32
    (manifest `quantization_user_tower`), beside the pipeline's own stores.
@@ -585,7 +585,7 @@ def _git_state() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "uncommitted_changes_in": dirty}
 
 
-# ------------------------------------------------------------------ retrieval sources (issue 13)
+# ------------------------------------------------------------------ retrieval sources
 
 SOURCE_BEAM = 64  # the decode's beam width in the hybrid benchmark (= its candidates per request)
 

@@ -1,4 +1,4 @@
-"""The hybrid snapshot's fusion, chosen on the validation split at publish (issue 13).
+"""The hybrid snapshot's fusion, chosen on the validation split at publish.
 
 A hybrid `RecModel` ranks the union of the ANN's and the decode's candidates by
 `silverrec.generative.source.fuse_sources`: value + w x the decode's log-prob, with a source

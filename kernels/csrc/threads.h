@@ -8,7 +8,7 @@
 namespace silverrec {
 
 // 1M x 96, batch 16, in one process over varied batches, with workers that took a step within ~4 us
-// (session 19, spinning OpenMP workers; team.h's helpers spin within a call).
+// (spinning OpenMP workers; team.h's helpers spin within a call).
 //
 // (row, query) pairs a scan offers (scan.cpp): against 1 << 16, unfiltered nprobe 4 0.696 -> 0.566 ms, a
 // 0.2% filter's 2,000 rows 0.530 -> 0.487 ms; 1 << 13 was no better.

@@ -43,7 +43,7 @@ SOURCE_ANN, SOURCE_GENERATIVE = 0, 1
 FOUND_ANN, FOUND_GENERATIVE = 1, 2  # bits of `found_by`
 PRIORITIES = ("none", "ann", "generative", "both")  # which candidates rank first (fuse_sources)
 # the decode's last step extends this many more prefixes, of the ANN's best candidates, beside its
-# beams: the log-prob those candidates are ranked with is then exact, not a bound (issue 13, on
+# beams: the log-prob those candidates are ranked with is then exact, not a bound (on
 # MovieLens: offline, 8, 16 and 32 gave what exact log-probs of every candidate give; in the
 # forward, 4 and 8 gave the same NDCG@10, and 4 costs half the extra rows in a step of 64)
 EXTRA_PREFIXES = 4
@@ -183,7 +183,7 @@ def fuse_sources(value: Tensor, log_prob: Tensor, found_by: Tensor, weight: floa
     OverArch, trained on the ANN's candidates, ranks the union as it ranks the ANN's list
     (MovieLens: hybrid = ANN only). The log-prob of an ANN row is exact for the rows whose prefix the
     decode's last step extends (GenerativeSource.extra_prefixes): with a bound in their place (the
-    decode's lowest beam log-prob, sessions 9-12) no fusion beat the better source on MovieLens.
+    decode's lowest beam log-prob) no fusion beat the better source on MovieLens.
     """
     score = value + weight * torch.where(log_prob > float("-inf"), log_prob, torch.zeros_like(log_prob))
     real = score > float("-inf")
