@@ -53,6 +53,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cuda_common import attempt, cuda_alternate, cuda_info, faiss_gpu, require_device  # noqa: E402
+from common import Panel, plot_only, replot, save_plot  # noqa: E402
 from silverrec.publish.ivf import cluster_major_layout, residual_helps  # noqa: E402
 from silverrec.publish.kmeans import default_nlist, kmeans  # noqa: E402
 
@@ -379,6 +380,7 @@ def main(argv=None):
     out = RESULTS / f"{args.name or ('ann_quick' if args.quick else 'ann')}.json"
     out.write_text(json.dumps({"meta": meta, "results": results, "targets": tg}, indent=1))
     print(f"wrote {out}")
+    replot(out.stem, plot)
 
 
 def merging_every_slot_group(fn):
@@ -457,7 +459,33 @@ def run_cuda(args, dev: torch.device) -> None:
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}")
+    replot(name, plot)
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """CPU results: recall@k against latency per batch for every system, one panel per (dataset, k).
+    --device cuda results: latency per batch against nprobe, one panel per k."""
+    if "results" in payload:
+        panels = [Panel(f"{ds['dataset']} ({ds['n']:,} x {ds['dim']}), k {row['k']}", "latency per batch of 16, ms (median)",
+                        f"recall@{row['k']}", {system: ([pt["latency_ms"]["median"] for pt in pts], [pt["recall"] for pt in pts])
+                                               for system, pts in row["systems"].items() if pts}, logx=True)
+                  for ds in payload["results"] for row in ds["rows"]]
+        title = f"ANN search on the CPU ({payload['meta'].get('threads')} threads, OMP_WAIT_POLICY={payload['meta'].get('omp_wait_policy')})"
+    else:
+        rows = [r for r in payload["rows"] if "median_ms_per_batch" in r]
+        panels = []
+        for k in dict.fromkeys(r["k"] for r in rows):
+            at_k = [r for r in rows if r["k"] == k]
+            systems = dict.fromkeys(s for r in at_k for s in r["median_ms_per_batch"])
+            panels.append(Panel(f"k {k} (recall@k {min(r['recall'] for r in at_k):.3f}-{max(r['recall'] for r in at_k):.3f})",
+                                "nprobe", "latency per batch of 16, ms (median)",
+                                {s: ([r["nprobe"] for r in at_k if s in r["median_ms_per_batch"]],
+                                     [r["median_ms_per_batch"][s] for r in at_k if s in r["median_ms_per_batch"]]) for s in systems},
+                                logx=True, logy=True))
+        gpu = payload["meta"].get("gpu", {})
+        title = f"IVF index on {gpu.get('gpu', 'CUDA')}, {payload['meta']['n']:,} x {payload['meta']['dim']}"
+    save_plot(path, panels, title)
+
+
+if __name__ == "__main__" and not plot_only(plot, "ann"):
     main()

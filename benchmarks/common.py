@@ -1,6 +1,12 @@
-"""Shared benchmark harness: one timer, machine/version info, table printing, JSON results.
+"""Shared benchmark harness: one timer, machine/version info, table printing, JSON results, plots.
 
     from common import alternate, machine_info, measure, print_table, write_results   (benchmarks/ on sys.path)
+    from common import Panel, plot_only, save_plot
+
+Every benchmark that compares systems draws its results with `save_plot` into a PNG beside its JSON
+(results/NAME.png), from the JSON payload alone, so that `python benchmarks/X.py --plot-only [NAME ...]`
+redraws the plots of earlier runs without running anything (`plot_only`; tools/plot_results.py does
+it for every results file).
 """
 
 from __future__ import annotations
@@ -9,9 +15,11 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -104,3 +112,115 @@ def write_results(name: str, config: dict[str, Any], rows: list[dict[str, Any]])
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path}")
     return path
+
+
+@dataclass
+class Panel:
+    """One chart of a figure.
+
+    series: label -> (x values, y values) or (x values, y values, yerr) with yerr as matplotlib's
+    `errorbar` takes it (one list: symmetric; [below, above]: distances from the value).
+    kind: "line" (numeric x), "bar" (x are category names: one bar per series in each category) or
+    "barh" (the same, horizontal: for long category names).
+    ref: y of a dashed reference line (e.g. 1.0 where a ratio means "as fast as the peer").
+    """
+
+    title: str
+    xlabel: str
+    ylabel: str
+    series: dict[str, tuple]
+    kind: str = "line"
+    logx: bool = False
+    logy: bool = False
+    ref: Optional[float] = None
+    ref_label: str = ""
+
+
+def save_plot(path: Path, panels: Sequence[Panel], title: str = "", height: float = 4.3) -> Path:
+    """Draw `panels` (up to 4 a row, each `height` inches tall) into the PNG `path` (matplotlib, Agg
+    backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(len(panels), 4)
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, height * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        _draw(ax, panel)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+def _draw(ax, panel: Panel) -> None:
+    if panel.kind == "line":
+        for label, (x, y, *err) in panel.series.items():
+            ax.errorbar(list(x), list(y), yerr=err[0] if err else None, marker="o", ms=4, capsize=3, label=label)
+    elif panel.kind in ("bar", "barh"):
+        cats = list(dict.fromkeys(c for x, *_ in panel.series.values() for c in x))
+        width = 0.8 / max(1, len(panel.series))
+        for i, (label, (x, y, *err)) in enumerate(panel.series.items()):
+            pos = [cats.index(c) - 0.4 + width * (i + 0.5) for c in x]
+            if panel.kind == "bar":
+                ax.bar(pos, list(y), width, yerr=err[0] if err else None, capsize=3, label=label)
+            else:
+                ax.barh(pos, list(y), width, xerr=err[0] if err else None, capsize=3, label=label)
+        if panel.kind == "bar":
+            ax.set_xticks(range(len(cats)), [str(c) for c in cats],
+                          rotation=30 if max(len(str(c)) for c in cats) > 8 else 0, ha="right", fontsize=8)
+        else:
+            ax.set_yticks(range(len(cats)), [str(c) for c in cats], fontsize=7)
+            ax.invert_yaxis()
+    else:
+        raise ValueError(f"Panel.kind must be line, bar or barh, got {panel.kind!r}")
+    value_axis = ax.axvline if panel.kind == "barh" else ax.axhline
+    if panel.ref is not None:
+        value_axis(panel.ref, color="grey", ls="--", lw=1, label=panel.ref_label or None)
+    if panel.kind == "barh":  # the values run along x
+        ax.set_xscale("log" if panel.logy else "linear")
+        ax.set(xlabel=panel.ylabel, ylabel=panel.xlabel)
+    else:
+        ax.set_xscale("log" if panel.logx else "linear")
+        ax.set_yscale("log" if panel.logy else "linear")
+        ax.set(xlabel=panel.xlabel, ylabel=panel.ylabel)
+    from matplotlib.ticker import NullFormatter
+
+    for axis in (ax.xaxis, ax.yaxis):  # a log axis: labels at the decades only
+        axis.set_minor_formatter(NullFormatter())
+    ax.set_title(panel.title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    if panel.series or panel.ref_label:
+        ax.legend(fontsize=7)
+
+
+def replot(name: str, plot: Callable[[dict, Path], Any]) -> Path:
+    """Redraw results/NAME.png from results/NAME.json with the benchmark's `plot(payload, path)`."""
+    src = RESULTS / f"{name}.json"
+    if not src.exists():
+        raise SystemExit(f"--plot-only: {src} does not exist (run the benchmark first)")
+    path = RESULTS / f"{name}.png"
+    plot(json.loads(src.read_text()), path)
+    return path
+
+
+def plot_only(plot: Callable[[dict, Path], Any], default: str, argv: Optional[Sequence[str]] = None) -> bool:
+    """`--plot-only [NAME ...]` among the arguments: redraw each results/NAME.png (default: `default`)
+    from its JSON without running the benchmark, and return True; otherwise return False.
+
+        if __name__ == "__main__" and not plot_only(plot, "ann"):
+            sys.exit(main())
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--plot-only" not in argv:
+        return False
+    for name in argv[argv.index("--plot-only") + 1:] or [default]:
+        replot(name, plot)
+    return True

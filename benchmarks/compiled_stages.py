@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alternate, print_table, write_results  # noqa: E402
+from common import Panel, alternate, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 
 from silverrec.filtering.filter_program import FilterPlan, compile_request  # noqa: E402
 from silverrec.publish.rec import PublishConfig, build_rec_model, scriptable  # noqa: E402
@@ -92,10 +92,21 @@ def main(argv=None) -> int:
         out.append(row)
         print(row, flush=True)
     print_table(out, list(out[0]))
-    write_results("compiled_stages", {"checkpoint": args.checkpoint, "threads": 1, "k": K, "k0": K0,
-                                      "candidates": CANDIDATES, "nprobe": nprobe}, out)
+    replot(write_results("compiled_stages", {"checkpoint": args.checkpoint, "threads": 1, "k": K, "k0": K0,
+                                             "candidates": CANDIDATES, "nprobe": nprobe}, out).stem, plot)
     return 0
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Per batch: the TorchScript forward against the compiled stages after the user tower plus the tower."""
+    rows = payload["rows"]
+    batches = [f"batch {r['batch']}" for r in rows]
+    series = {"TorchScript forward (published)": (batches, [r["torchscript_us"] / 1e3 for r in rows]),
+              "eager tail + user tower": (batches, [(r["eager_tail_us"] + r["user_tower_us"]) / 1e3 for r in rows]),
+              "Inductor-compiled tail + user tower": (batches, [(r["inductor_tail_us"] + r["user_tower_us"]) / 1e3 for r in rows])}
+    save_plot(path, [Panel("one recommendation forward, MovieLens model", "batch", "ms per call (median)", series,
+                           kind="bar", logy=True)], "would compiling the forward pay? (1 thread)")
+
+
+if __name__ == "__main__" and not plot_only(plot, "compiled_stages"):
     sys.exit(main())

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, alternate, machine_info, print_table  # noqa: E402
+from common import RESULTS, Panel, alternate, machine_info, plot_only, print_table, replot, save_plot  # noqa: E402
 
 
 def main() -> int:
@@ -129,8 +129,22 @@ def main() -> int:
     RESULTS.mkdir(exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path}")
+    replot(name, plot)
     return 0
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Per build (tag): the Faiss peer's latency over silverrec's for each workload and batch (> 1: silverrec faster)."""
+    rows = payload["rows"]
+    series = {}
+    for workload, batch in dict.fromkeys((r["workload"], r["batch"]) for r in rows):
+        mine = [r for r in rows if r["workload"] == workload and r["batch"] == batch]
+        series[f"{workload}, batch {batch}"] = ([f"{r['tag']} ({r['threads']} thr)" for r in mine], [r["peer_over_ours"] for r in mine])
+    c = payload["config"]
+    save_plot(path, [Panel("Faiss SQ8 time / silverrec time (> 1: silverrec faster)", "build", "peer / silverrec",
+                           series, kind="barh", ref=1.0)],
+              f"CPU scan kernels vs Faiss SQ8, {c['n']:,} x {c['d']}, k {c['k']}, ivf nprobe {c['nprobe']}/{c['nlist']}")
+
+
+if __name__ == "__main__" and not plot_only(plot, "cpu_kernels"):
     sys.exit(main())

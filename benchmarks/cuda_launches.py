@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 os.environ.setdefault("SILVERREC_QUIET", "1")
@@ -27,7 +28,7 @@ import torch  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, write_results  # noqa: E402
+from common import Panel, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 
 from silverrec.kernels.bloom_filter_triton import bloom_filter_counts_triton, bloom_filter_triton  # noqa: E402
 from silverrec.kernels.filter_plan import _checked_args, filter_plan_torch  # noqa: E402
@@ -100,9 +101,19 @@ def main() -> None:
     for row in table:
         row["total"] = row["triton"] + row["torch"]
     print_table(table, ["path", "triton", "torch", "total"])
-    write_results("cuda_launches", {"batch": BATCH, "k": k, "nprobe": nprobe, "max_probe": max_probe, "verify_k": vk,
-                                    "case": "tests/test_filter_plan_triton.py planning_case / search_case"}, table)
+    path = write_results("cuda_launches", {"batch": BATCH, "k": k, "nprobe": nprobe, "max_probe": max_probe, "verify_k": vk,
+                                           "case": "tests/test_filter_plan_triton.py planning_case / search_case"}, table)
+    replot(path.stem, plot)
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Launches per path: Triton kernels and other device ops, torch compositions beside the Triton paths."""
+    rows = payload["rows"]
+    paths = [r["path"].strip() for r in rows]
+    series = {"Triton launches": (paths, [r["triton"] for r in rows]), "other device ops": (paths, [r["torch"] for r in rows])}
+    save_plot(path, [Panel(f"device launches per call, batch {payload['config']['batch']} (counted, not timed)", "path",
+                           "launches", series, kind="barh")], "the filtered search's CUDA paths")
+
+
+if __name__ == "__main__" and not plot_only(plot, "cuda_launches"):
     main()

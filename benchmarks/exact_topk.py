@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alternate, print_table, write_results  # noqa: E402
+from common import Panel, alternate, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 from cuda_common import attempt, cuda_alternate, cuda_info, faiss_gpu, require_device  # noqa: E402
 
 import silverrec  # noqa: E402,F401
@@ -101,7 +101,7 @@ def main() -> int:
     print_table(rows, ["k", "system", "median_ms", "p20_ms", "p80_ms", "ratio_vs_silverrec", "recall_vs_float"])
     print(f"memory: int8 codes {memory['silverrec_int8_bytes'] / 2**20:.0f} MiB, "
           f"float {memory['faiss_flat_bytes'] / 2**20:.0f} MiB")
-    write_results("exact_topk" + ("_quick" if args.quick else ""), vars(args) | memory, rows)
+    replot(write_results("exact_topk" + ("_quick" if args.quick else ""), vars(args) | memory, rows).stem, plot)
     return 0
 
 
@@ -137,11 +137,27 @@ def run_cuda(args, dev: torch.device) -> int:
     print(f"\nexact top-k on {cuda_info()['gpu']}, {args.n:,} x {args.d} items, batch {args.batch} "
           f"(ratio = system latency / silverrec latency; > 1: silverrec faster)")
     print_table(rows, ["k", "system", "median_ms", "p20_ms", "p80_ms", "ratio_vs_silverrec", "recall_vs_float", "error"])
-    write_results("exact_topk_cuda" + ("_quick" if args.quick else "") + ("_dry_run" if dev.type == "cpu" else ""),
-                  vars(args) | {"gpu": cuda_info(), "reference": "faiss GPU flat" if fg else "torch.topk(q @ x.T) (no faiss GPU)"},
-                  rows)
+    path = write_results("exact_topk_cuda" + ("_quick" if args.quick else "") + ("_dry_run" if dev.type == "cpu" else ""),
+                         vars(args) | {"gpu": cuda_info(), "reference": "faiss GPU flat" if fg else "torch.topk(q @ x.T) (no faiss GPU)"},
+                         rows)
+    replot(path.stem, plot)
     return 0
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Median latency per batch of every system at each k (recall of the int8 answer in the legend)."""
+    rows = [r for r in payload["rows"] if "median_ms" in r]
+    recall = {r["k"]: r["recall_vs_float"] for r in rows if r["system"] == "silverrec_int8"}
+    series = {}
+    for system in dict.fromkeys(r["system"] for r in rows):
+        mine = [r for r in rows if r["system"] == system]
+        series[system] = ([f"k {r['k']}" for r in mine], [r["median_ms"] for r in mine])
+    c = payload["config"]
+    where = c["gpu"]["gpu"] if "gpu" in c else f"CPU, {c.get('threads')} threads"
+    save_plot(path, [Panel(f"recall@k of the int8 answer vs float: {', '.join(f'{v:.3f}' for v in recall.values())}",
+                           "k", "latency per batch, ms (median)", series, kind="bar", logy=True)],
+              f"exact top-k, {c['n']:,} x {c['d']}, batch {c['batch']}, {where}")
+
+
+if __name__ == "__main__" and not plot_only(plot, "exact_topk"):
     sys.exit(main())

@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cuda_common import cuda_alternate, cuda_info, peak_bytes, require_device  # noqa: E402
+from common import Panel, plot_only, replot, save_plot  # noqa: E402
 
 try:  # the CPU benchmark's baselines; --device cuda needs neither
     import faiss
@@ -624,6 +625,7 @@ def cuda_part(args, dev: torch.device) -> int:
     out.write_text(json.dumps({"gpu": cuda_info(), "n": n, "dim": d, "nlist": nlist, "batch": B, "rows": rows,
                                "reference": "exact filtered scores, mask precomputed on the device, torch.topk (a [B, N] floor)"}, indent=1))
     print(f"wrote {out}")
+    replot(out.stem, plot)
     return 0
 
 
@@ -655,6 +657,7 @@ def main(argv=None) -> int:
         out = Path(__file__).parent / "results" / f"{args.name or ('filter_conj_quick' if args.quick else 'filter_conj')}.json"
         out.write_text(json.dumps(results, indent=1))
         print(f"wrote {out}")
+        replot(out.stem, plot)
         return 0
     if args.quick:
         results["rows"] += filter_part(200_000, [512, 0], [1, 16, 64], rng, nlist=1800, nprobe=32)
@@ -668,8 +671,58 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"wrote {out}")
+    replot(out.stem, plot)
     return 0
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Whichever parts the results hold: filter evaluation alone (Bloom vs roaring vs forward index),
+    filtered ANN (recall vs latency per system), conjunctions (latency vs selectivity), CUDA (eager,
+    graphed and the masked floor vs selectivity)."""
+    rows, panels = payload["rows"], []
+    evals = [r for r in rows if r.get("part") == "filter"]
+    if evals:
+        cat = lambda r: f"{r['n'] / 1e6:g}M, M {r['M']}, batch {r['batch']}"  # noqa: E731
+        panels.append(Panel("filter evaluation alone", "pool, Bloom bits, batch", "ms per batch (median)",
+                            {name.replace("_", " "): ([cat(r) for r in evals if r.get(name)], [r[name]["median_ms"] for r in evals if r.get(name)])
+                             for name in ("bloom_whole_pool", "bloom_probed", "roaring_whole_pool", "forward_index")},
+                            kind="barh", logy=True))
+    ann = [r for r in rows if r.get("part") == "ann"]
+    for sel, k in dict.fromkeys((r["selectivity"], r["k"]) for r in ann):
+        pts = [r for r in ann if r["selectivity"] == sel and r["k"] == k]
+        systems = dict.fromkeys(r["system"] for r in pts)
+        panels.append(Panel(f"filtered ANN, {pts[0]['n']:,} items, filter {sel} ({pts[0]['fraction']:.2%}), k {k}",
+                            "ms per batch (median)", f"recall@{k}",
+                            {s: ([r["median_ms"] for r in pts if r["system"] == s], [r["recall"] for r in pts if r["system"] == s])
+                             for s in systems}, logx=True))
+    conj = [r for r in rows if r.get("part") == "conjunction"]
+    for k in dict.fromkeys(r["k"] for r in conj):
+        pts = sorted((r for r in conj if r["k"] == k), key=lambda r: r["fraction"])
+        x = [r["fraction"] * 100 for r in pts]
+        panels.append(Panel(f"ANDs of frequent values, {pts[0]['n']:,} items, k {k}", "items passing the filter, %",
+                            "ms per batch of 16 (median)",
+                            {"silverrec (snap.search)": (x, [r["median_ms"]["silverrec"] for r in pts]),
+                             "roaring AND + exact scan": (x, [r["median_ms"]["roaring_and_exact_scan"] for r in pts]),
+                             "Faiss IVF-SQ8 + bitmap, equal recall": (x, [r["median_ms"]["faiss_ivfsq8_bitmap"] for r in pts])},
+                            logx=True, logy=True))
+    if conj:
+        panels.append(Panel("silverrec time / best peer time at equal recall (< 1: faster)", "items passing the filter, %",
+                            "ratio", {f"k {k}": ([r["fraction"] * 100 for r in sorted(conj, key=lambda r: r["fraction"]) if r["k"] == k],
+                                                 [r["ratio_vs_best"] for r in sorted(conj, key=lambda r: r["fraction"]) if r["k"] == k])
+                                      for k in dict.fromkeys(r["k"] for r in conj)}, logx=True, ref=1.0))
+    cuda = [r for r in rows if "ratio_floor_over_silverrec" in r]
+    for k in dict.fromkeys(r["k"] for r in cuda):
+        pts = sorted((r for r in cuda if r["k"] == k), key=lambda r: r["fraction"])
+        x = [r["fraction"] * 100 for r in pts]
+        panels.append(Panel(f"k {k}", "items passing the filter, %", "ms per batch (median, CUDA events)",
+                            {name: (x, [r["median_ms"][name] for r in pts]) for name in pts[0]["median_ms"]},
+                            logx=True, logy=True))
+    if "gpu" in payload:
+        title = f"filtered search on {payload['gpu'].get('gpu')}, {payload['n']:,} x {payload['dim']}, batch {payload['batch']}"
+    else:
+        title = f"filtered search on the CPU ({payload.get('machine', {}).get('cores')} cores, {payload.get('env', {})})"
+    save_plot(path, panels, title)
+
+
+if __name__ == "__main__" and not plot_only(plot, "filter"):
     sys.exit(main())

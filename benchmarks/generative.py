@@ -60,7 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import print_table, write_results  # noqa: E402
+from common import Panel, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 from cuda_common import attempt, cuda_alternate, cuda_info, peak_bytes, require_device  # noqa: E402
 
 from silverrec.generative.decoder import BOS, RecDecoder, to_llama  # noqa: E402
@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     name = args.name or ("generative_quick" if args.quick else "generative")
     write_results(name, config, rows + [{"check": c} for c in checks] + [{"targets": summary}, {"quality": quality}])
+    replot(name, plot)
     return 0
 
 
@@ -375,6 +376,7 @@ def run_cuda(args, dev: torch.device) -> int:
     name = args.name or ("generative_cuda" + ("_quick" if args.quick else "") + ("_dry_run" if dev.type == "cpu" else ""))
     write_results(name, {"gpu": cuda_info(), "weights": weights, "items": n, "level_sizes": sids.level_sizes,
                          "decoder": decoder.config.to_dict(), "quick": args.quick}, rows + [{"targets": summary}])
+    replot(name, plot)
     return 0
 
 
@@ -498,5 +500,23 @@ def quality_eval(decoder: RecDecoder, sids: SemanticIds, split: Sequences, max_h
     return out
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Decode latency against beam width W for every system: one panel per prompt length (CPU) or per
+    (history, batch) (--device cuda)."""
+    rows = [r for r in payload["rows"] if "system" in r and "median_ms" in r]
+    cuda = "gpu" in payload["config"]
+    groups = dict.fromkeys((r["history"], r["batch"]) if cuda else (r["prompt"],) for r in rows)
+    panels = []
+    for g in groups:
+        pts = [r for r in rows if ((r["history"], r["batch"]) if cuda else (r["prompt"],)) == g]
+        systems = dict.fromkeys(r["system"] for r in pts)
+        panels.append(Panel(f"history {g[0]} tokens, batch {g[1]}" if cuda else f"prompt {g[0]} tokens, batch 1",
+                            "beam width W", "ms per decode (median)",
+                            {s: ([r["W"] for r in pts if r["system"] == s], [r["median_ms"] for r in pts if r["system"] == s])
+                             for s in systems}, logx=True, logy=True))
+    where = payload["config"]["gpu"]["gpu"] if cuda else f"CPU, {payload['config'].get('threads')} thread(s)"
+    save_plot(path, panels, f"generative beam decode over {payload['config']['items']:,} items' semantic IDs, {where}")
+
+
+if __name__ == "__main__" and not plot_only(plot, "generative"):
     sys.exit(main())

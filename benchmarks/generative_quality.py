@@ -50,7 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import print_table, write_results  # noqa: E402
+from common import Panel, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 
 from silverrec.publish import movielens  # noqa: E402
 from silverrec.publish.evaluate import mean_and_spread  # noqa: E402
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results(args.name, config, rows + [{"summary": {k: {m: list(v) for m, v in s.items()} for k, s in summary.items()},
                                              "hr10_ratio": ratio, "seconds_per_step_ratio": per_step,
                                              "verdict": verdict}])
+    replot(args.name, plot)
     return 0
 
 
@@ -191,9 +192,10 @@ def hybrid_main(args, towers: list[str]) -> int:
               "protocol": "benchmarks/recommend.py sources_quality: leave-one-out stage test on each seed's split, "
                           "610 users, full ranking, known items excluded, one hybrid RecModel asked per request for "
                           "ANN only / generative only / both"}
-    write_results(args.name if args.name != "generative_quality" else "generative_quality_hybrid", config,
-                  rows + [{"summary": {k: {m: list(v) for m, v in s.items()} for k, s in summary.items()},
-                           "verdict": verdict, "pooled_validation_choice": pooled}])
+    path = write_results(args.name if args.name != "generative_quality" else "generative_quality_hybrid", config,
+                         rows + [{"summary": {k: {m: list(v) for m, v in s.items()} for k, s in summary.items()},
+                                  "verdict": verdict, "pooled_validation_choice": pooled}])
+    replot(path.stem, plot)
     return 0
 
 
@@ -216,5 +218,22 @@ def pooled_choice(rows: list[dict]) -> dict:
             "test": {src: {m: list(v) for m, v in t.items()} for src, t in test.items()}, "verdict": verdict}
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Mean and sample std over seeds of each model's (or source's) HR@K / NDCG@K, test split."""
+    summary = next(r["summary"] for r in payload["rows"] if "summary" in r)
+    panels = []
+    for family in ("HR", "NDCG"):
+        series = {}
+        for model, metrics in summary.items():
+            names = [m for m in metrics if m.startswith(family + "@")]
+            series[model] = (names, [metrics[m][0] for m in names], [metrics[m][1] for m in names])
+        panels.append(Panel(f"{family}@K, mean +- std over seeds {payload['config'].get('seeds')}", "metric", family,
+                            series, kind="bar"))
+    c = payload["config"]
+    budget = f"{c['steps']} steps" if c.get("steps") else (f"{c['minutes']:g} min" if c.get("minutes") else "")
+    what = "hybrid vs its sources" if "generative" in summary and "hybrid" in summary else f"decoders at equal {budget}"
+    save_plot(path, panels, f"MovieLens leave-one-out, {what}")
+
+
+if __name__ == "__main__" and not plot_only(plot, "generative_quality"):
     sys.exit(main())

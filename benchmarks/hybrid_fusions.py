@@ -47,7 +47,7 @@ os.environ.setdefault("SILVERREC_QUIET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import write_results  # noqa: E402
+from common import Panel, plot_only, replot, save_plot, write_results  # noqa: E402
 from recommend import CANDIDATES, K0, OVERARCH, SOURCE_BEAM, VALUE_MODEL  # noqa: E402
 
 from silverrec.generative.source import FOUND_ANN, FOUND_GENERATIVE, PRIORITIES, SOURCES  # noqa: E402
@@ -183,8 +183,21 @@ def main() -> int:
     print(verdict)
     write_results(args.name, {"seeds": args.seeds, "test": args.test, "valid": args.valid, "k_eval": K_EVAL},
                   rows + [{"better_source_ndcg10": best, "verdict": verdict}])
+    replot(args.name, plot)
     return 0
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """NDCG@10 (mean +- std over seeds) of every ranking of the union, validation and test split side by side."""
+    rows = [r for r in payload["rows"] if "fusion" in r]
+    series = {split: ([r["fusion"] for r in rows if r["split"] == split], [r["NDCG@10"][0] for r in rows if r["split"] == split],
+                      [r["NDCG@10"][1] for r in rows if r["split"] == split]) for split in ("valid", "test")}
+    best = next(r["better_source_ndcg10"] for r in payload["rows"] if "better_source_ndcg10" in r)
+    save_plot(path, [Panel(f"NDCG@10 over seeds {payload['config']['seeds']}; dashed: the better source on test",
+                           "ranking of the hybrid's union", "NDCG@10", series, kind="barh", ref=best["test"],
+                           ref_label="better source (test)")],
+              "which ranking of the hybrid's candidates could beat the better source? (MovieLens)", height=10)
+
+
+if __name__ == "__main__" and not plot_only(plot, "hybrid_fusions"):
     raise SystemExit(main())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +26,9 @@ from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
 from silverrec.serving.predictor import Snapshot
 from silverrec.snapshot import load_exported, read_manifest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Panel, plot_only, replot, save_plot  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "load_device_cpu.json"
 
@@ -67,7 +71,18 @@ def main() -> None:
               "loadavg": os.getloadavg(), "rows": rows}
     OUT.write_text(json.dumps(result, indent=2))
     print(f"wrote {OUT}")
+    replot(OUT.stem, plot)
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """snap.search median per load path and batch."""
+    rows = payload["rows"]
+    names = list(rows[0]["median_us"])
+    series = {name: ([f"batch {r['batch']}" for r in rows], [r["median_us"][name] for r in rows]) for name in names}
+    save_plot(path, [Panel(f"{payload['n']:,} x {payload['dim']}, nprobe {payload['nprobe']}, k {payload['k']}, "
+                           f"{payload['threads']} thread", "batch", "us per search (median)", series, kind="bar")],
+              "silverrec.load(device='cpu') paths on the CPU")
+
+
+if __name__ == "__main__" and not plot_only(plot, "load_device_cpu"):
     main()

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from cuda_common import cuda_info, require_device  # noqa: E402
+from common import Panel, plot_only, replot, save_plot  # noqa: E402
 
 CALLS = 20
 
@@ -114,8 +115,19 @@ def main(argv=None) -> int:
     path = Path(__file__).resolve().parent / "results" / f"{name}.json"
     path.write_text(json.dumps({"gpu": cuda_info(), "n": c.n, "calls": CALLS, "cases": cases}, indent=1))
     print(f"wrote {path}")
+    replot(name, plot)
     return 0
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Per case: host wall time against device (kernel) time per call; the gap is host-bound work."""
+    cases = payload["cases"]
+    names = [f"{c['case']} ({c['kernel_launches_per_call']:.0f} launches)" for c in cases]
+    series = {"wall time per call": (names, [c["wall_ms_per_call"] for c in cases]),
+              "device (kernel) time per call": (names, [c["device_ms_per_call"] for c in cases])}
+    save_plot(path, [Panel(f"{payload['n']:,} items, batch 16", "case", "ms per call", series, kind="barh", logy=True)],
+              f"where the GPU paths' time goes, {payload['gpu'].get('gpu')}", height=5)
+
+
+if __name__ == "__main__" and not plot_only(plot, "profile_cuda"):
     sys.exit(main())

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info, write_results  # noqa: E402
+from common import Panel, machine_info, plot_only, replot, save_plot, write_results  # noqa: E402
 
 COMPONENTS = 4096
 
@@ -125,7 +125,7 @@ def compare_only(args, pool: Path) -> None:
     x = _read_x(pool, args.n, args.dim)
     q = queries(args.dim)
     rows = compare_flat(x, q, truth(x, q, 100), args.nprobe)
-    write_results(f"publish_scale.recall_{args.n // 1000}k", vars(args), rows)
+    replot(write_results(f"publish_scale.recall_{args.n // 1000}k", vars(args), rows).stem, plot)
 
 
 def main() -> None:
@@ -179,8 +179,27 @@ def main() -> None:
             rows.append({"method": "published (two_level)", "nprobe": p, "recall@100": recall(res.item_ids.numpy(), gt)})
         rows += compare_flat(x, q, gt, args.nprobe)
     name = "publish_scale" if args.n >= 10_000_000 else f"publish_scale.{args.n // 1000}k"
-    write_results(name, vars(args), rows)
+    replot(write_results(name, vars(args), rows).stem, plot)
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """The publish's seconds per stage (when the run published) and recall@100 against nprobe per
+    k-means method (when it compared them)."""
+    rows, panels = payload["rows"], []
+    for r in (r for r in rows if "stages" in r):
+        stages = [s for s in r["stages"] if s["seconds"] >= 0.5]
+        panels.append(Panel(f"publish of {r['n']:,} x {r['dim']}: {r['publish_wall_s']:.0f} s wall, peak RSS "
+                            f"{r['peak_rss_bytes'] / 2**30:.2f} GiB = {r['peak_over_float32_pool']:.2f}x the float32 pool",
+                            "stage", "seconds", {"seconds": ([s["name"][:60] for s in stages], [s["seconds"] for s in stages])},
+                            kind="barh"))
+    methods = dict.fromkeys(r["method"] for r in rows if "method" in r)
+    if methods:
+        panels.append(Panel(f"IVF recall@100 by k-means method, {payload['config']['n']:,} x {payload['config']['dim']}",
+                            "nprobe", "recall@100", {m: ([r["nprobe"] for r in rows if r.get("method") == m],
+                                                         [r["recall@100"] for r in rows if r.get("method") == m]) for m in methods},
+                            logx=True))
+    save_plot(path, panels, "publishing at catalogue scale")
+
+
+if __name__ == "__main__" and not plot_only(plot, "publish_scale"):
     main()

@@ -30,7 +30,9 @@ from silverrec.publish.quality import quality_table
 from silverrec.publish.rec import PublishConfig, build_rec_model
 from silverrec.publish.train import TaskSpec, TrainConfig, train
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, Panel, plot_only, save_plot  # noqa: E402
+
 VALUE_MODEL = {"weights": {"interacted": 1.0, "liked": 0.5}}
 
 
@@ -81,8 +83,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nfinal NDCG@10 / two-tower exact: {summary[final[0]]['NDCG@10']['mean'] / exact:.2f}x; "
               f"IVF + re-score HR@100 / exact: {summary['IVF + re-score']['HR@100']['mean'] / summary['two-tower exact']['HR@100']['mean']:.3f}")
     print(f"wrote {args.out}")
+    plot(result, Path(args.out).with_suffix(".png"))
     return 0
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """HR@K and NDCG@K of every row of the quality table (mean +- sample std over seeds)."""
+    summary = payload["summary"]
+    panels = []
+    for family in ("HR", "NDCG"):
+        metrics = [m for m in next(iter(summary.values())) if m.startswith(family + "@")]
+        panels.append(Panel(f"{family}@K, mean +- std over seeds {payload['config']['seeds']}", "model", family,
+                            {m: (list(summary), [summary[s][m]["mean"] for s in summary], [summary[s][m]["std"] for s in summary])
+                             for m in metrics}, kind="barh"))
+    save_plot(path, panels, "MovieLens ml-latest-small, leave-one-out, full ranking over every item", height=5.5)
+
+
+if __name__ == "__main__" and not plot_only(plot, "quality"):
     sys.exit(main())

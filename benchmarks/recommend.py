@@ -83,7 +83,7 @@ import pyroaring  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, alternate, print_table, write_results  # noqa: E402
+from common import Panel, alternate, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 
 import silverrec  # noqa: E402
 from silverrec.filtering.filter_lang import And, Not, Or, Term, parse  # noqa: E402
@@ -516,53 +516,41 @@ def sizes_part(manifest: dict, pipe: Pipeline) -> list[dict]:
     return [row]
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for filt, style in (("none", "-"), (FILTER, "--")):
+def plot(payload: dict, path: Path) -> None:
+    """End-to-end latency per batch of both sides (median, p20-p80) and early-stage ranking against
+    the items ranked; for `--sources` results, each retrieval source alone against the hybrid."""
+    rows, panels = payload["rows"], []
+    for filt in dict.fromkeys(r["filter"] for r in rows if r["part"] == "end_to_end"):
         e2e = [r for r in rows if r["part"] == "end_to_end" and r["filter"] == filt]
-        bs = [r["batch"] for r in e2e]
-        label = "unfiltered" if filt == "none" else "filtered"
-        for side, color in (("silverrec", "tab:blue"), ("pipeline", "tab:orange")):
+        series = {}
+        for side, label in (("silverrec", "silverrec (one forward)"), ("pipeline", "pipeline (torch + Faiss + roaring + numpy)")):
             med = [r[side]["median_ms"] for r in e2e]
-            err = [[m - r[side]["p20_ms"] for m, r in zip(med, e2e)], [r[side]["p80_ms"] - m for m, r in zip(med, e2e)]]
-            ax.errorbar(bs, med, yerr=err, fmt=style + "o", color=color, capsize=3,
-                        label=f"{'silverrec (one forward)' if side == 'silverrec' else 'pipeline (torch+faiss+roaring+numpy)'}, {label}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xticks(list(BATCHES), [str(b) for b in BATCHES])
-    ax.set_xlabel("batch (requests)")
-    ax.set_ylabel("latency per batch, ms (median, p20-p80)")
-    ax.set_title("end-to-end recommend, MovieLens, CPU 2 threads")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    for pool, style in (("movielens", "-"), ("synthetic", "--")):
+            series[label] = ([r["batch"] for r in e2e], med, [[m - r[side]["p20_ms"] for m, r in zip(med, e2e)],
+                                                            [r[side]["p80_ms"] - m for m, r in zip(med, e2e)]])
+        panels.append(Panel(f"end-to-end recommend, {'unfiltered' if filt == 'none' else 'filter ' + filt}", "batch (requests)",
+                            "ms per batch (median, p20-p80)", series, logx=True, logy=True))
+    early = {}
+    for pool in ("movielens", "synthetic"):
         er = [r for r in rows if r["part"] == "early_stage" and r["pool"].startswith(pool) and r["what"].startswith("rank")]
-        if not er:
-            continue
-        n = [r["items"] for r in er]
-        ax2.plot(n, [r["silverrec_ms"] for r in er], style + "o", color="tab:blue", label=f"cache + OverArch ({pool})")
-        ax2.plot(n, [r["pipeline_ms"] for r in er], style + "o", color="tab:orange", label=f"item tower + OverArch ({pool})")
-    emb_rows = [r for r in rows if r["part"] == "early_stage" and r["what"].startswith("embeddings")]
-    if emb_rows:
-        n = [r["items"] for r in emb_rows]
-        ax2.plot(n, [r["silverrec_ms"] for r in emb_rows], ":^", color="tab:blue", label="embeddings only: cache lookup (synthetic)")
-        ax2.plot(n, [r["pipeline_ms"] for r in emb_rows], ":^", color="tab:orange", label="embeddings only: item tower (synthetic)")
-    ax2.set_xscale("log")
-    ax2.set_yscale("log")
-    ax2.set_xlabel("items ranked for one user")
-    ax2.set_ylabel("latency, ms (median)")
-    ax2.set_title("early-stage ranking")
-    ax2.grid(True, which="both", alpha=0.3)
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+        if er:
+            early[f"cache + OverArch ({pool})"] = ([r["items"] for r in er], [r["silverrec_ms"] for r in er])
+            early[f"item tower + OverArch ({pool})"] = ([r["items"] for r in er], [r["pipeline_ms"] for r in er])
+    emb = [r for r in rows if r["part"] == "early_stage" and r["what"].startswith("embeddings")]
+    if emb:
+        early["embeddings only: cache lookup"] = ([r["items"] for r in emb], [r["silverrec_ms"] for r in emb])
+        early["embeddings only: item tower"] = ([r["items"] for r in emb], [r["pipeline_ms"] for r in emb])
+    if early:
+        panels.append(Panel("early-stage ranking", "items ranked for one user", "ms (median)", early, logx=True, logy=True))
+    for filt in dict.fromkeys(r["filter"] for r in rows if r["part"] == "sources"):
+        src = [r for r in rows if r["part"] == "sources" and r["filter"] == filt]
+        cats = [f"batch {r['batch']}" for r in src]
+        panels.append(Panel(f"retrieval sources, {'unfiltered' if filt == 'none' else 'filter ' + filt}", "batch",
+                            "ms per batch (median)", {"ANN only": (cats, [r["ann_ms"] for r in src]),
+                                                      "generative only": (cats, [r["generative_ms"] for r in src]),
+                                                      "hybrid (both, one forward)": (cats, [r["hybrid_ms"] for r in src])},
+                            kind="bar", logy=True))
+    threads = payload["config"].get("threads", 2)
+    save_plot(path, panels, f"the recommendation model on MovieLens, CPU, {threads} threads")
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -727,7 +715,7 @@ def sources_main(args) -> int:
               "backend": "torchscript", "target": "hybrid <= 1.1 x (ann + generative) at batch 1",
               "seconds": round(time.perf_counter() - t_start, 1),
               "load_average_1_5_15min": {"start": load_start, "end": os.getloadavg()}, "git": _git_state()}
-    write_results("recommend_sources_quick" if args.quick else "recommend_sources", config, rows)
+    replot(write_results("recommend_sources_quick" if args.quick else "recommend_sources", config, rows).stem, plot)
     return 0
 
 
@@ -857,11 +845,10 @@ def main(argv=None) -> int:
         "load_average_1_5_15min": {"start": load_start, "end": os.getloadavg()},
         "git": _git_state(),
     }
-    write_results(name, config, rows)
-    plot(rows, RESULTS / f"{name}.png")
+    replot(write_results(name, config, rows).stem, plot)
     print(f"total {time.perf_counter() - t_start:.0f}s")
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and not plot_only(plot, "recommend"):
     sys.exit(main())

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alternate, print_table, write_results  # noqa: E402
+from common import Panel, alternate, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 from cuda_common import cuda_info, require_device  # noqa: E402  (imports the checkout: repo_import)
 
 import silverrec  # noqa: E402
@@ -86,10 +86,25 @@ def main() -> None:
                              "p80_ms": round(s["p80_ms"], 3), "vs_cpu": round(1 / s["paired_ratio_median"], 2)})
     print_table(rows, ["batch", "requests", "system", "median_ms", "p80_ms", "vs_cpu"])
     name = "recommend_cuda" if torch.cuda.is_available() else "recommend_cuda_dry_run"
-    write_results(name, {"snapshot": str(args.snapshot), "k": args.k, "repeat": args.repeat,
-                                             "device": cuda_info(), "cpu_threads": torch.get_num_threads(),
-                                             "note": "vs_cpu: speed-up over the CPU path, paired per round"}, rows)
+    path = write_results(name, {"snapshot": str(args.snapshot), "k": args.k, "repeat": args.repeat,
+                                "device": cuda_info(), "cpu_threads": torch.get_num_threads(),
+                                "note": "vs_cpu: speed-up over the CPU path, paired per round"}, rows)
+    replot(path.stem, plot)
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Per request mix: recommend latency per batch on the CPU, on CUDA replayed from graphs and on CUDA eagerly."""
+    rows, panels = payload["rows"], []
+    for mix in dict.fromkeys(r["requests"] for r in rows):
+        mine = [r for r in rows if r["requests"] == mix]
+        panels.append(Panel(f"requests: {mix} (same batch every call)" if mix == "repeat" else f"requests: {mix} (8 batches in turn)",
+                            "batch", "ms per recommend call (median)",
+                            {s: ([f"batch {r['batch']}" for r in mine if r["system"] == s], [r["median_ms"] for r in mine if r["system"] == s])
+                             for s in dict.fromkeys(r["system"] for r in mine)}, kind="bar", logy=True))
+    gpu = payload["config"].get("device", {}).get("gpu", "CUDA")
+    save_plot(path, panels, f"a recommendation snapshot on {gpu} vs its CPU ({payload['config'].get('cpu_threads')} threads), "
+                            f"k {payload['config']['k']}")
+
+
+if __name__ == "__main__" and not plot_only(plot, "recommend_cuda"):
     main()

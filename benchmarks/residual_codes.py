@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ann import gmm  # noqa: E402
-from common import write_results  # noqa: E402
+from common import Panel, plot_only, replot, save_plot, write_results  # noqa: E402
 
 from silverrec.kernels.common import quantize_queries  # noqa: E402
 from silverrec.publish.kmeans import default_nlist, kmeans  # noqa: E402
@@ -62,9 +62,18 @@ def main() -> int:
             row[name] = round(float(np.mean([np.intersect1d(f, t).size / 100 for f, t in zip(found, truth)])), 5)
         rows_out.append(row)
         print(row, flush=True)
-    write_results("residual_codes", vars(args), rows_out)
+    replot(write_results("residual_codes", vars(args), rows_out).stem, plot)
     return 0
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Recall@100 of the IVF top-100 per item representation, at each nprobe."""
+    rows = [r for r in payload["rows"] if "nprobe" in r]
+    reps = [k for k in rows[0] if k != "nprobe"]
+    save_plot(path, [Panel("recall@100 against float brute force", "nprobe", "recall@100",
+                           {rep: ([f"nprobe {r['nprobe']}" for r in rows], [r[rep] for r in rows]) for rep in reps}, kind="bar")],
+              f"direct vs residual int8 codes, {payload['config']['n']:,} x 128 Gaussian mixture")
+
+
+if __name__ == "__main__" and not plot_only(plot, "residual_codes"):
     raise SystemExit(main())

@@ -36,7 +36,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import RESULTS, machine_info, print_table  # noqa: E402
+from benchmarks.common import RESULTS, Panel, machine_info, plot_only, print_table, replot, save_plot  # noqa: E402
 
 WORK = ROOT / "out" / "bench_serve"
 N_ITEMS, DIM, K = 50_000, 64, 10

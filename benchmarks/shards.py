@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure, print_table, write_results  # noqa: E402
+from common import Panel, measure, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 
 import silverrec  # noqa: E402
 from silverrec.publish.ivf import IVFConfig  # noqa: E402
@@ -174,9 +174,9 @@ def main() -> None:
     load_after = os.getloadavg()
     print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}")
     if partial:
-        write_results("shards_partial", {"items": n, "dim": args.dim, "batch": BATCH, "k": K, "shards": counts,
-                                         "splits": list(splits), "cores": os.cpu_count(),
-                                         "loadavg_before": load_before, "loadavg_after": load_after}, rows)
+        replot(write_results("shards_partial", {"items": n, "dim": args.dim, "batch": BATCH, "k": K, "shards": counts,
+                                                "splits": list(splits), "cores": os.cpu_count(),
+                                                "loadavg_before": load_before, "loadavg_after": load_after}, rows).stem, plot)
         return
 
     merge_rows = []
@@ -193,13 +193,42 @@ def main() -> None:
     model = [capacity(per_item, args.dim, 128, items, K, BATCH) for items in (100_000_000, 1_000_000_000)]
     for c in model:
         print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in c.items()})
-    write_results("shards_quick" if args.quick else "shards",
-                  {"items": n, "dim": args.dim, "batch": BATCH, "k": K, "kind": "filtered_ivf (unfiltered requests)",
-                   "nlist": int(shard0.config["nlist"]), "cores": os.cpu_count(),
-                   "loadavg_before": load_before, "loadavg_after": load_after},
-                  rows + [{"merge": r} for r in merge_rows]
-                  + [{"bytes_per_item_measured": per_item, "measured_dim": args.dim}] + [{"capacity": c} for c in model])
+    path = write_results("shards_quick" if args.quick else "shards",
+                         {"items": n, "dim": args.dim, "batch": BATCH, "k": K, "kind": "filtered_ivf (unfiltered requests)",
+                          "nlist": int(shard0.config["nlist"]), "cores": os.cpu_count(),
+                          "loadavg_before": load_before, "loadavg_after": load_after},
+                         rows + [{"merge": r} for r in merge_rows]
+                         + [{"bytes_per_item_measured": per_item, "measured_dim": args.dim}] + [{"capacity": c} for c in model])
+    replot(path.stem, plot)
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Search latency per shard count, split and runtime (one process or gloo ranks), the collectives'
+    share, and the exact merge's cost against k."""
+    rows = [r for r in payload["rows"] if "mode" in r]
+    cats = [f"{r['shards']} shard{'s' if r['shards'] > 1 else ''}, {r['shard_by'] if r['shards'] > 1 else '-'}" for r in rows]
+    cats = list(dict.fromkeys(cats))
+    series = {}
+    for r in rows:
+        cat = f"{r['shards']} shard{'s' if r['shards'] > 1 else ''}, {r['shard_by'] if r['shards'] > 1 else '-'}"
+        mode = "one process" if r["mode"] == "one process" else "gloo ranks"
+        xs, ys = series.setdefault(mode, ([], []))
+        xs.append(cat)
+        ys.append(r["median_ms"])
+        if "collective_ms" in r:
+            xs, ys = series.setdefault("of which collectives", ([], []))
+            xs.append(cat)
+            ys.append(r["collective_ms"])
+    c = payload["config"]
+    panels = [Panel(f"batch {c['batch']}, k {c['k']}, {c['items']:,} x {c['dim']}, {c.get('cores')} cores", "shards, split",
+                    "ms per batch (median)", series, kind="bar")]
+    merge = [r["merge"] for r in payload["rows"] if "merge" in r]
+    if merge:
+        panels.append(Panel(f"exact merge of the shards' top-k, batch {c['batch']}", "k", "ms (median)",
+                            {f"{s} shards": ([m["k"] for m in merge if m["shards"] == s], [m["merge_ms"] for m in merge if m["shards"] == s])
+                             for s in dict.fromkeys(m["shards"] for m in merge)}, logx=True, logy=True))
+    save_plot(path, panels, "sharded search: one process vs gloo ranks")
+
+
+if __name__ == "__main__" and not plot_only(plot, "shards"):
     main()

@@ -41,7 +41,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 import silverrec  # noqa: E402
-from common import alternate, print_table, write_results  # noqa: E402
+from common import Panel, alternate, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 from silverrec.publish.movielens import write_logs  # noqa: E402
 from silverrec.publish.rec import PublishConfig, publish_rec  # noqa: E402
 from silverrec.publish.train import TrainConfig, train  # noqa: E402
@@ -172,9 +172,25 @@ def main(argv: list[str] | None = None) -> int:
     config = {"template": TEMPLATE, "string": "genre = '<fav_genre>'", "users": len(users), "repeat": repeat,
               "k": 10, "identical_top10": agreement,
               "checkpoint": str(ckpt), "quick": args.quick}
-    write_results("templates_quick" if args.quick else "templates", config, rows + fill)
+    replot(write_results("templates_quick" if args.quick else "templates", config, rows + fill).stem, plot)
     return 0
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Per backend: the string filter's time over the template's per batch (paired per round; 1 = no
+    difference), and the in-model fill against the request-time compile of the string."""
+    rows = [r for r in payload["rows"] if "backend" in r]
+    fill = [r for r in payload["rows"] if r.get("part") == "fill vs compile"]
+    panels = [Panel("string-filter time / template time (median of per-round ratios)", "batch", "ratio",
+                    {b: ([f"batch {r['batch']}" for r in rows if r["backend"] == b], [r["paired_ratio"] for r in rows if r["backend"] == b])
+                     for b in dict.fromkeys(r["backend"] for r in rows)}, kind="bar", ref=1.0)]
+    if fill:
+        cats = [f"batch {r['batch']}" for r in fill]
+        panels.append(Panel("the template's fill vs the string's compile", "batch", "us per batch (median)",
+                            {"template fill (in the forward)": (cats, [r["fill_us"] for r in fill]),
+                             "string compile (predictor)": (cats, [r["compile_us"] for r in fill])}, kind="bar", logy=True))
+    save_plot(path, panels, f"filter template vs the same filter as a request string (MovieLens, k {payload['config']['k']})")
+
+
+if __name__ == "__main__" and not plot_only(plot, "templates"):
     sys.exit(main())

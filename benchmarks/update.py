@@ -31,7 +31,7 @@ import torch
 
 os.environ.setdefault("SILVERREC_QUIET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_results  # noqa: E402
+from common import Panel, plot_only, replot, save_plot, write_results  # noqa: E402
 from publish_scale import compare_flat, mixture, queries, recall, truth  # noqa: E402
 
 import silverrec  # noqa: E402
@@ -126,8 +126,7 @@ def main() -> None:
             print(r, flush=True)
     if args.compare_flat:
         rows += [{"what": "final pool, k-means method"} | r for r in compare_flat(cur_x, q, truth(cur_x, q, 100), [16, 32, 64])]
-    write_results(args.name, vars(args), rows)
-    plot(rows, RESULTS / f"{args.name}.png")
+    replot(write_results(args.name, vars(args), rows).stem, plot)
 
 
 def recall_by_nprobe(path: Path, q: np.ndarray, ids: np.ndarray, gt_rows: np.ndarray, drifted: np.ndarray, nprobes) -> list[dict]:
@@ -151,32 +150,29 @@ def recall_by_nprobe(path: Path, q: np.ndarray, ids: np.ndarray, gt_rows: np.nda
     return out
 
 
-def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+def plot(payload: dict, path: Path) -> None:
+    """Seconds of each update against a full publish; recall@100 after each successive update against a
+    full rebuild; the final pool's recall against the rows scanned, updated vs rebuilt."""
+    rows = payload["rows"]
     ups = [r for r in rows if r["what"] == "update"]
-    full = rows[0]["seconds"]
-    a.bar(["full publish"] + [f"update {r['fraction']:.1%}" for r in ups], [full] + [r["seconds"] for r in ups],
-          color=["grey"] + ["tab:blue"] * len(ups))
-    a.set_ylabel("seconds")
-    a.set_title("1M x 96 IVF: update vs full publish")
+    full = next(r for r in rows if r["what"] == "full publish")
+    cats = ["full publish"] + [f"update {r['fraction']:.1%}" for r in ups]
+    panels = [Panel(f"{payload['config']['n']:,} x {payload['config']['dim']} IVF: update vs full publish", "what", "seconds",
+                    {"seconds": (cats, [full["seconds"]] + [r["seconds"] for r in ups])}, kind="bar")]
     steps = [r for r in rows if r["what"] == "successive 1% update"]
-    b.plot([r["step"] for r in steps], [r["recall@100"] for r in steps], "o-", label="after k successive 1% updates")
-    rebuild = next(r for r in rows if r["what"] == "full rebuild after the updates")
-    b.axhline(rebuild["recall@100"], color="grey", ls="--", label="full rebuild of the final pool")
-    adv = [r["step"] for r in steps if r["rebuild_advised"]]
-    if adv:
-        b.axvline(adv[0], color="tab:red", ls=":", label=f"rebuild first advised (step {adv[0]})")
-    b.set_xlabel("update step")
-    b.set_ylabel(f"recall@100 (nprobe {rebuild['nprobe']})")
-    b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    rebuild = next((r for r in rows if r["what"] == "full rebuild after the updates"), None)
+    if steps and rebuild:
+        panels.append(Panel(f"recall@100 at nprobe {rebuild['nprobe']} after k successive 1% updates (drift "
+                            f"{payload['config'].get('drift')})", "update step", "recall@100",
+                            {"after k updates": ([r["step"] for r in steps], [r["recall@100"] for r in steps])},
+                            ref=rebuild["recall@100"], ref_label="full rebuild of the final pool"))
+    final = {what: [r for r in rows if r["what"] == f"final pool: {what}"] for what in ("after the updates", "full rebuild")}
+    if all(final.values()):
+        panels.append(Panel("final pool: recall@100 vs rows scanned per query", "rows scanned (mean)", "recall@100",
+                            {w: ([r["scanned_rows"] for r in v], [r["recall@100"] for r in v]) for w, v in final.items()},
+                            logx=True))
+    save_plot(path, panels, "incremental updates: silverrec update vs a full publish")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and not plot_only(plot, "update"):
     main()
