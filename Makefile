@@ -51,7 +51,7 @@ test-portable: setup
 			SILVERREC_EXPECT_ISA=$$isa $(BIN)/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS); \
 	done
 
-# The GPU suite (tests/gpu; README "GPU"): on a machine whose python3 already has torch and triton, with
+# The GPU suite (tests/gpu; docs/gpu.md): on a machine whose python3 already has torch and triton, with
 # no venv, no install and no network (tools/repo_import.py maps pyproject's package folders). Triton
 # compiles for the device (no TRITON_INTERPRET); every test skips without CUDA.
 test-gpu:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 os.environ.setdefault("SILVERREC_QUIET", "1")
 # On this shared 2-core machine, OpenMP threads spinning between the many small parallel regions of
-# a scan (torch's and faiss's pools alike) lose 10-20x to other processes; sleep-waiting is fair to
+# a scan (torch's and faiss's pools alike) lose many times over to other processes; sleep-waiting is fair to
 # both systems. Set before torch / faiss load their OpenMP runtimes.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -79,7 +79,7 @@ def timed_alternating(fns: dict, batches, reps, block: int = 5):
     them alike), the same `reps` rounds each: in every round each system answers every batch
     `block` times in a row and its first call after the switch is not timed (two OpenMP pools,
     torch's and Faiss's, hand the cores over at a switch: call-by-call alternation measured that
-    hand-off, 0.58 -> 0.85-1.0 ms for silverrec and 0.90 -> 1.03 ms for Faiss at nprobe 8).
+    hand-off, which slowed both sides).
     -> (outputs of the last round per system, latency quantiles in ms per system)."""
     ts = {name: [] for name in fns}
     outs = {name: [] for name in fns}
@@ -126,7 +126,7 @@ def movielens(n_queries: int):
 def equal_recall_ratio(ours: list[dict], theirs: list[dict]):
     """For each of our points: our latency / the fastest of their points with recall >= ours. Past
     the recall plateau this charges every extra nprobe to us: Faiss scored against itself this way
-    gives its nprobe 128 5.6x its nprobe 8 (both at recall 0.992, gmm1000k)."""
+    charges its nprobe 128 against its nprobe 8, which reach the same recall."""
     out = []
     for p in ours:
         ok = [t["latency_ms"]["median"] for t in theirs if t["recall"] >= p["recall"] - 1e-9]

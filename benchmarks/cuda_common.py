@@ -36,7 +36,7 @@ def require_device(device: str) -> torch.device:
         return torch.device("cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {device}: no CUDA device on this machine (torch {torch.__version__}: "
-                         "torch.cuda.is_available() is False). Run it on a GPU machine (README, section GPU); "
+                         "torch.cuda.is_available() is False). Run it on a GPU machine (docs/gpu.md); "
                          "the CPU benchmark is the default, --device cpu.")
     if dev.type not in ("cpu", "cuda"):
         raise SystemExit(f"--device must be cpu or cuda, got {device!r}")

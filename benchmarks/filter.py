@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("SILVERREC_QUIET", "1")
-# numpy's OpenBLAS pool spin-waits between calls: on this shared 2-core machine the exact baseline's
-# small float GEMMs ran 10-80x slower with 2 threads than with one (629 survivors x 16 queries: 40 vs
-# 0.49 ms at load 9), so the baseline gets one BLAS thread (override with OPENBLAS_NUM_THREADS).
+# numpy's OpenBLAS pool spin-waits between calls: on a shared 2-core machine the exact baseline's
+# small float GEMMs ran many times slower with 2 threads than with one, so the baseline gets one BLAS
+# thread (override with OPENBLAS_NUM_THREADS).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as benchmarks/ann.py: torch's and Faiss's pools sleep-wait
 
@@ -476,8 +476,8 @@ def conjunction_part(n: int, d: int, nlist: int, ks: list[int], rng, repeat: int
             if at95 != equal:
                 sides["faiss_ivfsq8_bitmap_recall_0.95"] = faiss_at(at95)
             ts = {name: [] for name in sides}
-            # the side right after Faiss's full-pool scan runs slower (measured: roaring 0.23 -> 0.26 ms at
-            # 0.024%, 0.42 -> 0.58 ms at 0.2%; silverrec alike), and a fixed order gave that slot to silverrec
+            # the side right after Faiss's full-pool scan runs slower (roaring and silverrec alike, measured),
+            # and a fixed order gave that slot to silverrec
             # every round: the Faiss sides go last and the other two swap places each round, so each follows
             # Faiss in every other round
             pair = [n for n in sides if not n.startswith("faiss")]

@@ -389,7 +389,7 @@ def test_mol_training_separates_planted_positive():
     before = accuracy()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a second thread only adds contention (36 s vs 2 s on a busy box)
+    torch.set_num_threads(1)  # tiny ops: a second thread only adds contention on a busy machine
     try:
         for _ in range(150):
             user, cand, feats, label = _planted_lists(64, k, rot, gen)

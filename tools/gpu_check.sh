@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU suite, then the --quick GPU benchmarks, each under its own time cap so a
-# hang in one still leaves the others' results. Logs and results JSON go to $OUT (README, section GPU).
+# hang in one still leaves the others' results. Logs and results JSON go to $OUT (docs/gpu.md).
 #   tools/gpu_check.sh            # on the GPU machine (its python3 has torch and triton)
 #   BENCHES="generative exact" QUICK= TESTS_S=120 BENCH_S=90 tools/gpu_check.sh   # full runs of two
 #   BENCHES=recommend tools/gpu_check.sh   # the recommendation model (examples/byo) on the GPU vs the CPU
