@@ -136,9 +136,9 @@ class Panel:
     ref_label: str = ""
 
 
-def save_plot(path: Path, panels: Sequence[Panel], title: str = "", height: float = 4.3) -> Path:
-    """Draw `panels` (up to 4 a row, each `height` inches tall) into the PNG `path` (matplotlib, Agg
-    backend: no display needed)."""
+def save_plot(path: Path, panels: Sequence[Panel], title: str = "", height: float = 4.3, width: float = 5.6) -> Path:
+    """Draw `panels` (up to 4 a row, each `width` x `height` inches) into the PNG `path` (matplotlib,
+    Agg backend: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,7 +146,7 @@ def save_plot(path: Path, panels: Sequence[Panel], title: str = "", height: floa
 
     cols = min(len(panels), 4)
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, height * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         _draw(ax, panel)
     for ax in list(axes.flat)[len(panels):]:
@@ -161,10 +161,22 @@ def save_plot(path: Path, panels: Sequence[Panel], title: str = "", height: floa
 
 
 def _draw(ax, panel: Panel) -> None:
+    from matplotlib.ticker import NullFormatter
+
+    if panel.kind not in ("line", "bar", "barh"):
+        raise ValueError(f"Panel.kind must be line, bar or barh, got {panel.kind!r}")
+    # scales first: setting a scale resets the ticks that the bar kinds set below
+    if panel.kind == "barh":  # the values run along x
+        ax.set_xscale("log" if panel.logy else "linear")
+        ax.set(xlabel=panel.ylabel, ylabel=panel.xlabel)
+    else:
+        ax.set_xscale("log" if panel.logx else "linear")
+        ax.set_yscale("log" if panel.logy else "linear")
+        ax.set(xlabel=panel.xlabel, ylabel=panel.ylabel)
     if panel.kind == "line":
         for label, (x, y, *err) in panel.series.items():
             ax.errorbar(list(x), list(y), yerr=err[0] if err else None, marker="o", ms=4, capsize=3, label=label)
-    elif panel.kind in ("bar", "barh"):
+    else:
         cats = list(dict.fromkeys(c for x, *_ in panel.series.values() for c in x))
         width = 0.8 / max(1, len(panel.series))
         for i, (label, (x, y, *err)) in enumerate(panel.series.items()):
@@ -179,20 +191,9 @@ def _draw(ax, panel: Panel) -> None:
         else:
             ax.set_yticks(range(len(cats)), [str(c) for c in cats], fontsize=7)
             ax.invert_yaxis()
-    else:
-        raise ValueError(f"Panel.kind must be line, bar or barh, got {panel.kind!r}")
-    value_axis = ax.axvline if panel.kind == "barh" else ax.axhline
     if panel.ref is not None:
-        value_axis(panel.ref, color="grey", ls="--", lw=1, label=panel.ref_label or None)
-    if panel.kind == "barh":  # the values run along x
-        ax.set_xscale("log" if panel.logy else "linear")
-        ax.set(xlabel=panel.ylabel, ylabel=panel.xlabel)
-    else:
-        ax.set_xscale("log" if panel.logx else "linear")
-        ax.set_yscale("log" if panel.logy else "linear")
-        ax.set(xlabel=panel.xlabel, ylabel=panel.ylabel)
-    from matplotlib.ticker import NullFormatter
-
+        (ax.axvline if panel.kind == "barh" else ax.axhline)(panel.ref, color="grey", ls="--", lw=1,
+                                                             label=panel.ref_label or None)
     for axis in (ax.xaxis, ax.yaxis):  # a log axis: labels at the decades only
         axis.set_minor_formatter(NullFormatter())
     ax.set_title(panel.title, fontsize=9)

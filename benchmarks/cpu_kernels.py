@@ -143,7 +143,8 @@ def plot(payload: dict, path: Path) -> None:
     c = payload["config"]
     save_plot(path, [Panel("Faiss SQ8 time / silverrec time (> 1: silverrec faster)", "build", "peer / silverrec",
                            series, kind="barh", ref=1.0)],
-              f"CPU scan kernels vs Faiss SQ8, {c['n']:,} x {c['d']}, k {c['k']}, ivf nprobe {c['nprobe']}/{c['nlist']}")
+              f"CPU scan kernels vs Faiss SQ8, {c['n']:,} x {c['d']}, k {c['k']}, ivf nprobe {c['nprobe']}/{c['nlist']}",
+              height=6, width=8)
 
 
 if __name__ == "__main__" and not plot_only(plot, "cpu_kernels"):

@@ -112,7 +112,7 @@ def plot(payload: dict, path: Path) -> None:
     paths = [r["path"].strip() for r in rows]
     series = {"Triton launches": (paths, [r["triton"] for r in rows]), "other device ops": (paths, [r["torch"] for r in rows])}
     save_plot(path, [Panel(f"device launches per call, batch {payload['config']['batch']} (counted, not timed)", "path",
-                           "launches", series, kind="barh")], "the filtered search's CUDA paths")
+                           "launches", series, kind="barh")], "the filtered search's CUDA paths", width=8)
 
 
 if __name__ == "__main__" and not plot_only(plot, "cuda_launches"):

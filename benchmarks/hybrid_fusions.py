@@ -196,7 +196,7 @@ def plot(payload: dict, path: Path) -> None:
     save_plot(path, [Panel(f"NDCG@10 over seeds {payload['config']['seeds']}; dashed: the better source on test",
                            "ranking of the hybrid's union", "NDCG@10", series, kind="barh", ref=best["test"],
                            ref_label="better source (test)")],
-              "which ranking of the hybrid's candidates could beat the better source? (MovieLens)", height=10)
+              "which ranking of the hybrid's candidates could beat the better source? (MovieLens)", height=10, width=9)
 
 
 if __name__ == "__main__" and not plot_only(plot, "hybrid_fusions"):

@@ -126,7 +126,7 @@ def plot(payload: dict, path: Path) -> None:
     series = {"wall time per call": (names, [c["wall_ms_per_call"] for c in cases]),
               "device (kernel) time per call": (names, [c["device_ms_per_call"] for c in cases])}
     save_plot(path, [Panel(f"{payload['n']:,} items, batch 16", "case", "ms per call", series, kind="barh", logy=True)],
-              f"where the GPU paths' time goes, {payload['gpu'].get('gpu')}", height=5)
+              f"where the GPU paths' time goes, {payload['gpu'].get('gpu')}", height=5, width=9)
 
 
 if __name__ == "__main__" and not plot_only(plot, "profile_cuda"):

@@ -434,33 +434,23 @@ def report(rows: list[dict], extra: dict, args) -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
     print_table([r for r in rows if r["load"] == "closed"], ["server", "concurrency", "throughput", "p50_ms", "p99_ms", "p999_ms"])
     print(json.dumps(summary_, indent=2))
-    plot(rows, RESULTS / f"{name}.png")
+    replot(name, plot)
     print(f"wrote {RESULTS / (name + '.json')} and {name}.png")
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for server in dict.fromkeys(r["server"] for r in rows):
-        pts = sorted((r["concurrency"], r["throughput"], r["p99_ms"]) for r in rows
-                     if r["server"] == server and r["load"] == "closed")
-        if not pts:
-            continue
-        c, t, p = zip(*pts)
-        a.plot(c, t, marker="o", label=server)
-        b.plot(t, p, marker="o", label=server)
-    a.set(xscale="log", xlabel="concurrency (closed loop)", ylabel="requests / s", title="throughput")
-    b.set(yscale="log", xlabel="requests / s", ylabel="p99 latency (ms)", title="p99 vs throughput (c = 1..64)")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"silverrec serve, exact {N_ITEMS} x {DIM}, 1-row k={K} requests, loopback, {os.cpu_count()} cores")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+def plot(payload: dict, path: Path) -> None:
+    """Closed loop per server: throughput against concurrency, and p99 latency against throughput."""
+    rows, thr, p99 = payload["rows"], {}, {}
+    for server in dict.fromkeys(r["server"] for r in payload["rows"]):
+        pts = sorted((r["concurrency"], r["throughput"], r["p99_ms"]) for r in rows if r["server"] == server and r["load"] == "closed")
+        if pts:
+            c, t, p = zip(*pts)
+            thr[server], p99[server] = (c, t), (t, p)
+    c = payload["config"]
+    save_plot(path, [Panel("throughput", "concurrency (closed loop)", "requests / s", thr, logx=True),
+                     Panel("p99 vs throughput (c = 1..64)", "requests / s", "p99 latency, ms", p99, logy=True)],
+              f"silverrec serve, {c['snapshot']} {c['items']} x {c['dim']}, 1-row k={c['k']} requests, loopback, "
+              f"{payload['machine'].get('cores')} cores")
 
 
 def main() -> None:
@@ -477,5 +467,5 @@ def main() -> None:
     run(args)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and not plot_only(plot, "serve"):
     main()

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import silverrec  # noqa: F401  (first: it sets OMP_WAIT_POLICY=PASSIVE before torch starts OpenMP;
-#                  spinning OpenMP workers made a training step 10x slower on the loaded 2-core machine)
+#                  spinning OpenMP workers made training steps many times slower on a loaded machine)
 import numpy as np
 import torch
 import torch.nn.functional as F
