@@ -720,7 +720,8 @@ def plot(payload: dict, path: Path) -> None:
     if "gpu" in payload:
         title = f"filtered search on {payload['gpu'].get('gpu')}, {payload['n']:,} x {payload['dim']}, batch {payload['batch']}"
     else:
-        title = f"filtered search on the CPU ({payload.get('machine', {}).get('cores')} cores, {payload.get('env', {})})"
+        env = ", ".join(f"{k}={v}" for k, v in (payload.get("env") or {}).items() if v)
+        title = f"filtered search on the CPU ({payload.get('machine', {}).get('cores')} cores{', ' + env if env else ''})"
     save_plot(path, panels, title)
 
 
