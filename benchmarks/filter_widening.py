@@ -30,7 +30,7 @@ os.environ.setdefault("SILVERREC_QUIET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import faiss  # noqa: E402
-from common import write_results  # noqa: E402
+from common import Panel, plot_only, replot, save_plot, write_results  # noqa: E402
 from filter import (CONJ_FEATURES, BloomConfig, ForwardIndex, RoaringIndex, cluster_major_layout,  # noqa: E402
                     filter_index, gaussian_mixture, recall, search_model, search_routes)
 
@@ -102,8 +102,23 @@ def main() -> int:
                   f"{row['auto']}  [{f}] {time.perf_counter() - t0:.0f}s", flush=True)
     write_results("filter_widening", {"n": n, "dim": d, "nlist": nlist, "k": K, "queries": args.queries, "nprobes": NPROBES,
                                       "match_factor": module.match_factor}, rows)
+    replot("filter_widening", plot)
     return 0
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Per query set: recall@k of the probed route against the matching items in its probed clusters,
+    one line per filter (its density in the legend)."""
+    rows, panels = payload["rows"], []
+    for qname in dict.fromkeys(r["queries"] for r in rows):
+        mine = [r for r in rows if r["queries"] == qname]
+        panels.append(Panel(f"queries: {qname}", "matching items in the probed clusters", f"recall@{payload['config']['k']}",
+                            {f"{r['filter']} ({r['density']:.1%})": ([c["matches_probed"] for c in r["probed"]],
+                                                                    [c["recall"] for c in r["probed"]]) for r in mine},
+                            logx=True, ref=0.95, ref_label="recall 0.95"))
+    c = payload["config"]
+    save_plot(path, panels, f"how many matches the probed route needs, {c['n']:,} x {c['dim']}, nlist {c['nlist']}", height=5.5)
+
+
+if __name__ == "__main__" and not plot_only(plot, "filter_widening"):
     raise SystemExit(main())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("SILVERREC_QUIET", "1")
 
@@ -26,7 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, write_results  # noqa: E402
+from common import Panel, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 from filter import gaussian_mixture  # noqa: E402  (the filter benchmark's pool)
 
 from silverrec.kernels.common import quantize_queries  # noqa: E402
@@ -94,8 +95,23 @@ def main(argv=None) -> int:
                          "passing_mean": passing.sum(1).float().mean().item(), **r})
             print_table(rows[-1:], list(rows[-1].keys()))
     write_results("filtered_topk_passes", vars(args), rows)
+    replot("filtered_topk_passes", plot)
     return 0
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """Scans of the passing rows per query (mean and most) and the static pass count, per selectivity and k."""
+    rows, panels = payload["rows"], []
+    for k in dict.fromkeys(r["k"] for r in rows):
+        mine = [r for r in rows if r["k"] == k]
+        cats = [f"{r['selectivity']:g}" for r in mine]
+        panels.append(Panel(f"k {k}", "share of the rows passing the filter", "scans of the passing rows",
+                            {"mean per query": (cats, [r["scans_mean"] for r in mine]),
+                             "most for a query": (cats, [r["scans_max"] for r in mine]),
+                             "static passes": (cats, [r["static_passes"] for r in mine])}, kind="bar"))
+    c = payload["config"]
+    save_plot(path, panels, f"the CUDA filtered top-k's radix select replayed on CPU, {c['n']:,} x {c['d']}, batch {c['batch']}")
+
+
+if __name__ == "__main__" and not plot_only(plot, "filtered_topk_passes"):
     sys.exit(main())
