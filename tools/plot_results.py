@@ -6,8 +6,8 @@
 A result file belongs to the benchmark script whose name is its longest prefix (`filter_conj.json`:
 benchmarks/filter.py, `generative_quality_hybrid.json`: benchmarks/generative_quality.py), except
 the few that `OWNERS` names. Each script redraws its own files (`python benchmarks/X.py --plot-only
-NAME ...`, benchmarks/common.py `plot_only`); scripts that draw no plot (studies, not comparisons of
-systems) are skipped.
+NAME ...`, benchmarks/common.py `plot_only`); a result without a plotting script is reported and
+skipped.
 """
 
 from __future__ import annotations
