@@ -34,7 +34,7 @@ excluded through the request bitmask) for fp32 and bf16 weights vs popularity.
     python3 benchmarks/generative.py --device cuda [--quick] [--model CKPT]   # results/generative_cuda[_quick].json
 
 --device cuda: the decode on the GPU, eager launches vs CUDA-graph replay (`GraphedDecode`,
-silverrec/generative/cuda_graph.py) on the same inputs (histories of exactly a bucket length, so
+silverrec/serving/graphed_decode.py) on the same inputs (histories of exactly a bucket length, so
 the graph pads nothing), vs transformers' constrained beam search on the GPU (batch 1); item lists
 compared (graph vs eager bit for bit, transformers vs silverrec). Weights: --model's checkpoint, else
 a random decoder of the default trainer's shape over semantic IDs of 9,742 random item embeddings
@@ -69,9 +69,8 @@ from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk  # no
 from silverrec.publish.generative import all_items_bitmask, build_generative  # noqa: E402
 from silverrec.publish.logs import leave_one_out, read_logs  # noqa: E402
 from silverrec.publish.semantic_ids import SemanticIds  # noqa: E402
-from silverrec.publish.train_generative import (  # noqa: E402
-    Sequences, TrainConfig, decode_rows, load_checkpoint, popularity_rows, save_checkpoint, train,
-)
+from silverrec.publish.generative_checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from silverrec.publish.train_generative import Sequences, TrainConfig, decode_rows, popularity_rows, train  # noqa: E402
 from silverrec.snapshot import export_program  # noqa: E402
 from tests.reference_beam_search import reference_beam_search  # noqa: E402
 
@@ -304,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_cuda(args, dev: torch.device) -> int:
     """The --device cuda benchmark (module docstring); writes generative_cuda[_quick].json."""
-    from silverrec.generative.cuda_graph import GraphedDecode
+    from silverrec.serving.graphed_decode import GraphedDecode
     from silverrec.generative.decoder import DecoderConfig
     from silverrec.publish.semantic_ids import build_semantic_ids
 

@@ -150,7 +150,7 @@ def main() -> None:
     subprocess.run(["rm", "-rf", str(out)], check=True)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    polled = run_polling_rss([sys.executable, "-m", "silverrec.publish.cli", "publish", "--pool", str(pool), "--out", str(out)],
+    polled = run_polling_rss([sys.executable, "-m", "silverrec", "publish", "--pool", str(pool), "--out", str(out)],
                              env=dict(os.environ, SILVERREC_QUIET="1"))
     wall = time.perf_counter() - t0
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -148,10 +148,10 @@ def start_server(kind: str, path: Path) -> tuple[subprocess.Popen, int]:
     env = dict(os.environ, SILVERREC_QUIET="1", SILVERREC_ADMIN_TOKEN=TOKEN, PYTHONPATH=str(ROOT))
     py = sys.executable
     if kind == "batched":
-        cmd = [py, "-m", "silverrec.publish.cli", "serve", str(path), "--port", str(port), "--max-batch", "32",
+        cmd = [py, "-m", "silverrec", "serve", str(path), "--port", str(port), "--max-batch", "32",
                "--max-wait-ms", "2", "--workers", "1"]
     elif kind == "unbatched":
-        cmd = [py, "-m", "silverrec.publish.cli", "serve", str(path), "--port", str(port), "--max-batch", "1",
+        cmd = [py, "-m", "silverrec", "serve", str(path), "--port", str(port), "--max-batch", "1",
                "--max-wait-ms", "0", "--workers", "1"]
     elif kind == "plain":
         cmd = [py, "-c", "import sys, uvicorn; sys.path.insert(0, sys.argv[3]); from benchmarks.serve import plain_app; "

@@ -68,7 +68,7 @@ weights = {{ interacted = 1.0, liked = 0.5 }}
 
 def _cli(*args: str) -> str:
     """Run the silverrec CLI in a fresh Python process (as a user would) and return its stdout."""
-    proc = subprocess.run([sys.executable, "-m", "silverrec.publish.cli", *args], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "silverrec", *args], capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
         raise SystemExit(f"silverrec {args[0]} failed with exit code {proc.returncode}")

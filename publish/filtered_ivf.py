@@ -33,7 +33,7 @@ from silverrec.publish.pool import Pool
 from silverrec.publish.postings import build_postings, default_limit
 from silverrec.publish.progress import step
 from silverrec.snapshot import export_module, write_snapshot
-from silverrec.publish.update import save_forward
+from silverrec.publish.forward_file import save_forward
 
 BATCH = Dim("batch", min=1, max=1 << 16)
 

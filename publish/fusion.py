@@ -20,7 +20,7 @@ The grid, the choice and the per-source figures go to the manifest (`generative.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -116,13 +116,14 @@ def check_validation_checkpoints(ckpt: dict, gen_meta: dict, where: str) -> None
                           f"({tt.get('seed')} and {gen.get('seed')}): train both with one seed")
 
 
-def choose_fusion(cfg) -> dict[str, Any]:
+def choose_fusion(cfg, build_rec_model: Callable[..., Any]) -> dict[str, Any]:
     """`publish.rec.PublishConfig` with validation checkpoints -> the manifest's fusion entry:
-    {"weight", "priority", "chosen_on", "validation": the chosen row's figures, "grid": every row}."""
+    {"weight", "priority", "chosen_on", "validation": the chosen row's figures, "grid": every row}.
+    `build_rec_model(cfg, ckpt)` (publish/rec.py, which calls this) builds the neutral model the grid is
+    measured on."""
     from silverrec.publish.quality import handler_for
-    from silverrec.publish.rec import build_rec_model
     from silverrec.publish.train import load_checkpoint
-    from silverrec.publish.train_generative import load_checkpoint as load_generative
+    from silverrec.publish.generative_checkpoint import load_checkpoint as load_generative
 
     ckpt = load_checkpoint(cfg.validation_checkpoint)
     check_validation_checkpoints(ckpt, load_generative(cfg.validation_generative_checkpoint)[2], "publish")

@@ -230,7 +230,7 @@ def publish_from_pool(
     """The `silverrec publish --generative --pool POOL --model CKPT` path: the checkpoint's decoder
     and semantic IDs (`silverrec train --generative`), restricted to the pool's items (every pool
     item must have a semantic ID in the checkpoint)."""
-    from silverrec.publish.train_generative import load_checkpoint
+    from silverrec.publish.generative_checkpoint import load_checkpoint
 
     if model is None:
         raise PoolError("publish --generative needs --model CKPT: train one with silverrec train --generative "

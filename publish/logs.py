@@ -62,10 +62,6 @@ class Logs:
     def num_users(self) -> int:
         return int(self.user_ids.shape[0])
 
-    @property
-    def num_interactions(self) -> int:
-        return int(self.items.shape[0])
-
     def user_items(self, u: int) -> np.ndarray:
         """Pool rows int64 of user index ``u``'s interactions, oldest first."""
         return self.items[self.offsets[u] : self.offsets[u + 1]]

@@ -75,16 +75,6 @@ def load_ratings() -> Ratings:
     )
 
 
-def user_sequences(ratings: Ratings | None = None) -> dict[int, np.ndarray]:
-    """user id -> movie ids int64 ordered by rating time (ties by movie id)."""
-    r = ratings or load_ratings()
-    order = np.lexsort((r.movie_ids, r.timestamps, r.user_ids))
-    users, movies = r.user_ids[order], r.movie_ids[order]
-    starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
-    ends = np.r_[starts[1:], len(users)]
-    return {int(users[s]): movies[s:e] for s, e in zip(starts, ends)}
-
-
 @dataclass
 class Factorisation:
     """Inner-product factors: score(user, movie) = user_factors[u] . item_factors[m]."""

@@ -285,7 +285,7 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
             from silverrec.publish.fusion import choose_fusion
 
             with step("choosing the fusion on the validation split"):
-                fusion = choose_fusion(cfg)
+                fusion = choose_fusion(cfg, build_rec_model)
         extra["generative_weight"], extra["source_priority"] = fusion["weight"], fusion["priority"]
         manifest["generative"]["weight"], manifest["generative"]["fusion"] = fusion["weight"], fusion
         kind_of_model = HybridRecModel
@@ -328,7 +328,7 @@ def serving_config(cfg: PublishConfig, spec: UserFeatureSpec, tasks: list[str], 
 def load_generative_source(cfg: PublishConfig, row_to_item: torch.Tensor):
     """The generative checkpoint as a `GenerativeSource` over the index's rows, and its manifest entry."""
     from silverrec.publish.generative import build_generative
-    from silverrec.publish.train_generative import load_checkpoint as load_generative
+    from silverrec.publish.generative_checkpoint import load_checkpoint as load_generative
 
     decoder, sids, info = load_generative(cfg.generative_checkpoint)
     top_k = int(cfg.beam_top_k) or int(cfg.beam_width)

@@ -34,7 +34,7 @@ decode through the item bitmask, the rank of the held-out target in that list (`
 beside the popularity baseline. With one token per item the decode of beam >= 10 is the exact top
 of the full softmax, i.e. full ranking.
 
-Checkpoint API (stable; the publish step and the hybrid RecModel build on it):
+Checkpoint API (stable, publish/generative_checkpoint.py; the publish step and the hybrid RecModel build on it):
     save_checkpoint(path, decoder, sids, cfg, metrics)
     decoder, sids, meta = load_checkpoint(path)   # RecDecoder (eval), SemanticIds,
                                                   # {"train_config": dict, "metrics": dict}
@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -62,9 +62,10 @@ from silverrec.generative.trie import ValidPathTrie
 from silverrec.publish.config import ConfigError, read_toml
 from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk
 from silverrec.publish.generative import build_generative
+from silverrec.publish.generative_checkpoint import save_checkpoint
 from silverrec.publish.logs import Split, leave_one_out, read_logs
 from silverrec.publish.progress import quiet, step
-from silverrec.publish.semantic_ids import SemanticIds, SemanticIdStats, build_semantic_ids, item_token_ids
+from silverrec.publish.semantic_ids import SemanticIds, build_semantic_ids, item_token_ids
 from silverrec.serving.predictor import history_tokens
 from silverrec.threads import num_threads
 
@@ -477,45 +478,3 @@ def train(cfg: TrainConfig, out: str | Path | None = None) -> tuple[RecDecoder, 
     if out is not None:
         save_checkpoint(out, decoder, sids, cfg, metrics)
     return decoder, sids, metrics
-
-
-# ---------------------------------------------------------------------------------- checkpoint
-
-
-def save_checkpoint(path: str | Path, decoder: RecDecoder, sids: SemanticIds, cfg: TrainConfig, metrics: Metrics) -> Path:
-    """Write decoder config + weights, semantic IDs and metrics (torch.save, weights_only-loadable),
-    atomically (a temporary file renamed into place)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({
-        "format": "silverrec-generative-checkpoint-1",
-        "decoder_config": decoder.config.to_dict(),
-        "state_dict": {k: v.detach().clone() for k, v in decoder.state_dict().items()},
-        "item_ids": torch.from_numpy(sids.item_ids),
-        "paths": torch.from_numpy(sids.paths),
-        "level_sizes": list(sids.level_sizes),
-        "semantic_id_stats": sids.stats.to_dict(),
-        "train_config": asdict(cfg),
-        "metrics": asdict(metrics),
-    }, tmp)
-    tmp.replace(path)
-    return path
-
-
-def load_checkpoint(path: str | Path) -> tuple[RecDecoder, SemanticIds, dict[str, Any]]:
-    """Inverse of `save_checkpoint`: (decoder in eval mode, semantic IDs, {train_config, metrics})."""
-    path = Path(path)
-    if not path.is_file():
-        raise PoolError(f"generative checkpoint {path} does not exist")
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise PoolError(f"cannot read generative checkpoint {path}: {type(e).__name__}: {e}") from None
-    if not isinstance(ck, dict) or ck.get("format") != "silverrec-generative-checkpoint-1":
-        raise PoolError(f"{path} is not a silverrec generative checkpoint")
-    decoder = RecDecoder(DecoderConfig.from_dict(ck["decoder_config"]))
-    decoder.load_state_dict(ck["state_dict"])
-    sids = SemanticIds(ck["item_ids"].numpy(), ck["paths"].numpy(), [], list(ck["level_sizes"]),
-                       SemanticIdStats(**ck["semantic_id_stats"]))
-    return decoder.eval(), sids, {"train_config": ck["train_config"], "metrics": ck["metrics"]}

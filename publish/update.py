@@ -38,12 +38,11 @@ import torch
 from silverrec.errors import PoolError, SnapshotError
 from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.publish.bloom import BloomConfig, _pack_columns, bloom_rows, exact_planes, estimate_fp_rate
+from silverrec.publish.forward_file import read_forward
 from silverrec.publish.kmeans import assign
 from silverrec.publish.pool import Pool, read_pool
 from silverrec.publish.stages import StageClock
 from silverrec.snapshot import MANIFEST, load_exported, read_manifest, read_tensors, verify_files
-
-FORWARD_FILE = "forward.npz"  # filtered snapshots: token_ids int32 [nnz], offsets int64 [N + 1], row order
 
 # Drift thresholds past which `advice` recommends a full rebuild.
 MAX_IMBALANCE_RATIO = 1.25  # cluster-size imbalance / imbalance of the last full build
@@ -121,19 +120,6 @@ def _parent_tensors(root: Path, manifest: dict) -> dict[str, torch.Tensor]:
     tensors.pt memory-mapped, or (format 4) the state of its program."""
     state = read_tensors(root, manifest) or load_exported(root, manifest).state_dict
     return {k[len("index."):]: v.detach() for k, v in state.items() if k.startswith("index.")}
-
-
-def _parent_forward(root: Path, manifest: dict) -> ForwardIndex:
-    path = root / FORWARD_FILE
-    if FORWARD_FILE not in manifest.get("files", {}):
-        raise SnapshotError(
-            f"snapshot {root} has no {FORWARD_FILE} (published before incremental updates existed): "
-            "re-publish it once, then update"
-        )
-    data = np.load(path)
-    feats = manifest["config"]["filter"]["features"]
-    names = sorted(feats)
-    return ForwardIndex(names, [feats[f]["values"] for f in names], torch.from_numpy(data["token_ids"]), torch.from_numpy(data["offsets"]))
 
 
 def _manifest_digest(root: Path) -> str:
@@ -382,7 +368,7 @@ def _update_filter(root, manifest, t, ivf, keep_rows, src, pool):
 
     fcfg = manifest["config"]["filter"]
     bloom = BloomConfig(int(fcfg["bloom"]["bits"]), int(fcfg["bloom"]["hashes"]), int(fcfg["bloom"]["seed"]))
-    parent_fwd = _parent_forward(root, manifest)
+    parent_fwd = read_forward(root, manifest)
     feats = pool.features if pool is not None else {f: [] for f in parent_fwd.features}
     both, new = _merge_forward(parent_fwd, keep_rows, feats)
     # final row i comes from `both` row: kept rows first (in parent order), then the upserted items
@@ -468,7 +454,3 @@ def _write(index, config, out, torchscript, overwrite, clock: StageClock, info) 
     return write_index(index, config, out, fwd=info.get("forward"), torchscript=torchscript, overwrite=overwrite,
                        clock=clock, report=lambda r: config["update"].__setitem__("timings", r), time_backends=False)
 
-
-def save_forward(fwd: ForwardIndex, directory: Path) -> None:
-    """The forward index in row order, for later updates (FORWARD_FILE)."""
-    np.savez(directory / FORWARD_FILE, token_ids=fwd.token_ids.numpy(), offsets=fwd.offsets.numpy())

@@ -2,7 +2,7 @@
 
 import sys
 
-from silverrec.publish.cli import main
+from silverrec.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -340,6 +340,8 @@ def attach_tensors(names_to_placeholders: dict[str, torch.Tensor], tensors: dict
 
 def load_exported(root: Path, manifest: dict[str, Any]):
     """model.pt2 as an ExportedProgram with its state (from tensors.pt where stored apart)."""
+    import silverrec.kernels  # noqa: F401  (the program's torch.ops.silverrec.* must exist before it loads)
+
     program = torch.export.load(root / EXPORT_FILE)
     attach_tensors(program.state_dict, read_tensors(root, manifest), program.state_dict.__setitem__, root)
     return program
@@ -347,6 +349,8 @@ def load_exported(root: Path, manifest: dict[str, Any]):
 
 def load_scripted(root: Path, manifest: dict[str, Any], map_location=None):
     """model.ts as a ScriptModule with its state (from tensors.pt where stored apart)."""
+    import silverrec.kernels  # noqa: F401  (the program's torch.ops.silverrec.* must exist before it loads)
+
     module = torch.jit.load(str(root / SCRIPT_FILE), map_location=map_location)
     tensors = read_tensors(root, manifest, map_location)
     if tensors:

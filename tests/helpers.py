@@ -33,10 +33,10 @@ def recall(found: np.ndarray, truth: np.ndarray) -> float:
 
 
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `python -m silverrec.publish.cli ARGS` in a fresh process."""
+    """Run `python -m silverrec ARGS` in a fresh process."""
     env = dict(os.environ, SILVERREC_QUIET="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "silverrec.publish.cli", *args], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-m", "silverrec", *args], capture_output=True, text=True, env=env, timeout=600
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"silverrec {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

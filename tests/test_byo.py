@@ -144,7 +144,7 @@ def test_cli_publish_entry_point_and_embedding_column_equal_eager(world, tmp_pat
     `embedding` column instead of an item tower, no OverArch, a filter template that excludes the
     history (so requests sent with exclude_history=False still match the reference, which
     excludes it): both programs (model.pt2, model.ts)."""
-    from silverrec.publish.cli import main
+    from silverrec.cli import main
 
     d = world["dir"]
     (d / "publish.toml").write_text(f"""

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from silverrec.bitmask import pack_bits
-from silverrec.generative.cuda_graph import GraphedDecode, bucket, capture_eager, pad_batch, pad_history
+from silverrec.serving.cuda_graphs import capture_eager
+from silverrec.serving.graphed_decode import GraphedDecode, bucket, pad_batch, pad_history
 from silverrec.generative.generative import GenerativeRetrieval
 from silverrec.generative.trie import ValidPathTrie
 

@@ -241,7 +241,7 @@ def test_snapshot_export_round_trip_and_cli(built, tmp_path):
     assert one.item_ids.shape == (1, 7)
     np.save(tmp_path / "q.npy", q.numpy())
     cli = subprocess.run(
-        [sys.executable, "-m", "silverrec.publish.cli", "query", str(out), "--queries", str(tmp_path / "q.npy"),
+        [sys.executable, "-m", "silverrec", "query", str(out), "--queries", str(tmp_path / "q.npy"),
          "--k", "30", "--filter", "country IN (c0, c2)", "--json"],
         capture_output=True, text=True, check=True,
     )

@@ -19,9 +19,8 @@ from silverrec.errors import PoolError, QueryError
 from silverrec.publish.generative import build_generative, publish_generative
 from silverrec.publish.pool import write_pool
 from silverrec.publish.semantic_ids import build_semantic_ids
-from silverrec.publish.train_generative import (
-    Sequences, TrainConfig, item_embeddings, left_pad, load_checkpoint, popularity_rows, save_checkpoint,
-)
+from silverrec.publish.generative_checkpoint import load_checkpoint, save_checkpoint
+from silverrec.publish.train_generative import Sequences, TrainConfig, item_embeddings, left_pad, popularity_rows
 
 from .helpers import run_cli
 from .reference_beam_search import random_decoder, reference_beam_search
@@ -189,7 +188,7 @@ def test_unknown_history_item_is_named(setup, capsys):
         snap.recommend([[int(sids.item_ids[0])], [int(sids.item_ids[1]), unknown]])
     with pytest.raises(QueryError, match="non-empty list"):
         snap.recommend([])
-    from silverrec.publish.cli import main  # in-process CLI: exit code 2 and the message on stderr
+    from silverrec.cli import main  # in-process CLI: exit code 2 and the message on stderr
 
     for argv, message in [
         (["--history", f"{int(sids.item_ids[0])},{unknown}", "--k", "3"], f"unknown history item id {unknown}"),
@@ -289,7 +288,7 @@ def test_generic_trainer_learns_the_next_item(tmp_path, capsys):
     toml = tmp_path / "generative.toml"
     toml.write_text(f'interactions = "{inter.name}"\nitems = "{items.name}"\nembeddings = "{items.name}"\n'
                     + "".join(f"{k} = {v}\n" for k, v in _TINY.items()))
-    from silverrec.publish.cli import main
+    from silverrec.cli import main
 
     assert main(["train", "--generative", "--config", str(toml), "--out", str(tmp_path / "g.ckpt")]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -487,7 +486,7 @@ def test_bf16_weights_compute_in_the_measured_faster_dtype(setup, tmp_path, monk
         ref_ids, ref_scores = module(history_tokens(histories, ids[order], tokens[order], MAX_HISTORY))
     assert torch.equal(got.item_ids, ref_ids)
     torch.testing.assert_close(got.scores, ref_scores)
-    from silverrec.publish.cli import main
+    from silverrec.cli import main
 
     assert main(["inspect", str(out)]) == 0
     assert f"weights bf16, compute {faster} (measured at publish" in capsys.readouterr().out

@@ -305,7 +305,7 @@ def test_export_round_trip_and_cli(tmp_path, capsys):
     got_scores = np.array([[-np.inf if v is None else v for v in row] for row in got["scores"]])
     np.testing.assert_allclose(got_scores, exp_scores.numpy(), rtol=1e-6)
     # TorchScript backend and error exit, in process
-    from silverrec.publish.cli import main
+    from silverrec.cli import main
 
     assert main(["query", snap, "--queries", qfile, "--k", "9", "--nprobe", "5", "--json", "--backend", "torchscript"]) == 0
     got = json.loads(capsys.readouterr().out)

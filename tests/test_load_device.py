@@ -12,7 +12,7 @@ import silverrec.serving.device as device_path
 from silverrec.serving.device import serving_module
 from silverrec.bitmask import pack_bits
 from silverrec.errors import SnapshotError
-from silverrec.generative.cuda_graph import GraphedDecode
+from silverrec.serving.graphed_decode import GraphedDecode
 from silverrec.publish.filtered_ivf import publish_index
 from silverrec.publish.generative import build_generative
 from silverrec.publish.ivf import IVFConfig
@@ -98,18 +98,18 @@ def test_generative_through_graphed_decode():
 
 def test_serve_loads_onto_its_device(index, monkeypatch):
     """ServeConfig.device (`silverrec serve --device`) reaches silverrec.load, for reloads too."""
-    from silverrec.serving.server import ServeConfig, create_app
+    from silverrec.serving.app import ServeConfig, create_app
 
     path, _ = index
     monkeypatch.setattr(device_path, "MOVE_CPU", True)
     server = create_app(path, ServeConfig(port=0, device="cpu")).server
     assert isinstance(server.current.snap.module, device_path.OnDevice)
-    assert isinstance(server.loader(path).snap.module, device_path.OnDevice)
+    assert isinstance(server.reloads.loader(path).snap.module, device_path.OnDevice)
 
 
 @pytest.mark.parametrize("command", [["serve", "--port", "0"], ["query", "--queries", "q.npy", "--k", "5"]])
 def test_cli_device_flag(index, monkeypatch, capsys, command):
-    from silverrec.publish.cli import main
+    from silverrec.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     path, _ = index

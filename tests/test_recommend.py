@@ -20,7 +20,7 @@ import torch
 import silverrec
 from silverrec.errors import PoolError, QueryError, SnapshotError
 from silverrec.filtering.filter_lang import FilterSyntaxError
-from silverrec.publish.cli import main
+from silverrec.cli import main
 from silverrec.publish.train import (
     ConfigError,
     Examples,

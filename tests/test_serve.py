@@ -26,7 +26,10 @@ from hypothesis import strategies as st
 import silverrec
 from silverrec.errors import QueryError, SilverrecError
 from silverrec.serving.batcher import Batcher, DeadlineExceeded, QueueFull
-from silverrec.serving.server import Served, ServeConfig, TunePolicy, check_bind, load_served, start_in_thread
+from silverrec.serving.app import ServeConfig
+from silverrec.serving.served import Served, load_served
+from silverrec.serving.server import check_bind, start_in_thread
+from silverrec.serving.tune import TunePolicy
 
 from tests.rec_fixtures import rec_setup
 
@@ -374,7 +377,7 @@ def test_clean_shutdown_finishes_in_flight_requests(snaps):
 
 def test_cli_serve_starts_answers_and_stops_on_sigterm(snaps):
     env = dict(os.environ, SILVERREC_QUIET="1")
-    proc = subprocess.Popen([sys.executable, "-m", "silverrec.publish.cli", "serve", str(snaps["v1"]), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "silverrec", "serve", str(snaps["v1"]), "--port", "0"],
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stderr.readline()
@@ -389,7 +392,7 @@ def test_cli_serve_starts_answers_and_stops_on_sigterm(snaps):
 
 
 def test_cli_serve_refuses_non_loopback_without_token(snaps, monkeypatch, capsys):
-    from silverrec.publish.cli import main
+    from silverrec.cli import main
 
     monkeypatch.delenv("SILVERREC_ADMIN_TOKEN", raising=False)
     assert main(["serve", str(snaps["v1"]), "--host", "0.0.0.0", "--port", "0"]) == 2
@@ -399,7 +402,7 @@ def test_cli_serve_refuses_non_loopback_without_token(snaps, monkeypatch, capsys
 # ------------------------------------------------------------------------------------ tune
 
 def test_tune_writes_a_table_serve_reads(snaps, tmp_path):
-    from silverrec.publish.tune import tune
+    from silverrec.serving.tune import tune
 
     out = tmp_path / "t.json"
     table = tune(snaps["v1"], out, seconds=0.05, workers=(1, 2), threads=(1,), levels=(1, 8), log=lambda s: None)

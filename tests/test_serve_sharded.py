@@ -25,7 +25,8 @@ import silverrec
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.shards import ShardSpec, publish_sharded
 from silverrec.serving.distributed import ShardedRuntime, served_view
-from silverrec.serving.server import ServeConfig, start_in_thread
+from silverrec.serving.app import ServeConfig
+from silverrec.serving.server import start_in_thread
 from tests.helpers import REPO
 from tests.test_shards import D, check_topk, make_pool, matches, reference_scores
 

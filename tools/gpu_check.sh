@@ -38,9 +38,9 @@ for b in ${BENCHES:-exact ann filter generative}; do
     recommend)  # examples/byo (plain PyTorch towers, no torchrec) trained, published and served here
       BYO="import sys; sys.path.insert(0, 'tools'); import repo_import; repo_import.install(); sys.path.insert(0, 'examples/byo'); import runpy"
       bench byo_train python3 -c "$BYO; sys.argv = ['train.py', '--seconds', '20']; runpy.run_path('examples/byo/train.py', run_name='__main__')"
-      bench byo_publish python3 -c "$BYO; from silverrec.publish.cli import main; sys.exit(main(['publish', '--config', 'examples/byo/publish.toml', '--out', '/tmp/byo_snap']))"
+      bench byo_publish python3 -c "$BYO; from silverrec.cli import main; sys.exit(main(['publish', '--config', 'examples/byo/publish.toml', '--out', '/tmp/byo_snap']))"
       [ -f /tmp/byo_snap/manifest.json ] || { sed '/^\[overarch\]/,$d' examples/byo/publish.toml > examples/byo/publish_no_arch.toml
-        bench byo_publish_no_overarch python3 -c "$BYO; from silverrec.publish.cli import main; sys.exit(main(['publish', '--config', 'examples/byo/publish_no_arch.toml', '--out', '/tmp/byo_snap']))"; }
+        bench byo_publish_no_overarch python3 -c "$BYO; from silverrec.cli import main; sys.exit(main(['publish', '--config', 'examples/byo/publish_no_arch.toml', '--out', '/tmp/byo_snap']))"; }
       bench recommend python3 benchmarks/recommend_device.py --snapshot /tmp/byo_snap --logs examples/byo/out/logs/interactions.parquet --device cuda ;;
   esac
 done

@@ -168,10 +168,6 @@ class ValidPathTrie(nn.Module):
         parts.reverse()
         return torch.cat(parts, dim=1)
 
-    def leaf_rows(self, nodes: torch.Tensor) -> torch.Tensor:
-        """Leaf node ids -> item rows (trie leaf order)."""
-        return nodes - self.leaf_base
-
     @torch.jit.unused
     def enumerate_paths(self) -> torch.Tensor:
         """All root-to-leaf paths int64 [N, L] by walking `children` level by level (for tests)."""

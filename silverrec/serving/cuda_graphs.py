@@ -16,7 +16,7 @@ that never recur cost no capture. A call copies its tensors into the key's stati
 and returns clones of the outputs (the next replay overwrites them). A forward that cannot be
 captured (a host synchronisation, an op that refuses capture) runs eagerly for that key from then
 on, with one warning. `GraphCache` is the shared part: the generative decode's `GraphedDecode`
-(silverrec/generative/cuda_graph.py) keys it by its own padded buckets.
+(silverrec/serving/graphed_decode.py) keys it by its own padded buckets.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ The CPU path (device "cpu", the default) is untouched: no move, no wrapper. On a
 - `OnDevice` runs it behind the unchanged predictor API: a call moves its tensor arguments to the
   device once and its outputs back once (non-blocking copies both ways, one stream synchronisation).
 - Its forward is replayed from CUDA graphs: a generative snapshot decodes through `GraphedDecode`
-  (one graph per batch / history bucket; silverrec/generative/cuda_graph.py), every other program
+  (one graph per batch / history bucket; silverrec/serving/graphed_decode.py), every other program
   through `GraphedForward` (one graph per request shape; silverrec/serving/cuda_graphs.py). Both
   keep the least recently used 8 graphs.
 """
@@ -123,7 +123,7 @@ def serving_module(module, manifest: dict[str, Any], device: torch.device) -> On
 
     capture = capture_cuda_graph if device.type == "cuda" else capture_eager
     if manifest.get("kind") == "generative":
-        from silverrec.generative.cuda_graph import GraphedDecode
+        from silverrec.serving.graphed_decode import GraphedDecode
 
         module = GraphedDecode(module, beam_width=int(manifest["config"]["beam_width"]), capture=capture)
     else:

@@ -426,7 +426,7 @@ class ShardedRuntime:
 
 
 class RuntimeView:
-    """One generation of a runtime behind the predictor surface that server.Served wraps (rank 0):
+    """One generation of a runtime behind the predictor surface that served.Served wraps (rank 0):
     path, manifest, config, kind, backend, template, search."""
 
     def __init__(self, runtime: ShardedRuntime, gen: int):
@@ -489,8 +489,8 @@ def _unpack(packed: torch.Tensor, B: int, k: int) -> tuple[torch.Tensor, torch.T
 # ----------------------------------------------------------------------------------- HTTP launcher
 
 def served_view(runtime: ShardedRuntime, path: Optional[str | Path] = None):
-    """server.Served over the runtime's current generation, or over `path` after an all-or-none reload."""
-    from silverrec.serving.server import Served
+    """served.Served over the runtime's current generation, or over `path` after an all-or-none reload."""
+    from silverrec.serving.served import Served
 
     served = Served(runtime.view() if path is None else runtime.reload(path))
     served.smoke()
@@ -499,7 +499,7 @@ def served_view(runtime: ShardedRuntime, path: Optional[str | Path] = None):
 
 def serve_http(path: str | Path, config, *, rank: int, world_size: int, init_method: str = "env://",
                timeout_s: float = 5.0) -> int:
-    """`silverrec serve DIR --sharded`: rank 0 runs server.py's app and batcher over the runtime
+    """`silverrec serve DIR --sharded`: rank 0 runs serving/app.py's app and batcher over the runtime
     (`served_view`), reloads go through `ShardedRuntime.reload`; other ranks serve their shards.
 
     Raises:

@@ -193,9 +193,9 @@ def history_tokens(histories: list[list[int]], sorted_ids: np.ndarray, sorted_to
     return out
 
 
-def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True,
-         device: str | torch.device = "cpu") -> Snapshot:
-    """Verify and load a snapshot.
+def load_snapshot(path: str | os.PathLike, backend: str = "auto", verify: bool = True,
+                  device: str | torch.device = "cpu") -> Snapshot:
+    """Verify and load one snapshot directory (`silverrec.load` also loads a sharded one).
 
     Args:
         path: snapshot directory.
@@ -213,10 +213,6 @@ def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True,
     """
     device = resolve_device(device)
     root = Path(path)
-    if read_manifest(root, verify=False).get("kind") == "sharded":  # a top manifest: shards load and verify alone
-        from silverrec.serving.sharded import load_sharded
-
-        return load_sharded(root, backend=backend, verify=verify, device=device)
     manifest = read_manifest(root, verify=verify)
     check_build(manifest, root)  # the versions that built it against this process's, before deserialising
     if backend == "auto":

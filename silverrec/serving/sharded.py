@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
+from silverrec.retrieval.filtered_search import search_index
+from silverrec.serving.predictor import SearchResult, Snapshot, load_snapshot
 from silverrec.snapshot import read_manifest
 
 SHARDED_KIND = "sharded"
@@ -54,21 +56,19 @@ def read_top(path: str | Path, verify: bool = True) -> tuple[dict[str, Any], Opt
 
 
 def load_shard(path: str | Path, manifest: dict[str, Any], i: int, backend: str = "auto", verify: bool = True,
-               device: str | torch.device = "cpu"):
-    """Load shard `i` alone (verifying its own files) -> predictor.Snapshot.
+               device: str | torch.device = "cpu") -> Snapshot:
+    """Load shard `i` alone (verifying its own files).
 
     Raises:
         ShardVerificationError: the shard is missing or altered, or belongs to another version.
     """
-    from silverrec.serving.predictor import load
-
     cfg = manifest["config"]
     shards = cfg["shards"]
     if not 0 <= i < len(shards):
         raise ShardVerificationError(f"shard {i} out of range: the snapshot has {len(shards)} shards")
     shard_path = Path(path) / shards[i]["dir"]
     try:
-        snap = load(shard_path, backend=backend, verify=verify, device=device)
+        snap = load_snapshot(shard_path, backend=backend, verify=verify, device=device)
     except SnapshotError as e:
         raise ShardVerificationError(f"shard {i} ({shard_path}) failed verification: {e}") from None
     meta = snap.config.get("shard", {})
@@ -105,8 +105,6 @@ def shard_topk(snap, queries: torch.Tensor, k: int, options: dict[str, Any],
 
     Asks the shard for min(k, its items); `rows` bool [B] limits the search to those query rows
     (the others get padding only)."""
-    from silverrec.retrieval.filtered_search import search_index
-
     B = queries.shape[0]
     scores = torch.full((B, k), float("-inf"), dtype=torch.float32)
     ids = torch.full((B, k), -1, dtype=torch.int64)
@@ -173,8 +171,6 @@ class ShardedSnapshot:
 
     def search(self, queries, k: int, **options: Any):
         """Top-k over every shard, merged exactly -> SearchResult (item_ids int64 [B, k], scores float32 [B, k])."""
-        from silverrec.serving.predictor import SearchResult
-
         if isinstance(queries, np.ndarray):
             queries = torch.from_numpy(queries)
         queries = check_queries(queries, self.config["dim"])

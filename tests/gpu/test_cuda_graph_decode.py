@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from silverrec.bitmask import pack_bits
-from silverrec.generative.cuda_graph import GraphedDecode, capture_eager, capture_cuda_graph
+from silverrec.serving.cuda_graphs import capture_cuda_graph, capture_eager
+from silverrec.serving.graphed_decode import GraphedDecode
 from silverrec.generative.generative import GenerativeRetrieval
 from silverrec.generative.trie import ValidPathTrie
 from silverrec.serving.device import program_on

@@ -38,10 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from silverrec.generative.decoder import BOS, PAD
-from silverrec.serving.cuda_graphs import (DEFAULT_MAX_GRAPHS, Capture, GraphCache, HasGraphCache, capture_cuda_graph,
-                                           capture_eager)
+from silverrec.serving.cuda_graphs import DEFAULT_MAX_GRAPHS, Capture, GraphCache, HasGraphCache, capture_cuda_graph
 
-__all__ = ["GraphedDecode", "bucket", "pad_history", "pad_batch", "capture_cuda_graph", "capture_eager"]
+__all__ = ["GraphedDecode", "bucket", "pad_history", "pad_batch"]
 
 MIN_BUCKET = 16  # shortest padded history: history buckets are powers of two from here
 

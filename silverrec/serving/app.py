@@ -1,0 +1,327 @@
+"""The HTTP app of `silverrec serve DIR`: its routes, the server state behind them (the served version,
+the batcher, metrics, reloads) and the ASGI gate in front (body limit, per-route metrics).
+
+    $ silverrec serve snapshots/v1 --port 8080 --max-batch 32 --max-wait-ms 5
+    $ curl -s localhost:8080/v1/search -d '{"queries": [[0.1, 0.2, ...]], "k": 10}'
+    {"item_ids": [[...]], "scores": [[...]], "version": "v1@3f9c2a1b7d0e"}
+
+Routes (the OpenAPI schema is at /openapi.json, the interactive page at /docs):
+    POST /v1/search      pure-ANN snapshots (published from a pool): {"queries": [[...]], "k", "filter", "nprobe", "max_probe", "mode"}
+    POST /v1/recommend   kind rec: one user (user_id | history, features, numeric, filter, exclude) or
+                         {"requests": [...]}, with k, k0, nprobe, max_probe, mode, exclude_history;
+                         kind generative: {"history": [...]} or {"requests": [{"history": [...]}, ...]}, k
+    POST /v1/rank        kind rec: one user and {"items": [ids]}
+    GET  /healthz /readyz /v1/model /metrics;  POST /v1/admin/reload (token)
+
+Every answer names the snapshot version that computed it ("version"). Status codes: 400 malformed
+JSON or an invalid request (QueryError: wrong dimension, k out of range, unknown feature, filter
+syntax error with its position, ...), 413 body too large, 422 body of the wrong shape or types,
+503 queue full (Retry-After) or shutting down, 504 deadline passed (header X-Deadline-Ms or body
+"deadline_ms", a budget in milliseconds from arrival). Each request is validated on its own before
+it joins a batch, so a bad request never disturbs its batch.
+"""
+
+import contextlib
+import functools
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from silverrec.errors import QueryError, SilverrecError, SnapshotError
+from silverrec.serving.batcher import Batcher, DeadlineExceeded, QueueFull, ShuttingDown
+from silverrec.serving.metrics import Metrics
+from silverrec.serving.reload import Reloader, admin_refusal
+from silverrec.serving.schemas import request_models
+from silverrec.serving.served import Served, load_served, run_group
+from silverrec.serving.tune import TunePolicy
+
+
+@dataclass
+class ServeConfig:
+    """Server settings (the `silverrec serve` flags)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_batch: int = 32  # requests per batch
+    max_wait_ms: float = 5.0  # a batch closes when its oldest request has waited this long
+    max_queue: int = 1024  # queued requests before 503
+    workers: int = 1  # batches computed at once
+    threads: Optional[int] = None  # torch intra-op threads (None: torch's default)
+    max_body_bytes: int = 4 << 20
+    deadline_ms: Optional[float] = None  # default per-request deadline
+    admin_token: Optional[str] = None
+    tune_file: Optional[str] = None  # silverrec tune's table: workers x threads per concurrency
+    device: str = "cpu"  # where the snapshot's program runs ("cuda", "cuda:N"; silverrec.load's device)
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_queue", "workers", "max_body_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise SilverrecError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.max_wait_ms < 0:
+            raise SilverrecError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.threads is not None and self.threads < 1:
+            raise SilverrecError(f"threads must be >= 1, got {self.threads}")
+
+
+class Server:
+    """State of one serving app: the served version (`reloads.current`), the batcher, metrics."""
+
+    def __init__(self, path: str | os.PathLike, config: ServeConfig, served: Optional[Served] = None,
+                 loader: Optional[Callable[[Path], Served]] = None):
+        self.config = config
+        self.metrics = Metrics()
+        # loader: path -> a verified, smoke-tested Served (start-up unless `served` is given, and reloads)
+        self.reloads = Reloader(path, loader or functools.partial(load_served, device=config.device), self.metrics,
+                                served)
+        self.policy = TunePolicy.from_file(config.tune_file) if config.tune_file else None
+        self.batcher = Batcher(run_group, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms,
+                               max_queue=config.max_queue, workers=config.workers, threads=config.threads,
+                               policy=self.policy, on_batch=self.metrics.batch.observe)
+        self.ready = False
+        self.routes = {"/v1/search", "/v1/recommend", "/v1/rank", "/healthz", "/readyz", "/v1/model", "/metrics",
+                       "/v1/admin/reload"}
+
+    @property
+    def current(self) -> Served:
+        """The version new requests are validated on."""
+        return self.reloads.current
+
+    @property
+    def version(self) -> str:
+        return self.current.version
+
+    async def start(self) -> None:
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        await self.batcher.start(max_workers=self.policy.max_workers if self.policy else None)
+        self.reloads.start()
+        self.ready = True
+
+    async def stop(self) -> None:
+        self.ready = False
+        await self.batcher.stop()
+        self.reloads.stop()
+
+    async def submit(self, request, body, prepare: str):
+        """Validate on the current version, queue, await; -> JSONResponse."""
+        served = self.current
+        arrived = time.monotonic()
+        deadline_ms = _deadline_ms(request, getattr(body, "deadline_ms", None), self.config.deadline_ms)
+        try:
+            key, payload = getattr(served, prepare)(body)
+        except QueryError as e:
+            return _error(400, str(e), served.version)
+        deadline = arrived + deadline_ms / 1000.0 if deadline_ms is not None else None
+        self.metrics.in_flight.inc()
+        try:
+            result = await self.batcher.submit(key, payload, deadline)
+        except QueueFull as e:
+            self.metrics.rejections.labels("queue_full").inc()
+            return _error(503, f"overloaded: {e}; retry later", served.version, {"Retry-After": "1"})
+        except ShuttingDown as e:
+            self.metrics.rejections.labels("shutting_down").inc()
+            return _error(503, str(e), served.version, {"Retry-After": "1"})
+        except DeadlineExceeded as e:
+            self.metrics.rejections.labels("deadline").inc()
+            return _error(504, f"deadline of {deadline_ms:g} ms exceeded: {e}", served.version)
+        except QueryError as e:
+            return _error(400, str(e), served.version)
+        except Exception as e:  # noqa: BLE001  (errors that name their status: a sharded rank gone -> 503)
+            status = getattr(e, "http_status", None)
+            if status is None:
+                raise
+            self.metrics.rejections.labels("unavailable").inc()
+            return _error(int(status), str(e), served.version, {"Retry-After": "1"})
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.queue.set(self.batcher.queue_depth)
+        result["version"] = served.version
+        return _json(result, served.version)
+
+
+
+def _deadline_ms(request, body_value: Optional[float], default: Optional[float]) -> Optional[float]:
+    header = request.headers.get("x-deadline-ms")
+    if header is not None:
+        try:
+            value = float(header)
+        except ValueError:
+            raise QueryError(f"X-Deadline-Ms must be a number of milliseconds, got {header!r}") from None
+        if not value > 0 or not math.isfinite(value):
+            raise QueryError(f"X-Deadline-Ms must be a positive number of milliseconds, got {header!r}")
+        return value
+    return body_value if body_value is not None else default
+
+
+def _json(content: dict, version: str, status: int = 200, headers: Optional[dict] = None):
+    from starlette.responses import Response
+
+    h = {"x-silverrec-version": version}
+    if headers:
+        h.update(headers)
+    return Response(json.dumps(content, allow_nan=False), status_code=status, media_type="application/json",
+                    headers=h)
+
+
+def _error(status: int, message: str, version: str, headers: Optional[dict] = None):
+    return _json({"detail": message, "version": version}, version, status, headers)
+
+
+def create_app(path: str | os.PathLike, config: Optional[ServeConfig] = None, served: Optional[Served] = None,
+               loader: Optional[Callable[[Path], Served]] = None):
+    """The FastAPI app serving the snapshot at `path` (loaded and smoke-tested now, unless `served`
+    is given). `loader(path) -> Served` loads for reloads (default `load_served`)."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+
+    config = config or ServeConfig()
+    server = Server(path, config, served, loader)
+    SearchBody, UserBody, RecommendBody, RankBody, ReloadBody = request_models()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await server.start()
+        try:
+            yield
+        finally:
+            await server.stop()
+
+    app = FastAPI(title="silverrec", version=_package_version(), lifespan=lifespan,
+                  description="Recommendation serving as one PyTorch model. Every answer names its snapshot version.")
+    app.state.server = server
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            e = next(e for e in errors if e.get("type") == "json_invalid")
+            ctx = e.get("ctx", {})
+            pos = e.get("loc", ("body", "?"))[-1]
+            return _error(400, f"malformed JSON at position {pos}: {ctx.get('error', e.get('msg'))}", server.version)
+        parts = []
+        for e in errors[:5]:
+            loc = ".".join(str(x) for x in e.get("loc", ())[1:]) or "body"
+            parts.append(f"{loc}: {e.get('msg')}")
+        more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
+        return _error(422, "invalid request: " + "; ".join(parts) + more, server.version)
+
+    @app.exception_handler(QueryError)
+    async def _query_error(request: Request, exc: QueryError):
+        return _error(400, str(exc), server.version)
+
+    @app.post("/v1/search", summary="top-k items for each query row (pure-ANN snapshots, published from a pool)")
+    async def search(body: SearchBody, request: Request):
+        return await server.submit(request, body, "prepare_search")
+
+    @app.post("/v1/recommend", summary="top-k items for users (rec / generative snapshots)")
+    async def recommend(body: RecommendBody, request: Request):
+        return await server.submit(request, body, "prepare_recommend")
+
+    @app.post("/v1/rank", summary="scores of given items for one user (rec snapshots)")
+    async def rank(body: RankBody, request: Request):
+        return await server.submit(request, body, "prepare_rank")
+
+    @app.get("/healthz")
+    async def healthz():
+        return _json({"status": "ok", "version": server.version}, server.version)
+
+    @app.get("/readyz")
+    async def readyz():
+        if not server.ready:
+            return _error(503, "not ready (starting or shutting down)", server.version)
+        gone = getattr(server.current.snap, "unavailable", None)  # a sharded runtime whose rank is gone
+        if gone:
+            return _error(503, f"not ready: {gone}", server.version)
+        return _json({"status": "ready", "version": server.version}, server.version)
+
+    @app.get("/v1/model")
+    async def model():
+        cur = server.current
+        return _json({"version": cur.version, "kind": cur.kind, "path": str(cur.snap.path),
+                      "backend": cur.snap.backend, "manifest": cur.snap.manifest,
+                      "serving": {k: v for k, v in asdict(config).items() if k != "admin_token"}}, cur.version)
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from starlette.responses import Response
+
+        server.metrics.queue.set(server.batcher.queue_depth)
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/admin/reload", summary="load, verify and switch to a snapshot (token required)")
+    async def reload(request: Request, body: Optional[ReloadBody] = None):
+        refused = admin_refusal(request.headers, config.admin_token)
+        if refused is not None:
+            return _error(*refused, server.version)
+        try:
+            out = await server.reloads.reload(body.path if body is not None else None)
+        except SnapshotError as e:
+            return _error(409, str(e), server.version)
+        return _json(out, out["version"])
+
+    return Gate(app, server)
+
+
+def _package_version() -> str:
+    from silverrec import __version__
+
+    return __version__
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class Gate:
+    """Pure ASGI middleware: body-size limit (413) and per-route request count / latency metrics."""
+
+    def __init__(self, app, server: "Server"):
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        server, start = self.server, time.perf_counter()
+        route = scope["path"] if scope["path"] in server.routes else "other"
+        status = [500]
+        limit = server.config.max_body_bytes
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        try:
+            if length is not None and int(length) > limit:
+                raise BodyTooLarge()
+            seen = [0]
+
+            async def receive_wrapper():
+                message = await receive()
+                if message["type"] == "http.request":
+                    seen[0] += len(message.get("body", b""))
+                    if seen[0] > limit:
+                        raise BodyTooLarge()
+                return message
+
+            await self.app(scope, receive_wrapper, send_wrapper)
+        except BodyTooLarge:
+            body = json.dumps({"detail": f"request body exceeds {limit} bytes", "version": server.version}).encode()
+            status[0] = 413
+            await send({"type": "http.response.start", "status": 413,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            server.metrics.requests.labels(route, str(status[0])).inc()
+            server.metrics.latency.labels(route).observe(time.perf_counter() - start)
+

@@ -1,0 +1,24 @@
+"""`silverrec.load`: a snapshot directory -> the object that answers its requests.
+
+A top manifest (kind "sharded", `silverrec publish --shards S`) loads as a `ShardedSnapshot` (every
+shard verified and loaded alone, answering in this process); any other snapshot as a predictor
+`Snapshot`. This module sits above both, so neither imports the other's loader.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from silverrec.serving.predictor import Snapshot, load_snapshot
+from silverrec.serving.sharded import SHARDED_KIND, ShardedSnapshot, load_sharded
+from silverrec.snapshot import read_manifest
+
+
+def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True,
+         device: str | torch.device = "cpu") -> Snapshot | ShardedSnapshot:
+    """Verify and load a snapshot (arguments and errors: `predictor.load_snapshot`)."""
+    if read_manifest(path, verify=False).get("kind") == SHARDED_KIND:  # a top manifest: shards verify alone
+        return load_sharded(path, backend=backend, verify=verify, device=device)
+    return load_snapshot(path, backend=backend, verify=verify, device=device)

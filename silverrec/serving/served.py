@@ -1,0 +1,287 @@
+"""One loaded snapshot version as the server sees it: requests validated into (GroupKey, payload),
+groups of them run in one forward call.
+
+Every request is validated on its own, on the version current when it arrives, before it joins a
+batch (so a bad request never disturbs its batch, and in-flight requests finish on the version they
+were validated on after a reload). The batcher (serving/batcher.py) groups jobs by `GroupKey`: the
+version and every option that must be equal for requests to share one forward call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
+from silverrec.filtering.filter_program import compile_request, normalize_filters
+from silverrec.retrieval.filtered_ivf import MODES
+from silverrec.retrieval.filtered_search import _modes, filter_plan
+from silverrec.serving.loader import load
+from silverrec.serving.predictor import history_tokens
+from silverrec.serving.recommend import DEFAULT_EXCLUDE_LIMIT, MAX_RANK_ITEMS, RecRequest
+
+MAX_QUERY_ROWS = 1024  # rows per search request, users per recommend request
+USER_FIELDS = ("user_id", "history", "features", "numeric", "filter", "exclude")
+
+
+class GroupKey(NamedTuple):
+    """What requests must share to run in one forward call; unused options stay None."""
+
+    served: "Served"  # the version the requests were validated on
+    op: str  # "search", "rec" (recommendation model), "gen" (generative) or "rank"
+    nprobe: Optional[int] = None
+    max_probe: Optional[int] = None  # search: set only for a filtered request
+    k: Optional[int] = None  # filtered search: the widening step reads k (match_factor * k)
+    k0: Optional[int] = None
+    mode: Optional[str] = None
+    exclude_history: Optional[bool] = None
+    alone: Optional[object] = None  # a fresh object(): the request runs in a group of its own
+
+
+def snapshot_version(snap) -> str:
+    """The manifest's `version` if it records one, `<directory name>@<version id prefix>` for a sharded
+    snapshot (the id every shard carries), else `<directory name>@<manifest sha256 prefix>`."""
+    version = snap.manifest.get("version")
+    if version:
+        return str(version)
+    if snap.manifest.get("kind") == "sharded" and snap.manifest["config"].get("version"):
+        return f"{Path(snap.path).name}@{str(snap.manifest['config']['version'])[:12]}"
+    digest = hashlib.sha256(json.dumps(snap.manifest, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{Path(snap.path).name}@{digest}"
+
+
+
+def answers(kind: str, config: dict[str, Any]) -> str:
+    """What a snapshot answers: "search" (a pure-ANN index: the root module with a query tower),
+    "recommend" (a recommendation model) or "generative"; "" = nothing servable."""
+    if kind == "rec":
+        return "search" if config.get("spec", {}).get("tower") == "query" else "recommend"
+    return "generative" if kind == "generative" else ""
+
+
+class Served:
+    """One loaded snapshot version: validates requests into (group key, payload) and runs groups.
+
+    `snap` is a predictor.Snapshot, a sharded.ShardedSnapshot (one process) or a
+    distributed.RuntimeView (rank 0 of a sharded deployment): anything with path, manifest, config,
+    kind, backend and search(). A sharded one names a `template` shard whose config (nlist, probe
+    defaults) and filter vocabulary are the global ones, for validating requests."""
+
+    def __init__(self, snap):
+        self.snap = snap
+        self.template = getattr(snap, "template", snap)
+        self.version = snapshot_version(snap)
+        self.kind = snap.kind
+        self.answers = answers(snap.kind, self.template.config)
+        if self.answers == "recommend":
+            self.handler = snap.rec_handler()
+
+    # -------------------------------------------------------------- search
+    def prepare_search(self, body) -> tuple[GroupKey, dict]:
+        snap, cfg = self.snap, self.template.config
+        if self.answers != "search":
+            raise QueryError("this snapshot is not a pure-ANN index: it does not answer /v1/search (use /v1/recommend)")
+        if not body.queries:
+            raise QueryError("queries must hold at least one row")
+        if len(body.queries) > MAX_QUERY_ROWS:
+            raise QueryError(f"{len(body.queries)} query rows exceed the limit of {MAX_QUERY_ROWS} per request")
+        dim = int(cfg["dim"])
+        bad = next((i for i, row in enumerate(body.queries) if len(row) != dim), None)
+        if bad is not None:
+            raise QueryError(f"query row {bad} has {len(body.queries[bad])} values, the index holds {dim}-d items")
+        queries = check_queries(torch.tensor(body.queries, dtype=torch.float32), dim)
+        k = check_k(body.k, snap.manifest["item_count"])
+        B = queries.shape[0]
+        nlist = int(cfg["nlist"])
+        nprobe = _check_int("nprobe", int(cfg["default_nprobe"]) if body.nprobe is None else body.nprobe, 1, nlist)
+        filters = normalize_filters(body.filter, B)
+        if filters is None:  # unfiltered: exactly nprobe clusters; max_probe and mode unused, as in snap.search
+            return GroupKey(self, "search", nprobe), {"queries": queries, "k": k}
+        _modes("auto" if body.mode is None else body.mode, B)  # validates names and count
+        max_probe = body.max_probe
+        if max_probe is None:
+            max_probe = max(nprobe, min(nlist, int(cfg["search"]["default_max_probe"])))
+        max_probe = _check_int("max_probe", max_probe, nprobe, nlist)
+        plan = filter_plan(self.template)
+        for b, f in enumerate(filters):  # syntax errors (with position) and unknown features, per row
+            if f is not None:
+                compile_request([f], plan)
+        # the widening step reads k (match_factor * k), so only equal k share a forward
+        mode_names = [body.mode] * B if isinstance(body.mode, str) or body.mode is None else list(body.mode)
+        mode_names = ["auto" if m is None else m for m in mode_names]
+        return GroupKey(self, "search", nprobe, max_probe, k), {"queries": queries, "k": k, "filters": filters,
+                                                                "modes": mode_names}
+
+    def run_search(self, key: GroupKey, payloads: list[dict]) -> list[dict]:
+        queries = torch.cat([p["queries"] for p in payloads]) if len(payloads) > 1 else payloads[0]["queries"]
+        k = max(p["k"] for p in payloads)  # the largest request's k; the others take their prefix
+        options: dict[str, Any] = {"nprobe": key.nprobe}
+        if key.max_probe is not None:  # filtered
+            options["max_probe"] = key.max_probe
+            options["filter"] = [f for p in payloads for f in p["filters"]]
+            options["mode"] = [m for p in payloads for m in p["modes"]]
+        res = self.snap.search(queries, k, **options)
+        out, start = [], 0
+        for p in payloads:
+            n = p["queries"].shape[0]
+            out.append({"item_ids": res.item_ids[start:start + n, :p["k"]].tolist(),
+                        "scores": _clean(res.scores[start:start + n, :p["k"]].tolist())})
+            start += n
+        return out
+
+    # -------------------------------------------------------------- recommend
+    def _user_requests(self, body) -> list[dict]:
+        top = {f: getattr(body, f) for f in USER_FIELDS}
+        if body.requests is not None:
+            given = [f for f in USER_FIELDS if f in body.model_fields_set]
+            if given:
+                raise QueryError(f"give either 'requests' or the top-level user fields, not both (got {given})")
+            users = [{f: getattr(r, f) for f in USER_FIELDS} for r in body.requests]
+            if not users:
+                raise QueryError("requests must hold at least one request")
+            if len(users) > MAX_QUERY_ROWS:
+                raise QueryError(f"{len(users)} requests exceed the limit of {MAX_QUERY_ROWS} per call")
+            return users
+        return [top]
+
+    def prepare_recommend(self, body) -> tuple[GroupKey, dict]:
+        users = self._user_requests(body)
+        if self.answers == "generative":
+            return self._prepare_generative(body, users)
+        if self.answers != "recommend":
+            raise QueryError("this snapshot is a pure-ANN index: it answers /v1/search, not /v1/recommend")
+        h, cfg = self.handler, self.handler.config
+        n, nlist = len(h.row_to_item), int(cfg["nlist"])
+        k = _check_int("k", body.k, 1, n)
+        k0 = max(k, int(cfg["default_k0"]) if body.k0 is None else _check_int("k0", body.k0, 1, n))
+        nprobe = _check_int("nprobe", int(cfg["default_nprobe"]) if body.nprobe is None else body.nprobe, 1, nlist)
+        max_probe = _check_int("max_probe", max(nprobe, int(cfg["search"]["default_max_probe"]))
+                               if body.max_probe is None else body.max_probe, nprobe, nlist)
+        if body.mode not in MODES:
+            raise QueryError(f"unknown search mode {body.mode!r}: use one of {sorted(MODES)}")
+        exclude_history = True if body.exclude_history is None else body.exclude_history
+        limit = int(cfg.get("exclude_limit", DEFAULT_EXCLUDE_LIMIT))
+        requests = []
+        for b, u in enumerate(users):
+            r = RecRequest(**{f: v for f, v in u.items() if v is not None})
+            where = f"request {b}" if len(users) > 1 else "request"
+            try:
+                h.encode([r], exclude_history, limit)  # ids, user, features: named errors, per request
+                if r.filter is not None:
+                    compile_request([r.filter], h.plan)
+            except QueryError as e:
+                raise QueryError(str(e).replace("request 0", where, 1)) from None
+            requests.append(r)
+        key = GroupKey(self, "rec", nprobe, max_probe, k0=k0, mode=body.mode, exclude_history=exclude_history)
+        return key, {"requests": requests, "k": k}
+
+    def _prepare_generative(self, body, users: list[dict]) -> tuple[GroupKey, dict]:
+        beams = int(self.snap.config.get("beam_width", 0)) or None
+        k = _check_int("k", body.k, 1, beams or self.snap.manifest["item_count"])
+        extra = [f for u in users for f in USER_FIELDS if f != "history" and u[f] not in (None, {}, [])]
+        if extra:
+            raise QueryError(f"a generative snapshot reads only 'history', got {sorted(set(extra))}")
+        histories = []
+        for b, u in enumerate(users):
+            if u["history"] is None:
+                raise QueryError(f"request {b}: a generative snapshot needs a history (item ids, oldest first)")
+            histories.append(list(u["history"]))
+        ids, tokens, order = self.snap._generative_items()
+        history_tokens(histories, ids[order], tokens[order], int(self.snap.config["max_history_items"]))
+        key = GroupKey(self, "gen", exclude_history=bool(body.exclude_history))
+        return key, {"histories": histories, "k": k}
+
+    def run_recommend(self, key: GroupKey, payloads: list[dict]) -> list[dict]:
+        if key.op == "gen":
+            res = self.snap.recommend([h for p in payloads for h in p["histories"]], exclude_history=key.exclude_history)
+            out, start = [], 0
+            for p in payloads:
+                n = len(p["histories"])
+                out.append({"item_ids": res.item_ids[start:start + n, :p["k"]].tolist(),
+                            "scores": _clean(res.scores[start:start + n, :p["k"]].tolist())})
+                start += n
+            return out
+        k = max(p["k"] for p in payloads)
+        # threads=None: the server's own setting (ServeConfig.threads, silverrec tune's table, applied by the
+        # batcher) governs; the handler's per-call "auto" would override a tuned table and, with several
+        # workers, race on the process-global torch.set_num_threads.
+        res = self.handler.recommend([r for p in payloads for r in p["requests"]], k=k, k0=key.k0, nprobe=key.nprobe,
+                                     max_probe=key.max_probe, mode=key.mode, exclude_history=key.exclude_history,
+                                     threads=None)
+        out, start = [], 0
+        for p in payloads:
+            n, kk = len(p["requests"]), p["k"]
+            part = type(res)(res.item_ids[start:start + n, :kk], res.scores[start:start + n, :kk],
+                             res.task_scores[start:start + n, :kk], res.tasks)
+            out.append(part.to_json())
+            start += n
+        return out
+
+    # -------------------------------------------------------------- rank
+    def prepare_rank(self, body) -> tuple[GroupKey, dict]:
+        if self.answers != "recommend":
+            raise QueryError("only a recommendation model (silverrec publish --config) ranks items for a user")
+        r = RecRequest(**{f: getattr(body, f) for f in USER_FIELDS if getattr(body, f) is not None})
+        if not 1 <= len(body.items) <= MAX_RANK_ITEMS:
+            raise QueryError(f"rank takes 1 to {MAX_RANK_ITEMS} item ids, got {len(body.items)}")
+        self.handler.rows(body.items, "items")
+        self.handler.encode([r], exclude_history=False, exclude_limit=max(1, len(r.exclude)))
+        return GroupKey(self, "rank", alone=object()), {"request": r, "items": body.items}
+
+    def run_rank(self, key: GroupKey, payloads: list[dict]) -> list[dict]:
+        return [self.snap.rank(p["request"], p["items"]).to_json() for p in payloads]
+
+    # -------------------------------------------------------------- dispatch + verification
+    def run(self, key: GroupKey, payloads: list[dict]) -> list[dict]:
+        """One group's forward call -> one JSON-ready answer per payload, in order (the batcher's run_group)."""
+        if key.op == "search":
+            return self.run_search(key, payloads)
+        if key.op in ("rec", "gen"):
+            return self.run_recommend(key, payloads)
+        return self.run_rank(key, payloads)
+
+    def smoke(self) -> None:
+        """One tiny request through the program: a snapshot that loads but cannot answer is refused."""
+        if self.answers == "search":
+            res = self.snap.search(torch.full((1, int(self.snap.config["dim"])), 0.1), 1)
+            if tuple(res.item_ids.shape) != (1, 1):
+                raise SnapshotError(f"search answered shape {tuple(res.item_ids.shape)}, expected (1, 1)")
+        elif self.answers == "recommend":
+            first = int(self.handler.row_to_item[0])
+            res = self.handler.recommend([{"history": [first]}], k=1)
+            if tuple(res.item_ids.shape) != (1, 1):
+                raise SnapshotError(f"recommend answered shape {tuple(res.item_ids.shape)}, expected (1, 1)")
+        elif self.answers == "generative":
+            self.snap.recommend([[int(self.snap.generative_item_ids()[0])]])
+        else:
+            raise SnapshotError(f"snapshot kind {self.kind!r} cannot be served")
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) <= hi:
+        raise QueryError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+    return int(value)
+
+
+def _clean(rows: list[list[float]]) -> list[list[Optional[float]]]:
+    return [[s if math.isfinite(s) else None for s in row] for row in rows]
+
+
+def run_group(key: GroupKey, payloads: list[dict]) -> list[dict]:
+    """The batcher's run_group: the group's forward call on the version its requests were validated on."""
+    return key.served.run(key, payloads)
+
+
+def load_served(path: str | os.PathLike, device: str = "cpu") -> Served:
+    """Load (onto `device`), verify (checksums) and smoke-test a snapshot for serving."""
+    served = Served(load(path, device=device))
+    served.smoke()
+    return served
+
