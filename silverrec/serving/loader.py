@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from silverrec.serving.device import resolve_device
 from silverrec.serving.predictor import Snapshot, load_snapshot
 from silverrec.serving.sharded import SHARDED_KIND, ShardedSnapshot, load_sharded
 from silverrec.snapshot import read_manifest
@@ -19,6 +20,7 @@ from silverrec.snapshot import read_manifest
 def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True,
          device: str | torch.device = "cpu") -> Snapshot | ShardedSnapshot:
     """Verify and load a snapshot (arguments and errors: `predictor.load_snapshot`)."""
+    device = resolve_device(device)  # a bad device is refused before anything is read
     if read_manifest(path, verify=False).get("kind") == SHARDED_KIND:  # a top manifest: shards verify alone
         return load_sharded(path, backend=backend, verify=verify, device=device)
     return load_snapshot(path, backend=backend, verify=verify, device=device)
