@@ -57,8 +57,11 @@ test-portable: setup
 test-gpu:
 	SILVERREC_GPU_TESTS=1 SILVERREC_QUIET=1 $(PY) -m pytest -q tests/gpu
 
+# The search a published pure-ANN snapshot runs (the index's forward, and silverrec.load(DIR).search on the
+# snapshot) against Faiss IVF-Flat / IVF-SQ8 and hnswlib on the same data, in benchmarks/ann.py's quick mode
+# (100k items + MovieLens; results/ann_quick.json). The full run: benchmarks/ann.py without --quick.
 bench: setup
-	$(BIN)/python benchmarks/exact_topk.py
+	$(BIN)/python benchmarks/ann.py --quick
 
 # Load test of silverrec serve (benchmarks/serve.py), with Ray Serve as a baseline: ray goes into its
 # own venv (.venv/ray) that sees this one's packages, so its pins never touch the project's.

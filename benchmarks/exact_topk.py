@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Panel, alternate, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 from cuda_common import attempt, cuda_alternate, cuda_info, faiss_gpu, require_device  # noqa: E402
 
-import silverrec  # noqa: E402,F401
+import silverrec.kernels  # noqa: E402,F401  (registers torch.ops.silverrec.*)
 from silverrec.publish.quantize import quantize_global  # noqa: E402
 
 
