@@ -1,14 +1,7 @@
-"""The build commands of `silverrec` (the entry point is silverrec/cli.py, which imports this module
-only when one of them runs): train, publish, evaluate, update.
+"""The build commands of `silverrec`: train, publish, evaluate, update (their usage: silverrec/cli.py).
 
-    silverrec train --config train.toml --out model.ckpt [--minutes M] [--seed S] [--stage test|valid]
-    silverrec train --generative --config generative.toml --out gen.ckpt [--minutes M] [--seed S] [--stage S]
-    silverrec publish --config publish.toml --out DIR                     (recommendation model)
-    silverrec publish --pool POOL.parquet --out DIR [--exact] [--nlist N] [--seed S] [--residual auto|on|off]
-                      [--shards S --shard-by items|clusters]
-    silverrec publish --generative --pool POOL --out DIR --model CKPT [--beam-width W] [--top-k K]
-    silverrec evaluate DIR --interactions I.parquet --items ITEMS.parquet [--users U.parquet]
-    silverrec update DIR --upsert ITEMS.parquet [--delete IDS] --out NEW_DIR   (incremental pool update)
+The entry point (silverrec/cli.py) imports this module only when one of them runs, or for --help, so
+the runtime commands never import silverrec.publish.
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ def test_constructor_validation(pool):
 _LOAD = textwrap.dedent(
     """
     import sys, torch
-    import silverrec  # registers torch.ops.silverrec.*
+    import silverrec.kernels  # registers torch.ops.silverrec.*
     d = sys.argv[1]
     hist, bm = torch.load(d + "/inputs.pt")
     ids, scores = torch.export.load(d + "/model.pt2").module()(hist, bm)

@@ -15,6 +15,7 @@ PROBE = "from silverrec.threads import OMP_PASSIVE; from silverrec.serving.recom
 
 @pytest.mark.parametrize("first, env, want", [
     ("import silverrec", None, "PASSIVE True 16 team"),  # silverrec before torch: it sets PASSIVE
+    ("import silverrec.kernels", None, "PASSIVE True 16 team"),  # any submodule first runs silverrec/__init__ first
     ("import torch; import silverrec", None, "None False 1 openmp"),  # torch loaded OpenMP first: default policy
     ("import silverrec", "ACTIVE", "ACTIVE False 1 openmp"),  # the user's setting wins
     ("import torch; import silverrec", "passive", "passive True 16 team"),
