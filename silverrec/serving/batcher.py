@@ -9,7 +9,7 @@ takes the oldest queued job and waits until either `max_batch` jobs are queued o
 waited `max_wait_ms`; it then takes up to `max_batch` jobs, drops those whose deadline passed
 (`DeadlineExceeded`, before any compute), groups the rest by key and calls
 `run_group(key, payloads) -> results` once per group in a worker thread. Jobs with the same key
-can share one forward call (same snapshot version and options); `run_group` returns one result per
+can share one forward call (the server's key, served.GroupKey: the snapshot version and options); `run_group` returns one result per
 payload in order, or raises. A `QueryError` from a group is isolated by re-running each of its
 payloads alone, so one bad request never fails its neighbours.
 
