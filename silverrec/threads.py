@@ -21,8 +21,6 @@ if not _TORCH_LOADED_FIRST:
 # the environment torch loaded with (as far as this process can tell).
 OMP_PASSIVE = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
-import torch  # noqa: E402
-
 
 @contextmanager
 def num_threads(n: Optional[int]) -> Iterator[None]:
@@ -30,6 +28,8 @@ def num_threads(n: Optional[int]) -> Iterator[None]:
 
     The count is process-wide: callers that run forwards from several threads at once (the server's
     workers) leave it to one owner (the batcher) instead."""
+    import torch  # here, not at the top: `import silverrec` runs this module and stays free of torch
+
     before = torch.get_num_threads()
     if n is None or n == before:
         yield

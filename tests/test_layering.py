@@ -171,11 +171,12 @@ def fresh(code: str) -> str:
 
 
 def test_import_silverrec_is_light_and_its_names_load_on_use():
+    assert fresh("import sys, silverrec; print('torch' in sys.modules)") == "False"
     out = fresh("import sys, silverrec; heavy = [m for m in sys.modules if m.startswith('silverrec.') "
                 "and m != 'silverrec.threads']; print(heavy); print(silverrec.QueryError.__module__, "
                 "silverrec.load.__module__, silverrec.Snapshot.__name__, silverrec.FORMAT_VERSION > 0, "
-                "'load' in dir(silverrec))")
-    assert out.splitlines() == ["[]", "silverrec.errors silverrec.serving.loader Snapshot True True"]
+                "'load' in dir(silverrec), 'torch' in sys.modules)")
+    assert out.splitlines() == ["[]", "silverrec.errors silverrec.serving.loader Snapshot True True True"]
     with pytest.raises(AttributeError, match="has no attribute 'nonexistent'"):
         import silverrec
 
