@@ -31,13 +31,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Panel, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 
 from silverrec.kernels.bloom_filter_triton import bloom_filter_counts_triton, bloom_filter_triton  # noqa: E402
-from silverrec.kernels.filter_plan import _checked_args, filter_plan_torch  # noqa: E402
+from silverrec.kernels.filter_plan import checked_args, filter_plan_torch  # noqa: E402
 from silverrec.kernels.filter_plan_triton import filter_plan_triton  # noqa: E402
 from silverrec.kernels.filtered_ivf_search import SearchSteps, compose_search, cuda_steps, filtered_ivf_search_cuda  # noqa: E402
 from silverrec.kernels.filtered_topk import verify_topk_torch  # noqa: E402
-from silverrec.kernels.ivf_scan import bitmask_words  # noqa: E402
 from silverrec.kernels.verify_topk_triton import verify_topk_triton  # noqa: E402
-from tests.test_filter_plan_triton import BATCH, PARAMS, planning_case, recorded_ops, search_case  # noqa: E402
+from tests.test_filter_plan_triton import BATCH, PARAMS, plan_inputs, planning_case, recorded_ops, search_case, search_inputs  # noqa: E402
 
 NO_KERNEL = {"empty", "t", "slice", "select", "view", "unsqueeze", "expand", "alias", "detach", "transpose",
              "as_strided", "_local_scalar_dense", "lift_fresh", "reshape", "_unsafe_view", "squeeze"}
@@ -56,7 +55,7 @@ def replaced(outer: dict[str, int], inner: dict[str, int]) -> dict[str, int]:
     return {"triton": outer["triton"] + inner["triton"], "torch": outer["torch"] - 1 + inner["torch"]}
 
 
-def step_launches(tensors, scalars) -> dict[str, dict[str, int]]:
+def step_launches(inputs) -> dict[str, dict[str, int]]:
     """Launches of each step of filtered_ivf_search_cuda, in the order the composition calls them."""
     counts = {}
 
@@ -68,22 +67,22 @@ def step_launches(tensors, scalars) -> dict[str, dict[str, int]]:
         return run
 
     steps = cuda_steps()
-    compose_search(SearchSteps(*(recorded(name, step) for name, step in zip(SearchSteps._fields, steps))), *tensors, *scalars)
+    compose_search(SearchSteps(*(recorded(name, step) for name, step in zip(SearchSteps._fields, steps))), *inputs)
     return counts
 
 
 def main() -> None:
     k, nprobe, max_probe, match_factor, ratio, limit = PARAMS[0]
-    plan_tensors, n = planning_case(BATCH, seed=BATCH * 31 + k)
-    plan_args = _checked_args(*plan_tensors, k, nprobe, max_probe, bitmask_words(plan_tensors[2]), match_factor, 0, n, ratio, limit)
-    bits, ops, prog, window_words = plan_args[3], plan_args[4], plan_args[5], plan_args[12]
+    plan_case, n = planning_case(BATCH, seed=BATCH * 31 + k)
+    plan_args = checked_args(*plan_inputs(plan_case, n, k, nprobe, max_probe, match_factor, ratio, limit))
+    bits, ops, prog, window_words = plan_args[1][6], plan_args[4][0], plan_args[4][1], plan_args[2][0]
     lo = torch.zeros(BATCH, max_probe, dtype=torch.int64)
     g = torch.Generator().manual_seed(0)
     vk = 100
     scores = torch.sort(torch.randn(BATCH, vk + vk // 4 + 16, generator=g), dim=1, descending=True).values
     rows = torch.randint(0, n, scores.shape, generator=g)
-    search_tensors, _ = search_case(k, seed=BATCH * 31 + k)
-    search_scalars = (k, nprobe, max_probe, bitmask_words(search_tensors[4]), match_factor, 0, n, ratio, limit)
+    search_args = search_inputs(search_case(seed=BATCH * 31 + k)[0], n, k, nprobe, max_probe, match_factor, ratio, limit,
+                                False, (0, 0))
 
     # before: the torch compositions, whose one bloom op ran its Triton kernels on CUDA
     old_plan = replaced(launches(lambda: filter_plan_torch(*plan_args)),
@@ -95,9 +94,9 @@ def main() -> None:
         {"path": "filter_plan: filter_plan_triton", **launches(lambda: filter_plan_triton(*plan_args))},
         {"path": "verify_topk: verify_topk_torch (before)", **old_verify},
         {"path": "verify_topk: verify_topk_triton", **launches(lambda: verify_topk_triton(bits, ops, prog, scores, rows, vk))},
-        {"path": "filtered search: filtered_ivf_search_cuda", **launches(lambda: filtered_ivf_search_cuda(*search_tensors, *search_scalars))},
+        {"path": "filtered search: filtered_ivf_search_cuda", **launches(lambda: filtered_ivf_search_cuda(*search_args))},
     ]
-    table += [{"path": f"  step {name}", **count} for name, count in step_launches(search_tensors, search_scalars).items()]
+    table += [{"path": f"  step {name}", **count} for name, count in step_launches(search_args).items()]
     for row in table:
         row["total"] = row["triton"] + row["torch"]
     print_table(table, ["path", "triton", "torch", "total"])

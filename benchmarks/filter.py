@@ -57,7 +57,8 @@ except ImportError as _missing:
 import silverrec  # noqa: E402
 from silverrec.filtering.filter_lang import And, Not, Term, parse  # noqa: E402
 from silverrec.filtering.filter_program import FilterPlan, compile_batch, compile_request  # noqa: E402
-from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED  # noqa: E402
+from silverrec.kernels.constants import (MODE_AUTO, MODE_PROBED, MODE_UNPROBED, ROUTE_POSTING, ROUTE_PROBED,  # noqa: E402
+                                         ROUTE_WHOLE_POOL)
 from silverrec.bitmask import unpack_bits  # noqa: E402
 from silverrec.filtering.forward_index import ForwardIndex  # noqa: E402
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config  # noqa: E402
@@ -84,6 +85,7 @@ MIX = [  # realistic query mix: AND of ORs, some NOT
     "NOT country IN (c0, c1, c2) AND lang IN (l10, l11)",
 ]
 NEARLY_FREE = ["country = c1", "brand = b1"]  # ~10% and ~8% of the pool
+ROUTE_NAMES = {ROUTE_PROBED: "probed", ROUTE_WHOLE_POOL: "whole_pool", ROUTE_POSTING: "posting_lists"}
 SELECTIVE = {  # filters with a designed selectivity, for the end-to-end ANN part
     "10%": "country = c1 AND NOT genre = g0",
     "1%": "lang = l5 AND NOT age = a0",
@@ -270,10 +272,10 @@ def ann_part(n: int, d: int, nlist: int, ks: list[int], rng, bloom_bits: int) ->
             return module(qt, k, nprobe, *inputs, max_probe, torch.full((B,), mode, dtype=torch.int64))
 
     def routes(filters, k, nprobe, max_probe, mode):
-        ops, prow, _, _, lists = compile_request(filters, plan)
         with torch.inference_mode():
-            route = module.plan_probes(qt, k, nprobe, ops, prow, lists, max_probe, torch.full((B,), mode, dtype=torch.int64))[2]
-        return {name: int((route == r).sum()) for r, name in enumerate(("probed", "whole_pool", "posting_lists"))}
+            route = module.plan_probes(qt, list(compile_request(filters, plan)), torch.full((B,), mode, dtype=torch.int64),
+                                       k, nprobe, max_probe)[2]
+        return {name: int((route == r).sum()) for r, name in ROUTE_NAMES.items()}
 
     for k in ks:
         # unfiltered reference point: plain IVF at the same nprobe
@@ -329,8 +331,9 @@ def ann_part(n: int, d: int, nlist: int, ks: list[int], rng, bloom_bits: int) ->
                   f"{faiss_best['median_ms'] if faiss_best else float('nan'):.2f} ms (nprobe {faiss_best['nprobe'] if faiss_best else '-'})", flush=True)
     # co-design pays: 16 filters on the probed clusters vs roaring over the whole pool
     filters = [MIX[i % len(MIX)] for i in range(16)]
-    ops, prow, _, _, lists = compile_request(filters, plan)
-    probes = module.plan_probes(qt, 100, 32, ops, prow, lists, 32, torch.full((B,), MODE_PROBED))[0]
+    program = list(compile_request(filters, plan))
+    ops, prow = program[:2]
+    probes = module.plan_probes(qt, program, torch.full((B,), MODE_PROBED), 100, 32, 32)[0]
     lo = module.cluster_offsets[probes.clamp_min(0)]
     hi = module.cluster_offsets[probes.clamp_min(0) + 1]
     # what the forward runs: the filter on each probed cluster's rows, with per-cluster counts
@@ -517,14 +520,13 @@ def search_routes(snap, qt, k, nprobe, f) -> dict:
     plan, cfg, m = filter_plan(snap), snap.config, snap.index
     B = qt.shape[0]
     whole = whole_pool_by_estimate(compile_estimates([f] * B, plan), k, nprobe, m.num_items, m.nlist, m.match_factor, m.exact_cost_ratio)
-    modes = torch.where(torch.from_numpy(whole), 2, 0)
-    ops, prow, _, _, lists = compile_request([f] * B, plan)
+    modes = torch.where(torch.from_numpy(whole), MODE_UNPROBED, MODE_AUTO)
     max_probe = max(nprobe, min(m.nlist, cfg["search"]["default_max_probe"]))  # as search_index
     with torch.inference_mode():
-        probes, _, route = m.plan_probes(qt, k, nprobe, ops, prow, lists, max_probe, modes)
-    out = {name: int((route == r).sum()) for r, name in enumerate(("probed", "whole_pool", "posting_lists")) if (route == r).any()}
-    if (route == 0).any():
-        out["mean_clusters_probed"] = float((probes[route == 0] >= 0).sum(dim=1).float().mean())
+        probes, _, route = m.plan_probes(qt, list(compile_request([f] * B, plan)), modes, k, nprobe, max_probe)
+    out = {name: int((route == r).sum()) for r, name in ROUTE_NAMES.items() if (route == r).any()}
+    if (route == ROUTE_PROBED).any():
+        out["mean_clusters_probed"] = float((probes[route == ROUTE_PROBED] >= 0).sum(dim=1).float().mean())
     return out
 
 

@@ -3,7 +3,7 @@
     mask = torch.ops.silverrec.bloom_filter(bits, ops, rows, word_start, n_words)
     # bits       int64 [R, W]     row bank: Bloom rows [0, M) then exact value-code planes;
     #                             word w of a row covers item rows 64w..64w+63, bit (row & 63)
-    # ops        int64 [B, L]     postfix opcodes per query (NOP padding), see OP_* below
+    # ops        int64 [B, L]     postfix opcodes per query (NOP padding), OP_* of kernels/constants.py
     # rows       int64 [B, L, T]  PUSH operands: AND of bits[r] (r >= 0) or ~bits[~r] (r < 0)
     # word_start int64 [B, P]     first word of each window; -1 = empty window (all zeros)
     # n_words    int              window width in words
@@ -40,10 +40,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from silverrec.kernels.constants import OP_AND, OP_FALSE, OP_NOP, OP_NOT, OP_OR, OP_PUSH, OP_STACK_EFFECT, OP_TRUE
 from silverrec.kernels.cpu_ext import cpu_ext
 
-OP_NOP, OP_PUSH, OP_AND, OP_OR, OP_NOT, OP_FALSE, OP_TRUE = range(7)
-_DELTA = np.array([0, 1, -1, -1, 0, 1, 1], dtype=np.int64)  # stack depth change per opcode
+_DELTA = np.array(OP_STACK_EFFECT, dtype=np.int64)  # stack depth change per opcode
 
 
 def check_program(bits, ops, rows) -> None:

@@ -16,6 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
+from silverrec.kernels import constants
+
+# the filter program's opcodes (kernels/constants.py), as the compile-time globals a Triton kernel may read
+OP_PUSH = tl.constexpr(constants.OP_PUSH)
+OP_AND = tl.constexpr(constants.OP_AND)
+OP_OR = tl.constexpr(constants.OP_OR)
+OP_NOT = tl.constexpr(constants.OP_NOT)
+OP_FALSE = tl.constexpr(constants.OP_FALSE)
+OP_TRUE = tl.constexpr(constants.OP_TRUE)
+
 
 @triton.jit
 def _stack_store(ptr, value, lanes):
@@ -39,7 +49,7 @@ def program_words(bits_ptr, W, ops_ptr, rows_ptr, b, L, T, widx, valid, scratch,
     sp = 0
     for l in range(0, L):
         op = tl.load(ops_ptr + b * L + l)
-        if op == 1:  # PUSH
+        if op == OP_PUSH:
             acc = tl.full((BLOCK,), -1, tl.int64)
             for t in range(0, T):
                 r = tl.load(rows_ptr + (b * L + l) * T + t)
@@ -48,17 +58,17 @@ def program_words(bits_ptr, W, ops_ptr, rows_ptr, b, L, T, widx, valid, scratch,
                 acc = acc & tl.where(r < 0, ~w, w)
             _stack_store(scratch + sp * slot_stride, acc, lanes)
             sp += 1
-        elif op == 2 or op == 3:  # AND, OR
+        elif op == OP_AND or op == OP_OR:
             x = tl.load(scratch + (sp - 2) * slot_stride, mask=lanes, other=0)
             y = tl.load(scratch + (sp - 1) * slot_stride, mask=lanes, other=0)
-            z = tl.where(op == 2, x & y, x | y)
+            z = tl.where(op == OP_AND, x & y, x | y)
             _stack_store(scratch + (sp - 2) * slot_stride, z, lanes)
             sp -= 1
-        elif op == 4:  # NOT
+        elif op == OP_NOT:
             x = tl.load(scratch + (sp - 1) * slot_stride, mask=lanes, other=0)
             _stack_store(scratch + (sp - 1) * slot_stride, ~x, lanes)
-        elif op == 5 or op == 6:  # FALSE, TRUE
-            c = tl.where(op == 6, -1, 0).to(tl.int64)
+        elif op == OP_FALSE or op == OP_TRUE:
+            c = tl.where(op == OP_TRUE, -1, 0).to(tl.int64)
             _stack_store(scratch + sp * slot_stride, tl.zeros((BLOCK,), tl.int64) + c, lanes)
             sp += 1
     return tl.load(scratch, mask=lanes, other=0)

@@ -8,11 +8,10 @@ by score (descending) and breaks ties by row (ascending), deterministically on e
 
 import torch
 
+from silverrec.kernels.constants import BIAS_FLOOR, EMPTY_KEY, NO_ROW, QUERY_CODE_MAX, QUERY_SCALE_FLOOR
 from silverrec.kernels.cpu_ext import cpu_ext
 
 ROW_MASK = (1 << 32) - 1
-BIAS_FLOOR = -(1 << 30)  # lowest per-(query, cluster) score bias (csrc/scan.h kBiasFloor; checked by a test)
-EMPTY_KEY = torch.iinfo(torch.int64).min  # padding key: sorts after every real item
 
 
 def quantize_queries(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,15 +20,15 @@ def quantize_queries(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     Args:
         queries: float [B, D].
     Returns:
-        codes int8 [B, D] in [-127, 127] and scale float32 [B] with queries ~= scale[:, None] * codes.
+        codes int8 [B, D] in [-QUERY_CODE_MAX, QUERY_CODE_MAX] and scale float32 [B] with queries ~= scale[:, None] * codes.
     """
     q = queries.float()
     if q.device.type == "cpu" and q.dim() == 2 and q.shape[0] and q.shape[1]:
         ext = cpu_ext()
         if ext is not None and hasattr(ext, "quantize_queries"):  # one call instead of eight ops
             return ext.quantize_queries(q.contiguous())
-    scale = q.abs().amax(dim=1).clamp_min(1e-30) / 127.0
-    codes = torch.round(q / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    scale = q.abs().amax(dim=1).clamp_min(QUERY_SCALE_FLOOR) / float(QUERY_CODE_MAX)
+    codes = torch.round(q / scale[:, None]).clamp_(-QUERY_CODE_MAX, QUERY_CODE_MAX).to(torch.int8)
     return codes, scale
 
 
@@ -39,10 +38,10 @@ def make_keys(scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def split_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `make_keys`: (int64 integer scores, int64 rows). Padding keys give row -1."""
+    """Inverse of `make_keys`: (int64 integer scores, int64 rows). Padding keys give row NO_ROW."""
     rows = ROW_MASK - (keys & ROW_MASK)
     scores = keys >> 32
-    rows = torch.where(keys == EMPTY_KEY, torch.full_like(rows, -1), rows)
+    rows = torch.where(keys == EMPTY_KEY, torch.full_like(rows, NO_ROW), rows)
     return scores, rows
 
 

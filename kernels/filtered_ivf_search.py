@@ -1,12 +1,19 @@
-"""`silverrec::filtered_ivf_search`: the whole filtered IVF search (silverrec/retrieval/filtered_ivf.py) as one op.
+"""The IVF searches as single ops: `silverrec::ivf_search` (no filter) and `silverrec::filtered_ivf_search`.
 
+    scores, item_ids = torch.ops.silverrec.ivf_search(queries, index, params, k, nprobe, rescore_margin=0,
+                                                      rescore_max_k=0)
     scores, item_ids = torch.ops.silverrec.filtered_ivf_search(
-        queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item,   # the IVF
-        bits, post_rows, post_offsets, post_sizes,                                        # filter indexes
-        ops, rows, vops, vrows, lists, mode,                                              # the request
-        k, nprobe, max_probe, window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit,
-        rescore_margin=0, rescore_max_k=0)
-    # -> scores float32 [B, k] (descending, -inf padding), item_ids int64 [B, k] (-1 padding);
+        queries, index, params, exact_cost_ratio, program, mode, k, nprobe, max_probe, rescore_margin=0,
+        rescore_max_k=0)
+    # queries float [B, D]; the index as the retrieval stage hands it (silverrec/retrieval/ivf_index.py and
+    # filtered_ivf.py `search_args`, kernels/search_args.py): index = [codes, dim_scale, dim_offset,
+    # cluster_offsets, centroids, row_to_item] (kernels/constants.py IVF_TENSORS), for the filtered search
+    # followed by [bits, post_rows, post_offsets, post_sizes] (FILTERED_IVF_TENSORS); params = [window_words,
+    # residual] (IVF_PARAMS), for the filtered search followed by [match_factor, num_items, posting_limit]
+    # (FILTERED_IVF_PARAMS), and exact_cost_ratio
+    # program = [ops, rows, vops, vrows, lists] (PROGRAM_TENSORS: the request's Bloom and verify programs and
+    # posting lists, filter_program.compile_request), mode int64 [B] (MODE_AUTO, MODE_PROBED, MODE_UNPROBED)
+    # -> scores float32 [B, k] (descending, -inf padding), item_ids int64 [B, k] (NO_ROW padding);
     # a zero-length row_to_item returns the rows themselves (what RecModel's later stages read);
     # rescore_margin > 0 and k <= rescore_max_k: every route runs for k + rescore_margin rows, which
     # `rescore_rows` ranks by the float query on their codes, best k (kernels/rescore_rows.py); an
@@ -14,25 +21,27 @@
     # residual: codes encode item - centroid (item ~= centroid[c] + dim_scale * code + dim_offset): every
     # route adds <query, centroid c> to the rows of cluster c, computed for the clusters it visits
     # (ivf_scan, filtered_topk, rescore_rows; kernels/common.py cluster_bias)
-    # ops .. mode: one row per query, or one per group of B / ops.shape[0] consecutive queries (a
+    # program and mode: one row per query, or one per group of B / ops.shape[0] consecutive queries (a
     # request's T task queries, rows b*T .. b*T + T - 1, share its filter program)
 
 The steps are the ops of this package, in order (`compose_search`; `filtered_ivf_search_torch` composes
 the registered ops, `filtered_ivf_search_cuda`, the CUDA kernel, their CUDA kernels, the Triton
 launchers, directly): `filter_plan` routes every query; per-dimension ranges are folded into the
-query; `ivf_scan` scans the probed clusters through the Bloom mask with a margin of k / 4 + 16 results,
-`verify_topk` keeps the best k that pass the exact verify program; `filtered_topk` answers the
-whole-pool and posting-list routes; the routes' results are merged, re-scored with the float query
-when asked (`rescore_rows`), and rows mapped to item ids.
+query; `ivf_scan` scans the probed clusters through the Bloom mask with a margin of
+k / VERIFY_MARGIN_DIVISOR + VERIFY_MARGIN_ROWS results, `verify_topk` keeps the best k that pass the exact
+verify program; `filtered_topk` answers the whole-pool and posting-list routes; the routes' results are
+merged, re-scored with the float query when asked (`rescore_rows`), and rows mapped to item ids. The plain
+search (`compose_ivf_search`) probes each query's nprobe best centroids (`centroid_candidates`) and scans them
+(`ivf_scan`), then the same tail.
 
-Registration: this module defines the op, its fake and its CUDA kernel; loading the C++ extension
-registers the CPU kernel with the dispatcher (a call goes straight to C++, no Python in between).
-Without the extension the CPU kernel is the composition.
+Registration: this module defines the ops, their fakes and their CUDA kernels; loading the C++ extension
+registers their CPU kernels with the dispatcher (a call goes straight to C++, no Python in between).
+Without the extension the CPU kernels are the compositions.
 
 Why one op: at small batches the search's arithmetic is tens of microseconds (a posting list of a
 thousand rows), while each eager tensor op costs several microseconds of dispatch. On CPU the C++
-path (kernels/csrc/ops.cpp) runs the same steps with the same ATen calls and C++ kernels, so its
-results are bit-identical to the composition, without the per-op overhead or intermediate tensors.
+path (kernels/csrc/ops.cpp, search.cpp) runs the same steps with the same ATen calls and C++ kernels, so
+its results are bit-identical to the composition, without the per-op overhead or intermediate tensors.
 """
 
 from __future__ import annotations
@@ -41,17 +50,20 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels import candidate_rows as _candidate_rows
 from silverrec.kernels import mol_score as _mol_score
 from silverrec.kernels import rescore_rows as _rescore_rows
-from silverrec.kernels.rescore_rows import EXACT_FLOAT_ROWS
+from silverrec.kernels.constants import (EXACT_FLOAT_ROWS, NO_LISTS, NO_ROW, ROUTE_POSTING, ROUTE_WHOLE_POOL,
+                                         VERIFY_MARGIN_DIVISOR, VERIFY_MARGIN_ROWS)
+from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.rows_to_items import register_cpu_fallback
+from silverrec.kernels.search_args import FilteredIvfParams, FilteredIvfTensors, IvfParams, IvfTensors, Program, unpack
 
 
 class SearchSteps(NamedTuple):
-    """The ops the composition calls, each with its op's signature."""
+    """The ops the compositions call, each with its op's signature."""
 
+    centroid_candidates: Callable
     filter_plan: Callable
     ivf_scan: Callable
     verify_topk: Callable
@@ -63,79 +75,112 @@ class SearchSteps(NamedTuple):
 def dispatched_steps() -> SearchSteps:
     """The registered ops (each picks its kernel by the tensors' device)."""
     ops = torch.ops.silverrec
-    return SearchSteps(ops.filter_plan, ops.ivf_scan, ops.verify_topk, ops.filtered_topk, ops.rows_to_items,
-                       ops.rescore_rows)
+    return SearchSteps(ops.centroid_candidates, ops.filter_plan, ops.ivf_scan, ops.verify_topk, ops.filtered_topk,
+                       ops.rows_to_items, ops.rescore_rows)
 
 
 def cuda_steps() -> SearchSteps:
     """The ops' CUDA kernels (Triton launchers), called directly: what `filtered_ivf_search_cuda` runs on a GPU and
     what tests/test_filter_plan_triton.py runs on CPU tensors under TRITON_INTERPRET=1."""
+    from silverrec.kernels.centroid_probe import centroid_candidates_torch
     from silverrec.kernels.filter_plan import filter_plan_cuda
     from silverrec.kernels.filtered_topk import filtered_topk_cuda, verify_topk_cuda
     from silverrec.kernels.ivf_scan import ivf_scan_cuda
     from silverrec.kernels.rescore_rows import rescore_rows_torch
     from silverrec.kernels.rows_to_items import rows_to_items_torch
 
-    return SearchSteps(filter_plan_cuda, ivf_scan_cuda, verify_topk_cuda, filtered_topk_cuda, rows_to_items_torch,
-                       rescore_rows_torch)
+    return SearchSteps(centroid_candidates_torch, filter_plan_cuda, ivf_scan_cuda, verify_topk_cuda, filtered_topk_cuda,
+                       rows_to_items_torch, rescore_rows_torch)
+
+
+def verify_margin(k: int) -> int:
+    """Rows the probed route scans for k results: a margin for the Bloom filter's false positives."""
+    return k + k // VERIFY_MARGIN_DIVISOR + VERIFY_MARGIN_ROWS
 
 
 def compose_search(
-    steps: SearchSteps, queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item, bits, post_rows,
-    post_offsets, post_sizes, ops, rows, vops, vrows, lists, mode, k: int, nprobe: int, max_probe: int, window_words: int,
-    match_factor: int, avg_cluster: int, num_items: int, exact_cost_ratio: float, posting_limit: int,
-    rescore_margin: int = 0, rescore_max_k: int = 0, residual: bool = False,
+    steps: SearchSteps, queries, index, params, exact_cost_ratio: float, program, mode, k: int, nprobe: int,
+    max_probe: int, rescore_margin: int = 0, rescore_max_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The search as a composition of `steps` (the op's contract, module docstring).
+    """The filtered search as a composition of `steps` (the op's contract, module docstring).
 
     Device memory beyond the inputs, B queries: centroid scores [B, C] and the plan's bitmask [B, max_probe, Wc]
-    (filter_plan), the scan's keys [B, 8 x 64 Wc] (ivf_scan), the results [B, k + k / 4 + 16]; filtered_topk's
+    (filter_plan), the scan's keys [B, 8 x 64 Wc] (ivf_scan), the results [B, verify_margin(k)]; filtered_topk's
     Triton workspace holds nothing proportional to N either (its `workspace_shapes`). With `cuda_steps` no step
     reads a value back to the host (tests/test_filter_plan_triton.py records every op outside the kernels).
     """
+    ix = unpack(FilteredIvfTensors, index, "filtered_ivf_search", "index")
+    pa = unpack(FilteredIvfParams, params, "filtered_ivf_search", "params")
+    pr = unpack(Program, program, "filtered_ivf_search", "program")
     k_out = k
     rescore = rescore_margin > 0 and k <= rescore_max_k  # Python ints: no device sync
     if rescore:  # every route runs for k + margin rows, re-scored to k at the end
         k = k + rescore_margin
     # exact routes (re-scored): one row more than EXACT_FLOAT_ROWS tells whether all their passing rows fit
     k_ex = max(k, EXACT_FLOAT_ROWS + 1) if rescore else k
-    per = queries.shape[0] // ops.shape[0] if ops.shape[0] and queries.shape[0] % ops.shape[0] == 0 else 1
+    per = queries.shape[0] // pr.ops.shape[0] if pr.ops.shape[0] and queries.shape[0] % pr.ops.shape[0] == 0 else 1
     if per > 1:  # one program per request of `per` consecutive queries: repeated to one per query
-        ops, rows, vops, vrows, lists, mode = [x.repeat_interleave(per, dim=0) for x in (ops, rows, vops, vrows, lists, mode)]
-    probes, bitmask, route = steps.filter_plan(
-        queries, centroids, cluster_offsets, bits, ops, rows, lists, post_sizes, mode, k, nprobe, max_probe,
-        window_words, match_factor, avg_cluster, num_items, exact_cost_ratio, posting_limit,
-    )
-    # per-dimension ranges folded into the query: score = int8-op score + constant (per query)
-    q = queries.float()
-    folded, constant = q * dim_scale, q @ dim_offset
+        pr = Program(*[x.repeat_interleave(per, dim=0) for x in pr])
+        mode = mode.repeat_interleave(per, dim=0)
+    probes, bitmask, route = steps.filter_plan(queries, index, params, exact_cost_ratio, list(pr), mode, k, nprobe,
+                                               max_probe)
+    q, folded, constant, residual = _fold(queries, ix, pa.residual)
     one, zero = folded.new_ones(()), folded.new_zeros(())
-    # residual codes (item ~= centroid + dim_scale * code + dim_offset): a row of cluster c adds <q, centroid c>
-    offsets, cent, cq = (cluster_offsets, centroids.float(), q) if residual else (None, None, None)
     # Bloom false positives may take result slots: scan a margin, verify, keep the best k.
-    s_ivf, r_ivf = steps.ivf_scan(folded, codes, one, zero, cluster_offsets, probes, k + k // 4 + 16, bitmask,
-                                  window_words, cent, cq)
-    s_ivf, r_ivf = steps.verify_topk(bits, vops, vrows, s_ivf, r_ivf, k)
-    # whole-pool (route 1) and posting (route 2) queries: filter then exact scan
-    exact = route > 0
-    src = torch.where((route == 1)[:, None], torch.full_like(lists, -2), lists)  # -2: the whole pool
-    s_ex, r_ex = steps.filtered_topk(
-        folded, codes, one, zero, bits, vops, vrows, post_rows, post_offsets, src, exact, k_ex, posting_limit, offsets,
-        cent, cq
-    )
+    s_ivf, r_ivf = steps.ivf_scan(folded, ix.codes, one, zero, ix.cluster_offsets, probes, verify_margin(k), bitmask,
+                                  pa.window_words, *residual[1:])
+    s_ivf, r_ivf = steps.verify_topk(ix.bits, pr.vops, pr.vrows, s_ivf, r_ivf, k)
+    # whole-pool and posting-list queries: filter then exact scan
+    exact = (route == ROUTE_WHOLE_POOL) | (route == ROUTE_POSTING)
+    src = torch.where((route == ROUTE_WHOLE_POOL)[:, None], torch.full_like(pr.lists, NO_LISTS), pr.lists)
+    s_ex, r_ex = steps.filtered_topk(folded, ix.codes, one, zero, ix.bits, [pr.vops, pr.vrows],
+                                     [ix.post_rows, ix.post_offsets, src], exact, k_ex, pa.posting_limit, residual)
     if k_ex > k:  # the re-score takes every passing row of an exact route that has at most EXACT_FLOAT_ROWS of
         # them (its exact float answer; the C++ op ranks those without the int8 scan), else the scan's top k
         few = r_ex[:, EXACT_FLOAT_ROWS] < 0
         keep = few[:, None] | (torch.arange(k_ex, device=r_ex.device) < k)[None, :]
-        r_ex = torch.where(keep, r_ex, torch.full_like(r_ex, -1))
+        r_ex = torch.where(keep, r_ex, torch.full_like(r_ex, NO_ROW))
         s_ivf = torch.cat([s_ivf, s_ivf.new_full((s_ivf.shape[0], k_ex - k), float("-inf"))], dim=1)
-        r_ivf = torch.cat([r_ivf, r_ivf.new_full((r_ivf.shape[0], k_ex - k), -1)], dim=1)
+        r_ivf = torch.cat([r_ivf, r_ivf.new_full((r_ivf.shape[0], k_ex - k), NO_ROW)], dim=1)
     scores = torch.where(exact[:, None], s_ex, s_ivf) + constant[:, None]
     found = torch.where(exact[:, None], r_ex, r_ivf)
+    return _finish(steps, q, ix, residual, scores, found, k_out, rescore)
+
+
+def compose_ivf_search(steps: SearchSteps, queries, index, params, k: int, nprobe: int, rescore_margin: int = 0,
+                       rescore_max_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain search as a composition of `steps`: each query's nprobe best centroids, scanned (no mask)."""
+    ix = unpack(IvfTensors, index, "ivf_search", "index")
+    pa = unpack(IvfParams, params, "ivf_search", "params")
+    if not 1 <= nprobe <= ix.centroids.shape[0]:
+        raise ValueError(f"need 1 <= nprobe ({nprobe}) <= nlist ({ix.centroids.shape[0]})")
+    k_out = k
+    rescore = rescore_margin > 0 and k <= rescore_max_k
     if rescore:
-        scores, found = steps.rescore_rows(q, found, codes, dim_scale.expand(q.shape[1]).contiguous(), dim_offset, k_out,
-                                           offsets, cent)
-    return scores, found if row_to_item.numel() == 0 else steps.rows_to_items(row_to_item, found)
+        k = k + rescore_margin
+    q, folded, constant, residual = _fold(queries, ix, pa.residual)
+    probes = steps.centroid_candidates(q, ix.centroids.float(), nprobe)
+    one, zero = folded.new_ones(()), folded.new_zeros(())
+    scores, found = steps.ivf_scan(folded, ix.codes, one, zero, ix.cluster_offsets, probes, k, None, pa.window_words,
+                                   *residual[1:])
+    return _finish(steps, q, ix, residual, scores + constant[:, None], found, k_out, rescore)
+
+
+def _fold(queries, ix, residual: int) -> tuple:
+    """Per-dimension ranges folded into the query: (q float32 [B, D], folded = q x dim_scale, the per-query score
+    constant <q, dim_offset> [B], and the residual codes' [cluster_offsets, centroids, centroid queries], or [])."""
+    q = queries.float()
+    folded, constant = q * ix.dim_scale, q @ ix.dim_offset
+    # residual codes (item ~= centroid + dim_scale * code + dim_offset): a row of cluster c adds <q, centroid c>
+    return q, folded, constant, [ix.cluster_offsets, ix.centroids.float(), q] if residual else []
+
+
+def _finish(steps, q, ix, residual: list, scores, found, k: int, rescore: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The searches' tail: the float re-score when asked, then rows to item ids (an empty map: the rows)."""
+    if rescore:
+        scores, found = steps.rescore_rows(q, found, ix.codes, ix.dim_scale.expand(q.shape[1]).contiguous(),
+                                           ix.dim_offset, k, *residual[:2])
+    return scores, found if ix.row_to_item.numel() == 0 else steps.rows_to_items(ix.row_to_item, found)
 
 
 def filtered_ivf_search_torch(*args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,33 +193,47 @@ def filtered_ivf_search_cuda(*args) -> tuple[torch.Tensor, torch.Tensor]:
     return compose_search(cuda_steps(), *args)
 
 
-SCHEMA = (
-    "(Tensor queries, Tensor codes, Tensor dim_scale, Tensor dim_offset, Tensor cluster_offsets, Tensor centroids, "
-    "Tensor row_to_item, Tensor bits, Tensor post_rows, Tensor post_offsets, Tensor post_sizes, Tensor ops, Tensor rows, "
-    "Tensor vops, Tensor vrows, Tensor lists, Tensor mode, SymInt k, SymInt nprobe, SymInt max_probe, int window_words, "
-    "int match_factor, int avg_cluster, int num_items, float exact_cost_ratio, int posting_limit, SymInt rescore_margin=0, "
-    "int rescore_max_k=0, bool residual=False) -> (Tensor, Tensor)"
+def ivf_search_torch(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain search as the composition of the registered ops (the reference of the C++ path)."""
+    return compose_ivf_search(dispatched_steps(), *args)
+
+
+def ivf_search_cuda(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain search on CUDA: the ops' CUDA kernels, called directly."""
+    return compose_ivf_search(cuda_steps(), *args)
+
+
+IVF_SEARCH_SCHEMA = ("(Tensor queries, Tensor[] index, int[] params, SymInt k, SymInt nprobe, SymInt rescore_margin=0, "
+                     "int rescore_max_k=0) -> (Tensor, Tensor)")
+FILTERED_IVF_SEARCH_SCHEMA = (
+    "(Tensor queries, Tensor[] index, int[] params, float exact_cost_ratio, Tensor[] program, Tensor mode, SymInt k, "
+    "SymInt nprobe, SymInt max_probe, SymInt rescore_margin=0, int rescore_max_k=0) -> (Tensor, Tensor)"
 )
 
 
-torch.library.define("silverrec::filtered_ivf_search", SCHEMA)
-_ext = cpu_ext()  # loading the extension registers the op's C++ CPU kernel (kernels/csrc/ops.cpp)
-if _ext is None or not hasattr(_ext, "filtered_ivf_search"):  # no extension: the composition on CPU
+torch.library.define("silverrec::ivf_search", IVF_SEARCH_SCHEMA)
+torch.library.define("silverrec::filtered_ivf_search", FILTERED_IVF_SEARCH_SCHEMA)
+if cpu_ext() is None:  # no extension (whose loading registers the C++ CPU kernels): the torch forms on CPU
     torch.library.impl("silverrec::filtered_ivf_search", "CPU", filtered_ivf_search_torch)
-torch.library.impl("silverrec::filtered_ivf_search", "CUDA", filtered_ivf_search_cuda)
-if _ext is None or not hasattr(_ext, "rows_to_items"):  # the extension registers the C++ one
+    torch.library.impl("silverrec::ivf_search", "CPU", ivf_search_torch)
     register_cpu_fallback()
-if _ext is None or not hasattr(_ext, "candidate_rows"):
     _candidate_rows.register_cpu_fallback()
-if _ext is None or not hasattr(_ext, "mol_score"):
     _mol_score.register_cpu_fallback()
-if _ext is None or not hasattr(_ext, "rescore_rows"):
     _rescore_rows.register_cpu_fallback()
+torch.library.impl("silverrec::filtered_ivf_search", "CUDA", filtered_ivf_search_cuda)
+torch.library.impl("silverrec::ivf_search", "CUDA", ivf_search_cuda)
+
+def _results(queries, k) -> tuple[torch.Tensor, torch.Tensor]:
+    b = queries.shape[0]
+    return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
 
 
 @torch.library.register_fake("silverrec::filtered_ivf_search")
-def _(queries, codes, dim_scale, dim_offset, cluster_offsets, centroids, row_to_item, bits, post_rows, post_offsets,
-      post_sizes, ops, rows, vops, vrows, lists, mode, k, nprobe, max_probe, window_words, match_factor, avg_cluster,
-      num_items, exact_cost_ratio, posting_limit, rescore_margin=0, rescore_max_k=0, residual=False):
-    b = queries.shape[0]
-    return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
+def _(queries, index, params, exact_cost_ratio, program, mode, k, nprobe, max_probe, rescore_margin=0, rescore_max_k=0):
+    return _results(queries, k)
+
+
+@torch.library.register_fake("silverrec::ivf_search")
+def _(queries, index, params, k, nprobe, rescore_margin=0, rescore_max_k=0):
+    return _results(queries, k)
+

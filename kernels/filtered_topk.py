@@ -11,20 +11,22 @@ The filtered IVF search scans with a Bloom-program mask and a margin of extra re
 the best k that pass the exact ("verify") program. The input is already ranked, so nothing is
 re-sorted and the CPU path stops evaluating once k rows passed.
 
-    scores, rows = torch.ops.silverrec.filtered_topk(queries, codes, scale, offset, bits, ops, prog_rows,
-                                                     post_rows, post_offsets, lists, active, k, max_candidates)
+    scores, rows = torch.ops.silverrec.filtered_topk(queries, codes, scale, offset, bits, [ops, prog_rows],
+                                                     [post_rows, post_offsets, lists], active, k, max_candidates,
+                                                     residual)
     # queries float [B, D], codes int8 [N, D], scale / offset float32 [] (item ~= scale * code + offset)
-    # post_rows int32 [E], post_offsets int64 [V + 1]: posting list l = the ascending rows
-    #     post_rows[post_offsets[l]:post_offsets[l + 1]] (the rows holding one (feature, value) token)
-    # lists int64 [B, T2]: posting lists whose union holds every row the query's filter passes
-    #     (-1 = unused slot); lists[b, 0] == -2 (NO_LISTS): the query filters the whole pool (the
-#     row's other entries are ignored)
+    # bits int64 [R, W] the row bank, (ops, prog_rows) the filter programs, as verify_topk's
+    # postings: post_rows int32 [E], post_offsets int64 [V + 1]: posting list l = the ascending rows
+    #     post_rows[post_offsets[l]:post_offsets[l + 1]] (the rows holding one (feature, value) token);
+    #     lists int64 [B, T2]: posting lists whose union holds every row the query's filter passes
+    #     (NO_LIST = unused slot); lists[b, 0] == NO_LISTS: the query filters the whole pool (the
+    #     row's other entries are ignored)
     # active bool [B]: queries to answer (others come back as padding)
     # max_candidates int: an upper bound on the rows of any active query's lists (the filtered
     #     search's posting_limit); the CUDA path sizes its candidate buffer with it
     # -> scores float32 [B, k] (descending, -inf padding), rows int64 [B, k] (-1 padding)
-    # optional cluster_offsets int64 [nlist + 1], centroids float32 [nlist, D], centroid_queries float32
-    #     [B, D] (the unfolded queries): residual codes, every row of cluster c scores
+    # residual: [] for direct codes, or [cluster_offsets int64 [nlist + 1], centroids float32 [nlist, D],
+    #     centroid_queries float32 [B, D]] (the unfolded queries): residual codes, every row of cluster c scores
     #     <centroid_queries[b], centroid c> more: an int32 bias on the int8 dots (`cluster_term`), for the
     #     clusters holding the query's passing rows only (a selective filter computes no other)
 
@@ -44,15 +46,13 @@ it reads from each query's lists.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
 from silverrec.kernels.bloom_filter import check_program
-from silverrec.kernels.common import EMPTY_KEY, cluster_bias, cluster_of_rows, dequantize_scores, dot_lanes, make_keys, quantize_queries, split_keys
+from silverrec.kernels.common import cluster_bias, cluster_of_rows, dequantize_scores, dot_lanes, make_keys, quantize_queries, split_keys
+from silverrec.kernels.constants import EMPTY_KEY, NO_LISTS
 from silverrec.kernels.cpu_ext import cpu_ext
-
-NO_LISTS = -2
 
 _SHIFTS = torch.arange(64, dtype=torch.int64)
 
@@ -231,19 +231,16 @@ def filtered_topk(
     scale: torch.Tensor,
     offset: torch.Tensor,
     bits: torch.Tensor,
-    ops: torch.Tensor,
-    prog_rows: torch.Tensor,
-    post_rows: torch.Tensor,
-    post_offsets: torch.Tensor,
-    lists: torch.Tensor,
+    program: list[torch.Tensor],
+    postings: list[torch.Tensor],
     active: torch.Tensor,
     k: int,
     max_candidates: int,
-    cluster_offsets: Optional[torch.Tensor] = None,
-    centroids: Optional[torch.Tensor] = None,
-    centroid_queries: Optional[torch.Tensor] = None,
+    residual: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring."""
+    ops, prog_rows, post_rows, post_offsets, lists, cluster_offsets, centroids, centroid_queries = _unpacked(
+        program, postings, residual)
     _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k,
                          cluster_offsets, centroids, centroid_queries)
     b = queries.shape[0]
@@ -267,21 +264,33 @@ def filtered_topk(
     return scores if centroids is None else scores + shift[:, None], rows
 
 
+def _unpacked(program, postings, residual) -> tuple:
+    """The op's lists as (ops, prog_rows, post_rows, post_offsets, lists, cluster_offsets, centroids,
+    centroid_queries), the last three None for direct codes; a ValueError naming a list of the wrong length."""
+    if len(program) != 2 or len(postings) != 3:
+        raise ValueError(f"filtered_topk: program must hold [ops, prog_rows] and postings [post_rows, post_offsets, "
+                         f"lists], got {len(program)} and {len(postings)} tensors")
+    if len(residual) not in (0, 3):
+        raise ValueError(f"filtered_topk: residual is [] or [cluster_offsets, centroids, centroid_queries]: the "
+                         f"three go together (residual codes), got {len(residual)} tensors")
+    return (*program, *postings, *(residual if residual else (None, None, None)))
+
+
 @filtered_topk.register_fake
-def _(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k, max_candidates,
-      cluster_offsets=None, centroids=None, centroid_queries=None):
+def _(queries, codes, scale, offset, bits, program, postings, active, k, max_candidates, residual):
     b = queries.shape[0]
     return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
 
 
-def filtered_topk_cuda(queries, codes, scale, offset, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k,
-                       max_candidates, cluster_offsets=None, centroids=None, centroid_queries=None):
+def filtered_topk_cuda(queries, codes, scale, offset, bits, program, postings, active, k, max_candidates, residual):
     """The op on CUDA: the Triton kernel (tests run it on CPU tensors under TRITON_INTERPRET=1). Residual codes:
     the cluster term of every cluster, shifted by the best of all (no host read of the clusters present): the
     ranking is the CPU's (`cluster_bias` differences do not depend on the shift), the scores may differ by the
     float rounding of the shift."""
     from silverrec.kernels.filtered_topk_triton import filtered_keys_triton
 
+    ops, prog_rows, post_rows, post_offsets, lists, cluster_offsets, centroids, centroid_queries = _unpacked(
+        program, postings, residual)
     _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k,
                          cluster_offsets, centroids, centroid_queries)
     qcodes, qscale = quantize_queries(queries)

@@ -53,8 +53,7 @@ import triton
 import triton.language as tl
 
 from silverrec.kernels.bloom_filter_triton import program_words
-from silverrec.kernels.common import BIAS_FLOOR, EMPTY_KEY
-from silverrec.kernels.filtered_topk import NO_LISTS
+from silverrec.kernels.constants import BIAS_FLOOR, EMPTY_KEY, NO_LISTS
 from silverrec.kernels.ivf_scan_triton import row_scores
 
 DIGIT = 16  # bits per radix pass: 65536 bins per query

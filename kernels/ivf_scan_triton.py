@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from silverrec.kernels.common import EMPTY_KEY
+from silverrec.kernels.constants import EMPTY_KEY
 
 SLOT_GROUP = 8  # the fewest probe slots scored per launch before a top-k merge
 # ... and the most: as many as this many bytes of keys hold. On an H200 (benchmarks/profile_cuda.py,

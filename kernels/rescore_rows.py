@@ -14,7 +14,7 @@ the stored codes; the best k are kept, ties by position in `found` (the scan's o
 
 Where it runs: the last step of `silverrec::filtered_ivf_search` when the caller passes a
 `rescore_margin` and k <= `rescore_max_k` (RecModel's pure-ANN configuration: `rescore_margin(k)` and
-RESCORE_MAX_K). An exact route whose filter passes at most EXACT_FLOAT_ROWS rows hands it every one of
+RESCORE_MAX_K). An exact route whose filter passes at most EXACT_FLOAT_ROWS (kernels/constants.py) rows hands it every one of
 them, so a selective filter's answer is the exact float top k of its survivors (ties in the scan's order). Above RESCORE_MAX_K the scan's ranking is returned: the re-score costs B x K x D
 multiply-adds, as much as a scan at large k, and a long candidate list (for a ranking stage) gains
 little from the order of its last rows.
@@ -39,10 +39,6 @@ from torch import Tensor
 from silverrec.kernels.common import cluster_of_rows
 
 RESCORE_MAX_K = 256  # larger k: the scan's ranking (module docstring)
-# An exact route (whole pool, posting lists) passing at most this many rows re-scores all of them: the exact
-# float answer on the codes, as an exact scan of the filter's survivors gives (csrc/scan.h kExactFloatRows,
-# checked by a test; the C++ op ranks them without the int8 scan, kernels/csrc/float_rank.cpp)
-EXACT_FLOAT_ROWS = 1024
 
 
 def rescore_margin(k: int) -> int:

@@ -23,8 +23,7 @@ from silverrec.retrieval.query_tower import QueryTower
 from silverrec.rec_model import RecModel
 from silverrec.spec import ModelSpec
 from silverrec.filtering.forward_index import ForwardIndex
-from silverrec.kernels.bloom_filter import OP_PUSH, OP_TRUE
-from silverrec.kernels.filtered_topk import NO_LISTS
+from silverrec.kernels.constants import NO_LISTS, OP_PUSH, OP_TRUE
 from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config
 from silverrec.publish.ivf import TORCHSCRIPT_MAX_BYTES, IVFConfig, build_ivf, ivf_manifest_config, tensor_bytes

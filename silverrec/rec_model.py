@@ -122,13 +122,9 @@ class RecModel(nn.Module):
         search at k 4096, 241 matches x 16 queries: 250 -> 184 us)."""
         idx = self.index
         direct = self.overfetch == 0
-        scores, found = torch.ops.silverrec.filtered_ivf_search(
-            user[:, 0], idx.codes, idx.dim_scale, idx.dim_offset, idx.cluster_offsets, idx.centroids,
-            idx.row_to_item if direct else self.rows_as_ids,
-            idx.bits, idx.post_rows, idx.post_offsets, idx.post_sizes, ops, rows, vops, vrows, lists, mode,
-            k + self.overfetch, nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
-            idx.num_items, idx.exact_cost_ratio, idx.posting_limit,
-            rescore_margin(k + self.overfetch) if self.rescore else 0, self.rescore_max_k, idx.residual,
+        scores, found = idx.filtered_search(
+            user[:, 0], [ops, rows, vops, vrows, lists], mode, k + self.overfetch, nprobe, max_probe,
+            rescore_margin(k + self.overfetch) if self.rescore else 0, self.rescore_max_k, item_ids=direct,
         )
         if direct:
             return scores, found, found[:, :0]
@@ -162,12 +158,8 @@ class RecModel(nn.Module):
         T = self.tasks
         q = user.reshape(-1, user.shape[-1])  # request b's task t at row b*T + t: the op repeats its program T times
         idx = self.index
-        _, found = torch.ops.silverrec.filtered_ivf_search(
-            q, idx.codes, idx.dim_scale, idx.dim_offset, idx.cluster_offsets, idx.centroids, self.rows_as_ids,
-            idx.bits, idx.post_rows, idx.post_offsets, idx.post_sizes, ops, rows, vops, vrows, lists, mode,
-            k0 + self.overfetch, nprobe, max_probe, idx.window_words, idx.match_factor, idx.avg_cluster,
-            idx.num_items, idx.exact_cost_ratio, idx.posting_limit, 0, 0, idx.residual,
-        )
+        _, found = idx.filtered_search(q, [ops, rows, vops, vrows, lists], mode, k0 + self.overfetch, nprobe, max_probe,
+                                       item_ids=False)
         # per task: the excluded rows dropped, the best k0 by exact re-score kept, the tasks merged (one op)
         return torch.ops.silverrec.candidate_rows(q, found, exclude, self.cache.emb, k0,
                                                   self.candidates if self.candidates > 0 else T * k0,

@@ -10,14 +10,8 @@ from silverrec.filtering.bloom_hash import token_positions
 from silverrec.filtering.filter_program import FilterPlan, compile_batch
 from silverrec.bitmask import pack_bits, unpack_bits
 from silverrec.filtering.forward_index import ForwardIndex
+from silverrec.kernels.constants import OP_AND, OP_FALSE, OP_NOP, OP_NOT, OP_OR, OP_PUSH, OP_TRUE
 from silverrec.kernels.bloom_filter import (
-    OP_AND,
-    OP_FALSE,
-    OP_NOT,
-    OP_NOP,
-    OP_OR,
-    OP_PUSH,
-    OP_TRUE,
     bloom_filter_counts_torch,
     bloom_filter_reference,
     popcount64,

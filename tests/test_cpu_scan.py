@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from silverrec.kernels import cpu_ext as cpu_ext_mod
-from silverrec.kernels.bloom_filter import OP_AND, OP_NOT, OP_OR, OP_PUSH, bloom_filter_numpy, bloom_filter_reference
+from silverrec.kernels.bloom_filter import bloom_filter_numpy, bloom_filter_reference
+from silverrec.kernels.constants import OP_AND, OP_NOT, OP_OR, OP_PUSH
 from silverrec.kernels.common import EMPTY_KEY, quantize_queries
 from silverrec.kernels.int8_topk import topk_keys_cpu
 from silverrec.kernels.ivf_scan import bitmask_words, canonical_probes, scan_keys_cpu

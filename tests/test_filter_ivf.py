@@ -12,7 +12,8 @@ import silverrec
 from silverrec.filtering.filter_program import FilterPlan, compile_request
 from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED
 from silverrec.kernels.common import cluster_bias, quantize_queries
-from silverrec.kernels.rescore_rows import EXACT_FLOAT_ROWS, rescore_margin
+from silverrec.kernels.constants import EXACT_FLOAT_ROWS
+from silverrec.kernels.rescore_rows import rescore_margin
 from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows, publish_index
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
@@ -195,7 +196,7 @@ def test_snapshot_export_round_trip_and_cli(built, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["kind"] == "rec" and manifest["config"]["filter"]["bloom"]["hashes"] == 7
     # config.backend: both programs timed on the lightest search (unfiltered, nprobe 1, k 1: their fixed costs)
-    from silverrec.kernels.filtered_topk import NO_LISTS
+    from silverrec.kernels.constants import NO_LISTS
     from silverrec.publish.filtered_ivf import search_model, search_timing_example
 
     assert {"preferred", "export_ms", "torchscript_ms"} <= set(manifest["config"]["backend"])
@@ -283,21 +284,19 @@ def test_a_request_without_a_lists_column_is_refused(built):
 
 
 def test_an_empty_row_map_returns_rows(built):
-    """row_to_item of length 0 (RecModel's `rows_as_ids`): the op returns rows, the same as mapping
-    them through an identity table, in the C++ op and in the composition."""
+    """item_ids=False (a zero-length row map, what RecModel's later stages read): the op returns the rows whose
+    items the search with item ids returns, in the C++ op and in the composition."""
     from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
 
     _, module, _, plan, _, queries = built
     filters = ["country = c0", None, "rare IN (r7, r8, r9)", "NOT lang = l1"] * 2
-    request = (*_programs(filters, plan), torch.tensor([0, 1, 0, 2] * 2))
+    program, modes = list(_programs(filters, plan)), torch.tensor([0, 1, 0, 2] * 2)
     m = module
     for k in (1, 30):
-        args = lambda table: (queries[:8], m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, table,  # noqa: E731
-                              m.bits, m.post_rows, m.post_offsets, m.post_sizes, *request, k, 3, 9, m.window_words,
-                              m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, 0, 0, m.residual)
-        identity = torch.arange(m.num_items, dtype=torch.int32)
-        want = torch.ops.silverrec.filtered_ivf_search(*args(identity))
+        want = m.filtered_search(queries[:8], program, modes, k, 3, 9)
+        args = m.filtered_search_args(queries[:8], program, modes, k, 3, 9, item_ids=False)
         for fn in (torch.ops.silverrec.filtered_ivf_search, filtered_ivf_search_torch):
-            got = fn(*args(identity[:0]))
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        assert bool((want[1] >= 0).any()) and bool((want[1] < m.num_items).all())
+            scores, rows = fn(*args)
+            items = torch.where(rows >= 0, m.row_to_item.long()[rows.clamp(min=0)], rows)
+            assert torch.equal(scores, want[0]) and torch.equal(items, want[1])
+            assert bool((rows >= 0).any()) and bool((rows < m.num_items).all())

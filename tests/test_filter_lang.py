@@ -8,7 +8,8 @@ from silverrec.filtering.filter_lang import And, FilterSyntaxError, Not, Or, Ter
 from silverrec.filtering.filter_program import FilterPlan, compile_batch, compile_filter, normalize_filters
 from silverrec.bitmask import unpack_bits
 from silverrec.filtering.forward_index import ForwardIndex
-from silverrec.kernels.bloom_filter import OP_FALSE, OP_NOT, OP_PUSH, bloom_filter_reference
+from silverrec.kernels.bloom_filter import bloom_filter_reference
+from silverrec.kernels.constants import OP_FALSE, OP_NOT, OP_PUSH
 from silverrec.publish.bloom import BloomConfig, build_filter_bank
 
 

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from silverrec.kernels.bloom_filter import OP_FALSE, OP_TRUE
-from silverrec.kernels.filter_plan import _checked_args, filter_plan_torch
-from silverrec.kernels.filtered_topk import NO_LISTS
+from silverrec.kernels.constants import MODE_AUTO, MODE_PROBED, NO_LISTS, OP_FALSE, OP_TRUE, ROUTE_PROBED
+from silverrec.kernels.filter_plan import checked_args, filter_plan_torch
 from silverrec.kernels.ivf_scan import bitmask_words
 from tests.test_cpu_scan import _programs
 from tests.test_filtered_topk import _both_paths
@@ -37,7 +36,7 @@ BATCH = len(LAYOUT)
 
 
 def planning_case(b: int, seed: int):
-    """A synthetic index and batch: (tensors of filter_plan's first nine arguments, num_items)."""
+    """A synthetic index and batch: ((queries, centroids, off, bits, ops, rows, lists, post_sizes, mode), num_items)."""
     g = torch.Generator().manual_seed(seed)
     off = torch.zeros(len(SIZES) + 1, dtype=torch.int64)
     off[1:] = torch.cumsum(torch.tensor(SIZES), 0)
@@ -65,6 +64,30 @@ def planning_case(b: int, seed: int):
     return (queries, centroids, off, bits, ops, rows, lists, post_sizes, mode), n
 
 
+def index_tensors(off, centroids, bits, post_sizes, n, g=None):
+    """The filtered index list the ops take (kernels/constants.py FILTERED_IVF_TENSORS) around a planning case's
+    tensors: codes, ranges, item ids and posting rows made up (random with a generator, else zeros: the plan
+    reads none of them)."""
+    post_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(post_sizes[:-1], 0)])
+    if g is None:
+        return [torch.zeros(n, D, dtype=torch.int8), torch.ones(D), torch.zeros(D), off, centroids,
+                torch.arange(n, dtype=torch.int32), bits, torch.zeros(int(post_offsets[-1]), dtype=torch.int32),
+                post_offsets, post_sizes]
+    codes = torch.randint(-128, 128, (n, D), dtype=torch.int8, generator=g)
+    dim_scale, dim_offset = torch.rand(D, generator=g) * 0.1 + 0.01, torch.randn(D, generator=g) * 0.1
+    row_to_item = (torch.randperm(n, generator=g) * 3 + 7).to(torch.int32)
+    post_rows = torch.cat([torch.sort(torch.randperm(n, generator=g)[: int(s)]).values for s in post_sizes[:-1]]).to(torch.int32)
+    return [codes, dim_scale, dim_offset, off, centroids, row_to_item, bits, post_rows, post_offsets, post_sizes]
+
+
+def plan_inputs(case, n, k, nprobe, max_probe, match_factor, ratio, limit, residual=False):
+    """silverrec::filter_plan's arguments for a planning case (the verify programs: the Bloom ones)."""
+    queries, centroids, off, bits, ops, rows, lists, post_sizes, mode = case
+    params = [bitmask_words(off), int(residual), match_factor, n, limit]
+    return (queries, index_tensors(off, centroids, bits, post_sizes, n), params, ratio, [ops, rows, ops, rows, lists],
+            mode, k, nprobe, max_probe)
+
+
 PARAMS = [  # k, nprobe, max_probe, match_factor, exact_cost_ratio, posting_limit
     (5, 1, 6, 2, 4.0, 100),  # small targets: probed, widened by a few
     (40, 2, 12, 4, 1.5, 20),  # large targets: widened to all, whole pool by the target
@@ -76,12 +99,11 @@ PARAMS = [  # k, nprobe, max_probe, match_factor, exact_cost_ratio, posting_limi
 @pytest.mark.parametrize("params, b", [(p, BATCH) for p in PARAMS] + [(PARAMS[0], 1)])
 def test_triton_plan_equals_cpu_and_torch(params, b):
     k, nprobe, max_probe, match_factor, ratio, limit = params
-    tensors, n = planning_case(b, seed=b * 31 + k)
-    off = tensors[2]
-    scalars = (k, nprobe, max_probe, bitmask_words(off), match_factor, 0, n, ratio, limit)
-    args = _checked_args(*tensors, *scalars)
+    case, n = planning_case(b, seed=b * 31 + k)
+    inputs = plan_inputs(case, n, k, nprobe, max_probe, match_factor, ratio, limit)
+    args = checked_args(*inputs)
     want = filter_plan_torch(*args)
-    for got in _both_paths(lambda: torch.ops.silverrec.filter_plan(*tensors, *scalars)):
+    for got in _both_paths(lambda: torch.ops.silverrec.filter_plan(*inputs)):
         for g_, w in zip(got, want):
             assert torch.equal(g_, w)
     got = filter_plan_triton(*args)
@@ -114,11 +136,11 @@ def test_many_probes_with_tied_centroids_equal_torch(max_probe):
         if not filtered:  # every query matches everything (TRUE programs)
             ops, rows = torch.zeros_like(ops), torch.zeros_like(rows)
             ops[:, 0] = OP_TRUE
-            mode[:] = 1  # probed: the plan's unmasked branch keeps nprobe centroids
-        tensors = (queries, centroids, off, bits, ops, rows, lists, post_sizes, mode)
-        scalars = (10, 20, max_probe, bitmask_words(off), 2, 0, n, 1e9, 100)
-        want = filter_plan_torch(*_checked_args(*tensors, *scalars))
-        for got in _both_paths(lambda: torch.ops.silverrec.filter_plan(*tensors, *scalars)):
+            mode[:] = MODE_PROBED  # the plan's unmasked branch keeps nprobe centroids
+        inputs = plan_inputs((queries, centroids, off, bits, ops, rows, lists, post_sizes, mode), n, 10, 20, max_probe, 2,
+                             1e9, 100)
+        want = filter_plan_torch(*checked_args(*inputs))
+        for got in _both_paths(lambda: torch.ops.silverrec.filter_plan(*inputs)):
             assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])  # probes, route
             if filtered:
                 assert torch.equal(got[1], want[1])  # the bitmask (none needed unfiltered)
@@ -128,12 +150,12 @@ def test_cases_hit_every_route():
     """The batches above exercise what they claim (guards the test against a fixture that drifts)."""
     routes, widened, tie_order = set(), False, False
     for k, nprobe, max_probe, match_factor, ratio, limit in PARAMS:
-        tensors, n = planning_case(BATCH, seed=BATCH * 31 + k)
-        probes, _, route = filter_plan_torch(*_checked_args(*tensors, k, nprobe, max_probe, bitmask_words(tensors[2]),
-                                                             match_factor, 0, n, ratio, limit))
+        case, n = planning_case(BATCH, seed=BATCH * 31 + k)
+        probes, _, route = filter_plan_torch(*checked_args(*plan_inputs(case, n, k, nprobe, max_probe, match_factor,
+                                                                        ratio, limit)))
         routes |= set(route.tolist())
-        widened |= bool((((probes >= 0).sum(dim=1) > nprobe) & (tensors[8] == 0)).any())
-        if route[1] == 0 and nprobe >= 2:  # ties in order: cluster 2 before its duplicates 5 and 9
+        widened |= bool((((probes >= 0).sum(dim=1) > nprobe) & (case[8] == MODE_AUTO)).any())
+        if route[1] == ROUTE_PROBED and nprobe >= 2:  # ties in order: cluster 2 before its duplicates 5 and 9
             assert probes[1, :2].tolist() == [2, 5]
             tie_order = True
     assert routes == {0, 1, 2} and widened and tie_order
@@ -149,32 +171,35 @@ def test_cost_switch_rounds_like_plan_cpp():
     bits = torch.full((1, 1), -1, dtype=torch.int64)
     ops, rows = torch.tensor([[OP_TRUE]]), torch.zeros(1, 1, 1, dtype=torch.int64)  # all 22 rows match
     lists, post_sizes, mode = torch.tensor([[NO_LISTS]]), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    tensors = (queries, centroids, off, bits, ops, rows, lists, post_sizes, mode)
-    scalars = (5, 1, 2, 1, 1, 0, 13, 1.0, 0)  # k x match_factor = 5 <= 13: one probe reaches the target
+    # k x match_factor = 5 <= 13: one probe reaches the target
+    inputs = plan_inputs((queries, centroids, off, bits, ops, rows, lists, post_sizes, mode), 13, 5, 1, 2, 1, 1.0, 0)
     est = np.float32(22) * (np.float32(13) / np.float32(22))
     assert est < 13 < np.float32(22) * (np.float32(1) / np.float32(22) * np.float32(13))
-    args = _checked_args(*tensors, *scalars)
-    for _, _, route in (filter_plan_torch(*args), filter_plan_triton(*args), *_both_paths(lambda: torch.ops.silverrec.filter_plan(*tensors, *scalars))):
+    args = checked_args(*inputs)
+    for _, _, route in (filter_plan_torch(*args), filter_plan_triton(*args), *_both_paths(lambda: torch.ops.silverrec.filter_plan(*inputs))):
         assert route.tolist() == [1]
 
 
-def search_case(k: int, seed: int):
-    """filtered_ivf_search's arguments for the planning batch: codes, folded ranges, item ids, posting lists, and
-    verify programs stricter than the Bloom ones (program AND one more bank row: the verify step drops rows)."""
+def search_case(seed: int):
+    """filtered_ivf_search's tensors for the planning batch: (queries, index list with codes, folded ranges, item ids
+    and posting lists, program list with verify programs stricter than the Bloom ones (program AND one more bank
+    row: the verify step drops rows), mode), and num_items."""
     (queries, centroids, off, bits, ops, rows, lists, post_sizes, mode), n = planning_case(BATCH, seed)
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(-128, 128, (n, D), dtype=torch.int8, generator=g)
-    dim_scale, dim_offset = torch.rand(D, generator=g) * 0.1 + 0.01, torch.randn(D, generator=g) * 0.1
-    row_to_item = (torch.randperm(n, generator=g) * 3 + 7).to(torch.int32)
-    post_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(post_sizes[:-1], 0)])
-    post_rows = torch.cat([torch.sort(torch.randperm(n, generator=g)[: int(s)]).values for s in post_sizes[:-1]]).to(torch.int32)
+    index = index_tensors(off, centroids, bits, post_sizes, n, g)
     b, length, width = rows.shape
     vops = torch.cat([ops, torch.tensor([[1, 2]]).expand(b, 2)], dim=1)  # ... PUSH AND
     extra = torch.zeros(b, 2, width, dtype=torch.int64)
     extra[:, 0] = torch.randint(0, R, (b, 1), generator=g)
     vrows = torch.cat([rows, extra], dim=1)
-    return (queries, codes, dim_scale, dim_offset, off, centroids, row_to_item, bits, post_rows, post_offsets, post_sizes,
-            ops, rows, vops, vrows, lists, mode), n
+    return (queries, index, [ops, rows, vops, vrows, lists], mode), n
+
+
+def search_inputs(case, n, k, nprobe, max_probe, match_factor, ratio, limit, residual, margin):
+    """silverrec::filtered_ivf_search's arguments for a search case."""
+    queries, index, program, mode = case
+    params = [bitmask_words(index[3]), int(residual), match_factor, n, limit]
+    return (queries, index, params, ratio, program, mode, k, nprobe, max_probe, *margin)
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -189,16 +214,14 @@ def test_search_of_triton_kernels_equals_cpu_op(residual, rescore):
     from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin
 
     k, nprobe, max_probe, match_factor, ratio, limit = PARAMS[0]
-    tensors, n = search_case(k, seed=BATCH * 31 + k)
-    (queries, _, _, _, off, centroids, _, bits, _, _, post_sizes, ops, rows, _, _, lists, mode) = tensors
+    case, n = search_case(seed=BATCH * 31 + k)
     margin = (rescore_margin(k), RESCORE_MAX_K) if rescore else (0, 0)
-    scalars = (k, nprobe, max_probe, bitmask_words(off), match_factor, 0, n, ratio, limit, *margin, residual)
-    probes, _, route = filter_plan_torch(*_checked_args(queries, centroids, off, bits, ops, rows, lists, post_sizes, mode,
-                                                        *scalars[:9]))
-    assert set(route.tolist()) == {0, 1, 2} and bool((probes[route == 0] < 0).any())
-    want_s, want_i = torch.ops.silverrec.filtered_ivf_search(*tensors, *scalars)
+    inputs = search_inputs(case, n, k, nprobe, max_probe, match_factor, ratio, limit, residual, margin)
+    probes, _, route = filter_plan_torch(*checked_args(*inputs[:9]))
+    assert set(route.tolist()) == {0, 1, 2} and bool((probes[route == ROUTE_PROBED] < 0).any())
+    want_s, want_i = torch.ops.silverrec.filtered_ivf_search(*inputs)
     assert bool((want_i < 0).any())  # k above the matches somewhere: padding
-    got_s, got_i = filtered_ivf_search_cuda(*tensors, *scalars)
+    got_s, got_i = filtered_ivf_search_cuda(*inputs)
     assert torch.equal(got_i, want_i)
     if residual or rescore:  # the CUDA exact route shifts by every cluster's term, the CPU by the ones it visits
         torch.testing.assert_close(got_s, want_s)  # (cluster_bias); the re-score's sums differ in order
@@ -298,12 +321,12 @@ def test_cuda_search_has_no_host_sync_and_no_pool_sized_buffer(residual, rescore
     from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin
 
     k, nprobe, max_probe, match_factor, ratio, limit = PARAMS[0]
-    tensors, n = search_case(k, seed=BATCH * 31 + k)
-    words = tensors[7].shape[1]
+    case, n = search_case(seed=BATCH * 31 + k)
+    words = case[1][6].shape[1]  # the bank's
     margin = (rescore_margin(k), RESCORE_MAX_K) if rescore else (0, 0)
-    scalars = (k, nprobe, max_probe, bitmask_words(tensors[4]), match_factor, 0, n, ratio, limit, *margin, residual)
+    inputs = search_inputs(case, n, k, nprobe, max_probe, match_factor, ratio, limit, residual, margin)
     with recorded_ops() as ops:
-        filtered_ivf_search_cuda(*tensors, *scalars)
+        filtered_ivf_search_cuda(*inputs)
     assert len(ops) > 20 and ("triton", []) in ops and not [op for op, _ in ops if op == "_local_scalar_dense"]
     pool_sized = {n, words, 64 * words}
     assert not [(op, s) for op, shapes in ops for s in shapes if len(s) >= 2 and s[0] == BATCH and pool_sized & set(s[1:])]

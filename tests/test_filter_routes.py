@@ -15,7 +15,7 @@ from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows, search_model
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
-from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_UNPROBED
+from silverrec.kernels.constants import MODE_AUTO, MODE_UNPROBED, ROUTE_POSTING, ROUTE_PROBED, ROUTE_WHOLE_POOL
 from silverrec.retrieval.filtered_search import search_index, whole_pool_by_estimate
 from tests.test_filter_ivf import _exact_filtered_rescored, assert_same_ranking
 
@@ -69,22 +69,21 @@ def test_conjunctions_equal_exact_filtered_brute_force(built, k):
         with torch.inference_mode():
             got = search_index(snap, q, k, nprobe=4, filter=CONJUNCTIONS, mode=mode)[1]
         for b, f in enumerate(CONJUNCTIONS):
-            if mode == "unprobed" or _route(built, k, 4)[b] != 0:  # exact routes: the same ranking
+            if mode == "unprobed" or _route(built, k, 4)[b] != ROUTE_PROBED:  # exact routes: the same ranking
                 assert_same_ranking(got[b].tolist(), want[b])
             else:  # probed: a subset of the filter's items
                 assert set(got[b][got[b] >= 0].tolist()) <= set(module.row_to_item[fwd.evaluate(f)].tolist())
 
 
 def _route(built, k, nprobe):
-    """The planner's route per query: the predictor's mode choice, then filter_plan (0 probed, 1 whole, 2 postings)."""
+    """The planner's route per query (ROUTE_*): the predictor's mode choice, then filter_plan."""
     snap, module, manifest, plan, _, q = built
     cfg = manifest["search"]
     est = compile_estimates(CONJUNCTIONS, plan)
     whole = whole_pool_by_estimate(est, k, nprobe, N, NLIST, cfg["match_factor"], cfg["exact_cost_ratio"])
     modes = torch.where(torch.from_numpy(whole), MODE_UNPROBED, MODE_AUTO)
-    ops, rows, _, _, lists = compile_request(CONJUNCTIONS, plan)
     max_probe = max(nprobe, min(NLIST, cfg["default_max_probe"]))
-    return module.plan_probes(q, k, nprobe, ops, rows, lists, max_probe, modes)[2].tolist()
+    return module.plan_probes(q, list(compile_request(CONJUNCTIONS, plan)), modes, k, nprobe, max_probe)[2].tolist()
 
 
 def _cost_model_route(f, fwd, manifest, k, nprobe):
@@ -129,11 +128,11 @@ def test_route_choice_matches_an_independent_cost_model(built, k, nprobe):
         if want != "posting" and 0.7 * boundary < m < 1.4 * boundary:
             continue  # the estimate (independent features) may fall on either side of the boundary
         if want == "posting":
-            assert r == 2, f
+            assert r == ROUTE_POSTING, f
         elif want == "whole":
-            assert r == 1, (f, m, boundary)
+            assert r == ROUTE_WHOLE_POOL, (f, m, boundary)
         else:  # probed unless even the probe candidates hold too few matches (filter_plan's own switch)
-            assert r == 0, (f, m, boundary)
+            assert r == ROUTE_PROBED, (f, m, boundary)
 
 
 def test_estimates_are_close_to_exact_counts_for_independent_features(built):
@@ -166,15 +165,13 @@ def test_one_filter_on_mixed_routes_answers_every_query(rescore):
     x = rng.normal(size=(n, d)).astype(np.float32)
     feats = {"shade": [[f"s{v}"] for v in rng.integers(0, 6, n)], "size": [[f"z{v}"] for v in rng.integers(0, 4, n)]}
     m, manifest = build_filtered_ivf(Pool(np.arange(n, dtype=np.int64), x, feats), IVFConfig(nlist=20))
-    request = compile_request(["shade = s1 AND size = z2"] * 4, FilterPlan.from_config(manifest["filter"]))
+    program = list(compile_request(["shade = s1 AND size = z2"] * 4, FilterPlan.from_config(manifest["filter"])))
     q = torch.from_numpy(rng.normal(size=(4, d)).astype(np.float32))
     k = 10
     margin = (rescore_margin(k), RESCORE_MAX_K) if rescore else (0, 0)
 
     def search(fn, modes):
-        return fn(q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
-                  m.post_rows, m.post_offsets, m.post_sizes, *request, torch.tensor(modes), k, 3, 9, m.window_words,
-                  m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, *margin, m.residual)
+        return fn(*m.filtered_search_args(q, program, torch.tensor(modes), k, 3, 9, *margin))
 
     whole = search(torch.ops.silverrec.filtered_ivf_search, [MODE_UNPROBED] * 4)
     assert (whole[1] >= 0).all()

@@ -14,7 +14,7 @@ import torch
 from silverrec.kernels import cpu_ext as cpu_ext_mod
 from silverrec.kernels.bloom_filter import bloom_filter_reference
 from silverrec.kernels.common import EMPTY_KEY, quantize_queries
-from silverrec.kernels.filtered_topk import NO_LISTS
+from silverrec.kernels.constants import NO_LISTS
 from tests.test_cpu_scan import _programs
 
 
@@ -106,7 +106,7 @@ def test_filtered_topk_equals_brute_force(n, d, b, k):
     want_s, want_r = _expected(queries, codes, allowed, k, scale, offset)
 
     def run():
-        return torch.ops.silverrec.filtered_topk(queries, codes, scale, offset, bank, ops, prow, post_rows, post_off, sel, active, k, n)
+        return torch.ops.silverrec.filtered_topk(queries, codes, scale, offset, bank, [ops, prow], [post_rows, post_off, sel], active, k, n, [])
 
     for got_s, got_r in _both_paths(run):
         assert torch.equal(got_r, want_r)
@@ -130,7 +130,7 @@ def test_filtered_topk_groups_identical_filters():
     cand = torch.zeros(n, dtype=torch.bool)
     cand[lists[1].long()] = cand[lists[2].long()] = True
     want = _expected(queries, codes, allowed & cand, 40, one, zero)
-    for got in _both_paths(lambda: torch.ops.silverrec.filtered_topk(queries, codes, one, zero, bank, ops, prow, post_rows, post_off, sel, active, 40, n)):
+    for got in _both_paths(lambda: torch.ops.silverrec.filtered_topk(queries, codes, one, zero, bank, [ops, prow], [post_rows, post_off, sel], active, 40, n, [])):
         assert torch.equal(got[1], want[1])
 
 
@@ -155,8 +155,9 @@ def test_one_whole_pool_filter_split_between_threads_equals_brute_force(team_mod
     torch.set_num_threads(2)  # (on a one-core machine too: the op must split)
     try:
         want = _expected(queries, codes, allowed, k, one, zero)
-        got = torch.ops.silverrec.filtered_topk(queries, codes, one, zero, bank, ops, prow, torch.zeros(0, dtype=torch.int32),
-                                                torch.zeros(1, dtype=torch.int64), sel, active, k, n)
+        got = torch.ops.silverrec.filtered_topk(queries, codes, one, zero, bank, [ops, prow],
+                                                [torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), sel],
+                                                active, k, n, [])
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
@@ -189,8 +190,8 @@ def test_one_posting_list_group_split_between_threads_equals_brute_force(team_mo
     torch.set_num_threads(2)  # (on a one-core machine too: the op must split)
     try:
         want = _expected(queries, codes, allowed, k, one, zero)
-        got = torch.ops.silverrec.filtered_topk(queries, codes, one, zero, bank, ops, prow, post_rows, post_off, sel,
-                                                active, k, n)
+        got = torch.ops.silverrec.filtered_topk(queries, codes, one, zero, bank, [ops, prow], [post_rows, post_off, sel],
+                                                active, k, n, [])
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
@@ -204,8 +205,8 @@ def test_filtered_topk_rejects_bad_list_ids():
     post_rows, post_off, _ = _postings(n, 3, g)
     ops, prow = torch.tensor([[1]]), torch.tensor([[[0]]])
     with pytest.raises(ValueError, match="posting list id 7"):
-        torch.ops.silverrec.filtered_topk(torch.randn(1, 4), codes, torch.tensor(1.0), torch.tensor(0.0), bank, ops, prow,
-                                          post_rows, post_off, torch.tensor([[7]]), torch.tensor([True]), 5, n)
+        torch.ops.silverrec.filtered_topk(torch.randn(1, 4), codes, torch.tensor(1.0), torch.tensor(0.0), bank, [ops, prow],
+                                          [post_rows, post_off, torch.tensor([[7]])], torch.tensor([True]), 5, n, [])
 
 
 @pytest.mark.parametrize("b, k2, k", [(1, 1, 1), (6, 50, 20), (4, 700, 600), (3, 10, 25)])

@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from silverrec.kernels.bloom_filter import OP_FALSE, OP_TRUE
+from silverrec.kernels.constants import OP_FALSE, OP_TRUE
 from silverrec.kernels.common import quantize_queries, split_keys
-from silverrec.kernels.filtered_topk import NO_LISTS, filtered_keys_torch, filtered_topk_cuda
+from silverrec.kernels.constants import NO_LISTS
+from silverrec.kernels.filtered_topk import filtered_keys_torch, filtered_topk_cuda
 from tests.helpers import compile_in_clean_process
 from tests.test_cpu_scan import _programs
 from tests.test_filtered_topk import _allowed, _bank, _expected, _postings
@@ -107,7 +108,8 @@ def test_mixed_routes_and_inactive_queries_equal_cpu_op():
     c = _case(200, 40, 6, 4, seed=3)
     c["sel"] = torch.tensor([[NO_LISTS, 7, 7], [1, 3, -1], [NO_LISTS, -1, -1], [2, 4, 1], [-1, -1, -1], [3, -1, -1]])
     c["active"] = torch.tensor([True, True, False, True, True, False])
-    args = (c["queries"], c["codes"], SCALE, OFFSET, *_args(c), 30, 200)
+    args = (c["queries"], c["codes"], SCALE, OFFSET, c["bank"], [c["ops"], c["prow"]], [c["post_rows"], c["post_off"], c["sel"]],
+            c["active"], 30, 200, [])
     got_s, got_r = filtered_topk_cuda(*args)
     want_s, want_r = torch.ops.silverrec.filtered_topk(*args)
     assert torch.equal(got_r, want_r) and torch.equal(got_s, want_s)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import silverrec.kernels  # noqa: F401  (registers the ops)
+from silverrec.kernels.constants import MOL_DIMS, MOL_WEIGHTS
 from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.mol_score import mol_score_torch
 from silverrec.ranking.overarch import MoLOverArch
@@ -35,9 +36,18 @@ def _setup(seed, B, K, T, D, F_, n, p_q=3, p_x=2, c=8, hidden=12, dtype=torch.fl
 
 
 def _args(arch, user, rows, emb, ranker):
-    return (user, rows, emb, ranker, arch.user_weight.detach(), arch.user_bias.detach(), arch.gate_in.weight.detach(),
-            arch.gate_weight.detach(), arch.gate_bias.detach(), arch.dot_scale.detach(), arch.log_scale.detach(),
-            arch.p_q, arch.p_x, arch.comp_dim, arch.feat_dim)
+    """The op's arguments: the module's weights by their names in kernels/constants.py MOL_WEIGHTS (its gate_in
+    layer's weight as gate_in_weight) and its sizes by MOL_DIMS."""
+    params = {**dict(arch.named_parameters()), **dict(arch.named_buffers())}
+    weights = [params[name if name != "gate_in_weight" else "gate_in.weight"].detach() for name in MOL_WEIGHTS]
+    return user, rows, emb, ranker, weights, [getattr(arch, name) for name in MOL_DIMS]
+
+
+def test_the_modules_op_weights_follow_the_layout():
+    """MoLOverArch.op_weights (what score_rows hands the op) lists its tensors in MOL_WEIGHTS order."""
+    arch = _setup(1, 1, 2, 1, 8, 1, 4)[0]
+    assert all(a is b.detach() or a.data_ptr() == b.data_ptr()
+               for a, b in zip(arch.op_weights(), _args(arch, None, None, None, None)[4]))
 
 
 def _pair_reference(arch, u, v, item) -> list[float]:
@@ -63,7 +73,7 @@ def _pair_reference(arch, u, v, item) -> list[float]:
 @pytest.mark.parametrize("B,K,T,D,F_,n", [(1, 9, 2, 16, 3, 30), (4, 33, 3, 24, 0, 50), (2, 1, 1, 8, 2, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mol_score_equals_the_module_and_a_python_walk(B, K, T, D, F_, n, dtype):
-    assert cpu_ext() is not None and hasattr(cpu_ext(), "mol_score"), "the extension registers the C++ kernel"
+    assert cpu_ext() is not None, "the extension registers the C++ kernel"
     arch, user, rows, emb, ranker = _setup(B * 7 + K, B, K, T, D, F_, n, dtype=dtype)
     with torch.no_grad():
         got = torch.ops.silverrec.mol_score(*_args(arch, user, rows, emb, ranker))

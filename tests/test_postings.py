@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from silverrec.filtering.filter_lang import parse
-from silverrec.filtering.filter_program import NO_LISTS, FilterPlan, compile_lists, compile_request, posting_lists
+from silverrec.filtering.filter_program import FilterPlan, compile_lists, compile_request, posting_lists
+from silverrec.kernels.constants import NO_LISTS, ROUTE_POSTING, ROUTE_PROBED, ROUTE_WHOLE_POOL
 from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED, FilteredIVFIndex
 from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows
@@ -81,11 +82,11 @@ def test_posting_route_equals_whole_pool_route(built):
     inputs = compile_request(FILTERS, plan)
     modes = torch.full((len(FILTERS),), MODE_UNPROBED)
     with torch.inference_mode():
-        _, _, route = module.plan_probes(queries, 20, 4, inputs[0], inputs[1], inputs[4], 16, modes)
+        _, _, route = module.plan_probes(queries, list(inputs), modes, 20, 4, 16)
         s1, i1 = module(queries, 20, 4, *inputs, 16, modes)
         s2, i2 = whole(queries, 20, 4, *inputs, 16, modes)
     has_lists = inputs[4][:, 0] != NO_LISTS
-    assert torch.equal(route == 2, has_lists)
+    assert torch.equal(route == ROUTE_POSTING, has_lists)
     assert torch.equal(i1, i2)
     torch.testing.assert_close(s1, s2)
     truth = _exact_filtered(module, fwd, queries, FILTERS, 20)
@@ -100,8 +101,8 @@ def test_probed_mode_never_takes_the_posting_route(built):
     for mode, want_posting in ((MODE_PROBED, False), (MODE_AUTO, True)):
         modes = torch.full((len(FILTERS),), mode)
         with torch.inference_mode():
-            _, _, route = module.plan_probes(queries, 20, 4, inputs[0], inputs[1], inputs[4], 16, modes)
-        assert bool((route == 2).any()) == want_posting
+            _, _, route = module.plan_probes(queries, list(inputs), modes, 20, 4, 16)
+        assert bool((route == ROUTE_POSTING).any()) == want_posting
 
 
 def test_build_postings_respects_the_limit():
@@ -124,9 +125,9 @@ def test_filter_plan_cpu_equals_torch(built, k, nprobe, max_probe):
     q = queries.repeat(3, 1) + 0.1 * torch.randn(len(filters), queries.shape[1], generator=torch.Generator().manual_seed(k))
     inputs = compile_request(filters, plan)
     modes = torch.arange(len(filters)) % 3
-    (p1, m1, r1), (p2, m2, r2) = _both_paths(lambda: module.plan_probes(q, k, nprobe, inputs[0], inputs[1], inputs[4], max_probe, modes))
+    (p1, m1, r1), (p2, m2, r2) = _both_paths(lambda: module.plan_probes(q, list(inputs), modes, k, nprobe, max_probe))
     assert torch.equal(r1, r2) and torch.equal(p1, p2) and torch.equal(m1, m2)
-    assert set(r1.tolist()) == {0, 1, 2}
+    assert set(r1.tolist()) == {ROUTE_PROBED, ROUTE_WHOLE_POOL, ROUTE_POSTING}
 
 
 @pytest.mark.parametrize("nprobe, max_probe", [(4, 16), (3, 3), (6, 90)])  # insertion / selection of the candidates
@@ -140,7 +141,7 @@ def test_filter_plan_of_unfiltered_probed_queries_equals_torch(built, nprobe, ma
     q = queries.repeat(4, 1) + 0.1 * torch.randn(4 * len(queries), queries.shape[1], generator=torch.Generator().manual_seed(5))
     inputs = compile_request([None] * len(q), plan)
     modes = torch.full((len(q),), MODE_PROBED)
-    (p1, _, r1), (p2, _, r2) = _both_paths(lambda: module.plan_probes(q, 20, nprobe, inputs[0], inputs[1], inputs[4], max_probe, modes))
+    (p1, _, r1), (p2, _, r2) = _both_paths(lambda: module.plan_probes(q, list(inputs), modes, 20, nprobe, max_probe))
     assert torch.equal(r1, r2) and torch.equal(p1, p2)
     assert bool((p1[:, :nprobe] >= 0).all()) and bool((p1[:, nprobe:] == -1).all())
     best = torch.topk(q @ module.centroids.T, nprobe, dim=1).indices  # independent: the nprobe nearest centroids
@@ -160,15 +161,12 @@ def test_one_program_per_request_of_several_queries(built, per):
                                                                generator=torch.Generator().manual_seed(per))
     inputs = compile_request(filters, plan)
     modes = torch.arange(len(filters)) % 3
-    m = module
-    tail = (20, 4, 16, m.window_words, m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, 0, 0, m.residual)
-    head = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits, m.post_rows,
-            m.post_offsets, m.post_sizes)
-    repeated = [x.repeat_interleave(per, 0) for x in (*inputs, modes)]
+    repeated = [x.repeat_interleave(per, 0) for x in inputs]
+    args = module.filtered_search_args(q, list(inputs), modes, 20, 4, 16)
     with torch.inference_mode():
-        want = torch.ops.silverrec.filtered_ivf_search(*head, *repeated, *tail)
-        got = torch.ops.silverrec.filtered_ivf_search(*head, *inputs, modes, *tail)
-        composed, composed_torch = _both_paths(lambda: filtered_ivf_search_torch(*head, *inputs, modes, *tail))
+        want = module.filtered_search(q, repeated, modes.repeat_interleave(per, 0), 20, 4, 16)
+        got = torch.ops.silverrec.filtered_ivf_search(*args)
+        composed, composed_torch = _both_paths(lambda: filtered_ivf_search_torch(*args))
     for other in (got, composed, composed_torch):
         assert torch.equal(want[1], other[1]) and torch.equal(want[0], other[0])
     assert (want[1] >= 0).any()
@@ -186,10 +184,7 @@ def test_fused_search_equals_the_composition_of_its_ops(built, k, nprobe, max_pr
     q = queries.repeat(3, 1) + 0.1 * torch.randn(len(filters), queries.shape[1], generator=torch.Generator().manual_seed(k))
     inputs = compile_request(filters, plan)
     modes = torch.arange(len(filters)) % 3
-    m = module
-    args = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits, m.post_rows,
-            m.post_offsets, m.post_sizes, *inputs, modes, k, nprobe, max_probe, m.window_words, m.match_factor,
-            m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, 0, 0, m.residual)
+    args = module.filtered_search_args(q, list(inputs), modes, k, nprobe, max_probe)
     with torch.inference_mode():
         fused = module(q, k, nprobe, *inputs, max_probe, modes)
         composed, composed_torch = _both_paths(lambda: filtered_ivf_search_torch(*args))

@@ -136,18 +136,17 @@ def test_the_search_op_rescores_inside(built):  # noqa: F811  (tests/test_filter
     to float32 summation order) and exact filtered brute force re-scored in float64; above
     rescore_max_k it equals the search without re-score."""
     from silverrec.filtering.filter_program import compile_request
+    from silverrec.kernels.constants import MODE_UNPROBED
     from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
     from tests.test_filter_ivf import _exact_filtered_rescored, assert_same_ranking
 
     _, m, _, plan, fwd, queries = built
     filters = ["country = c0", "country = c2 AND NOT lang = l0", "rare IN (r7, r8, r9)", "NOT lang = l1"] * 2
-    request = (*compile_request(filters, plan), torch.full((8,), 2, dtype=torch.int64))  # unprobed: exact routes
+    program, modes = list(compile_request(filters, plan)), torch.full((8,), MODE_UNPROBED)  # the exact routes
     q = queries[:8]
 
     def args(k, margin):
-        return (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
-                m.post_rows, m.post_offsets, m.post_sizes, *request, k, 3, 9, m.window_words, m.match_factor,
-                m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, margin, RESCORE_MAX_K, m.residual)
+        return m.filtered_search_args(q, program, modes, k, 3, 9, margin, RESCORE_MAX_K)
 
     for k in (1, 20):
         got = torch.ops.silverrec.filtered_ivf_search(*args(k, rescore_margin(k)))
@@ -165,16 +164,6 @@ def test_the_search_op_rescores_inside(built):  # noqa: F811  (tests/test_filter
     assert torch.equal(with_margin[0], plain[0]) and torch.equal(with_margin[1], plain[1])
 
 
-def test_exact_float_rows_is_the_cpp_constant():
-    import re
-    from pathlib import Path
-
-    from silverrec.kernels.rescore_rows import EXACT_FLOAT_ROWS
-
-    text = (Path(__file__).parent.parent / "kernels" / "csrc" / "scan.h").read_text()
-    assert int(re.search(r"kExactFloatRows = (\d+);", text).group(1)) == EXACT_FLOAT_ROWS
-
-
 @pytest.mark.parametrize("residual", [False, True])
 def test_selective_exact_routes_rank_every_passing_row_in_float(residual, team_mode):
     """A re-scored exact route whose filter passes at most EXACT_FLOAT_ROWS rows answers the float top k of
@@ -185,7 +174,7 @@ def test_selective_exact_routes_rank_every_passing_row_in_float(residual, team_m
     from silverrec.filtering.filter_program import FilterPlan, compile_request
     from silverrec.filtering.forward_index import ForwardIndex
     from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
-    from silverrec.kernels.rescore_rows import EXACT_FLOAT_ROWS
+    from silverrec.kernels.constants import EXACT_FLOAT_ROWS
     from silverrec.publish.filtered_ivf import build_filtered_ivf
     from silverrec.publish.ivf import IVFConfig
     from silverrec.publish.pool import Pool
@@ -222,10 +211,8 @@ def test_selective_exact_routes_rank_every_passing_row_in_float(residual, team_m
     # threads where workers spin (threads.h kMinParallelKeys); "shade = s3": one query, one thread
     assert 7 * passing[-1] >= 2048 and passing[-1] <= EXACT_FLOAT_ROWS
     k = 5
-    request = (*compile_request(filters, FilterPlan.from_config(manifest["filter"])), torch.full((b,), MODE_UNPROBED))
-    args = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits, m.post_rows,
-            m.post_offsets, m.post_sizes, *request, k, 3, 9, m.window_words, m.match_factor, m.avg_cluster, m.num_items,
-            m.exact_cost_ratio, m.posting_limit, rescore_margin(k), RESCORE_MAX_K, m.residual)
+    program = list(compile_request(filters, FilterPlan.from_config(manifest["filter"])))
+    args = m.filtered_search_args(q, program, torch.full((b,), MODE_UNPROBED), k, 3, 9, rescore_margin(k), RESCORE_MAX_K)
     with torch.inference_mode():
         got = torch.ops.silverrec.filtered_ivf_search(*args)
         composed = filtered_ivf_search_torch(*args)

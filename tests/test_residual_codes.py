@@ -26,7 +26,7 @@ from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
 from silverrec.retrieval.filtered_ivf import MODE_PROBED, MODE_UNPROBED
 from silverrec.kernels.common import BIAS_FLOOR, cluster_bias, dot_lanes, quantize_queries
-from silverrec.kernels.filtered_topk import NO_LISTS
+from silverrec.kernels.constants import NO_LISTS
 from silverrec.kernels.ivf_scan import bitmask_words, ivf_scan_reference
 from tests.helpers import inner_product_topk, load_ann, recall
 from tests.test_filtered_topk import _allowed_from, _bank, _both_paths, _expected, _postings
@@ -179,8 +179,8 @@ def test_filtered_topk_adds_the_cluster_term(nlist, d, b, k, dense):
     want_s, want_r = _expected(queries, codes, allowed, k, ONE, ZERO, row_bias, shift)
 
     def run():
-        return torch.ops.silverrec.filtered_topk(queries, codes, ONE, ZERO, bank, ops, prow, post_rows, post_off, sel,
-                                                 active, k, n, off, centroids, queries)
+        return torch.ops.silverrec.filtered_topk(queries, codes, ONE, ZERO, bank, [ops, prow], [post_rows, post_off, sel],
+                                                 active, k, n, [off, centroids, queries])
 
     for got_s, got_r in _both_paths(run):
         assert torch.equal(got_r, want_r)
@@ -193,9 +193,9 @@ def test_filtered_topk_names_a_half_given_cluster_term():
     n = codes.shape[0]
     with pytest.raises(ValueError, match="go together"):
         torch.ops.silverrec.filtered_topk(torch.randn(1, 8), codes, ONE, ZERO, torch.zeros(1, (n + 63) // 64, dtype=torch.int64),
-                                          torch.ones(1, 1, dtype=torch.int64), torch.zeros(1, 1, 1, dtype=torch.int64),
-                                          torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
-                                          torch.full((1, 1), NO_LISTS), torch.ones(1, dtype=torch.bool), 5, n, off, None, None)
+                                          [torch.ones(1, 1, dtype=torch.int64), torch.zeros(1, 1, 1, dtype=torch.int64)],
+                                          [torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+                                           torch.full((1, 1), NO_LISTS)], torch.ones(1, dtype=torch.bool), 5, n, [off])
 
 
 @pytest.mark.parametrize("B, K, D, k, nlist, max_size", [(3, 30, 16, 10, 10, 40), (2, 12, 40, 20, 10, 40),
@@ -343,12 +343,9 @@ def test_fused_search_computes_the_terms_of_the_composition(d):
     q = torch.from_numpy(x[rng.integers(0, n, b)] + 0.5 * rng.normal(size=(b, d)).astype(np.float32))
     modes = torch.full((b,), MODE_UNPROBED)
     modes[-2:] = MODE_PROBED
-    m = module
-    inputs = compile_request(filters, FilterPlan.from_config(manifest["filter"]))
+    program = list(compile_request(filters, FilterPlan.from_config(manifest["filter"])))
     for k, margin in ((30, rescore_margin(30)), (30, 0), (700, 0)):
-        args = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
-                m.post_rows, m.post_offsets, m.post_sizes, *inputs, modes, k, 6, 12, m.window_words, m.match_factor,
-                m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, margin, 256, True)
+        args = module.filtered_search_args(q, program, modes, k, 6, 12, margin, 256)
         with torch.inference_mode():
             fused = torch.ops.silverrec.filtered_ivf_search(*args)
             composed, composed_torch = _both_paths(lambda: filtered_ivf_search_torch(*args))
@@ -383,8 +380,8 @@ def test_rows_of_far_clusters_rank_on_every_path():
     bank = pack_bits(passing[None])
     ops, prow = torch.ones(b, 1, dtype=torch.int64), torch.zeros(b, 1, 1, dtype=torch.int64)
     sel = torch.full((b, 1), NO_LISTS, dtype=torch.int64)
-    args = (queries, codes, ONE, ZERO, bank, ops, prow, torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
-            sel, torch.ones(b, dtype=torch.bool), k, n, off, centroids, queries)
+    args = (queries, codes, ONE, ZERO, bank, [ops, prow], [torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+            sel], torch.ones(b, dtype=torch.bool), k, n, [off, centroids, queries])
     qcodes, qscale = quantize_queries(queries)
     cs = dot_lanes(queries[:, None, :], centroids[None])
     exact = qcodes.to(torch.int64) @ codes.to(torch.int64).t() + torch.round(cs.double() / qscale.double()[:, None]).long()[

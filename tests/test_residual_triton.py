@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from silverrec.kernels.bloom_filter import OP_TRUE
+from silverrec.kernels.constants import OP_TRUE
 from silverrec.kernels.common import BIAS_FLOOR, EMPTY_KEY, quantize_queries
-from silverrec.kernels.filtered_topk import NO_LISTS
+from silverrec.kernels.constants import NO_LISTS
 from tests.helpers import compile_in_clean_process
 from tests.test_filtered_topk import _allowed
 

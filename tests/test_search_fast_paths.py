@@ -21,14 +21,11 @@ from tests.test_postings import built  # noqa: F401  (the module-scoped pool, in
 
 def _search(module, plan, queries, filters, modes, k, nprobe, max_probe):
     """(fused op, composition with C++ steps, composition with torch steps): (scores, item ids) each."""
-    m = module
     inputs = compile_request(filters, plan)
     modes = torch.full((len(filters),), modes, dtype=torch.int64) if isinstance(modes, int) else modes
-    args = (queries, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
-            m.post_rows, m.post_offsets, m.post_sizes, *inputs, modes, k, nprobe, max_probe, m.window_words,
-            m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit, 0, 0, m.residual)
+    args = module.filtered_search_args(queries, list(inputs), modes, k, nprobe, max_probe)
     with torch.inference_mode():
-        fused = m(queries, k, nprobe, *inputs, max_probe, modes)
+        fused = module(queries, k, nprobe, *inputs, max_probe, modes)
         composed, composed_torch = _both_paths(lambda: filtered_ivf_search_torch(*args))
     return fused, composed, composed_torch
 

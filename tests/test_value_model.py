@@ -9,11 +9,8 @@ import torch
 from torch.export import Dim
 
 from silverrec.errors import SilverrecError
+from silverrec.kernels.constants import VALUE_OP_ADD, VALUE_OP_CONST, VALUE_OP_FEATURE, VALUE_OP_TASK
 from silverrec.ranking.value_model import (
-    OP_ADD,
-    OP_CONST,
-    OP_FEATURE,
-    OP_TASK,
     OPERATORS,
     ValueModel,
     ValueModelError,
@@ -221,11 +218,11 @@ def test_errors_are_silverrec_errors():
         compile_value_model("feature:price", TASKS, [])
     # hand-built programs are checked too (stack discipline, argument ranges)
     with pytest.raises(ValueModelError, match="instruction 1: stack underflow"):
-        ValueModel([(OP_CONST, 0, 1.0), (OP_ADD, 0, 0.0)], TASKS, FEATURES, "1")
+        ValueModel([(VALUE_OP_CONST, 0, 1.0), (VALUE_OP_ADD, 0, 0.0)], TASKS, FEATURES, "1")
     with pytest.raises(ValueModelError, match="leaves 2 values"):
-        ValueModel([(OP_CONST, 0, 1.0), (OP_TASK, 0, 0.0)], TASKS, FEATURES, "1")
+        ValueModel([(VALUE_OP_CONST, 0, 1.0), (VALUE_OP_TASK, 0, 0.0)], TASKS, FEATURES, "1")
     with pytest.raises(ValueModelError, match="argument 4 out of range"):
-        ValueModel([(OP_FEATURE, 4, 0.0)], TASKS, FEATURES, "1")
+        ValueModel([(VALUE_OP_FEATURE, 4, 0.0)], TASKS, FEATURES, "1")
 
 
 def test_padding_scores_do_not_break_other_candidates():

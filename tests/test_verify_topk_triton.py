@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from silverrec.kernels.bloom_filter import OP_FALSE, OP_TRUE
+from silverrec.kernels.constants import OP_FALSE, OP_TRUE
 from tests.test_cpu_scan import _programs
 from tests.test_filtered_topk import _allowed, _bank
 

@@ -20,8 +20,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
+#include "constants.h"
 #include "team.h"
 #include "widen.h"
 
@@ -249,15 +252,20 @@ void score_span(const Weights& w, int64_t b, int64_t k0, const float* user, cons
 
 }  // namespace
 
+// weights: the MoLOverArch's tensors, dims: its sizes, in the orders of constants.h mol_weights / mol_dims.
 at::Tensor mol_score(const at::Tensor& user_in, const at::Tensor& rows_in, const at::Tensor& emb_in,
-                     const at::Tensor& ranker_in, const at::Tensor& user_weight_in, const at::Tensor& user_bias_in,
-                     const at::Tensor& gate_in_weight_in, const at::Tensor& gate_weight_in,
-                     const at::Tensor& gate_bias_in, const at::Tensor& dot_scale_in, const at::Tensor& log_scale_in,
-                     int64_t p_q, int64_t p_x, int64_t comp_dim, int64_t feat_dim) {
+                     const at::Tensor& ranker_in, at::TensorList weights, at::IntArrayRef dims) {
+  if (int64_t(weights.size()) != mol_weights::kCount || int64_t(dims.size()) != mol_dims::kCount)
+    throw std::invalid_argument("mol_score: weights must hold " + std::to_string(mol_weights::kCount) + " tensors and dims " +
+                                std::to_string(mol_dims::kCount) + " sizes (kernels/constants.py MOL_WEIGHTS, MOL_DIMS)");
+  const int64_t p_q = dims[mol_dims::kPQ], p_x = dims[mol_dims::kPX], comp_dim = dims[mol_dims::kCompDim];
+  const int64_t feat_dim = dims[mol_dims::kFeatDim];
+  const at::Tensor &dot_scale_in = weights[mol_weights::kDotScale], &log_scale_in = weights[mol_weights::kLogScale];
   const at::Tensor user = user_in.contiguous(), rows = rows_in.contiguous(), emb = emb_in.contiguous();
   const at::Tensor ranker = ranker_in.contiguous();
-  const at::Tensor uw = user_weight_in.contiguous(), ub = user_bias_in.contiguous(), gw = gate_in_weight_in.contiguous();
-  const at::Tensor gout = gate_weight_in.contiguous(), gbias = gate_bias_in.contiguous();
+  const at::Tensor uw = weights[mol_weights::kUserWeight].contiguous(), ub = weights[mol_weights::kUserBias].contiguous();
+  const at::Tensor gw = weights[mol_weights::kGateInWeight].contiguous();
+  const at::Tensor gout = weights[mol_weights::kGateWeight].contiguous(), gbias = weights[mol_weights::kGateBias].contiguous();
   for (const at::Tensor* t : {&user, &uw, &ub, &gw, &gout, &gbias, &dot_scale_in, &log_scale_in})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "mol_score: user and weights must be float32");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2, "mol_score: rows must be int64 [B, K]");

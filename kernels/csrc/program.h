@@ -1,6 +1,6 @@
 // Filter-program evaluation shared by bloom.cpp (word windows) and filter_scan.cpp (rows).
 //
-// A program is postfix (kernels/bloom_filter.py OP_*): PUSH ANDs T bank rows (r >= 0: bits[r],
+// A program is postfix (opcodes kOp*: kernels/constants.py OP_*): PUSH ANDs T bank rows (r >= 0: bits[r],
 // r < 0: ~bits[~r]); AND / OR / NOT combine the stack; NOP pads. `eval_block` runs program b over
 // up to kBlock words at once (one instruction = one pass over the block), so interpretation cost
 // is paid per block, not per word.
@@ -14,28 +14,28 @@
 #include <unordered_map>
 #include <vector>
 
+#include "constants.h"
+
 namespace silverrec {
 namespace program {
 
-enum Op : int64_t { kNop = 0, kPush, kAnd, kOr, kNot, kFalse, kTrue };
 constexpr int64_t kBlock = 256;
-constexpr int64_t kDelta[7] = {0, 1, -1, -1, 0, 1, 1};
 
 // Validate the live queries' programs like kernels/bloom_filter.py (same messages, same order).
 inline void validate(const int64_t* ops, const int64_t* rows, const std::vector<int64_t>& live, int64_t L, int64_t T, int64_t R) {
   for (int64_t b : live)
     for (int64_t l = 0; l < L; ++l)
-      if (ops[b * L + l] < kNop || ops[b * L + l] > kTrue)
+      if (ops[b * L + l] < kOpNop || ops[b * L + l] > kOpTrue)
         throw std::invalid_argument("unknown opcode in filter program (valid: 0..6)");
   bool underflow = false, bad_final = false, bad_row = false;
   for (int64_t b : live) {
     int64_t depth = 0;
     for (int64_t l = 0; l < L; ++l) {
       const int64_t op = ops[b * L + l];
-      const int64_t need = (op == kAnd || op == kOr) ? 2 : (op == kNot ? 1 : 0);
+      const int64_t need = (op == kOpAnd || op == kOpOr) ? 2 : (op == kOpNot ? 1 : 0);
       underflow |= depth < need;
-      depth += kDelta[op];
-      if (op == kPush)
+      depth += kOpStackEffect[op];
+      if (op == kOpPush)
         for (int64_t t = 0; t < T; ++t) {
           const int64_t r = rows[(b * L + l) * T + t];
           bad_row |= r >= R || ~r >= R;
@@ -52,7 +52,7 @@ inline void validate(const int64_t* ops, const int64_t* rows, const std::vector<
 // instruction is TRUE / NOP (an unfiltered request), so every row passes.
 inline bool pushes_nothing(const int64_t* ops, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
-    if (ops[i] != kTrue && ops[i] != kNop) return false;
+    if (ops[i] != kOpTrue && ops[i] != kOpNop) return false;
   return true;
 }
 
@@ -65,7 +65,7 @@ inline void eval_block(const int64_t* bank, int64_t W, const int64_t* ops, const
     const int64_t op = ops[b * L + l];
     int64_t* top = stack + depth * kBlock;  // slot `depth` (the next free one)
     switch (op) {
-      case kPush: {
+      case kOpPush: {
         std::fill(top, top + n, ~int64_t{0});
         const int64_t* term = rows + (b * L + l) * T;
         for (int64_t t = 0; t < T; ++t) {
@@ -84,30 +84,30 @@ inline void eval_block(const int64_t* bank, int64_t W, const int64_t* ops, const
         }
         break;
       }
-      case kAnd:
-      case kOr: {
+      case kOpAnd:
+      case kOpOr: {
         int64_t *x = top - 2 * kBlock, *y = top - kBlock;
-        if (op == kAnd)
+        if (op == kOpAnd)
           for (int64_t i = 0; i < n; ++i) x[i] &= y[i];
         else
           for (int64_t i = 0; i < n; ++i) x[i] |= y[i];
         break;
       }
-      case kNot: {
+      case kOpNot: {
         int64_t* x = top - kBlock;
         for (int64_t i = 0; i < n; ++i) x[i] = ~x[i];
         break;
       }
-      case kFalse:
+      case kOpFalse:
         std::fill(top, top + n, int64_t{0});
         break;
-      case kTrue:
+      case kOpTrue:
         std::fill(top, top + n, ~int64_t{0});
         break;
       default:
         break;
     }
-    depth += kDelta[op];
+    depth += kOpStackEffect[op];
   }
 }
 

@@ -10,6 +10,8 @@
 #include <tuple>
 #include <vector>
 
+#include "constants.h"
+#include "search_args.h"
 #include "threads.h"
 
 #if defined(__AVX512F__)
@@ -18,13 +20,8 @@
 
 namespace silverrec {
 
-// lists[b, 0] == kNoLists: the query has no posting lists and filters the whole pool
-// (kernels/filtered_topk.py NO_LISTS).
-constexpr int64_t kNoLists = -2;
-
-// Lowest per-(query, cluster) score bias (kernels/common.py BIAS_FLOOR): biases lie in [kBiasFloor, 0],
-// so score + bias and threshold - bias never overflow int32.
-constexpr int32_t kBiasFloor = -(1 << 30);
+// Per-(query, cluster) score biases lie in [kBiasFloor, 0] (constants.h), so score + bias and threshold - bias
+// never overflow int32.
 
 // A bias in units (double) clamped to [kBiasFloor, 0], as an int32.
 inline int32_t clamp_bias(double v) { return int32_t(std::max(double(kBiasFloor), std::min(0.0, v))); }
@@ -103,6 +100,9 @@ struct ScanInput {
                                       // bitmask[member_word[m] + (r >> 6)]
 };
 
+// kernels/common.py quantize_queries (ops.cpp): float32 [B, D] -> (int8 codes [B, D], float32 scales [B]).
+std::tuple<at::Tensor, at::Tensor> quantize_queries(const at::Tensor& queries);
+
 // Top-k keys int64 [B, k] (score * 2**32 + 2**32 - 1 - row), descending, INT64_MIN padding.
 at::Tensor scan_topk(const ScanInput& in);
 
@@ -153,10 +153,8 @@ at::Tensor ivf_scan_keys(const at::Tensor& qcodes, const at::Tensor& codes, cons
                          const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k,
                          const BiasTable& bias, const ClusterTerm& term = {});
 
-// Exact routes with the float re-score (kernels/rescore_rows.py EXACT_FLOAT_ROWS, checked by a test): a query
-// whose (program, lists) pass at most this many rows ranks every one of them by the float query on its codes.
-constexpr int64_t kExactFloatRows = 1024;
-
+// Exact routes with the float re-score: a query whose (program, lists) pass at most kExactFloatRows rows
+// (constants.h) ranks every one of them by the float query on its codes.
 // Where filtered_topk_into ranks such queries itself (kernels/csrc/float_rank.cpp): each passing row scored
 // <folded[b], code> + <queries[b], dim_offset> (+ the cluster term ClusterTerm::scores, residual codes), the best
 // k kept, ties by the int8 scan's order (its score, then the row): the re-score of an int8 top list that holds
@@ -193,12 +191,12 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
 void centroid_candidates(const at::Tensor& centroids, const at::Tensor& queries, int64_t P,
                          const std::vector<int64_t>& probing, int64_t* cand, bool screen = true);
 
-// silverrec::filter_plan: (probes int64 [B, P], bitmask int64 [B, P, Wc], route int64 [B]).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(
-    const at::Tensor& queries, const at::Tensor& centroids, const at::Tensor& cluster_offsets, const at::Tensor& bits,
-    const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& lists, const at::Tensor& post_sizes,
-    const at::Tensor& mode, int64_t k, int64_t nprobe, int64_t max_probe, int64_t window_words, int64_t match_factor,
-    int64_t avg_cluster, int64_t num_items, double exact_cost_ratio, int64_t posting_limit,
-    bool mask_if_unused = true);  // false: no mask (undefined) when no query probes (internal callers)
+// silverrec::filter_plan: (probes int64 [B, P], bitmask int64 [B, P, Wc], route int64 [B]) for float32 queries
+// [B, D] and the program and mode per query (int64, contiguous). mask_if_unused false (the search's own call):
+// no mask (an undefined tensor) when no query needs one.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan(const at::Tensor& queries, const IvfIndex& ix,
+                                                           const FilterIndex& fx, const Program& pr,
+                                                           const at::Tensor& mode, int64_t k, int64_t nprobe,
+                                                           int64_t max_probe, bool mask_if_unused = true);
 
 }  // namespace silverrec

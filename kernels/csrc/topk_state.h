@@ -17,9 +17,10 @@
 #include <mutex>
 #include <vector>
 
+#include "constants.h"  // kEmptyKey: padding, sorts after every item
+
 namespace silverrec {
 
-constexpr int64_t kEmptyKey = std::numeric_limits<int64_t>::min();  // padding: sorts after every item
 
 inline int64_t make_key(int32_t score, int64_t row) {
   return int64_t(score) * (int64_t{1} << 32) + (int64_t{0xFFFFFFFF} - row);

@@ -43,8 +43,8 @@ import torch
 from silverrec.filtering.bloom_hash import token_positions
 from silverrec.errors import QueryError
 from silverrec.filtering.filter_lang import And, Node, Not, Term, parse
-from silverrec.kernels.bloom_filter import OP_AND, OP_FALSE, OP_NOT, OP_OR, OP_PUSH, OP_TRUE
-from silverrec.kernels.filtered_topk import NO_LISTS  # lists[b, 0]: no posting-list superset
+from silverrec.kernels.constants import OP_AND, OP_FALSE, OP_NOT, OP_OR, OP_PUSH, OP_TRUE
+from silverrec.kernels.constants import NO_LISTS  # lists[b, 0]: no posting-list superset
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,8 @@ from torch import Tensor, nn
 from silverrec.errors import SilverrecError
 from silverrec.filtering.filter_lang import And, Node, Not, Term, parse, terms
 from silverrec.filtering.filter_program import FilterPlan, compile_filter, posting_lists
-from silverrec.kernels.bloom_filter import OP_AND, OP_FALSE, OP_NOP, OP_NOT, OP_OR, OP_TRUE
-from silverrec.kernels.filtered_topk import NO_LISTS
+from silverrec.kernels.constants import OP_AND, OP_FALSE, OP_NOP, OP_NOT, OP_OR, OP_TRUE
+from silverrec.kernels.constants import NO_LISTS
 
 _MARK = "\x00"  # placeholders become quoted values starting with this (no filter value holds it)
 _MANY = _MARK + "*"  # ... and this when bound with IN (every value of the user feature)

@@ -55,6 +55,7 @@ import torch
 from torch import Tensor, nn
 
 from silverrec.errors import SilverrecError
+from silverrec.kernels import constants as K  # K.VALUE_OP_*: TorchScript reads module attributes, not plain globals
 
 Formula = Union[dict, str, float, int]
 
@@ -63,37 +64,17 @@ class ValueModelError(SilverrecError):
     """A value model formula is invalid (bad JSON, unknown operator / task / feature, arity...)."""
 
 
-# Opcodes of the postfix program: (opcode, argument index, constant).
-OP_CONST = 0  # push the constant
-OP_TASK = 1  # push task_scores[:, :, arg]
-OP_FEATURE = 2  # push feats[:, :, arg]
-OP_SIGMOID = 3  # unary
-OP_NOT = 4  # unary: 1.0 where x == 0
-OP_BOOL = 5  # unary: 1.0 where x != 0 (a one-term and / or)
-OP_POW = 6  # unary: x ** constant, 0 where not finite
-OP_ADD = 7  # binary ops pop b, then a, and push a OP b
-OP_MUL = 8
-OP_SUB = 9
-OP_DIV = 10  # 0 where b == 0
-OP_MIN = 11
-OP_MAX = 12
-OP_GT = 13
-OP_GE = 14
-OP_LT = 15
-OP_LE = 16
-OP_EQ = 17
-OP_AND = 18
-OP_OR = 19
-OP_CLAMP = 20  # pops hi, lo, x
-OP_IF = 21  # pops else, then, cond
-
-_NARY = {"add": OP_ADD, "mul": OP_MUL, "min": OP_MIN, "max": OP_MAX, "and": OP_AND, "or": OP_OR}
-_BINARY = {"sub": OP_SUB, "div": OP_DIV, "gt": OP_GT, "ge": OP_GE, "lt": OP_LT, "le": OP_LE, "eq": OP_EQ}
-_UNARY = {"sigmoid": OP_SIGMOID, "not": OP_NOT}
+# The postfix program: (opcode, argument index, constant), opcodes VALUE_OP_* of kernels/constants.py.
+_NARY = {"add": K.VALUE_OP_ADD, "mul": K.VALUE_OP_MUL, "min": K.VALUE_OP_MIN, "max": K.VALUE_OP_MAX, "and": K.VALUE_OP_AND,
+         "or": K.VALUE_OP_OR}
+_BINARY = {"sub": K.VALUE_OP_SUB, "div": K.VALUE_OP_DIV, "gt": K.VALUE_OP_GT, "ge": K.VALUE_OP_GE, "lt": K.VALUE_OP_LT,
+           "le": K.VALUE_OP_LE, "eq": K.VALUE_OP_EQ}
+_UNARY = {"sigmoid": K.VALUE_OP_SIGMOID, "not": K.VALUE_OP_NOT}
 OPERATORS = sorted([*_NARY, *_BINARY, *_UNARY, "task", "feature", "clamp", "pow", "if", "weights"])
 # stack effect of each opcode (pushes - pops)
-_STACK_EFFECT = {OP_CONST: 1, OP_TASK: 1, OP_FEATURE: 1, OP_SIGMOID: 0, OP_NOT: 0, OP_BOOL: 0, OP_POW: 0,
-                 OP_CLAMP: -2, OP_IF: -2, **{op: -1 for op in range(OP_ADD, OP_OR + 1)}}
+_STACK_EFFECT = {K.VALUE_OP_CONST: 1, K.VALUE_OP_TASK: 1, K.VALUE_OP_FEATURE: 1, K.VALUE_OP_SIGMOID: 0, K.VALUE_OP_NOT: 0,
+                 K.VALUE_OP_BOOL: 0, K.VALUE_OP_POW: 0, K.VALUE_OP_CLAMP: -2, K.VALUE_OP_IF: -2,
+                 **{op: -1 for op in range(K.VALUE_OP_ADD, K.VALUE_OP_OR + 1)}}
 
 Program = List[Tuple[int, int, float]]
 
@@ -121,7 +102,7 @@ class ValueModel(nn.Module):
         for i, (op, arg, _) in enumerate(program):
             if op not in _STACK_EFFECT:
                 raise ValueModelError(f"value model program instruction {i}: unknown opcode {op}")
-            if (op == OP_TASK and not 0 <= arg < len(tasks)) or (op == OP_FEATURE and not 0 <= arg < len(features)):
+            if (op == K.VALUE_OP_TASK and not 0 <= arg < len(tasks)) or (op == K.VALUE_OP_FEATURE and not 0 <= arg < len(features)):
                 raise ValueModelError(f"value model program instruction {i}: argument {arg} out of range")
             depth += _STACK_EFFECT[op]
             if depth < 1:
@@ -171,59 +152,59 @@ class ValueModel(nn.Module):
         stack: List[Tensor] = []
         for ins in self.program:
             op, arg, c = ins
-            if op == 0:  # OP_CONST
+            if op == K.VALUE_OP_CONST:
                 stack.append(zero + c)
-            elif op == 1:  # OP_TASK
+            elif op == K.VALUE_OP_TASK:
                 stack.append(task_scores[:, :, arg])
-            elif op == 2:  # OP_FEATURE
+            elif op == K.VALUE_OP_FEATURE:
                 stack.append(feats[:, :, arg])
-            elif op <= 6:  # unary: OP_SIGMOID .. OP_POW
+            elif op <= K.VALUE_OP_POW:  # unary: K.VALUE_OP_SIGMOID .. K.VALUE_OP_POW
                 x = stack.pop()
-                if op == 3:  # OP_SIGMOID
+                if op == K.VALUE_OP_SIGMOID:
                     stack.append(torch.sigmoid(x))
-                elif op == 4:  # OP_NOT
+                elif op == K.VALUE_OP_NOT:
                     stack.append((x == 0).float())
-                elif op == 5:  # OP_BOOL
+                elif op == K.VALUE_OP_BOOL:
                     stack.append((x != 0).float())
-                else:  # OP_POW
+                else:  # K.VALUE_OP_POW
                     r = torch.pow(x, c)
                     stack.append(torch.where(torch.isfinite(r), r, zero))
-            elif op <= 19:  # binary: OP_ADD .. OP_OR
+            elif op <= K.VALUE_OP_OR:  # binary: K.VALUE_OP_ADD .. K.VALUE_OP_OR
                 b = stack.pop()
                 a = stack.pop()
-                if op == 7:  # OP_ADD
+                if op == K.VALUE_OP_ADD:
                     stack.append(a + b)
-                elif op == 8:  # OP_MUL
+                elif op == K.VALUE_OP_MUL:
                     stack.append(a * b)
-                elif op == 9:  # OP_SUB
+                elif op == K.VALUE_OP_SUB:
                     stack.append(a - b)
-                elif op == 10:  # OP_DIV
+                elif op == K.VALUE_OP_DIV:
                     nz = b != 0
                     stack.append(torch.where(nz, a / torch.where(nz, b, zero + 1.0), zero))
-                elif op == 11:  # OP_MIN
+                elif op == K.VALUE_OP_MIN:
                     stack.append(torch.minimum(a, b))
-                elif op == 12:  # OP_MAX
+                elif op == K.VALUE_OP_MAX:
                     stack.append(torch.maximum(a, b))
-                elif op == 13:  # OP_GT
+                elif op == K.VALUE_OP_GT:
                     stack.append((a > b).float())
-                elif op == 14:  # OP_GE
+                elif op == K.VALUE_OP_GE:
                     stack.append((a >= b).float())
-                elif op == 15:  # OP_LT
+                elif op == K.VALUE_OP_LT:
                     stack.append((a < b).float())
-                elif op == 16:  # OP_LE
+                elif op == K.VALUE_OP_LE:
                     stack.append((a <= b).float())
-                elif op == 17:  # OP_EQ
+                elif op == K.VALUE_OP_EQ:
                     stack.append((a == b).float())
-                elif op == 18:  # OP_AND
+                elif op == K.VALUE_OP_AND:
                     stack.append(((a != 0) & (b != 0)).float())
-                else:  # OP_OR
+                else:  # K.VALUE_OP_OR
                     stack.append(((a != 0) | (b != 0)).float())
-            elif op == 20:  # OP_CLAMP
+            elif op == K.VALUE_OP_CLAMP:
                 hi = stack.pop()
                 lo = stack.pop()
                 x = stack.pop()
                 stack.append(torch.minimum(torch.maximum(x, lo), hi))
-            else:  # 21: OP_IF
+            else:  # K.VALUE_OP_IF
                 e = stack.pop()
                 t = stack.pop()
                 cond = stack.pop()
@@ -242,21 +223,21 @@ def linear_form(program: Program, tasks: int, features: int) -> Union[Tuple[List
         return not any(x[0])
 
     for op, arg, c in program:
-        if op == OP_CONST:
+        if op == K.VALUE_OP_CONST:
             stack.append(([0.0] * width, c))
-        elif op in (OP_TASK, OP_FEATURE):
+        elif op in (K.VALUE_OP_TASK, K.VALUE_OP_FEATURE):
             coef = [0.0] * width
-            coef[arg if op == OP_TASK else tasks + arg] = 1.0
+            coef[arg if op == K.VALUE_OP_TASK else tasks + arg] = 1.0
             stack.append((coef, 0.0))
-        elif op in (OP_ADD, OP_SUB, OP_MUL, OP_DIV):
+        elif op in (K.VALUE_OP_ADD, K.VALUE_OP_SUB, K.VALUE_OP_MUL, K.VALUE_OP_DIV):
             b, a = stack.pop(), stack.pop()
-            if op in (OP_ADD, OP_SUB):
-                sign = 1.0 if op == OP_ADD else -1.0
+            if op in (K.VALUE_OP_ADD, K.VALUE_OP_SUB):
+                sign = 1.0 if op == K.VALUE_OP_ADD else -1.0
                 stack.append(([x + sign * y for x, y in zip(a[0], b[0])], a[1] + sign * b[1]))
-            elif op == OP_MUL and (constant(a) or constant(b)):
+            elif op == K.VALUE_OP_MUL and (constant(a) or constant(b)):
                 k, v = (a[1], b) if constant(a) else (b[1], a)
                 stack.append(([x * k for x in v[0]], v[1] * k))
-            elif op == OP_DIV and constant(b):  # x / 0 is 0 (safe division)
+            elif op == K.VALUE_OP_DIV and constant(b):  # x / 0 is 0 (safe division)
                 k = 0.0 if b[1] == 0.0 else 1.0 / b[1]
                 stack.append(([x * k for x in a[0]], a[1] * k))
             else:
@@ -322,7 +303,7 @@ class _Compiler:
         if isinstance(term, bool) or term is None:
             raise _error(path, f"non-numeric constant {_show(term)}")
         if isinstance(term, (int, float)):
-            self.out.append((OP_CONST, 0, _constant(term, path)))
+            self.out.append((K.VALUE_OP_CONST, 0, _constant(term, path)))
         elif isinstance(term, str):
             if term.startswith("task:"):
                 self._name("task", term[len("task:"):], path)
@@ -354,7 +335,7 @@ class _Compiler:
         if name not in table:
             known = ", ".join(table) or "none"
             raise _error(path, f"unknown {kind} {name!r} ({kind}s: {known})")
-        self.out.append((OP_TASK if kind == "task" else OP_FEATURE, table[name], 0.0))
+        self.out.append((K.VALUE_OP_TASK if kind == "task" else K.VALUE_OP_FEATURE, table[name], 0.0))
 
     def _operator(self, op: str, arg: Any, path: str) -> None:
         if op in _UNARY:
@@ -364,7 +345,7 @@ class _Compiler:
             items = _items(arg, path, op, None)
             self.emit(items[0], f"{path}[0]")
             if len(items) == 1 and op in ("and", "or"):
-                self.out.append((OP_BOOL, 0, 0.0))
+                self.out.append((K.VALUE_OP_BOOL, 0, 0.0))
             for i in range(1, len(items)):
                 self.emit(items[i], f"{path}[{i}]")
                 self.out.append((_NARY[op], 0, 0.0))
@@ -373,14 +354,14 @@ class _Compiler:
             items = _items(arg, path, op, n)
             for i, item in enumerate(items):
                 self.emit(item, f"{path}[{i}]")
-            self.out.append((_BINARY.get(op, OP_CLAMP if op == "clamp" else OP_IF), 0, 0.0))
+            self.out.append((_BINARY.get(op, K.VALUE_OP_CLAMP if op == "clamp" else K.VALUE_OP_IF), 0, 0.0))
         elif op == "pow":
             x, p = _items(arg, path, op, 2)
             if isinstance(p, bool) or not isinstance(p, (int, float)):
                 raise _error(f"{path}[1]", f"the exponent must be a number, got {_show(p)}")
             exponent = _constant(p, f"{path}[1]")
             self.emit(x, f"{path}[0]")
-            self.out.append((OP_POW, 0, exponent))
+            self.out.append((K.VALUE_OP_POW, 0, exponent))
         elif op == "weights":
             if not isinstance(arg, dict) or not arg:
                 raise _error(path, f"expects a non-empty object {{task: weight}}, got {_show(arg)}")
@@ -389,10 +370,10 @@ class _Compiler:
                 if isinstance(w, bool) or not isinstance(w, (int, float)):
                     raise _error(wpath, f"non-numeric constant {_show(w)}")
                 self._name("task", name, wpath)
-                self.out.append((OP_CONST, 0, _constant(w, wpath)))
-                self.out.append((OP_MUL, 0, 0.0))
+                self.out.append((K.VALUE_OP_CONST, 0, _constant(w, wpath)))
+                self.out.append((K.VALUE_OP_MUL, 0, 0.0))
                 if i:
-                    self.out.append((OP_ADD, 0, 0.0))
+                    self.out.append((K.VALUE_OP_ADD, 0, 0.0))
 
 
 _SIGNATURES = {"sub": "[x, y]", "div": "[x, y]", "pow": "[x, exponent]", "clamp": "[x, lo, hi]",

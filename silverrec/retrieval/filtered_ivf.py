@@ -43,9 +43,9 @@ Steps 0-5 are `silverrec::filter_plan`:
    once k rows passed); false positives are dropped, the best k kept. The unprobed and posting
    routes evaluate the verify program directly (`silverrec::filtered_topk`).
 
-Modes (forward arg `mode`, int64 [B], one per query): AUTO (0, the above), PROBED (1: exactly `nprobe` clusters, the plain
-co-designed search), UNPROBED (2: filter the whole pool, then exact scan; exact up to Bloom false
-positives, for small pools or very selective filters; posting lists are used when they qualify).
+Modes (`mode`, int64 [B], one per query; kernels/constants.py): MODE_AUTO (the above), MODE_PROBED (exactly
+`nprobe` clusters, the plain co-designed search), MODE_UNPROBED (filter the whole pool, then exact scan; exact up
+to Bloom false positives, for small pools or very selective filters; posting lists are used when they qualify).
 
 Results are `(scores float32 [B, k], item_ids int64 [B, k])`, padded with -inf / -1 when fewer
 than k items pass. Filter semantics (Bloom false positives, exact NOT) are in filter_program.py.
@@ -53,17 +53,18 @@ than k items pass. Filter semantics (Bloom false positives, exact NOT) are in fi
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
+from torch import Tensor
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
-from silverrec.retrieval.ivf_index import Int8IVFIndex
+from silverrec.kernels.constants import DEFAULT_MATCH_FACTOR, FILTERED_IVF_PARAMS, MODE_AUTO, MODE_PROBED, MODE_UNPROBED
 from silverrec.kernels.ivf_scan import bitmask_words
+from silverrec.retrieval.ivf_index import Int8IVFIndex
 
-MODE_AUTO, MODE_PROBED, MODE_UNPROBED = 0, 1, 2
-MODES = {"auto": MODE_AUTO, "probed": MODE_PROBED, "unprobed": MODE_UNPROBED}
-DEFAULT_MATCH_FACTOR = 8  # probe until the probed clusters hold >= this many matches per result
+__all__ = ["FilteredIVFIndex", "MODES", "MODE_AUTO", "MODE_PROBED", "MODE_UNPROBED", "DEFAULT_MATCH_FACTOR"]
+MODES = {"auto": MODE_AUTO, "probed": MODE_PROBED, "unprobed": MODE_UNPROBED}  # the request's names of the modes
 
 
 class FilteredIVFIndex(Int8IVFIndex):
@@ -112,9 +113,10 @@ class FilteredIVFIndex(Int8IVFIndex):
         self.window_words = max(1, bitmask_words(self.cluster_offsets))
         self.total_words = int(bits.shape[1])
         self.num_items = int(n)
-        self.avg_cluster = max(1, int(n) // int(centroids.shape[0]))
         self.match_factor = int(match_factor)
         self.exact_cost_ratio = float(exact_cost_ratio)
+        # the integer parameters as the filtered search ops take them, in FILTERED_IVF_PARAMS order
+        self.filtered_params: List[int] = [int(getattr(self, name)) for name in FILTERED_IVF_PARAMS]
 
     @classmethod
     def from_ivf(cls, ivf: Int8IVFIndex, bits: torch.Tensor, **kwargs) -> "FilteredIVFIndex":
@@ -123,53 +125,63 @@ class FilteredIVFIndex(Int8IVFIndex):
         return cls(ivf.codes, ivf.dim_scale, ivf.dim_offset, ivf.cluster_offsets, ivf.centroids, ivf.row_to_item, bits,
                    residual=ivf.residual, **kwargs)
 
-    def plan_probes(
-        self,
-        queries: torch.Tensor,
-        k: int,
-        nprobe: int,
-        ops: torch.Tensor,
-        rows: torch.Tensor,
-        lists: torch.Tensor,
-        max_probe: int,
-        mode: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def filtered_index_tensors(self, item_ids: bool = True) -> List[Tensor]:
+        """The index as the filtered search ops take it (kernels/constants.py FILTERED_IVF_TENSORS order: the
+        IVF's tensors, `index_tensors`, then the filter indexes')."""
+        return [self.codes, self.dim_scale, self.dim_offset, self.cluster_offsets, self.centroids,
+                self.row_to_item if item_ids else self.no_row_map, self.bits, self.post_rows, self.post_offsets,
+                self.post_sizes]
+
+    def plan_probes(self, queries: Tensor, program: List[Tensor], mode: Tensor, k: int, nprobe: int,
+                    max_probe: int) -> Tuple[Tensor, Tensor, Tensor]:
         """Steps 0-5 in one op (`silverrec::filter_plan`): (probes int64 [B, P] with -1 = unused,
-        bitmask int64 [B, P, Wc], route int64 [B]: 0 = probed IVF scan, 1 = whole pool then exact
-        scan, 2 = posting lists).
+        bitmask int64 [B, P, Wc], route int64 [B]: ROUTE_PROBED (probed IVF scan), ROUTE_WHOLE_POOL (whole pool
+        then exact scan), ROUTE_POSTING (posting lists), kernels/constants.py). program, mode: as `filtered_search`.
 
         Requires 1 <= nprobe <= max_probe <= nlist (the predictor checks; no host sync here).
         """
-        return torch.ops.silverrec.filter_plan(
-            queries, self.centroids, self.cluster_offsets, self.bits, ops, rows, lists, self.post_sizes, mode,
-            k, nprobe, max_probe, self.window_words, self.match_factor, self.avg_cluster, self.num_items,
-            self.exact_cost_ratio, self.posting_limit,
-        )
+        return torch.ops.silverrec.filter_plan(queries, self.filtered_index_tensors(), self.filtered_params,
+                                               self.exact_cost_ratio, program, mode, k, nprobe, max_probe)
+
+    def filtered_search_args(
+        self, queries: Tensor, program: List[Tensor], mode: Tensor, k: int, nprobe: int, max_probe: int,
+        rescore_margin: int = 0, rescore_max_k: int = 0, item_ids: bool = True,
+    ) -> Tuple[Tensor, List[Tensor], List[int], float, List[Tensor], Tensor, int, int, int, int, int]:
+        """`silverrec::filtered_ivf_search`'s arguments (kernels/filtered_ivf_search.py): the one place they are
+        built."""
+        return (queries, self.filtered_index_tensors(item_ids), self.filtered_params, self.exact_cost_ratio, program,
+                mode, k, nprobe, max_probe, rescore_margin, rescore_max_k)
+
+    def filtered_search(
+        self, queries: Tensor, program: List[Tensor], mode: Tensor, k: int, nprobe: int, max_probe: int,
+        rescore_margin: int = 0, rescore_max_k: int = 0, item_ids: bool = True,
+    ) -> Tuple[Tensor, Tensor]:
+        """queries float32 [B, D]; program [ops, rows, vops, vrows, lists] (kernels/constants.py PROGRAM_TENSORS:
+        the Bloom programs ops int64 [B, L] / rows int64 [B, L, T], the verify programs vops / vrows and the
+        posting lists int64 [B, T2] of the filters, filter_program.compile_request; one row per query, or one per
+        request of B / R consecutive queries); mode int64 [B] (MODE_AUTO / MODE_PROBED / MODE_UNPROBED per query);
+        1 <= nprobe <= max_probe <= nlist -> (scores float32 [B, k], item_ids int64 [B, k], or rows with item_ids
+        False). rescore_margin > 0 and k <= rescore_max_k: every route finds k + rescore_margin rows, re-scored by
+        the float query (kernels/rescore_rows.py).
+
+        Steps 0-7 run as one op, `silverrec::filtered_ivf_search` (kernels/filtered_ivf_search.py: one C++ call on
+        CPU, the composition of the per-step ops elsewhere)."""
+        return torch.ops.silverrec.filtered_ivf_search(*self.filtered_search_args(
+            queries, program, mode, k, nprobe, max_probe, rescore_margin, rescore_max_k, item_ids))
 
     def forward(
         self,
-        queries: torch.Tensor,
+        queries: Tensor,
         k: int,
         nprobe: int,
-        ops: torch.Tensor,
-        rows: torch.Tensor,
-        vops: torch.Tensor,
-        vrows: torch.Tensor,
-        lists: torch.Tensor,
+        ops: Tensor,
+        rows: Tensor,
+        vops: Tensor,
+        vrows: Tensor,
+        lists: Tensor,
         max_probe: int,
-        mode: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """queries float32 [B, D]; (ops int64 [B, L], rows int64 [B, L, T]) the Bloom programs,
-        (vops, vrows) the verify programs and lists int64 [B, T2] the posting lists of the filters
-        (filter_program.compile_request); 1 <= nprobe <= max_probe <= nlist; mode int64 [B]
-        (MODE_AUTO / MODE_PROBED / MODE_UNPROBED per query)
-        -> (scores float32 [B, k], item_ids int64 [B, k]).
-
-        Steps 0-7 run as one op, `silverrec::filtered_ivf_search` (kernels/filtered_ivf_search.py:
-        one C++ call on CPU, the composition of the per-step ops elsewhere)."""
-        return torch.ops.silverrec.filtered_ivf_search(
-            queries, self.codes, self.dim_scale, self.dim_offset, self.cluster_offsets, self.centroids, self.row_to_item,
-            self.bits, self.post_rows, self.post_offsets, self.post_sizes, ops, rows, vops, vrows, lists, mode,
-            k, nprobe, max_probe, self.window_words, self.match_factor, self.avg_cluster, self.num_items,
-            self.exact_cost_ratio, self.posting_limit, 0, 0, self.residual,
-        )
+        mode: Tensor,
+    ) -> Tuple[Tensor, Tensor]:
+        """`filtered_search` with the request's programs as separate tensors (filter_program.compile_request's
+        order) -> (scores float32 [B, k], item_ids int64 [B, k])."""
+        return self.filtered_search(queries, [ops, rows, vops, vrows, lists], mode, k, nprobe, max_probe)

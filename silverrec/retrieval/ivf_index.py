@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
-from silverrec.kernels.bloom_filter import OP_TRUE
 from silverrec.kernels.common import cluster_of_rows
-from silverrec.kernels.filtered_topk import NO_LISTS
+from silverrec.kernels.constants import IVF_PARAMS
 from silverrec.kernels.ivf_scan import bitmask_words
 from silverrec.retrieval.item_ids import compact_item_ids, rows_to_items
 
@@ -77,17 +76,10 @@ class Int8IVFIndex(nn.Module):
         # an index constant (int attribute, frozen into the program): lets the CUDA scan size its key
         # columns without reading cluster sizes from the device, so a CUDA graph can capture `scan`
         self.window_words = bitmask_words(self.cluster_offsets)
-        # `forward`'s inputs of the fused search for "no filter" (not saved: rebuilt with the module): an
-        # empty row bank and posting index, and one request row, a TRUE program with no lists in probed mode
-        # (MODE_PROBED, retrieval/filtered_ivf.py), that the op repeats for every query
-        for name, value in (("no_bits", torch.zeros(0, (codes.shape[0] + 63) // 64, dtype=torch.int64)),
-                            ("no_post_rows", torch.zeros(0, dtype=torch.int32)),
-                            ("no_post_offsets", torch.zeros(1, dtype=torch.int64)),
-                            ("true_ops", torch.full((1, 1), OP_TRUE, dtype=torch.int64)),
-                            ("true_rows", torch.zeros(1, 1, 1, dtype=torch.int64)),
-                            ("no_lists", torch.full((1, 1), NO_LISTS, dtype=torch.int64)),
-                            ("probed", torch.ones(1, dtype=torch.int64))):
-            self.register_buffer(name, value, persistent=False)
+        # the search ops' zero-length row map: they return rows (for stages that read rows); not saved
+        self.register_buffer("no_row_map", torch.zeros(0, dtype=torch.int32), persistent=False)
+        # the index's integer parameters as the search ops take them, in IVF_PARAMS order (kernels/constants.py)
+        self.ivf_params: List[int] = [int(getattr(self, name)) for name in IVF_PARAMS]
 
     @property
     def nlist(self) -> int:
@@ -126,15 +118,28 @@ class Int8IVFIndex(nn.Module):
         )
         return scores + constant[:, None], rows_to_items(self.row_to_item, rows)
 
-    def forward(self, queries: torch.Tensor, k: int, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """queries float [B, D], k >= 1, 1 <= nprobe <= nlist -> (scores float32 [B, k], item_ids int64 [B, k]).
+    def index_tensors(self, item_ids: bool = True) -> List[Tensor]:
+        """The index as the search ops take it (kernels/constants.py IVF_TENSORS order); item_ids False: a
+        zero-length row map, and the ops return rows instead of item ids."""
+        return [self.codes, self.dim_scale, self.dim_offset, self.cluster_offsets, self.centroids,
+                self.row_to_item if item_ids else self.no_row_map]
 
-        `scan` of `probe` as one op, `silverrec::filtered_ivf_search` without a filter (one C++ call on CPU,
-        the same results as the two ops with their per-step tensor work: 1.5 against 0.3 ms at nprobe 4 on
-        1M x 128, batch 16, benchmarks/ann.py)."""
-        return torch.ops.silverrec.filtered_ivf_search(
-            queries.float(), self.codes, self.dim_scale, self.dim_offset, self.cluster_offsets, self.centroids,
-            self.row_to_item, self.no_bits, self.no_post_rows, self.no_post_offsets, self.no_post_offsets,
-            self.true_ops, self.true_rows, self.true_ops, self.true_rows, self.no_lists, self.probed,
-            k, nprobe, nprobe, max(1, self.window_words), 1, 1, self.codes.shape[0], 1.0, 0, 0, 0, self.residual,
-        )
+    def search_args(self, queries: Tensor, k: int, nprobe: int, rescore_margin: int = 0, rescore_max_k: int = 0,
+                    item_ids: bool = True) -> Tuple[Tensor, List[Tensor], List[int], int, int, int, int]:
+        """`silverrec::ivf_search`'s arguments (kernels/filtered_ivf_search.py): the one place they are built."""
+        return queries.float(), self.index_tensors(item_ids), self.ivf_params, k, nprobe, rescore_margin, rescore_max_k
+
+    def search(self, queries: Tensor, k: int, nprobe: int, rescore_margin: int = 0, rescore_max_k: int = 0,
+               item_ids: bool = True) -> Tuple[Tensor, Tensor]:
+        """queries float [B, D], k >= 1, 1 <= nprobe <= nlist -> (scores float32 [B, k], item_ids int64 [B, k],
+        or rows with item_ids False), padded with -inf / -1: `scan` of `probe` as one op, `silverrec::ivf_search`
+        (one C++ call on CPU: the same results as the two ops without their per-step tensor work). With
+        rescore_margin > 0 and k <= rescore_max_k, the scan's top k + rescore_margin rows re-scored by the float
+        query (kernels/rescore_rows.py)."""
+        return torch.ops.silverrec.ivf_search(*self.search_args(queries, k, nprobe, rescore_margin, rescore_max_k,
+                                                                item_ids))
+
+    def forward(self, queries: Tensor, k: int, nprobe: int) -> Tuple[Tensor, Tensor]:
+        """queries float [B, D], k >= 1, 1 <= nprobe <= nlist -> (scores float32 [B, k], item_ids int64 [B, k])
+        (`search`)."""
+        return self.search(queries, k, nprobe)

@@ -9,7 +9,7 @@ import torch
 
 from silverrec.filtering.filter_program import FilterPlan, compile_request
 from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
-from silverrec.kernels.filtered_topk import NO_LISTS
+from silverrec.kernels.constants import NO_LISTS
 from silverrec.kernels.rescore_rows import RESCORE_MAX_K
 from silverrec.publish.filtered_ivf import build_filtered_ivf
 from silverrec.publish.ivf import IVFConfig
@@ -56,14 +56,11 @@ def search_calls(request):
     q = torch.from_numpy(pool.embeddings[rng.integers(0, len(pool.item_ids), len(filters))])
     inputs = compile_request(filters, plan)
     modes = torch.arange(len(filters)) % 3
-    m = module
     plain, rescored = RecordOps(), RecordOps()
     with torch.inference_mode():
         for k, nprobe, max_probe, margin in [(20, 4, 16, 0), (150, 8, 40, 0), (20, 4, 16, 8), (150, 8, 40, 16)]:
-            args = (q, m.codes, m.dim_scale, m.dim_offset, m.cluster_offsets, m.centroids, m.row_to_item, m.bits,
-                    m.post_rows, m.post_offsets, m.post_sizes, *inputs, modes, k, nprobe, max_probe, m.window_words,
-                    m.match_factor, m.avg_cluster, m.num_items, m.exact_cost_ratio, m.posting_limit,
-                    margin, RESCORE_MAX_K if margin else 0, m.residual)
+            args = module.filtered_search_args(q, list(inputs), modes, k, nprobe, max_probe, margin,
+                                               RESCORE_MAX_K if margin else 0)
             with plain if margin == 0 else rescored:
                 if margin == 0:
                     module(q, k, nprobe, *inputs, max_probe, modes)
@@ -143,13 +140,13 @@ def test_filtered_topk_over_many_tiles_every_run(cuda, residual):
     sel = torch.full((b, 3), -1, dtype=torch.int64)
     sel[::2, 0] = NO_LISTS  # the whole pool
     sel[1::2, :2] = torch.tensor([0, 1])
-    args = (queries, codes, torch.tensor(0.05), torch.tensor(-0.2), bank, ops, prog_rows, post_rows, post_offsets, sel,
-            torch.ones(b, dtype=torch.bool), 100, n)
+    args = (queries, codes, torch.tensor(0.05), torch.tensor(-0.2), bank, [ops, prog_rows], [post_rows, post_offsets, sel],
+            torch.ones(b, dtype=torch.bool), 100, n, [])
     if residual:  # 300 clusters of ragged sizes, the queries' own cluster terms
         gen = torch.Generator().manual_seed(6)
         cuts = torch.randint(0, n, (299,), generator=gen).sort().values
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.full((1,), n)])
-        args += (offsets, torch.randn(300, d, generator=gen), queries)
+        args = (*args[:-1], [offsets, torch.randn(300, d, generator=gen), queries])
     want = torch.ops.silverrec.filtered_topk(*args)
     assert int((want[1] >= 0).all(dim=1).sum()) >= 4  # programs passing more than k rows
     for _ in range(5):
