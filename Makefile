@@ -38,7 +38,7 @@ test: setup
 ISAS ?= x86-64-v4 x86-64-v3
 PORTABLE_TESTS := tests/test_cpu_scan.py tests/test_filtered_topk.py tests/test_rescore_rows.py \
 	tests/test_search_fast_paths.py tests/test_filter_routes.py tests/test_mol_score.py tests/test_candidate_rows.py \
-	tests/test_residual_codes.py tests/test_bloom_filter.py tests/test_int8_topk.py tests/test_team.py \
+	tests/test_residual_codes.py tests/test_bloom_filter.py tests/test_team.py \
 	tests/test_centroid_probe.py
 test-portable: setup
 	@set -e; mkdir -p build/portable; for march in $(ISAS); do \

@@ -1,6 +1,6 @@
 """CPU scan kernels (kernels/csrc/dot.h) against Faiss 8-bit peers, in one process.
 
-    exact    torch.ops.silverrec.int8_topk            vs faiss IndexScalarQuantizer SQ8 (flat)
+    exact    the exact index (one cluster: silverrec::ivf_search)   vs faiss IndexScalarQuantizer SQ8 (flat)
     ivf      centroid top-nprobe + torch.ops.silverrec.ivf_scan   vs faiss IndexIVFScalarQuantizer SQ8
              (same centroids, same nprobe, no residual encoding on either side)
 
@@ -49,7 +49,7 @@ def main() -> int:
     if args.ext:  # kernels/cpu_ext.py loads this build instead of the package's
         os.environ["SILVERREC_CPU_EXT_PATH"] = args.ext
     import faiss
-    from exact_topk import gaussian_mixture
+    from exact_topk import exact_index, gaussian_mixture
 
     from silverrec.kernels.cpu_ext import cpu_ext
     from silverrec.publish.quantize import quantize_global
@@ -63,6 +63,7 @@ def main() -> int:
     x = gaussian_mixture(args.n, args.d, 1000, seed=0)
     xt = torch.from_numpy(x)
     codes, scale, offset = quantize_global(xt)
+    exact = exact_index(codes, scale, offset)
     sq8 = faiss.IndexScalarQuantizer(args.d, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
     sq8.train(x)
     sq8.add(x)
@@ -86,7 +87,7 @@ def main() -> int:
         qt = torch.from_numpy(q)
 
         def ours_exact():
-            return torch.ops.silverrec.int8_topk(qt, codes, scale, offset, args.k)
+            return exact(qt, args.k, 1)
 
         def faiss_exact():
             return sq8.search(q, args.k)

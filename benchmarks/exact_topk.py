@@ -1,5 +1,6 @@
-"""Exact top-k: silverrec's CPU int8 `int8_topk` vs faiss IndexScalarQuantizer SQ8 (the like-for-like
-8-bit flat peer) vs faiss.IndexFlatIP (float) vs torch.topk(q @ x.T).
+"""Exact top-k: silverrec's int8 exact index (the IVF with one cluster, as a snapshot with nlist 1 serves it:
+`silverrec::ivf_search`) vs faiss IndexScalarQuantizer SQ8 (the like-for-like 8-bit flat peer) vs
+faiss.IndexFlatIP (float) vs torch.topk(q @ x.T).
 
 Same items, same queries, one process. 1M x 128 items (a Gaussian mixture, so neighbourhoods are
 not uniform noise), batch 16, k in {100, 1024, 10000}. The systems are timed in alternation,
@@ -11,7 +12,7 @@ answer against the float answer, and memory of each index.
     .venv/bin/python benchmarks/exact_topk.py [--n 1000000] [--quick]
     python3 benchmarks/exact_topk.py --device cuda [--quick]     # on a GPU: results/exact_topk_cuda.json
 
---device cuda: silverrec's `int8_topk` on CUDA tensors (its Triton kernel) vs Faiss GPU flat
+--device cuda: silverrec's exact index on CUDA tensors (the ivf_scan Triton kernel) vs Faiss GPU flat
 (GpuIndexFlatIP, k <= 2048) when faiss has GPU support, else torch.topk(q @ x.T) on the GPU as the
 floor; CUDA-event times alternated call by call; recall@k of the int8 answer against the float one.
 """
@@ -31,6 +32,7 @@ from cuda_common import attempt, cuda_alternate, cuda_info, faiss_gpu, require_d
 
 import silverrec.kernels  # noqa: E402,F401  (registers torch.ops.silverrec.*)
 from silverrec.publish.quantize import quantize_global  # noqa: E402
+from silverrec.retrieval.ivf_index import Int8IVFIndex  # noqa: E402
 
 
 def gaussian_mixture(n: int, d: int, clusters: int, seed: int) -> np.ndarray:
@@ -38,6 +40,13 @@ def gaussian_mixture(n: int, d: int, clusters: int, seed: int) -> np.ndarray:
     centers = rng.standard_normal((clusters, d)).astype(np.float32)
     labels = rng.integers(0, clusters, n)
     return centers[labels] + 0.5 * rng.standard_normal((n, d)).astype(np.float32)
+
+
+def exact_index(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Int8IVFIndex:
+    """The exact index over int8 codes [N, D] (item ~= scale * code + offset): one cluster, which every query
+    probes (k results of `index(q, k, 1)` are the exact int8 top k)."""
+    n, d = codes.shape
+    return Int8IVFIndex(codes.cpu(), scale.cpu(), offset.cpu(), torch.tensor([0, n]), torch.zeros(1, d), torch.arange(n))
 
 
 def main() -> int:
@@ -62,6 +71,7 @@ def main() -> int:
     q = gaussian_mixture(args.batch, args.d, 1000, seed=1)
     xt, qt = torch.from_numpy(x), torch.from_numpy(q)
     codes, scale, offset = quantize_global(xt)
+    index = exact_index(codes, scale, offset)
     flat = faiss.IndexFlatIP(args.d)
     flat.add(x)
     sq8 = faiss.IndexScalarQuantizer(args.d, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
@@ -71,7 +81,7 @@ def main() -> int:
     rows = []
     for k in [int(v) for v in args.ks.split(",")]:
         def ours():
-            return torch.ops.silverrec.int8_topk(qt, codes, scale, offset, k)
+            return index(qt, k, 1)
 
         def faiss_flat():
             return flat.search(q, k)
@@ -111,6 +121,7 @@ def run_cuda(args, dev: torch.device) -> int:
     q = gaussian_mixture(args.batch, args.d, 1000, seed=1)
     xt, qt = torch.from_numpy(x).to(dev), torch.from_numpy(q).to(dev)
     codes, scale, offset = quantize_global(xt)
+    index = exact_index(codes, scale, offset).to(dev)
     fg = faiss_gpu()
     if fg is not None:
         res = fg.StandardGpuResources()
@@ -118,7 +129,7 @@ def run_cuda(args, dev: torch.device) -> int:
         flat.add(x)
     rows = []
     for k in [int(v) for v in args.ks.split(",")]:
-        sides = {"silverrec_int8": lambda: torch.ops.silverrec.int8_topk(qt, codes, scale, offset, k),
+        sides = {"silverrec_int8": lambda: index(qt, k, 1),
                  "torch_topk_float": lambda: torch.topk(qt @ xt.T, k, dim=1)}
         if fg is not None and k <= 2048:  # Faiss GPU's k-selection limit
             sides["faiss_gpu_flat_ip"] = lambda: flat.search(q, k)

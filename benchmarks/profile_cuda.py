@@ -9,7 +9,7 @@ is bound by the host (dispatch, launches, synchronisation), not by the GPU's ari
 filtered search of benchmarks/filter.py's --device cuda index (200k x 96 with --quick, batch 16,
 k = 100) unfiltered and with its most and least selective conjunctions, through `search_index`
 (request compilation, estimates, one forward), eager and replayed from a CUDA graph
-(`GraphedForward`); `silverrec::int8_topk` over 100k x 128, k = 100.
+(`GraphedForward`); the exact int8 index (one cluster: `silverrec::ivf_search`) over 100k x 128, k = 100.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     dev = require_device(args.device)
 
     import filter as filter_bench  # benchmarks/filter.py: the --device cuda index
+    from exact_topk import exact_index
 
     from silverrec.publish.quantize import quantize_global
     from silverrec.retrieval.filtered_search import search_index
@@ -107,10 +108,9 @@ def main(argv=None) -> int:
                                   lambda: search_index(c.snap_graphed, c.qt, 100, nprobe=16, filter=f), dev))
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(100_000, 128, generator=gen)
-        codes, scale, offset = (t.to(dev) for t in quantize_global(x))
+        exact = exact_index(*quantize_global(x)).to(dev)
         q = torch.randn(16, 128, generator=gen).to(dev)
-        cases.append(profile_case("int8_topk 100k x 128, batch 16, k=100",
-                                  lambda: torch.ops.silverrec.int8_topk(q, codes, scale, offset, 100), dev))
+        cases.append(profile_case("exact index 100k x 128, batch 16, k=100", lambda: exact(q, 100, 1), dev))
     name = "profile_cuda" + ("_quick" if args.quick else "") + ("_dry_run" if dev.type == "cpu" else "")
     path = Path(__file__).resolve().parent / "results" / f"{name}.json"
     path.write_text(json.dumps({"gpu": cuda_info(), "n": c.n, "calls": CALLS, "cases": cases}, indent=1))

@@ -29,7 +29,8 @@ Returns:
     score -inf.
 
 Queries are quantised to int8 per query (`common.quantize_queries`), so the ranking is exact for the
-int8 scores: with every cluster probed it equals `silverrec::int8_topk` on the same codes.
+int8 scores: with every cluster probed it is the exact int8 top k of the whole pool (an exact index is the
+configuration with one cluster).
 
 CPU, fast path: the fused C++ scan (`kernels/csrc/`, `silverrec.kernels._cpu.ivf_scan_keys`) when the
 extension is built: each probed cluster is one segment with the queries that probe it, visited in
@@ -56,12 +57,34 @@ from typing import Optional
 import numpy as np
 import torch
 
-from silverrec.kernels.common import EMPTY_KEY, cluster_bias, cluster_of_rows, dequantize_scores, dot_lanes, make_keys, quantize_queries, split_keys
+from silverrec.kernels.common import cluster_bias, cluster_of_rows, dequantize_scores, dot_lanes, make_keys, quantize_queries, split_keys
+from silverrec.kernels.constants import EMPTY_KEY
 from silverrec.kernels.cpu_ext import cpu_ext
-from silverrec.kernels.int8_topk import merge_candidates
 
 CHUNK_ROWS = 32768  # rows of the union scored per chunk: buffer int32 [CHUNK_ROWS, B]
 GAP_ROWS = 512  # unprobed rows between two runs cheaper to score (and mask) than a second matmul
+
+
+def merge_candidates(best: torch.Tensor, cand_query: torch.Tensor, cand_keys: torch.Tensor) -> torch.Tensor:
+    """Merge ragged candidates into the running top-k keys.
+
+    Args:
+        best: int64 [B, k] current best keys.
+        cand_query: int64 [M] query index of each candidate (sorted ascending).
+        cand_keys: int64 [M] candidate keys.
+    Returns:
+        int64 [B, k] new best keys (unsorted).
+    """
+    B, k = best.shape
+    counts = torch.bincount(cand_query, minlength=B)
+    width = int(counts.max())
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(cand_query.numel(), device=best.device) - starts[cand_query]
+    padded = torch.full((B, width), EMPTY_KEY, dtype=torch.int64, device=best.device)
+    padded[cand_query, pos] = cand_keys
+    return torch.cat([best, padded], dim=1).topk(k, dim=1, sorted=False).values
+
+
 INT32_MAX = torch.iinfo(torch.int32).max
 
 

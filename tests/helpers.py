@@ -96,3 +96,13 @@ def compile_in_clean_process(script: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def runs_cpp_kernel(op: str) -> bool:
+    """Whether silverrec::`op`'s CPU kernel is the C++ extension's (registered from kernels/csrc when it loads)."""
+    import torch
+
+    import silverrec.kernels  # noqa: F401  (defines the ops and loads the extension)
+
+    cpu = [line for line in torch._C._dispatch_dump(f"silverrec::{op}").splitlines() if line.startswith("CPU:")]
+    return bool(cpu) and "kernels/csrc/" in cpu[0]

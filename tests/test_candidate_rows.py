@@ -16,7 +16,7 @@ import torch
 
 import silverrec.kernels  # noqa: F401  (registers the ops)
 from silverrec.kernels.candidate_rows import candidate_rows_torch, exclude_rows, merge_tasks
-from silverrec.kernels.cpu_ext import cpu_ext
+from tests.helpers import runs_cpp_kernel
 
 
 # -------------------------------------------------------------------------- merge_tasks, exclude_rows
@@ -157,7 +157,7 @@ def test_candidate_rows_equals_the_reference(B, T, K, D, n, E, k0, limit, inters
 
 
 def test_candidate_rows_runs_the_cpp_kernel_and_drops_nan_scores():
-    assert cpu_ext() is not None and hasattr(cpu_ext(), "candidate_rows"), "the extension registers the C++ kernel"
+    assert runs_cpp_kernel("candidate_rows"), "the extension registers the C++ kernel"
     q, found, ex, emb = _case(7, 2, 2, 20, 16, 40, 4, torch.float32)
     q[0] = float("nan")  # request 0's task 0 scores NaN everywhere: its rows are dropped, task 1's kept
     got = torch.ops.silverrec.candidate_rows(q, found, ex, emb, 10, 40, False)

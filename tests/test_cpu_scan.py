@@ -19,8 +19,8 @@ from silverrec.kernels import cpu_ext as cpu_ext_mod
 from silverrec.kernels.bloom_filter import bloom_filter_numpy, bloom_filter_reference
 from silverrec.kernels.constants import OP_AND, OP_NOT, OP_OR, OP_PUSH
 from silverrec.kernels.common import EMPTY_KEY, quantize_queries
-from silverrec.kernels.int8_topk import topk_keys_cpu
 from silverrec.kernels.ivf_scan import bitmask_words, canonical_probes, scan_keys_cpu
+from tests.helpers import runs_cpp_kernel
 
 ext = cpu_ext_mod.cpu_ext()  # the package's build, or the one SILVERREC_CPU_EXT_PATH names (make test-portable)
 if ext is None:
@@ -67,6 +67,12 @@ def _brute_keys(qcodes, codes, k, allowed=None):
     return keys
 
 
+def _whole_pool_keys(qcodes, codes, k):
+    """The exact scan of every row: an index of one cluster, which every query probes (an exact index's search)."""
+    probes = torch.zeros(qcodes.shape[0], 1, dtype=torch.int64)
+    return ext.ivf_scan_keys(qcodes, codes, torch.tensor([0, codes.shape[0]]), probes, None, k)
+
+
 def _layout(n, nlist, g):
     """Random cluster offsets with empty clusters (first, one inside, last) and unaligned sizes."""
     cut = torch.sort(torch.randint(0, n + 1, (nlist - 1,), generator=g)).values
@@ -94,13 +100,12 @@ def test_exact_topk_equals_torch(d, b):
     g = torch.Generator().manual_seed(d * 100 + b)
     n = 3000
     codes, q = _codes(n, d, g), _qcodes(b, d, g)
-    for k in (1, 17, 1000, n):
-        got = ext.topk_keys(q, codes, k)
+    one = torch.tensor([0, n])
+    for k in (1, 17, 1000, n, n + 5):  # n + 5: padding
+        got = _whole_pool_keys(q, codes, k)
         assert torch.equal(got, _brute_keys(q, codes, k)), k
         if d > 1:
-            assert torch.equal(got, topk_keys_cpu(q, codes, k, chunk=512)), k
-    # k beyond N: padding (the torch path refuses it, brute force decides)
-    assert torch.equal(ext.topk_keys(q, codes, n + 5), _brute_keys(q, codes, n + 5))
+            assert torch.equal(got, scan_keys_cpu(q, codes, one, torch.zeros(b, 1, dtype=torch.int64), k, None, 512)), k
 
 
 @pytest.mark.parametrize("b", [1, 5, 16])
@@ -110,7 +115,7 @@ def test_exact_ties_and_thread_split(b):
     n, d = 20000, 7
     codes, q = _codes(n, d, g, ties=True), _qcodes(b, d, g, ties=True)
     for k in (1, 3, 100, 9000):
-        assert torch.equal(ext.topk_keys(q, codes, k), _brute_keys(q, codes, k)), k
+        assert torch.equal(_whole_pool_keys(q, codes, k), _brute_keys(q, codes, k)), k
 
 
 # SIMD edge cases of kernels/csrc/dot.h: widths around the 16-byte (AVX2), 64-byte (AVX-512) steps and
@@ -136,7 +141,7 @@ def test_simd_tails_and_extreme_codes(d, b, extreme):
     else:
         codes, q = _codes(n, d, g), _qcodes(b, d, g)
     for k in (1, 5, 100, n, n + 9):  # n + 9: more than the candidates (padding)
-        assert torch.equal(ext.topk_keys(q, codes, k), _brute_keys(q, codes, k)), k
+        assert torch.equal(_whole_pool_keys(q, codes, k), _brute_keys(q, codes, k)), k
     off = torch.tensor([0, 0, 37, 64, 150, n])
     probes = torch.tensor([[1, 2, 3, 4]] * b)
     bitmask = torch.randint(-(2**63), 2**63 - 1, (b, 4, bitmask_words(off)), generator=g)
@@ -230,26 +235,6 @@ def test_ivf_bad_values_raise_value_error():
         ext.ivf_scan_keys(q, codes, off, torch.tensor([[0, 1], [1, 2]]), None, 0)
 
 
-def test_scan_ranges_equals_brute_force():
-    g = torch.Generator().manual_seed(3)
-    n, d, b = 5000, 19, 3
-    codes, q = _codes(n, d, g), _qcodes(b, d, g)
-    rq = torch.tensor([0, 0, 2, 2, 1])
-    rs = torch.tensor([10, 4000, 0, 100, 7])
-    re = torch.tensor([700, 5000, 50, 100, 4000])  # one empty range
-    allowed = torch.zeros(b, n, dtype=torch.bool)
-    for qq, a, z in zip(rq.tolist(), rs.tolist(), re.tolist()):
-        allowed[qq, a:z] = True
-    for k in (1, 200, 3000):
-        assert torch.equal(ext.scan_ranges(q, codes, rq, rs, re, None, None, k), _brute_keys(q, codes, k, allowed))
-    # with a bitmask: one flat word array, word base per range
-    w = (n + 63) // 64
-    bm = torch.randint(-(2**63), 2**63 - 1, (b, w), generator=g)
-    bit = ((bm[:, torch.arange(n) >> 6] >> (torch.arange(n) & 63)) & 1).bool()
-    got = ext.scan_ranges(q, codes, rq, rs, re, rq * w, bm.reshape(-1), 100)
-    assert torch.equal(got, _brute_keys(q, codes, 100, allowed & bit))
-
-
 def _programs(b, length, width, r, g):
     """Random well-formed postfix programs (PUSH / NOT / AND / OR), NOP padded."""
     ops = torch.zeros(b, length, dtype=torch.int64)
@@ -304,7 +289,6 @@ def test_ops_fall_back_to_torch_with_the_same_results(monkeypatch):
     def run():
         return (
             torch.ops.silverrec.ivf_scan(queries, codes, scale, offset, off, probes, 30, bitmask),
-            torch.ops.silverrec.int8_topk(queries, codes, scale, offset, 30),
             torch.ops.silverrec.bloom_filter_counts(bank, f_ops, f_rows, lo, hi, bitmask_words(off)),
         )
 
@@ -328,7 +312,7 @@ def test_rows_to_items_equals_indexing(map_dtype, shape):
     against plain Python indexing, and the torch reference the CUDA path runs)."""
     from silverrec.kernels.rows_to_items import rows_to_items_torch
 
-    assert hasattr(ext, "rows_to_items"), "the extension registers the C++ kernel"
+    assert runs_cpp_kernel("rows_to_items"), "the extension registers the C++ kernel"
     g = torch.Generator().manual_seed(11)
     n = 1000
     row_to_item = (torch.randperm(n, generator=g) * 7 + (2**40 if map_dtype == torch.int64 else 3)).to(map_dtype)

@@ -48,11 +48,14 @@ def _gmm(n, d, centers, seed):
 
 
 def exact_int8(index, q, k):
-    """Exact int8 search on the index's codes (whole pool, `int8_topk`) with its per-dimension
-    ranges folded into the query exactly as the index does: (scores [B, k], rows [B, k])."""
+    """Exact int8 search on the index's codes by brute force, the queries folded and quantised as the index does:
+    every row's int64 dot product, a stable sort (ties to the lower row) -> (scores [B, k] dequantised as the ops
+    do, rows [B, k])."""
     folded, constant = index.fold(q)
-    scores, rows = torch.ops.silverrec.int8_topk(folded, index.codes, torch.tensor(1.0), torch.tensor(0.0), k)
-    return scores + constant[:, None], rows
+    qcodes, qscale = quantize_queries(folded)
+    dots = qcodes.long() @ index.codes.long().t()
+    rows = torch.sort(-dots, dim=1, stable=True).indices[:, :k]
+    return dots.gather(1, rows).float() * qscale[:, None] + constant[:, None], rows
 
 
 def rescored(index, q, scores, rows, k):
@@ -337,17 +340,27 @@ def test_predictor_nprobe_validation(tmp_path):
 
 @pytest.mark.parametrize("residual", [False, True])
 def test_forward_is_scan_of_probe_bit_for_bit(residual):
-    """forward (one fused op, no filter) == scan(probe) (the two public steps), scores and ids, with k past the
-    probed items and nprobe = nlist; its request row is the filtered search's probed mode."""
-    from silverrec.retrieval.filtered_ivf import MODE_PROBED
+    """forward (one fused op, `silverrec::ivf_search`) == scan(probe) (the two public steps), scores and ids, with
+    k past the probed items and nprobe = nlist; the op's C++ kernel == its composition (kernels/filtered_ivf_search.py
+    ivf_search_torch), with the extension's steps and with the torch ones, also with the float re-score and as rows."""
+    from silverrec.kernels.filtered_ivf_search import ivf_search_torch
+    from tests.test_filtered_topk import _both_paths
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(3000, 40, generator=g)
     index, _ = build_ivf(Pool(np.arange(3000, dtype=np.int64) * 7, x.numpy()), IVFConfig(nlist=24, seed=0, residual=residual))
-    assert int(index.probed) == MODE_PROBED
     q = torch.randn(9, 40, generator=g)
     with torch.inference_mode():
         for k, nprobe in [(1, 1), (10, 3), (100, 8), (500, 2), (3100, 24)]:
             want = index.scan(q, index.probe(q, nprobe), k)
             got = index(q, k, nprobe)
             assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (k, nprobe)
+            for margin, item_ids in ((0, False), (rescore_margin(k), True)):
+                args = index.search_args(q, k, nprobe, margin, RESCORE_MAX_K, item_ids)
+                fused = torch.ops.silverrec.ivf_search(*args)
+                for other in _both_paths(lambda: ivf_search_torch(*args)):
+                    assert torch.equal(fused[1], other[1]), (k, nprobe, margin)
+                    if margin == 0 or k > RESCORE_MAX_K:
+                        assert torch.equal(fused[0], other[0]), (k, nprobe, margin)
+                    else:  # the re-score's sums: float32 summation order
+                        torch.testing.assert_close(fused[0], other[0], rtol=1e-5, atol=1e-5)

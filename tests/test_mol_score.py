@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 import silverrec.kernels  # noqa: F401  (registers the ops)
 from silverrec.kernels.constants import MOL_DIMS, MOL_WEIGHTS
-from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.mol_score import mol_score_torch
 from silverrec.ranking.overarch import MoLOverArch
+from tests.helpers import runs_cpp_kernel
 
 
 def _setup(seed, B, K, T, D, F_, n, p_q=3, p_x=2, c=8, hidden=12, dtype=torch.float32):
@@ -73,7 +73,7 @@ def _pair_reference(arch, u, v, item) -> list[float]:
 @pytest.mark.parametrize("B,K,T,D,F_,n", [(1, 9, 2, 16, 3, 30), (4, 33, 3, 24, 0, 50), (2, 1, 1, 8, 2, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mol_score_equals_the_module_and_a_python_walk(B, K, T, D, F_, n, dtype):
-    assert cpu_ext() is not None, "the extension registers the C++ kernel"
+    assert runs_cpp_kernel("mol_score"), "the extension registers the C++ kernel"
     arch, user, rows, emb, ranker = _setup(B * 7 + K, B, K, T, D, F_, n, dtype=dtype)
     with torch.no_grad():
         got = torch.ops.silverrec.mol_score(*_args(arch, user, rows, emb, ranker))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import silverrec.kernels  # noqa: F401  (registers the ops)
-from silverrec.kernels.cpu_ext import cpu_ext
+from tests.helpers import runs_cpp_kernel
 from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin, rescore_rows_torch
 from tests.test_filter_ivf import built  # noqa: F401  (the filtered index fixture)
 
@@ -66,7 +66,7 @@ def test_rescore_rows_equals_the_reference(B, K, D, n, k):
 
 
 def test_rescore_rows_runs_the_cpp_kernel_and_drops_nan_scores():
-    assert cpu_ext() is not None and hasattr(cpu_ext(), "rescore_rows"), "the extension registers the C++ kernel"
+    assert runs_cpp_kernel("rescore_rows"), "the extension registers the C++ kernel"
     q, found, codes, scale, offset = _case(7, 3, 20, 16, 40)
     q[0] = float("nan")  # query 0 scores NaN everywhere: nothing returned
     scores, rows = torch.ops.silverrec.rescore_rows(q, found, codes, scale, offset, 10)

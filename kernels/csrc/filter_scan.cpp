@@ -189,6 +189,302 @@ void group_terms(const ClusterTerm& term, const int64_t* members, int mn, const 
   }
 }
 
+// filtered_topk's inputs, checked, as raw pointers and sizes; live = the active queries.
+struct FilterScan {
+  const int8_t *qcodes, *codes;
+  const int64_t *bank, *ops, *prog, *lists, *post_off;
+  const int32_t* post_rows;
+  const bool* act;
+  int64_t R, W, B, L, T, T2, V, N, D;
+  const int64_t* coff = nullptr;  // residual codes: cluster offsets [nlist + 1] (ClusterTerm)
+  int64_t nlist = 0;
+  std::vector<int64_t> live;
+};
+
+FilterScan filter_scan_inputs(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& bits,
+                              const at::Tensor& ops_t, const at::Tensor& rows_t, const at::Tensor& post_rows_t,
+                              const at::Tensor& post_off_t, const at::Tensor& lists_t, const at::Tensor& active_t,
+                              const ClusterTerm& term) {
+  check(bits, at::kLong, 2, "bits");
+  check(ops_t, at::kLong, 2, "ops");
+  check(rows_t, at::kLong, 3, "rows");
+  check(post_off_t, at::kLong, 1, "post_offsets");
+  check(lists_t, at::kLong, 2, "lists");
+  TORCH_CHECK(post_rows_t.device().is_cpu() && post_rows_t.scalar_type() == at::kInt && post_rows_t.dim() == 1 &&
+                  post_rows_t.is_contiguous(),
+              "post_rows: expected a contiguous int32 CPU tensor [E]");
+  TORCH_CHECK(active_t.device().is_cpu() && active_t.scalar_type() == at::kBool && active_t.dim() == 1, "active: bool [B]");
+  TORCH_CHECK(qcodes.scalar_type() == at::kChar && codes.scalar_type() == at::kChar && qcodes.dim() == 2 &&
+                  codes.dim() == 2 && qcodes.size(1) == codes.size(1) && qcodes.is_contiguous() && codes.is_contiguous(),
+              "qcodes / codes: contiguous int8 [B, D] / [N, D]");
+  FilterScan in;
+  in.R = bits.size(0), in.W = bits.size(1), in.B = ops_t.size(0), in.L = ops_t.size(1), in.T = rows_t.size(2);
+  in.T2 = lists_t.size(1), in.V = post_off_t.size(0) - 1, in.N = codes.size(0), in.D = codes.size(1);
+  TORCH_CHECK(lists_t.size(0) == in.B && active_t.size(0) == in.B && qcodes.size(0) == in.B,
+              "filtered_topk: B rows expected");
+  TORCH_CHECK(in.W == (in.N + 63) / 64, "filtered_topk: bits must have ceil(N / 64) words per row");
+  if (term.offsets) {  // residual codes: row r of cluster c scores dot + bias(b, c) (group_biases)
+    in.nlist = term.offsets->size(0) - 1;
+    in.coff = term.offsets->data_ptr<int64_t>();
+    TORCH_CHECK(in.nlist >= 1 && in.coff[0] == 0 && in.coff[in.nlist] == in.N,
+                "filtered_topk: cluster_offsets must rise from 0 to N");
+  }
+  in.qcodes = qcodes.data_ptr<int8_t>();
+  in.codes = codes.data_ptr<int8_t>();  // once, not per row (its checks were 4% of a search)
+  in.bank = bits.data_ptr<int64_t>(), in.ops = ops_t.data_ptr<int64_t>(), in.prog = rows_t.data_ptr<int64_t>();
+  in.lists = lists_t.data_ptr<int64_t>(), in.post_off = post_off_t.data_ptr<int64_t>();
+  in.post_rows = post_rows_t.data_ptr<int32_t>();
+  in.act = active_t.data_ptr<bool>();
+  for (int64_t b = 0; b < in.B; ++b)
+    if (in.act[b]) in.live.push_back(b);
+  return in;
+}
+
+// The live queries' programs and list ids (a whole-pool row, kNoLists first, ignores its other entries).
+void check_programs(const FilterScan& in) {
+  validate(in.ops, in.prog, in.live, in.L, in.T, in.R);
+  for (int64_t b : in.live)
+    for (int64_t t = 0; t < in.T2 && in.lists[b * in.T2] != kNoLists; ++t) {
+      const int64_t l = in.lists[b * in.T2 + t];
+      if (l >= in.V || l < kNoList)
+        throw std::invalid_argument("posting list id " + std::to_string(l) + " out of range [0, " + std::to_string(in.V) + ")");
+    }
+}
+
+// One group per distinct (program, lists) among the live queries, evaluated once (a probed query with the same
+// program and lists as a whole-pool one must not stand for it: that query went unanswered).
+struct Groups {
+  std::vector<int64_t> rep;                   // [B] each query's representative
+  std::vector<int64_t> heads;                 // the groups' representatives
+  std::vector<int64_t> group_of;              // [B] group of a representative (else -1)
+  std::vector<std::vector<int64_t>> members;  // each group's live queries, ascending
+};
+
+Groups group_queries(const FilterScan& in) {
+  Groups g;
+  g.rep = representatives(in.ops, in.prog, in.L, in.T, in.lists, nullptr, in.T2, in.B, in.act);
+  for (int64_t b : in.live)
+    if (g.rep[b] == b) g.heads.push_back(b);
+  g.group_of.assign(in.B, -1);
+  for (size_t i = 0; i < g.heads.size(); ++i) g.group_of[g.heads[i]] = int64_t(i);
+  g.members.resize(g.heads.size());
+  for (int64_t b : in.live) g.members[g.group_of[g.rep[b]]].push_back(b);
+  return g;
+}
+
+bool whole_pool(const FilterScan& in, int64_t b) { return in.lists[b * in.T2] == kNoLists; }
+
+// Each group's passing rows, ascending. Tasks: a slice of a group's posting-list rows, or of the pool's words
+// for a whole-pool group (a group's evaluation is split when there are fewer groups than threads).
+std::vector<std::vector<int64_t>> passing_rows(const FilterScan& in, const Groups& groups) {
+  const size_t G = groups.heads.size();
+  const int64_t threads = team_threads();
+  const bool split = int64_t(G) < threads;
+  struct Task {
+    int64_t g, a, z;  // words [a, z) of the pool, or entries [a, z) of the group's list rows
+  };
+  std::vector<Task> tasks;
+  std::vector<ListRows> cand(G);  // each posting-list group's rows
+  std::vector<std::vector<int32_t>> merged(G);
+  int64_t work = 0;  // words evaluated, or posting-list entries (one word gathered each)
+  for (size_t g = 0; g < G; ++g) {
+    const bool posting = !whole_pool(in, groups.heads[g]);
+    if (posting) cand[g] = list_rows(in.lists, in.T2, groups.heads[g], in.post_rows, in.post_off, merged[g]);
+    const int64_t n = posting ? cand[g].n : in.W, step = posting ? 1 : kBlock;
+    const int64_t slices = split && n >= kMinSliceWords ? threads : 1;
+    for (int64_t s = 0; s < slices; ++s)  // slices of whole blocks (pool words)
+      tasks.push_back({int64_t(g), n * s / slices / step * step, s + 1 == slices ? n : n * (s + 1) / slices / step * step});
+    work += n;
+  }
+  std::vector<std::vector<int64_t>> part(tasks.size());
+  const int64_t grain = work >= kMinSliceWords ? 1 : int64_t(tasks.size());
+  team_for(0, int64_t(tasks.size()), grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task& tk = tasks[t];
+      const int64_t b = groups.heads[tk.g];
+      part[t] = !whole_pool(in, b)
+                    ? list_passing_rows(in.bank, in.W, in.ops, in.prog, in.L, in.T, b, cand[tk.g].rows, tk.a, tk.z)
+                    : pool_passing_rows(in.bank, in.W, in.N, in.ops, in.prog, in.L, in.T, b, tk.a, tk.z);
+    }
+  });
+  std::vector<std::vector<int64_t>> passing(G);
+  for (size_t t = 0; t < tasks.size(); ++t) {  // a group's slices in order: its rows stay ascending
+    auto& p = passing[tasks[t].g];
+    if (p.empty()) p.swap(part[t]);
+    else p.insert(p.end(), part[t].begin(), part[t].end());
+  }
+  return passing;
+}
+
+// How each group is ranked: groups passing at most kExactFloatRows rows, with a float ranking, in float (no
+// int8 scan); groups passing more than N / kMaskDivisor rows by a scan of the pool through a mask; the others
+// by a scan of a compact buffer of their rows' codes.
+struct Placement {
+  std::vector<bool> in_float;
+  std::vector<int64_t> mask_group;  // the group's mask (-1: none)
+  std::vector<int64_t> buf_start;   // the group's first position in the compact buffer
+  int64_t total = 0, masked = 0;    // buffer rows, masks
+};
+
+Placement place_groups(const std::vector<std::vector<int64_t>>& passing, int64_t N, bool ranking) {
+  const size_t G = passing.size();
+  Placement pl;
+  pl.in_float.assign(G, false);
+  pl.mask_group.assign(G, -1);
+  pl.buf_start.assign(G, 0);
+  for (size_t g = 0; g < G; ++g) {
+    const int64_t n = int64_t(passing[g].size());
+    if (ranking && n <= kExactFloatRows) {
+      pl.in_float[g] = true;
+    } else if (n * kMaskDivisor > N) {
+      pl.mask_group[g] = pl.masked++;
+    } else {
+      pl.buf_start[g] = pl.total;
+      pl.total += n;
+    }
+  }
+  return pl;
+}
+
+// Residual codes: one walk of each group's passing rows (ascending) along the offsets gives the clusters holding
+// them and each row's cluster (in the compact buffer, or for the float ranking); per live query the cluster term of
+// those clusters, its best (the shift) and the biases bias(b, c), [nlist, B] (zero but where present).
+struct GroupBiases {
+  BiasTable table;
+  std::unique_ptr<int32_t[]> store;                 // [nlist, B], a cluster's queries together
+  std::vector<std::vector<int64_t>> present;        // per group, ascending
+  std::vector<int32_t> row_cluster;                 // [total] each compact-buffer row's cluster
+  std::vector<std::vector<int32_t>> float_cluster;  // groups ranked in float: each passing row's cluster
+};
+
+GroupBiases group_biases(const FilterScan& in, const Groups& groups, const std::vector<std::vector<int64_t>>& passing,
+                         const Placement& pl, const ClusterTerm& term) {
+  const size_t G = groups.heads.size();
+  GroupBiases gb;
+  gb.present.resize(G);
+  gb.float_cluster.resize(G);
+  if (!in.coff) return gb;
+  gb.store.reset(new int32_t[in.B * in.nlist]());  // zeros: a 16-row tile may read rows past its segment (masked)
+  gb.table = {gb.store.get(), 1, in.B};
+  gb.row_cluster.resize(pl.total);
+  for (size_t g = 0; g < G; ++g) {
+    int64_t c = 0;
+    if (pl.in_float[g]) gb.float_cluster[g].resize(passing[g].size());
+    for (size_t i = 0; i < passing[g].size(); ++i) {
+      while (in.coff[c + 1] <= passing[g][i]) ++c;
+      if (gb.present[g].empty() || gb.present[g].back() != c) gb.present[g].push_back(c);
+      if (pl.in_float[g]) gb.float_cluster[g][i] = int32_t(c);
+      else if (pl.mask_group[g] < 0) gb.row_cluster[pl.buf_start[g] + int64_t(i)] = int32_t(c);
+    }
+  }
+  for (size_t g = 0; g < G; ++g) {
+    if (gb.present[g].empty()) continue;
+    const auto& mg = groups.members[g];
+    for (size_t m0 = 0; m0 < mg.size(); m0 += 16)
+      group_terms(term, mg.data() + m0, int(std::min<size_t>(16, mg.size() - m0)), gb.present[g], in.D, in.B,
+                  gb.store.get());
+  }
+  return gb;
+}
+
+// The rows the scans read: the compact buffer (the small groups' passing rows' codes, and each position's pool
+// row) and the big whole-pool groups' masks over the pool.
+struct ScanRows {
+  std::vector<int8_t> buf;       // [total, D]
+  std::vector<int64_t> buf_row;  // [total]
+  std::vector<int64_t> mask;     // [masked, W] (none without big groups: W words zeroed were ~5% of a selective search)
+};
+
+ScanRows copy_passing_rows(const FilterScan& in, const std::vector<std::vector<int64_t>>& passing, const Placement& pl) {
+  ScanRows sr;
+  sr.buf.resize(std::max<int64_t>(pl.total, 1) * in.D);
+  sr.buf_row.resize(std::max<int64_t>(pl.total, 1));
+  sr.mask.assign(pl.masked * in.W, 0);
+  for (size_t g = 0; g < passing.size(); ++g) {
+    const auto& p = passing[g];
+    if (pl.in_float[g]) continue;
+    if (pl.mask_group[g] >= 0) {
+      int64_t* m = sr.mask.data() + pl.mask_group[g] * in.W;
+      for (int64_t r : p) m[r >> 6] |= int64_t(uint64_t{1} << (r & 63));
+      continue;
+    }
+    int8_t* dst = sr.buf.data() + pl.buf_start[g] * in.D;
+    for (size_t i = 0; i < p.size(); ++i) {
+      std::memcpy(dst + i * in.D, in.codes + p[i] * in.D, in.D);
+      sr.buf_row[pl.buf_start[g] + i] = p[i];
+    }
+  }
+  return sr;
+}
+
+// The two scans' segments, members of every group in group order: `small` over the compact buffer (one segment
+// per group; residual codes: per-row biases), `big` over the pool through the masks (one segment per group, or,
+// residual codes, one per cluster holding passing rows, its bias per member).
+void scan_inputs(const FilterScan& in, const Groups& groups, const std::vector<std::vector<int64_t>>& passing,
+                 const Placement& pl, const GroupBiases& gb, const ScanRows& sr, int64_t k, ScanInput& small,
+                 ScanInput& big) {
+  for (ScanInput* s : {&small, &big}) {
+    s->qcodes = in.qcodes;
+    s->B = in.B;
+    s->D = in.D;
+    s->k = k;
+  }
+  small.codes = sr.buf.data();
+  small.N = pl.total;
+  big.codes = in.codes;
+  big.N = in.N;
+  big.bitmask = sr.mask.data();
+  for (size_t g = 0; g < groups.heads.size(); ++g) {
+    ScanInput& s = pl.mask_group[g] >= 0 ? big : small;
+    // segment [a, z) of the scanned codes (pool rows, or buffer positions) with the group's queries as members,
+    // whose rows are all in cluster c (c = -1: no member biases)
+    const auto add_segment = [&](int64_t a, int64_t z, int64_t c) {
+      const int64_t first = int64_t(s.member_query.size());
+      for (int64_t b : groups.members[g]) {
+        s.member_query.push_back(b);
+        s.member_word.push_back(pl.mask_group[g] >= 0 ? pl.mask_group[g] * in.W : 0);
+        if (c >= 0) s.member_bias.push_back(gb.table(b, c));
+      }
+      s.segments.push_back({a, z, first, int64_t(s.member_query.size()) - first});
+    };
+    const auto& p = passing[g];
+    if (p.empty() || pl.in_float[g]) continue;
+    if (pl.mask_group[g] < 0) add_segment(pl.buf_start[g], pl.buf_start[g] + int64_t(p.size()), -1);
+    else if (!gb.table) add_segment(0, in.N, -1);
+    else
+      for (int64_t c : gb.present[g]) add_segment(in.coff[c], in.coff[c + 1], c);
+  }
+  if (in.coff && pl.total > 0) {  // the compact buffer's per-row biases: the table itself, [nlist, B]
+    small.row_cluster = gb.row_cluster.data();
+    small.row_bias = gb.store.get();
+    small.row_bias_stride = in.B;
+  }
+}
+
+// Both scans, each writing its own members' keys (unpadded) straight into the output; the compact buffer's
+// positions mapped back to pool rows (increasing within a group: the order, score then lower row, holds).
+void scan_groups(const FilterScan& in, const Groups& groups, const Placement& pl, const ScanRows& sr,
+                 const ScanInput& small, const ScanInput& big, int64_t* kp, int64_t* count) {
+  const int64_t k = small.k;
+  const auto masked = [&](int64_t b) { return pl.mask_group[groups.group_of[groups.rep[b]]] >= 0; };
+  if (!small.segments.empty()) {
+    scan_topk_into(small, kp, count);
+    for (int64_t b : in.live) {
+      if (masked(b)) continue;
+      for (int64_t i = b * k; i < b * k + count[b]; ++i) {
+        const int64_t pos = key_row(kp[i]);
+        kp[i] = (kp[i] & ~int64_t{0xFFFFFFFF}) | (int64_t{0xFFFFFFFF} - sr.buf_row[pos]);
+      }
+    }
+  }
+  if (!big.segments.empty()) {
+    std::vector<int64_t> count_big(in.B, 0);
+    scan_topk_into(big, kp, count_big.data());
+    for (int64_t b : in.live)
+      if (masked(b)) count[b] = count_big[b];
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> verify_topk(const at::Tensor& bits, const at::Tensor& ops_t, const at::Tensor& rows_t,
@@ -281,228 +577,28 @@ void filtered_topk_into(const at::Tensor& qcodes, const at::Tensor& codes, const
                         const at::Tensor& ops_t, const at::Tensor& rows_t, const at::Tensor& post_rows_t,
                         const at::Tensor& post_off_t, const at::Tensor& lists_t, const at::Tensor& active_t, int64_t k,
                         int64_t* kp, int64_t* count, const ClusterTerm& term, const FloatRanking* ranking) {
-  check(bits, at::kLong, 2, "bits");
-  check(ops_t, at::kLong, 2, "ops");
-  check(rows_t, at::kLong, 3, "rows");
-  check(post_off_t, at::kLong, 1, "post_offsets");
-  check(lists_t, at::kLong, 2, "lists");
-  TORCH_CHECK(post_rows_t.device().is_cpu() && post_rows_t.scalar_type() == at::kInt && post_rows_t.dim() == 1 &&
-                  post_rows_t.is_contiguous(),
-              "post_rows: expected a contiguous int32 CPU tensor [E]");
-  TORCH_CHECK(active_t.device().is_cpu() && active_t.scalar_type() == at::kBool && active_t.dim() == 1, "active: bool [B]");
-  TORCH_CHECK(qcodes.scalar_type() == at::kChar && codes.scalar_type() == at::kChar && qcodes.dim() == 2 &&
-                  codes.dim() == 2 && qcodes.size(1) == codes.size(1) && qcodes.is_contiguous() && codes.is_contiguous(),
-              "qcodes / codes: contiguous int8 [B, D] / [N, D]");
-  const int64_t R = bits.size(0), W = bits.size(1), B = ops_t.size(0), L = ops_t.size(1), T = rows_t.size(2);
-  const int64_t T2 = lists_t.size(1), V = post_off_t.size(0) - 1, N = codes.size(0), D = codes.size(1);
-  TORCH_CHECK(lists_t.size(0) == B && active_t.size(0) == B && qcodes.size(0) == B, "filtered_topk: B rows expected");
-  TORCH_CHECK(W == (N + 63) / 64, "filtered_topk: bits must have ceil(N / 64) words per row");
-  std::fill(count, count + B, int64_t{0});
-  // residual codes: row r of cluster c scores dot + bias(b, c) (ClusterTerm; the table is filled below)
-  const int64_t* coff = nullptr;
-  int64_t nlist = 0;
-  if (term.offsets) {
-    nlist = term.offsets->size(0) - 1;
-    coff = term.offsets->data_ptr<int64_t>();
-    TORCH_CHECK(nlist >= 1 && coff[0] == 0 && coff[nlist] == N, "filtered_topk: cluster_offsets must rise from 0 to N");
-  }
-  const bool* act = active_t.data_ptr<bool>();
-  const int64_t *bank = bits.data_ptr<int64_t>(), *ops = ops_t.data_ptr<int64_t>(), *prog = rows_t.data_ptr<int64_t>();
-  const int64_t *lists = lists_t.data_ptr<int64_t>(), *post_off = post_off_t.data_ptr<int64_t>();
-  const int32_t* post_rows = post_rows_t.data_ptr<int32_t>();
-  std::vector<int64_t> live;
-  for (int64_t b = 0; b < B; ++b)
-    if (act[b]) live.push_back(b);
-  if (live.empty() || k == 0) return;
-  validate(ops, prog, live, L, T, R);
-  for (int64_t b : live)  // a whole-pool row (kNoLists first) ignores its other entries
-    for (int64_t t = 0; t < T2 && lists[b * T2] != kNoLists; ++t) {
-      const int64_t l = lists[b * T2 + t];
-      if (l >= V || l < -1)
-        throw std::invalid_argument("posting list id " + std::to_string(l) + " out of range [0, " + std::to_string(V) + ")");
-    }
-  // one evaluation per distinct (program, lists) among the live queries (a probed query with the same
-  // program and lists as a whole-pool one must not stand for it: that query went unanswered)
-  const std::vector<int64_t> rep = representatives(ops, prog, L, T, lists, nullptr, T2, B, act);
-  std::vector<int64_t> groups;  // representatives of live queries
-  for (int64_t b : live)
-    if (rep[b] == b) groups.push_back(b);
-  // tasks: a slice of a group's posting-list rows, or of the pool's words for a whole-pool group (a
-  // group's evaluation is split when there are fewer groups than threads)
-  const int64_t threads = team_threads();
-  const bool split = int64_t(groups.size()) < threads;
-  struct Task {
-    int64_t g, a, z;  // words [a, z) of the pool, or entries [a, z) of the group's list rows
-  };
-  std::vector<Task> tasks;
-  std::vector<ListRows> cand(groups.size());  // each posting-list group's rows
-  std::vector<std::vector<int32_t>> merged(groups.size());
-  int64_t work = 0;  // words evaluated, or posting-list entries (one word gathered each)
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const bool posting = lists[groups[g] * T2] != kNoLists;
-    if (posting) cand[g] = list_rows(lists, T2, groups[g], post_rows, post_off, merged[g]);
-    const int64_t n = posting ? cand[g].n : W, step = posting ? 1 : kBlock;
-    const int64_t slices = split && n >= kMinSliceWords ? threads : 1;
-    for (int64_t s = 0; s < slices; ++s)  // slices of whole blocks (pool words)
-      tasks.push_back({int64_t(g), n * s / slices / step * step, s + 1 == slices ? n : n * (s + 1) / slices / step * step});
-    work += n;
-  }
-  std::vector<std::vector<int64_t>> part(tasks.size());
-  const int64_t grain = work >= kMinSliceWords ? 1 : int64_t(tasks.size());
-  team_for(0, int64_t(tasks.size()), grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const Task& tk = tasks[t];
-      const int64_t b = groups[tk.g];
-      part[t] = lists[b * T2] != kNoLists ? list_passing_rows(bank, W, ops, prog, L, T, b, cand[tk.g].rows, tk.a, tk.z)
-                                          : pool_passing_rows(bank, W, N, ops, prog, L, T, b, tk.a, tk.z);
-    }
-  });
-  std::vector<std::vector<int64_t>> passing(groups.size());
-  for (size_t t = 0; t < tasks.size(); ++t) {  // a group's slices in order: its rows stay ascending
-    auto& p = passing[tasks[t].g];
-    if (p.empty()) p.swap(part[t]);
-    else p.insert(p.end(), part[t].begin(), part[t].end());
-  }
-  std::vector<int64_t> group_of(B, -1), buf_start(groups.size(), 0), mask_group(groups.size(), -1);
-  for (size_t g = 0; g < groups.size(); ++g) group_of[groups[g]] = int64_t(g);
-  std::vector<std::vector<int64_t>> members(groups.size());  // each group's live queries, ascending
-  for (int64_t b : live) members[group_of[rep[b]]].push_back(b);
-  // groups passing at most kExactFloatRows rows, with a FloatRanking: ranked in float, no int8 scan;
-  // groups passing more than N / kMaskDivisor rows scan the pool through a mask, the others a compact buffer
-  TORCH_CHECK(!ranking || !coff || term.scores, "filtered_topk: a float ranking of residual codes needs the terms");
-  std::vector<bool> in_float(groups.size(), false);
-  int64_t total = 0, masked = 0;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    if (ranking && int64_t(passing[g].size()) <= kExactFloatRows) {
-      in_float[g] = true;
-      continue;
-    }
-    if (int64_t(passing[g].size()) * kMaskDivisor > N) {
-      mask_group[g] = masked++;
-      continue;
-    }
-    buf_start[g] = total;
-    total += int64_t(passing[g].size());
-  }
-  // residual codes: one walk of each group's passing rows (ascending) along the offsets gives the clusters
-  // holding them and, in the compact buffer, each row's cluster; per live query the cluster term of those
-  // clusters, its best (the shift) and the biases bias(b, c)
-  BiasTable bp;
-  std::unique_ptr<int32_t[]> bias_store;  // [nlist, B], a cluster's queries together; zero but where present
-  std::vector<std::vector<int64_t>> present(groups.size());  // per group, ascending
-  std::vector<int32_t> row_cluster;                          // [total]
-  std::vector<std::vector<int32_t>> float_cluster(groups.size());  // groups ranked in float: each row's cluster
-  if (coff) {
-    bias_store.reset(new int32_t[B * nlist]());  // zeros: a 16-row tile may read rows past its segment (masked)
-    bp = {bias_store.get(), 1, B};
-    row_cluster.resize(total);
-    for (size_t g = 0; g < groups.size(); ++g) {
-      int64_t c = 0;
-      if (in_float[g]) float_cluster[g].resize(passing[g].size());
-      for (size_t i = 0; i < passing[g].size(); ++i) {
-        while (coff[c + 1] <= passing[g][i]) ++c;
-        if (present[g].empty() || present[g].back() != c) present[g].push_back(c);
-        if (in_float[g]) float_cluster[g][i] = int32_t(c);
-        else if (mask_group[g] < 0) row_cluster[buf_start[g] + int64_t(i)] = int32_t(c);
-      }
-    }
-    for (size_t g = 0; g < groups.size(); ++g) {
-      if (present[g].empty()) continue;
-      const auto& mg = members[g];
-      for (size_t m0 = 0; m0 < mg.size(); m0 += 16)
-        group_terms(term, mg.data() + m0, int(std::min<size_t>(16, mg.size() - m0)), present[g], D, B,
-                    bias_store.get());
-    }
-  }
-  // compact buffer: the passing rows of each small group; big whole-pool groups scan via a mask
-  std::vector<int8_t> buf(std::max<int64_t>(total, 1) * D);
-  std::vector<int64_t> buf_row(std::max<int64_t>(total, 1));
-  std::vector<int64_t> mask(masked * W, 0);  // none without big groups (W words zeroed were ~5% of a selective search)
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const auto& p = passing[g];
-    if (in_float[g]) continue;
-    if (mask_group[g] >= 0) {
-      int64_t* m = mask.data() + mask_group[g] * W;
-      for (int64_t r : p) m[r >> 6] |= int64_t(uint64_t{1} << (r & 63));
-      continue;
-    }
-    const int8_t* src = codes.data_ptr<int8_t>();  // once, not per row (its checks were 4% of a search)
-    int8_t* dst = buf.data() + buf_start[g] * D;
-    for (size_t i = 0; i < p.size(); ++i) {
-      std::memcpy(dst + i * D, src + p[i] * D, D);
-      buf_row[buf_start[g] + i] = p[i];
-    }
-  }
-  // members of every group, in group order
+  const FilterScan in = filter_scan_inputs(qcodes, codes, bits, ops_t, rows_t, post_rows_t, post_off_t, lists_t, active_t,
+                                           term);
+  std::fill(count, count + in.B, int64_t{0});
+  if (in.live.empty() || k == 0) return;
+  check_programs(in);
+  const Groups groups = group_queries(in);
+  const std::vector<std::vector<int64_t>> passing = passing_rows(in, groups);
+  TORCH_CHECK(!ranking || !in.coff || term.scores, "filtered_topk: a float ranking of residual codes needs the terms");
+  const Placement place = place_groups(passing, in.N, ranking != nullptr);
+  const GroupBiases biases = group_biases(in, groups, passing, place, term);
+  const ScanRows scan_rows = copy_passing_rows(in, passing, place);
   ScanInput small, big;
-  for (ScanInput* in : {&small, &big}) {
-    in->qcodes = qcodes.data_ptr<int8_t>();
-    in->B = B;
-    in->D = D;
-    in->k = k;
-  }
-  small.codes = buf.data();
-  small.N = total;
-  big.codes = codes.data_ptr<int8_t>();
-  big.N = N;
-  big.bitmask = mask.data();
-  for (size_t g = 0; g < groups.size(); ++g) {
-    ScanInput& in = mask_group[g] >= 0 ? big : small;
-    // segment [a, z) of the scanned codes (pool rows, or buffer positions) with the group's queries as members,
-    // whose rows are all in cluster c (c = -1: no member biases)
-    const auto add_segment = [&](int64_t a, int64_t z, int64_t c) {
-      const int64_t first = int64_t(in.member_query.size());
-      for (int64_t b : members[g]) {
-        in.member_query.push_back(b);
-        in.member_word.push_back(mask_group[g] >= 0 ? mask_group[g] * W : 0);
-        if (c >= 0) in.member_bias.push_back(bp(b, c));
-      }
-      in.segments.push_back({a, z, first, int64_t(in.member_query.size()) - first});
-    };
-    const auto& p = passing[g];
-    if (p.empty() || in_float[g]) continue;
-    if (mask_group[g] < 0) {  // the compact buffer: one segment (residual codes: per-row biases, above)
-      add_segment(buf_start[g], buf_start[g] + int64_t(p.size()), -1);
-      continue;
-    }
-    if (!bp) {
-      add_segment(0, N, -1);
-      continue;
-    }
-    // the pool through the mask, residual codes: one segment per cluster holding passing rows, its bias per member
-    for (int64_t c : present[g]) add_segment(coff[c], coff[c + 1], c);
-  }
-  if (coff && total > 0) {  // the compact buffer's per-row biases: the table itself, [nlist, B]
-    small.row_cluster = row_cluster.data();
-    small.row_bias = bias_store.get();
-    small.row_bias_stride = B;
-  }
-  // the groups ranked in float: their members' results go to the ranking's outputs (count stays 0)
-  for (size_t g = 0; g < groups.size(); ++g) {
-    if (!in_float[g]) continue;
-    const auto& mg = members[g];
+  scan_inputs(in, groups, passing, place, biases, scan_rows, k, small, big);
+  for (size_t g = 0; g < groups.heads.size(); ++g) {  // the groups ranked in float: the ranking's outputs (count 0)
+    if (!place.in_float[g]) continue;
+    const auto& mg = groups.members[g];
     for (size_t m0 = 0; m0 < mg.size(); m0 += 16)
-      rank_in_float(*ranking, codes.data_ptr<int8_t>(), D, passing[g], coff ? float_cluster[g].data() : nullptr,
-                    coff ? term.scores : nullptr, coff ? bias_store.get() : nullptr, B, mg.data() + m0,
-                    int(std::min<size_t>(16, mg.size() - m0)), qcodes.data_ptr<int8_t>());
+      rank_in_float(*ranking, in.codes, in.D, passing[g], in.coff ? biases.float_cluster[g].data() : nullptr,
+                    in.coff ? term.scores : nullptr, in.coff ? biases.store.get() : nullptr, in.B, mg.data() + m0,
+                    int(std::min<size_t>(16, mg.size() - m0)), in.qcodes);
   }
-  // each scan writes the rows of its own members only (unpadded), straight into the output
-  std::vector<int64_t> count_big(B, 0);
-  if (!small.segments.empty()) {
-    scan_topk_into(small, kp, count);
-    for (int64_t b : live) {
-      if (mask_group[group_of[rep[b]]] >= 0) continue;
-      for (int64_t i = b * k; i < b * k + count[b]; ++i) {  // buffer positions -> pool rows
-        const int64_t pos = key_row(kp[i]);
-        kp[i] = (kp[i] & ~int64_t{0xFFFFFFFF}) | (int64_t{0xFFFFFFFF} - buf_row[pos]);
-      }
-    }
-  }
-  if (!big.segments.empty()) {
-    scan_topk_into(big, kp, count_big.data());
-    for (int64_t b : live)
-      if (mask_group[group_of[rep[b]]] >= 0) count[b] = count_big[b];
-  }
+  scan_groups(in, groups, place, scan_rows, small, big, kp, count);
 }
 
 }  // namespace silverrec
