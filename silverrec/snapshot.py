@@ -34,8 +34,9 @@ from silverrec.errors import SnapshotError
 # 2: filtered_ivf models take posting lists; 3: "rec" snapshots (RecModel, rank.pt2, items.npz);
 # 4: one root module: the kinds "exact", "ivf" and "filtered_ivf" became RecModel configurations (config.spec)
 # 5: a program's state tensors may live apart, in tensors.pt (an older reader would run the placeholders)
-FORMAT_VERSION = 5
-MIN_FORMAT_VERSION = 4  # older snapshots hold modules this silverrec no longer has
+# 6: the search ops take the index as a tensor list and an int list (kernels/search_args.py)
+FORMAT_VERSION = 6
+MIN_FORMAT_VERSION = 6  # older programs call ops (or hold modules) this silverrec no longer has
 MANIFEST = "manifest.json"
 EXPORT_FILE = "model.pt2"
 SCRIPT_FILE = "model.ts"
@@ -142,9 +143,9 @@ def read_manifest(path: str | os.PathLike, verify: bool = True) -> dict[str, Any
     if version < MIN_FORMAT_VERSION:
         raise SnapshotError(
             f"snapshot {root} has format version {version} (kind {manifest.get('kind')!r}); this silverrec "
-            f"{_silverrec_version()} reads format versions {MIN_FORMAT_VERSION}..{FORMAT_VERSION}: since format 4 "
-            "every retrieval snapshot is one recommendation model (the kinds 'exact', 'ivf' and 'filtered_ivf' "
-            "became its configurations), so re-publish it with this silverrec"
+            f"{_silverrec_version()} reads format versions {MIN_FORMAT_VERSION}..{FORMAT_VERSION}: its program calls "
+            "operators in a form this silverrec no longer has (format 6: the search ops' narrow interface), so "
+            "re-publish it with this silverrec"
         )
     if verify:
         verify_files(root, manifest)

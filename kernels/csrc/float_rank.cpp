@@ -29,12 +29,12 @@ inline int32_t int8_dot(const int8_t* q, const int8_t* c, int64_t D) {
   return s;
 }
 
-}  // namespace
-
-void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const std::vector<int64_t>& rows,
-                   const int32_t* row_cluster, const float* terms, const int32_t* bias, int64_t B,
-                   const int64_t* members, int mn, const int8_t* qcodes) {
-  const int64_t S = int64_t(rows.size()), k = fr.k;
+// The float score of every row for each member query: f[i * 16 + j], the re-score's arithmetic (rescore.cpp
+// one_query), so the same bits: dot_codes + constant (+ the cluster term). Rows split between the threads.
+std::vector<float> float_scores(const FloatRanking& fr, const int8_t* codes, int64_t D, const std::vector<int64_t>& rows,
+                                const int32_t* row_cluster, const float* terms, int64_t B, const int64_t* members,
+                                int mn, bool threads) {
+  const int64_t S = int64_t(rows.size());
   std::vector<float> f(S * 16);
   float constant[16] = {};
   for (int j = 0; j < mn; ++j) constant[j] = dot_lanes(fr.queries + members[j] * D, fr.dim_offset, D);
@@ -50,9 +50,7 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
     case 256: dots = &dot_codes_x16<256>; break;
   }
 #endif
-  // the re-score's arithmetic (rescore.cpp one_query), so the same bits: dot_codes + constant (+ term)
   constexpr int64_t kAhead = 8;  // rows are scattered over the pool: fetch a few ahead
-  const bool threads = S * mn >= kMinParallelKeys;  // rows split between the threads, then queries
   team_for(0, S, threads ? 64 : S, [&](int64_t i0, int64_t i1) {
 #if defined(__AVX512F__)
     std::vector<float> cf(D);
@@ -73,6 +71,45 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
       }
     }
   });
+  return f;
+}
+
+// Member j's (query b's) top `top` rows when equal floats sit in its top or across its edge: every row ordered by
+// (float, int8 score, row), the order of the re-score's list.
+void rank_ties(const float* f, int j, int64_t b, const int8_t* codes, int64_t D, const std::vector<int64_t>& rows,
+               const int32_t* row_cluster, const int32_t* bias, int64_t B, const int8_t* qcodes, int64_t top, float* so,
+               int64_t* ro) {
+  struct Entry {
+    float s;
+    int32_t i8;
+    int64_t i;
+  };
+  const float none = -std::numeric_limits<float>::infinity();
+  std::vector<Entry> all;
+  for (int64_t i = 0; i < int64_t(rows.size()); ++i) {
+    const float s = f[i * 16 + j];
+    if (!(s > none)) continue;
+    int32_t i8 = int8_dot(qcodes + b * D, codes + rows[i] * D, D);
+    if (bias) i8 += bias[row_cluster[i] * B + b];
+    all.push_back({s, i8, i});
+  }
+  std::sort(all.begin(), all.end(), [](const Entry& x, const Entry& y) {
+    return x.s != y.s ? x.s > y.s : x.i8 != y.i8 ? x.i8 > y.i8 : x.i < y.i;
+  });
+  for (int64_t t = 0; t < top; ++t) {
+    so[t] = all[t].s;
+    ro[t] = rows[all[t].i];
+  }
+}
+
+}  // namespace
+
+void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const std::vector<int64_t>& rows,
+                   const int32_t* row_cluster, const float* terms, const int32_t* bias, int64_t B,
+                   const int64_t* members, int mn, const int8_t* qcodes) {
+  const int64_t S = int64_t(rows.size()), k = fr.k;
+  const bool threads = S * mn >= kMinParallelKeys;  // rows split between the threads, then queries
+  const std::vector<float> f = float_scores(fr, codes, D, rows, row_cluster, terms, B, members, mn, threads);
   const float none = -std::numeric_limits<float>::infinity();
   team_for(0, mn, threads ? 1 : mn, [&](int64_t j0, int64_t j1) {
     std::vector<int64_t> keys, scratch;
@@ -100,27 +137,8 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
       for (int64_t t = 1; t < top && !tie; ++t) tie = (keys[t] >> 32) == (keys[t - 1] >> 32);
       float* so = fr.scores + b * k;
       int64_t* ro = fr.rows + b * k;
-      if (tie) {  // rare: every row ordered by (float, int8 score, row)
-        struct Entry {
-          float s;
-          int32_t i8;
-          int64_t i;
-        };
-        std::vector<Entry> all;
-        for (int64_t i = 0; i < S; ++i) {
-          const float s = f[i * 16 + j];
-          if (!(s > none)) continue;
-          int32_t i8 = int8_dot(qcodes + b * D, codes + rows[i] * D, D);
-          if (bias) i8 += bias[row_cluster[i] * B + b];
-          all.push_back({s, i8, i});
-        }
-        std::sort(all.begin(), all.end(), [](const Entry& x, const Entry& y) {
-          return x.s != y.s ? x.s > y.s : x.i8 != y.i8 ? x.i8 > y.i8 : x.i < y.i;
-        });
-        for (int64_t t = 0; t < top; ++t) {
-          so[t] = all[t].s;
-          ro[t] = rows[all[t].i];
-        }
+      if (tie) {  // rare
+        rank_ties(f.data(), int(j), b, codes, D, rows, row_cluster, bias, B, qcodes, top, so, ro);
       } else {
         for (int64_t t = 0; t < top; ++t) {
           const int64_t i = key_row(keys[t]);
@@ -129,7 +147,7 @@ void rank_in_float(const FloatRanking& fr, const int8_t* codes, int64_t D, const
         }
       }
       std::fill(so + top, so + k, none);
-      std::fill(ro + top, ro + k, int64_t{-1});
+      std::fill(ro + top, ro + k, kNoRow);
       fr.done[b] = true;
     }
   });
