@@ -1,14 +1,15 @@
 """Lazy loader of the optional C++ CPU fast paths (`silverrec.kernels._cpu`, built from kernels/csrc/).
 
-The CPU implementations of `int8_topk`, `ivf_scan`, `bloom_filter(_counts)`,
+The CPU implementations of `ivf_scan`, `bloom_filter(_counts)`,
 `filter_plan`, `verify_topk`, `filtered_topk` and the query quantisation call `cpu_ext()` and use
 the extension when it is importable; otherwise (no compiler at install time, or
 `SILVERREC_CPU_EXT=0` in the environment) they run their torch / numpy implementations, which stay
 the reference semantics, after one warning. Results are bit-identical either way
 (tests/test_cpu_scan.py, tests/test_filtered_topk.py, tests/test_postings.py). These ops stay
-Python custom ops. `filtered_ivf_search` is defined in Python too, and loading the extension
-registers its CPU kernel with the dispatcher (kernels/filtered_ivf_search.py); snapshots name the
-ops, not their kernels, so export / TorchScript are unaffected.
+Python custom ops. `ivf_search`, `filtered_ivf_search`, `rows_to_items`, `candidate_rows`, `mol_score` and
+`rescore_rows` are defined in Python too, and loading the extension registers their CPU kernels with the
+dispatcher (kernels/filtered_ivf_search.py); snapshots name the ops, not their kernels, so export /
+TorchScript are unaffected.
 
 `SILVERREC_CPU_EXT_PATH` loads the extension from another build of the same sources instead (a .so
 built for another instruction set: `make test-portable` runs the kernel tests on the AVX-512-without-VNNI

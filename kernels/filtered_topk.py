@@ -31,7 +31,7 @@ re-sorted and the CPU path stops evaluating once k rows passed.
     #     clusters holding the query's passing rows only (a selective filter computes no other)
 
 "Filter, then exact scan": the rows passing the program (from the candidate lists, or the whole
-pool) are scored exactly like `silverrec::int8_topk` (int8 dot products, ties to the lower row).
+pool) are scored exactly like `silverrec::ivf_scan` scores rows (int8 dot products, ties to the lower row).
 With posting lists the cost is proportional to the candidates, not to N.
 
 CPU: kernels/csrc/filter_scan.cpp (queries with the same program and lists are evaluated once; the

@@ -11,7 +11,7 @@ Candidates of query b (contract in kernels/filtered_topk.py):
   so the union counts each row once. The program runs per row (one word per lane).
 - inactive queries: none (all padding).
 Passing rows are scored with int8 `tl.dot` and int32 accumulation (the query broadcast over the 16
-columns tl.dot needs, as in ivf_scan_triton.py), exactly like `silverrec::int8_topk`.
+columns tl.dot needs, as in ivf_scan_triton.py), exactly like `silverrec::ivf_scan`.
 
 Selection: a radix select on the value v = (score + SOFF) << RB | (2**RB - 1 - row), SOFF =
 127 * 128 * D (so score + SOFF >= 0) and RB = bits of N - 1. v orders rows exactly like the output
@@ -36,7 +36,7 @@ search of r over cluster_offsets (bit length of nlist steps per tile: no host sy
 nothing sized by N). The score range grows by BIAS_BOUND and SOFF with it: at D = 128 the value
 takes 31 + RB bits (22 + RB without bias), 58 bits at N = 100M (RB = 27).
 
-Why not per-chunk key buffers merged by topk (int8_topk_triton.py): [B, chunk] keys written per
+Why not per-chunk key buffers merged by topk (as a plain exact scan would): [B, chunk] keys written per
 chunk and N / chunk topk launches over [B, k + chunk]; here nothing but [B, 2**DIGIT] counts and
 [B, CAP] keys is written, and no sort is larger than CAP.
 
@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from silverrec.kernels import constants
 from silverrec.kernels.bloom_filter_triton import program_words
 from silverrec.kernels.constants import BIAS_FLOOR, EMPTY_KEY, NO_LISTS
 from silverrec.kernels.ivf_scan_triton import row_scores
@@ -61,6 +62,7 @@ BLOCK = 64  # rows per scored tile (one bank word) and words per route-1 tile
 TARGET_PROGRAMS = 1024  # programs per launch (B x SPLITS), enough to fill an H100's 132 SMs
 MIN_SLACK = 256  # buffer rows beyond k for the boundary bin
 BIAS_BOUND = -BIAS_FLOOR  # residual codes: bias[b, c] in [-BIAS_BOUND, 0] (kernels/common.py cluster_bias)
+NO_ROW = tl.constexpr(constants.NO_ROW)  # no row (kernels/constants.py)
 
 
 @triton.jit
@@ -70,7 +72,7 @@ def _posting_rows(post_rows_ptr, post_off_ptr, lists_ptr, b, pos, inb, T2, V, NI
     ok is False past the lists, for unused slots (-1, or ids >= V) and for a row that an earlier
     slot also holds (the union keeps its first copy).
     """
-    rows = tl.zeros_like(pos) - 1
+    rows = tl.zeros_like(pos) + NO_ROW
     slot = tl.zeros_like(pos) + T2
     cum = tl.zeros_like(pos)
     for t in range(0, T2):
@@ -80,7 +82,7 @@ def _posting_rows(post_rows_ptr, post_off_ptr, lists_ptr, b, pos, inb, T2, V, NI
         lo = tl.load(post_off_ptr + lid)
         size = tl.where(used, tl.load(post_off_ptr + lid + 1) - lo, 0)
         here = inb & (pos >= cum) & (pos < cum + size)
-        r = tl.load(post_rows_ptr + lo + pos - cum, mask=here, other=-1)
+        r = tl.load(post_rows_ptr + lo + pos - cum, mask=here, other=NO_ROW)
         rows = tl.where(here, r.to(tl.int64), rows)
         slot = tl.where(here, t, slot)
         cum += size
@@ -99,7 +101,7 @@ def _posting_rows(post_rows_ptr, post_off_ptr, lists_ptr, b, pos, inb, T2, V, NI
             val = tl.load(post_rows_ptr + lo + mid, mask=live, other=0).to(tl.int64)
             a = tl.where(live & (val < rows), mid + 1, a)
             z = tl.where(live & (val >= rows), mid, z)
-        hit = tl.load(post_rows_ptr + lo + a, mask=a < size, other=-1).to(tl.int64) == rows
+        hit = tl.load(post_rows_ptr + lo + a, mask=a < size, other=NO_ROW).to(tl.int64) == rows
         dup = dup | (hit & (a < size) & (t < slot))
     return tl.maximum(rows, 0), ~dup
 

@@ -25,7 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from silverrec.kernels import constants
 from silverrec.kernels.constants import EMPTY_KEY
+
+NO_CLUSTER = tl.constexpr(constants.NO_CLUSTER)  # a probe slot that scans nothing (kernels/constants.py)
 
 SLOT_GROUP = 8  # the fewest probe slots scored per launch before a top-k merge
 # ... and the most: as many as this many bytes of keys hold. On an H200 (benchmarks/profile_cuda.py,
@@ -103,7 +106,7 @@ def _ivf_scan_bias_keys_kernel(
     offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + b * stride_o + g * L + offs_n
     empty = tl.full((BLOCK_N,), -9223372036854775808, tl.int64)
-    c = tl.load(probes_ptr + b * stride_p + j, mask=j < P, other=-1)
+    c = tl.load(probes_ptr + b * stride_p + j, mask=j < P, other=NO_CLUSTER)
     if c < 0:
         tl.store(out_ptrs, empty, mask=offs_n < L)
     else:

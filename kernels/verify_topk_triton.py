@@ -26,8 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from silverrec.kernels import constants
 from silverrec.kernels.bloom_filter_triton import program_words
 
+NO_ROW = tl.constexpr(constants.NO_ROW)  # padding row (kernels/constants.py)
 BLOCK = 128  # entries per tile (k + k / 4 + 16 entries come in from the filtered search)
 
 
@@ -53,7 +55,7 @@ def _verify_pass_kernel(
     lane = tl.arange(0, BLOCK)
     idx = t * BLOCK + lane
     inb = idx < K2
-    rows = tl.load(rows_ptr + b * K2 + idx, mask=inb, other=-1)
+    rows = tl.load(rows_ptr + b * K2 + idx, mask=inb, other=NO_ROW)
     widx = rows >> 6
     valid = (rows >= 0) & (widx < W)
     scratch = scratch_ptr + (b * NT + t) * L * BLOCK + lane
@@ -91,7 +93,7 @@ def _verify_place_kernel(
         slot = before + tl.cumsum(ok.to(tl.int32), axis=0) - 1
         put = ok & (slot < k)
         tl.store(out_s_ptr + b * k + slot, tl.load(scores_ptr + b * K2 + idx, mask=put, other=0.0), mask=put)
-        tl.store(out_r_ptr + b * k + slot, tl.load(rows_ptr + b * K2 + idx, mask=put, other=-1), mask=put)
+        tl.store(out_r_ptr + b * k + slot, tl.load(rows_ptr + b * K2 + idx, mask=put, other=NO_ROW), mask=put)
 
 
 def verify_topk_triton(
@@ -107,7 +109,7 @@ def verify_topk_triton(
     B, K2 = rows_in.shape
     L = ops.shape[1]
     scores = torch.full((B, k), float("-inf"), dtype=torch.float32, device=rows_in.device)
-    rows = torch.full((B, k), -1, dtype=torch.int64, device=rows_in.device)
+    rows = torch.full((B, k), constants.NO_ROW, dtype=torch.int64, device=rows_in.device)
     if B == 0 or K2 == 0 or L == 0:
         return scores, rows
     nt = triton.cdiv(K2, block)

@@ -102,13 +102,17 @@ def test_decode_ops(cuda):
 
 
 @pytest.mark.parametrize("k", [1, 100, 1000])
-def test_int8_topk(cuda, k):
+def test_exact_index_search(cuda, k):
+    """The exact index (the IVF with one cluster: silverrec::ivf_search) on the device == the C++ op on CPU."""
+    from silverrec.retrieval.ivf_index import Int8IVFIndex
+
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(5000, 67, generator=gen)
     q = torch.randn(19, 67, generator=gen)
     codes, scale, offset = quantize_global(x)
-    args = (q, codes, scale, offset, k)
-    assert_same(torch.ops.silverrec.int8_topk(*to_device(args, cuda)), torch.ops.silverrec.int8_topk(*args), "int8_topk")
+    index = Int8IVFIndex(codes, scale, offset, torch.tensor([0, 5000]), torch.zeros(1, 67), torch.arange(5000))
+    args = index.search_args(q, k, 1)
+    assert_same(torch.ops.silverrec.ivf_search(*to_device(args, cuda)), torch.ops.silverrec.ivf_search(*args), "ivf_search")
 
 
 @pytest.mark.parametrize("b, p, n", [(1, 1, 1), (19, 4, 3)])
