@@ -40,7 +40,7 @@ Without the extension the CPU kernels are the compositions.
 
 Why one op: at small batches the search's arithmetic is tens of microseconds (a posting list of a
 thousand rows), while each eager tensor op costs several microseconds of dispatch. On CPU the C++
-path (kernels/csrc/ops.cpp, search.cpp) runs the same steps with the same ATen calls and C++ kernels, so
+path (kernels/csrc/search.cpp) runs the same steps with the same ATen calls and C++ kernels, so
 its results are bit-identical to the composition, without the per-op overhead or intermediate tensors.
 """
 

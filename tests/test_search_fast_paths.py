@@ -1,4 +1,4 @@
-"""The CPU filtered search's shortcuts (kernels/csrc/plan.cpp, ops.cpp, filter_scan.cpp) change no result.
+"""The CPU filtered search's shortcuts (kernels/csrc/plan.cpp, search.cpp, filter_scan.cpp) change no result.
 
 - An unfiltered batch (every program TRUE) of probed queries skips the Bloom counts and the cluster
   mask and decodes the scan's keys once; auto queries still count.

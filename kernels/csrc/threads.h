@@ -23,7 +23,7 @@ constexpr int64_t kMinParallelKeys = int64_t{1} << 11;
 // threads: one 3-value AND, 241 matches, 0.156 -> 0.139 ms at k 100, 0.178 -> 0.157 ms at k 4096; 612 matches
 // 0.222 -> 0.204 ms.
 constexpr int64_t kMinSliceWords = 4096;
-// Bytes of a search's result decoded and padded (ops.cpp; k 4096 x 16 queries: 768 KB, nearly all padding):
+// Bytes of a search's result decoded and padded (search.cpp; k 4096 x 16 queries: 768 KB, nearly all padding):
 // one core's streaming stores do not fill the memory bus: 241 matches 0.239 -> 0.219 ms, 612: 0.375 -> 0.348.
 constexpr int64_t kParallelResultBytes = int64_t{1} << 18;
 
