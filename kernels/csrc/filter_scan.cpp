@@ -102,9 +102,9 @@ ListRows list_rows(const int64_t* lists, int64_t T2, int64_t b, const int32_t* p
 
 // The rows of cand[ca, cz) (ascending) that pass group representative b's program, ascending. Rows
 // dense in their words' range (at least one per kDenseListWords words) are read from the program run
-// over that range's words, a block at a time, as the whole-pool route does; sparse rows gather their own
-// words (a 3-value AND whose rarest value has a list of 24k rows, 1M rows: 0.32 ms gathered on one thread,
-// 0.21 ms now, the whole-pool route 0.18 ms). Lists are ascending (publish/postings.py).
+// over that range's words, a block at a time, as the whole-pool route does (a dense list's rows share
+// words: a block pass reads each once); sparse rows gather their own words. Lists are ascending
+// (publish/postings.py).
 std::vector<int64_t> list_passing_rows(const int64_t* bank, int64_t W, const int64_t* ops, const int64_t* prog_rows,
                                        int64_t L, int64_t T, int64_t b, const int32_t* cand, int64_t ca, int64_t cz) {
   std::vector<int64_t> out;
@@ -230,7 +230,7 @@ FilterScan filter_scan_inputs(const at::Tensor& qcodes, const at::Tensor& codes,
                 "filtered_topk: cluster_offsets must rise from 0 to N");
   }
   in.qcodes = qcodes.data_ptr<int8_t>();
-  in.codes = codes.data_ptr<int8_t>();  // once, not per row (its checks were 4% of a search)
+  in.codes = codes.data_ptr<int8_t>();  // once, not per row (data_ptr checks the tensor each call)
   in.bank = bits.data_ptr<int64_t>(), in.ops = ops_t.data_ptr<int64_t>(), in.prog = rows_t.data_ptr<int64_t>();
   in.lists = lists_t.data_ptr<int64_t>(), in.post_off = post_off_t.data_ptr<int64_t>();
   in.post_rows = post_rows_t.data_ptr<int32_t>();
@@ -392,7 +392,7 @@ GroupBiases group_biases(const FilterScan& in, const Groups& groups, const std::
 struct ScanRows {
   std::vector<int8_t> buf;       // [total, D]
   std::vector<int64_t> buf_row;  // [total]
-  std::vector<int64_t> mask;     // [masked, W] (none without big groups: W words zeroed were ~5% of a selective search)
+  std::vector<int64_t> mask;     // [masked, W] (none without big groups: no W words to zero for a selective search)
 };
 
 ScanRows copy_passing_rows(const FilterScan& in, const std::vector<std::vector<int64_t>>& passing, const Placement& pl) {
