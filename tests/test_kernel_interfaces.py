@@ -1,14 +1,11 @@
-"""The kernels' interfaces: narrow op schemas, the search ops' argument layouts, and kernels/ at the bottom.
+"""The kernels' interfaces: narrow op schemas and the search ops' argument layouts (kernels/ at the bottom of
+the imports: tests/test_layering.py).
 
 - No `torch.library` schema of silverrec takes more than 12 arguments: an index travels as a tensor list
   and an int list with named positions (kernels/constants.py), not as a row of positional arguments.
 - The retrieval stage builds the search ops' lists in the orders the constants name (the C++ kernel reads
   them by those positions: a list built in another order would search the wrong tensors).
-- kernels/ imports nothing from the runtime (ranking, retrieval, serving, filtering, generative, publish).
 """
-
-import ast
-from pathlib import Path
 
 import torch
 
@@ -17,8 +14,6 @@ from silverrec.kernels.constants import FILTERED_IVF_PARAMS, FILTERED_IVF_TENSOR
 from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 from silverrec.retrieval.ivf_index import Int8IVFIndex
 
-KERNELS = Path(__file__).resolve().parents[1] / "kernels"
-RUNTIME = ("ranking", "retrieval", "serving", "filtering", "generative", "publish")
 MAX_ARGUMENTS = 12
 
 
@@ -49,12 +44,3 @@ def test_the_search_lists_follow_the_named_layouts():
     rows_map = index.filtered_index_tensors(item_ids=False)[FILTERED_IVF_TENSORS.index("row_to_item")]
     assert rows_map.numel() == 0  # the ops return rows
 
-
-def test_kernels_import_nothing_from_the_runtime():
-    bad = []
-    for path in sorted(KERNELS.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            bad += [(path.name, n) for n in names if n.startswith(tuple(f"silverrec.{r}" for r in RUNTIME))]
-    assert not bad, f"kernels/ imports the runtime: {bad}"

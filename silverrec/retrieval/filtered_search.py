@@ -22,7 +22,8 @@ import torch
 
 from silverrec.errors import QueryError
 from silverrec.filtering.filter_program import FilterPlan, compile_estimates, compile_request, normalize_filters
-from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED, MODES
+from silverrec.kernels.constants import MODE_AUTO, MODE_PROBED, MODE_UNPROBED
+from silverrec.retrieval.filtered_ivf import MODES
 
 
 def filter_plan(snap) -> FilterPlan:
