@@ -37,6 +37,10 @@ import torch
 from silverrec.kernels.centroid_probe import centroid_candidates_torch
 from silverrec.kernels.constants import (MODE_AUTO, MODE_PROBED, MODE_UNPROBED, NO_CLUSTER, NO_LISTS, ROUTE_POSTING,
                                          ROUTE_PROBED, ROUTE_WHOLE_POOL)
+
+# filter_plan_torch reads a route off the posting lists as int(unprobed): one cast (one kernel on a GPU), not a
+# select between two filled tensors
+assert (ROUTE_PROBED, ROUTE_WHOLE_POOL) == (0, 1)
 from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.search_args import FilteredIvfParams, FilteredIvfTensors, Program, unpack
 
@@ -70,8 +74,7 @@ def filter_plan_torch(queries, index, params, exact_cost_ratio: float, program, 
     auto = (total < target) | (scanned.to(torch.float32) > est_total * exact_cost_ratio)
     unprobed = torch.where(mode == MODE_AUTO, auto, mode == MODE_UNPROBED) & ~posting
     probes = torch.where(chosen & ~unprobed[:, None] & ~posting[:, None], cand, torch.full_like(cand, NO_CLUSTER))
-    route = torch.where(posting, torch.full_like(mode, ROUTE_POSTING),
-                        torch.where(unprobed, torch.full_like(mode, ROUTE_WHOLE_POOL), torch.full_like(mode, ROUTE_PROBED)))
+    route = torch.where(posting, torch.full_like(mode, ROUTE_POSTING), unprobed.to(torch.int64))
     return probes, bitmask, route
 
 

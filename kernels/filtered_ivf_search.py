@@ -53,7 +53,7 @@ import torch
 from silverrec.kernels import candidate_rows as _candidate_rows
 from silverrec.kernels import mol_score as _mol_score
 from silverrec.kernels import rescore_rows as _rescore_rows
-from silverrec.kernels.constants import (EXACT_FLOAT_ROWS, NO_LISTS, NO_ROW, ROUTE_POSTING, ROUTE_WHOLE_POOL,
+from silverrec.kernels.constants import (EXACT_FLOAT_ROWS, NO_LISTS, NO_ROW, ROUTE_PROBED, ROUTE_WHOLE_POOL,
                                          VERIFY_MARGIN_DIVISOR, VERIFY_MARGIN_ROWS)
 from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.rows_to_items import register_cpu_fallback
@@ -131,7 +131,7 @@ def compose_search(
                                   pa.window_words, *residual[1:])
     s_ivf, r_ivf = steps.verify_topk(ix.bits, pr.vops, pr.vrows, s_ivf, r_ivf, k)
     # whole-pool and posting-list queries: filter then exact scan
-    exact = (route == ROUTE_WHOLE_POOL) | (route == ROUTE_POSTING)
+    exact = route != ROUTE_PROBED
     src = torch.where((route == ROUTE_WHOLE_POOL)[:, None], torch.full_like(pr.lists, NO_LISTS), pr.lists)
     s_ex, r_ex = steps.filtered_topk(folded, ix.codes, one, zero, ix.bits, [pr.vops, pr.vrows],
                                      [ix.post_rows, ix.post_offsets, src], exact, k_ex, pa.posting_limit, residual)
