@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Panel, alternate, plot_only, print_table, replot, save_plot, write_results  # noqa: E402
 
 from silverrec.filtering.filter_program import FilterPlan, compile_request  # noqa: E402
-from silverrec.publish.rec import PublishConfig, build_rec_model, scriptable  # noqa: E402
+from silverrec.publish.rec import PublishConfig, build_rec_model  # noqa: E402
+from silverrec.publish.rec_files import scriptable  # noqa: E402
 from silverrec.publish.train import load_checkpoint  # noqa: E402
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec  # noqa: E402
 
@@ -57,12 +58,17 @@ def main(argv=None) -> int:
     rows_of = lambda ids: order[np.searchsorted(built.row_to_item[order], ids)]  # noqa: E731
     histories = [rows_of(np.asarray(hist[off[u]:off[u + 1]])) for u in range(len(off) - 1) if off[u + 1] > off[u]]
     inductor_config.cpp_wrapper = True
-    nprobe, max_probe = min(NPROBE, model.index.nlist), min(MAX_PROBE, model.index.nlist)
+    nprobe, max_probe = min(NPROBE, built.spec.nlist), min(MAX_PROBE, built.spec.nlist)
 
-    def tail(user, exclude, ops, rows, vops, vrows, lists, mode):
-        cand = model.retrieve(user, exclude, ops, rows, vops, vrows, lists, mode, K0, nprobe, max_probe)
-        value, task_scores = model.rank_rows(user, cand)
-        return model.best(cand, value, task_scores, K)
+    def head(values, lengths, dense, ops, rows, vops, vrows, lists):
+        """The user tower and the filter template (RecModel.forward's first two stages)."""
+        return model.user_tower(values, lengths, dense), *model.filter_template(values, lengths, ops, rows, vops, vrows, lists)
+
+    def tail(user, exclude, ops, rows, vops, vrows, lists, mode, history, flags):
+        """RecModel.forward's stages after them: sources, OverArch, value model, top k."""
+        cand = model.sources(user, exclude, ops, rows, vops, vrows, lists, mode, history, flags, K, K0, nprobe, max_probe)
+        task_scores = model.overarch(user, cand)
+        return model.top_k(user, cand, model.value_model(task_scores, cand), task_scores, K)
 
     compiled = torch.compile(tail, dynamic=False)
     out = []
@@ -72,17 +78,19 @@ def main(argv=None) -> int:
         exclude = torch.from_numpy(np.stack([np.sort(np.pad(h, (64, 0), constant_values=-1)[-64:]) for h in hs]))  # newest 64, -1 first
         ops, rows, vops, vrows, lists = compile_request([None] * batch, FilterPlan.from_config(built.manifest["filter"]))
         mode = torch.zeros(batch, dtype=torch.int64)
-        full = (values, lengths, dense, exclude, ops, rows, vops, vrows, lists, mode, K, K0, nprobe, max_probe)
+        history, flags = torch.full((batch, 1), -1, dtype=torch.int64), torch.ones(batch, 2, dtype=torch.bool)
+        full = (values, lengths, dense, exclude, ops, rows, vops, vrows, lists, mode, history, flags, K, K0, nprobe,
+                max_probe)
         with torch.inference_mode():
-            user, *progs = model.request(values, lengths, dense, ops, rows, vops, vrows, lists)
-            targs = (user, exclude, *progs, mode)
+            user, *progs = head(values, lengths, dense, ops, rows, vops, vrows, lists)
+            targs = (user, exclude, *progs, mode, history, flags)
             t0 = time.perf_counter()
             got = compiled(*targs)
             compile_s = time.perf_counter() - t0
             want = tail(*targs)
             same = bool(torch.equal(got[3], want[3]))
             timed = alternate([lambda: ts(*full), lambda: tail(*targs), lambda: compiled(*targs),
-                               lambda: model.request(values, lengths, dense, ops, rows, vops, vrows, lists)],
+                               lambda: head(values, lengths, dense, ops, rows, vops, vrows, lists)],
                               args.repeat, warmup=5)
         names = ("torchscript", "eager_tail", "inductor_tail", "user_tower")
         row = {"batch": batch, "compile_seconds": round(compile_s, 1), "inductor_tail_rows_equal_eager": same,

@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import Panel, plot_only, replot, save_plot, write_results  # noqa: E402
 from recommend import CANDIDATES, K0, OVERARCH, SOURCE_BEAM, VALUE_MODEL  # noqa: E402
 
-from silverrec.generative.source import FOUND_ANN, FOUND_GENERATIVE, PRIORITIES, SOURCES  # noqa: E402
+from silverrec.candidates import FOUND_ANN, FOUND_GENERATIVE, SOURCES  # noqa: E402
+from silverrec.spec import PRIORITIES  # noqa: E402
 from silverrec.publish import movielens  # noqa: E402
 from silverrec.publish.evaluate import mean_and_spread, metrics_from_ranks, ranks_from_topk  # noqa: E402
 from silverrec.publish.fusion import WEIGHTS, fused_topk, union_tensors  # noqa: E402
@@ -65,11 +66,11 @@ def full_log_probs(model, split, stage: str, batch: int = 32) -> torch.Tensor:
     """The decoder's log-prob of every item for each eval user, float32 [U, N] by canonical row:
     the prefill's first-level log-probs plus, with one beam per first-level code, every code's
     second-level log-probs (semantic IDs of exactly 2 levels)."""
-    gs = model.generative
+    gs = model.sources.decode.generative  # the hybrid's decode (HybridSources)
     r, dec = gs.retrieval, gs.retrieval.decoder
     if r.n_levels != 2:
         raise SystemExit(f"full scoring needs 2-level semantic IDs, the decoder has {r.n_levels}")
-    item_to_row = {int(it): i for i, it in enumerate(model.index.row_to_item.long().tolist())}
+    item_to_row = {int(it): i for i, it in enumerate(model.sources.ann.index.row_to_item.long().tolist())}
     ids = split.logs.item_ids
     hists = split.histories(split.eval_users, stage)
     paths = r.trie.leaf_paths
@@ -105,7 +106,7 @@ def split_tensors(tt: str, gen: str, seed: int, stage: str, logs: Path) -> dict[
     split = leave_one_out(read_logs(logs / "interactions.parquet", logs / "items.parquet", None, seed=seed))
     u = union_tensors(handler, split, stage)
     full = full_log_probs(handler.module, split, stage)
-    r2i = handler.module.index.row_to_item.long()
+    r2i = handler.module.sources.ann.index.row_to_item.long()
     row_of = torch.full((int(r2i.max()) + 1,), 0, dtype=torch.int64)
     row_of[r2i] = torch.arange(r2i.numel())
     real = u["item_ids"] >= 0

@@ -29,12 +29,12 @@ embedding cache vs recomputing the item tower; snapshot bytes per item.
    - synthetic 200k-item pool, distinct rows: an `ItemTower` over `UserFeatureSpec(num_items=200_000)`
      with the trained feature tables and MLP and a random item-id table (std of the trained one),
      item features and dense features copied from random MovieLens items; silverrec side =
-     `EmbeddingCache` of its outputs + `RecModel.rank_rows` (eager: cache gather + re-score,
+     `EmbeddingCache` of its outputs + `RecModel.rank`'s stages (eager: cache gather + re-score,
      OverArch's pair score on the cached item side, compiled value model), pipeline side = that
      tower's forward on the rows + the same OverArch, whole + value. Both sides include the same
      float user tower.
    Also the embedding step alone (what the cache replaces: the embedding and feature lookups
-   `rank_rows` runs, `EmbeddingCache.lookup` without the OverArch's cached item side, vs the item
+   `rank` runs, `EmbeddingCache.lookup` without the OverArch's cached item side, vs the item
    tower's forward + the dense gather; the full `lookup` with that item side, and the masked
    `EmbeddingCache.gather`, beside it) and the whole OverArch alone. The
    target (cache >= 10x faster than recomputing the item tower at 10k items) is checked
@@ -64,7 +64,6 @@ import os
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 os.environ.setdefault("SILVERREC_QUIET", "1")
@@ -94,7 +93,8 @@ from silverrec.publish.two_tower import ItemTower  # noqa: E402
 from silverrec.ranking.cache import EmbeddingCache  # noqa: E402
 from silverrec.ranking.overarch import overarch_from_config  # noqa: E402
 from silverrec.ranking.value_model import compile_value_model  # noqa: E402
-from silverrec.rec_model import RecModel  # noqa: E402
+from silverrec.candidates import rows_only  # noqa: E402
+from silverrec.ranking.stages import PairOverArch, RowOverArch, ValueStage  # noqa: E402
 from silverrec.retrieval.item_ids import ItemRows  # noqa: E402
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec  # noqa: E402
 
@@ -171,7 +171,7 @@ class Pipeline:
         self.nprobe = int(manifest["default_nprobe"])
         self.max_probe = int(manifest["search"]["default_max_probe"])
         self.exclude_limit = int(manifest["exclude_limit"])
-        self.overfetch = int(manifest["overfetch"])
+        self.overfetch = int(manifest["spec"]["overfetch"])
         t0 = time.perf_counter()
         quant = faiss.IndexFlatIP(self.d)
         self.index = faiss.IndexIVFScalarQuantizer(quant, self.d, self.nlist, faiss.ScalarQuantizer.QT_8bit,
@@ -417,15 +417,17 @@ def early_stage(snap, pipe: Pipeline, ckpt: dict, request: dict, sizes, repeats:
     # as publish builds it: the OverArch's item side computed once per item, kept beside the embeddings
     cache = EmbeddingCache(emb, torch.from_numpy(dense), names).with_ranker(pipe.overarch.item_side)
     vm = compile_value_model(VALUE_MODEL, tasks, names)
-    holder = types.SimpleNamespace(cache=cache, has_overarch=True, rows_overarch=hasattr(pipe.overarch, "score_rows"),
-                                   overarch=pipe.overarch, has_value_model=True, value_model=vm)
+    # RecModel.rank's stages over this cache: the OverArch stage and the value stage
+    scores_stage = (RowOverArch if hasattr(pipe.overarch, "score_rows") else PairOverArch)(cache, pipe.overarch)
+    value_stage = ValueStage(vm, cache)
     print(f"  synthetic pool of {n_syn:,} items built in {time.perf_counter() - t0:.1f}s", flush=True)
     hist = pipe.rows(request["history"])
 
     def ours_syn(r):
         u = pipe.user([hist])
         with torch.inference_mode():
-            return RecModel.rank_rows(holder, u, torch.from_numpy(r)[None])[0][0]
+            cand = rows_only(torch.from_numpy(r)[None])
+            return value_stage(scores_stage(u, cand), cand)[0]
 
     for n in sizes:
         r = rng.choice(n_syn, n, replace=False).astype(np.int64)
@@ -457,10 +459,10 @@ def early_stage(snap, pipe: Pipeline, ckpt: dict, request: dict, sizes, repeats:
                          "share_of_silverrec_rank": t_oa["paired_ratio_median"]})
             print(f"  {'':>36} OverArch {OVERARCH} alone {n:>7,}: {t_oa['median_ms']:9.2f} ms "
                   f"({t_oa['paired_ratio_median']:.0%} of silverrec's rank; the pipeline runs it whole)", flush=True)
-        # the embedding step alone: the cache lookups rank_rows runs vs the item tower's forward (+ the
+        # the embedding step alone: the cache lookups rank runs vs the item tower's forward (+ the
         # dense gather); the masked gather (zeros at padding, used by bring-your-own publishing) beside
         rt = torch.from_numpy(r)
-        def item_tower_outputs():  # lookup's embeddings and features (rank_rows' lookups of the item tower's outputs)
+        def item_tower_outputs():  # lookup's embeddings and features (rank's lookups of the item tower's outputs)
             return cache.embeddings(rt[None]), cache.features(rt[None])
 
         with torch.inference_mode():
@@ -584,21 +586,25 @@ class _DecodeOnly(torch.nn.Module):
 
     def __init__(self, model):
         super().__init__()
-        self.index, self.generative = model.index, model.generative
+        self.decode = model.sources.decode  # the hybrid's DecodeSource
 
     def forward(self, exclude: torch.Tensor, vops: torch.Tensor, vrows: torch.Tensor, history: torch.Tensor):
-        allowed = self.generative.allowed_rows(self.index.bits, vops, vrows, exclude)
-        rows, scores, _ = self.generative(history, allowed, history[:, :0])  # no ANN candidates to score
-        return self.index.row_to_item[rows.clamp_min(0)], scores
+        on = torch.ones_like(exclude[:, :1], dtype=torch.bool)
+        rows, scores, _ = self.decode.candidates(history, vops, vrows, exclude, on, history[:, :0])  # no ANN rows to score
+        return self.decode.row_to_item[rows.clamp_min(0)], scores
 
 
 def sources_part(ckpt_path: Path, gen_ckpt_path: Path, users: list[list[int]], repeats: dict[int, int]) -> list[dict]:
-    """ANN only (the plain RecModel), generative only (filter + exclusions + decode) and hybrid (both,
-    merged and ranked: HybridRecModel) on the same requests, TorchScript, batch 1 and 16, without
+    """ANN only (the one-source RecModel), generative only (filter + exclusions + decode) and hybrid
+    (both, merged and ranked: the two-source RecModel) on the same requests, TorchScript, batch 1 and 16, without
     and with FILTER, alternated call by call. Target: hybrid <= 1.1 x (ANN only + generative only)."""
+    import dataclasses
+
+    from silverrec.compose import compose
     from silverrec.filtering.filter_program import compile_request
     from silverrec.generative.source import SOURCES, request_tensors
-    from silverrec.publish.rec import build_rec_model, scriptable
+    from silverrec.publish.rec import build_rec_model
+    from silverrec.publish.rec_files import scriptable
     from silverrec.serving.recommend import RecHandler, RecRequest
 
     pcfg = PublishConfig(checkpoint=str(ckpt_path), overarch=OVERARCH, value_model=VALUE_MODEL, k0=K0,
@@ -606,9 +612,8 @@ def sources_part(ckpt_path: Path, gen_ckpt_path: Path, users: list[list[int]], r
                          beam_width=SOURCE_BEAM)
     built = build_rec_model(pcfg)
     hybrid = built.model
-    plain = RecModel(hybrid.user_tower, hybrid.index, hybrid.cache, hybrid.overarch if hybrid.has_overarch else None,
-                     hybrid.value_model if hybrid.has_value_model else None, tasks=hybrid.tasks, overfetch=hybrid.overfetch,
-                     candidates=hybrid.candidates).eval()
+    plain = compose(built.spec.replace(sources=("ann",), generative_weight=0.0, source_priority="none"),
+                    dataclasses.replace(built.parts, decode=None))
     programs = {"ann": scriptable(plain), "generative": torch.jit.script(_DecodeOnly(hybrid).eval()), "hybrid": scriptable(hybrid)}
     handler = RecHandler(built.manifest, hybrid, built.row_to_item, built.item_csr, built.users)
     cfg = built.manifest
@@ -623,8 +628,9 @@ def sources_part(ckpt_path: Path, gen_ckpt_path: Path, users: list[list[int]], r
             history, flags = request_tensors([handler.rows(h, "history") for h in users[:batch]], [None] * batch, SOURCES)
             base = (values, lengths, dense, exclude, ops, prog, vops, vrows, lists, modes)
             ints = (K, K0, nprobe, max_probe)
+            no_history, ann_on = torch.full((batch, 1), -1, dtype=torch.int64), torch.ones(batch, 2, dtype=torch.bool)
             calls = {
-                "ann": lambda: programs["ann"](*base, *ints),
+                "ann": lambda: programs["ann"](*base, no_history, ann_on, *ints),
                 "generative": lambda: programs["generative"](exclude, vops, vrows, history),
                 "hybrid": lambda: programs["hybrid"](*base, history, flags, *ints),
             }
@@ -824,7 +830,8 @@ def main(argv=None) -> int:
                      "numpy": np.__version__, "torch": torch.__version__},
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "threads": 2, "quick": args.quick,
         "training": train_cfg, "publish_seconds": round(publish_seconds, 1),
-        "snapshot": {k: manifest.get(k) for k in ("nlist", "default_nprobe", "default_k0", "overarch", "value_model", "merge", "tasks")}
+        "snapshot": {**{k: manifest.get(k) for k in ("nlist", "default_nprobe", "default_k0")},
+                     **{k: manifest["spec"].get(k) for k in ("overarch", "value_model", "merge", "tasks")}}
         | {"max_probe": pipe.max_probe, "quantization_user_tower": manifest.get("quantization_user_tower"),
            "training_stats": manifest.get("training")},
         "k": K, "k0": K0, "filter": FILTER, "filter_fraction": len(bm) / pipe.n, "batches": list(BATCHES),
@@ -839,7 +846,7 @@ def main(argv=None) -> int:
             f"synthetic_{SYNTH_ITEMS}_distinct_rows": "ItemTower over UserFeatureSpec(num_items=200000): trained feature tables "
                                                       "and MLP, random item-id table (std of the trained one), features copied "
                                                       "from random MovieLens items; silverrec = EmbeddingCache of its outputs + "
-                                                      "RecModel.rank_rows (eager); pipeline = tower forward + OverArch + value",
+                                                      "RecModel.rank's stages (eager); pipeline = tower forward + OverArch + value",
         },
         "seconds": round(time.perf_counter() - t_start, 1),
         "load_average_1_5_15min": {"start": load_start, "end": os.getloadavg()},

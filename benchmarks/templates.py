@@ -92,7 +92,6 @@ def fill_rows(snap, reqs: dict, users: list, repeat: int) -> list[dict]:
     module = torch.jit.script(compile_template(TEMPLATE, plan, spec))
     csr = {f: (np.zeros(spec.num_items + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)) for f in spec.item_vocabs}
     enc = FeatureEncoder.from_arrays(spec, csr)
-    post_sizes = torch.zeros(1, dtype=torch.int64)
     out = []
     for batch in (1, 16, 64):
         starts = [(i * batch) % max(1, len(users) - batch) for i in range(repeat)]
@@ -106,7 +105,7 @@ def fill_rows(snap, reqs: dict, users: list, repeat: int) -> list[dict]:
         def fill() -> None:
             values, lengths, filters = inputs[at["fill"] % len(inputs)]
             at["fill"] += 1
-            module(values, lengths, *compile_request([None] * len(filters), plan), post_sizes)
+            module(values, lengths, *compile_request([None] * len(filters), plan))
 
         def compile_strings() -> None:
             compile_request(inputs[at["compile"] % len(inputs)][2], plan)

@@ -136,7 +136,7 @@ def recall_by_nprobe(path: Path, q: np.ndarray, ids: np.ndarray, gt_rows: np.nda
     gt_rows int64 [Q, 100]: rows of `ids` / `drifted` (bool [N]) that are each query's true top 100."""
     snap = silverrec.load(path)
     t = read_tensors(Path(path), snap.manifest)
-    centroids, off = t["index.centroids"], t["index.cluster_offsets"]
+    centroids, off = t["sources.index.centroids"], t["sources.index.cluster_offsets"]
     sizes = (off[1:] - off[:-1]).double()
     order = (torch.from_numpy(q) @ centroids.t()).argsort(dim=1, descending=True)
     gt_ids, gt_drift = ids[gt_rows], drifted[gt_rows]

@@ -73,13 +73,14 @@ from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.logs import Logs, read_logs
 from silverrec.publish.pool import Pool, pool_from_table
 from silverrec.publish.progress import bar, step
-from silverrec.publish.rec import Built, PublishConfig, _bytes_per_item, choose_nprobe, serving_config, write_rec_files
+from silverrec.publish.rec import (PublishConfig, _bytes_per_item, choose_nprobe, compose_checked, record_composition,
+                                   serving_config, value_formula)
+from silverrec.publish.rec_files import Built, write_rec_files
+from silverrec.compose import ModelParts
 from silverrec.ranking.cache import EmbeddingCache
-from silverrec.ranking.value_model import compile_value_model
 from silverrec.adapters import MaskedOverArchAdapter, OverArchAdapter, UserTowerAdapter
 from silverrec.filtering.filter_program import FilterPlan
-from silverrec.filtering.template import compile_template
-from silverrec.rec_model import RecModel
+from silverrec.spec import ModelSpec
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec, _csr, gather_csr
 from silverrec.snapshot import export_program, write_snapshot
 
@@ -499,23 +500,27 @@ def build_byo_model(cfg: ByoConfig) -> Built:
         manifest["default_nprobe"], manifest["nprobe_recall_at_k0"] = choose_nprobe(
             index, u.reshape(-1, dim), cache.emb.float(), cfg.k0, cfg.min_recall)
     manifest["search"]["default_max_probe"] = max(int(manifest["default_nprobe"]), manifest["search"]["default_max_probe"])
-    vm = compile_value_model(cfg.value_model, tasks, cache.feature_names) if cfg.value_model is not None else None
-    template = None if cfg.filter_template is None else compile_template(
-        cfg.filter_template, FilterPlan.from_config(manifest["filter"]), spec, cfg.template_values)
-    manifest["filter_template"] = None if template is None else template.config()
-    model = RecModel(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch,
-                     candidates=cfg.candidates, template=template).eval()
-    modules = [(cfg.user, user)] + ([(cfg.arch, arch)] if arch is not None else [])
+    parts = ModelParts(user_tower=user, index=index, cache=cache, overarch=arch)
+    extra: dict[str, Any] = {}
+    if cfg.filter_template is not None:
+        parts.filter_plan, parts.user_features = FilterPlan.from_config(manifest["filter"]), spec
+        extra.update(template=cfg.filter_template, template_values=int(cfg.template_values))
     # a masked OverArch is list-wise: the predictor caps `rank` lists for it
-    kind = "none" if arch is None else "listwise" if cfg.overarch.get("mask", False) else "user"
+    kind = None if arch is None else "listwise" if cfg.overarch.get("mask", False) else "user"
+    model_spec = ModelSpec("byo", dim, index.nlist, tuple(tasks), cache=True, overarch=kind,
+                           value_model=value_formula(cfg.value_model), merge=cfg.merge, overfetch=int(cfg.overfetch),
+                           candidates=int(cfg.candidates), **extra)
+    model = compose_checked(model_spec, parts)
+    record_composition(manifest, model)
+    modules = [(cfg.user, user)] + ([(cfg.arch, arch)] if arch is not None else [])
     manifest.update({
-        **serving_config(cfg, spec, tasks, cache, kind, vm),
+        **serving_config(cfg, spec, cache),
         "user_modules": {m.role: {"form": m.form, "source": m.source} for m in (cfg.user, cfg.item, cfg.arch) if m},
         "torchscript": torchscript_problem(modules) if cfg.torchscript else "not requested",
-        "bytes_per_item": _bytes_per_item(model, n),
+        "bytes_per_item": _bytes_per_item(parts, model, n),
     })
     users = {"user_ids": logs.user_ids.copy(), "offsets": logs.offsets.copy(), "item_ids": logs.item_ids[logs.items]}
-    return Built(model, manifest, index.row_to_item.to(torch.int64).numpy(), item_csr, users)
+    return Built(model, model_spec, parts, manifest, index.row_to_item.to(torch.int64).numpy(), item_csr, users)
 
 
 def publish_byo(cfg: ByoConfig, out: str | Path, overwrite: bool = False) -> Path:

@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     q = cfg["quantization_user_tower"]
     print(f"3. published {snap} ({time.perf_counter() - t:.0f}s): {manifest['item_count']:,} items, "
           f"{cfg['bytes_per_item']['total']:.0f} bytes/item, user tower tables {q['tables']} "
-          f"(int8 top-100 overlap {q.get('int8_top100_overlap', float('nan')):.3f}), OverArch {cfg['overarch']}, "
-          f"value model {json.dumps(cfg['value_model'])}")
+          f"(int8 top-100 overlap {q.get('int8_top100_overlap', float('nan')):.3f}), OverArch {cfg['spec']['overarch']}, "
+          f"value model {cfg['spec']['value_model']}")
 
     movies = load_movies()
     info = {int(m): (t, g, d) for m, t, g, d in zip(movies.movie_ids, movies.titles, movies.genres, movies.decade)}

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.export import Dim
 
+from silverrec.compose import ModelParts, compose
 from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
-from silverrec.retrieval.query_tower import QueryTower
 from silverrec.rec_model import RecModel
 from silverrec.spec import ModelSpec
 from silverrec.filtering.forward_index import ForwardIndex
@@ -63,14 +63,35 @@ def filter_module(ivf: Int8IVFIndex, fwd: ForwardIndex, bank: torch.Tensor, filt
     """Posting lists of `fwd` (tokens held by <= limit items), bit planes of the other tokens
     (appended to `bank`) + the module over `ivf` and the bank; completes `filter_config` (per-value
     list ids, counts and plane rows, "postings", postings_bytes, value_planes_bytes)."""
+    bank, post_rows, post_offsets = filter_tables(fwd, bank, filter_config, limit)
+    module = FilteredIVFIndex.from_ivf(ivf, bank, post_rows=post_rows, post_offsets=post_offsets, posting_limit=limit)
+    return module, filter_config
+
+
+def filter_tables(fwd: ForwardIndex, bank: torch.Tensor, filter_config: dict, limit: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`filter_module`'s tables: (the bank with the value planes appended, post_rows, post_offsets);
+    completes `filter_config`."""
     post_rows, post_offsets, per_feature = build_postings(fwd, limit)
     for f, meta in per_feature.items():
         filter_config["features"][f].update(meta)
     bank = append_value_planes(fwd, bank, filter_config, limit)
     filter_config["postings"] = {"limit": limit, "lists": int(post_offsets.numel() - 1), "entries": int(post_rows.numel())}
     filter_config["stats"]["postings_bytes"] = int(post_rows.numel() * 4 + post_offsets.numel() * 8)
-    module = FilteredIVFIndex.from_ivf(ivf, bank, post_rows=post_rows, post_offsets=post_offsets, posting_limit=limit)
-    return module, filter_config
+    return bank, post_rows, post_offsets
+
+
+def filter_bank(features: dict[str, list], rows: np.ndarray) -> tuple[torch.Tensor, dict]:
+    """The filter row bank of a model without an index (the decode alone) and the manifest's "filter"
+    section: features (name -> per pool row its values), rows int64 [N] the pool row of each model
+    row. A pool without categorical features: no bank rows (any filter names an unknown feature)."""
+    n = len(rows)
+    if not features:
+        return torch.zeros(0, (n + 63) // 64, dtype=torch.int64), empty_filter_config(n)
+    fwd = ForwardIndex.from_lists(features).permute(torch.as_tensor(rows))
+    bank, filter_config = build_filter_bank(fwd, choose_config(fwd))
+    bank, _, _ = filter_tables(fwd, bank, filter_config, default_limit(fwd.size))
+    return bank.to(torch.int64).contiguous(), filter_config
 
 
 def value_planes(fwd: ForwardIndex, limit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -172,15 +193,22 @@ def empty_filter_config(n: int) -> dict:
 def example_inputs(module: FilteredIVFIndex, dim: int) -> tuple:
     """Export example: distinct values so that every dynamic int stays its own symbol."""
     nlist = module.nlist
+    ops, rows, vops, vrows, lists = example_programs(module.bits.shape[0], module.post_offsets.numel() - 1)
+    return (torch.zeros(2, dim), 5, min(8, nlist), ops, rows, vops, vrows, lists, min(9, nlist), torch.zeros(2, dtype=torch.int64))
+
+
+def example_programs(bank_rows: int, n_lists: int) -> tuple:
+    """Two requests' filter programs (ops, rows, vops, vrows, lists) for an export example, over a
+    bank of `bank_rows` rows and `n_lists` posting lists (distinct sizes: separate symbols)."""
     ops = torch.tensor([[1, 1, 2], [6, 0, 0]], dtype=torch.int64)
     rows = torch.zeros(2, 3, 4, dtype=torch.int64)
     vops = torch.tensor([[1, 1, 3, 4, 0], [6, 0, 0, 0, 0]], dtype=torch.int64)
     vrows = torch.zeros(2, 5, 6, dtype=torch.int64)
     lists = torch.tensor([[-2, -1, -1, -1, -1, -1, -1], [0, -1, -1, -1, -1, -1, -1]], dtype=torch.int64)
-    lists = lists.clamp_max(module.post_offsets.numel() - 2)  # -1 when there are no lists
-    if module.bits.shape[0] == 0:  # no filter bank (a pool without features): programs that push no row
+    lists = lists.clamp_max(n_lists - 1)  # -1 when there are no lists
+    if bank_rows == 0:  # no filter bank (a pool without features): programs that push no row
         ops, vops = torch.where(ops == OP_PUSH, OP_TRUE, ops), torch.where(vops == OP_PUSH, OP_TRUE, vops)
-    return (torch.zeros(2, dim), 5, min(8, nlist), ops, rows, vops, vrows, lists, min(9, nlist), torch.zeros(2, dtype=torch.int64))
+    return ops, rows, vops, vrows, lists
 
 
 DYNAMIC = {
@@ -200,26 +228,31 @@ DYNAMIC = {
 def search_model(index: FilteredIVFIndex) -> RecModel:
     """The pure-ANN configuration of the root module: the query embedding is the user (one task), no
     embedding cache, no ranking stages, the scan's top rows re-scored with the float query
-    (rec_model.py)."""
-    return RecModel(QueryTower(index.codes.shape[1]), index, None, overfetch=0, rescore=True).eval()
+    (silverrec/retrieval/sources.py `AnnSearch`)."""
+    return compose(ModelSpec.search(index.codes.shape[1], index.nlist), ModelParts(index=index))
 
 
 def search_example(model: RecModel) -> tuple:
     """RecModel export example for the pure-ANN configuration (distinct ints: separate symbols)."""
-    queries, k, nprobe, ops, rows, vops, vrows, lists, max_probe, mode = example_inputs(model.index, model.index.codes.shape[1])
-    n = model.index.num_items
+    index = model.sources.index
+    queries, k, nprobe, ops, rows, vops, vrows, lists, max_probe, mode = example_inputs(index, index.codes.shape[1])
+    n = index.num_items
     exclude = torch.tensor([[-1, 0, 1], [-1, -1, 2]], dtype=torch.int64).clamp_max(n - 1)
     values, lengths = torch.zeros(3, dtype=torch.int64), torch.zeros(4, dtype=torch.int32)
-    return (values, lengths, queries, exclude, ops, rows, vops, vrows, lists, mode, k, 6, nprobe, max_probe)
+    history, sources = exclude.clone(), torch.ones(2, 2, dtype=torch.bool)
+    return (values, lengths, queries, exclude, ops, rows, vops, vrows, lists, mode, history, sources, k, 6, nprobe,
+            max_probe)
 
 
 def search_timing_example(model: RecModel) -> tuple:
     """The lightest search (unfiltered, nprobe 1, k 1): the call that `preferred_backend` times, where the
     two programs' fixed costs are all there is to compare."""
-    (values, lengths, queries, exclude, ops, rows, vops, vrows, lists, mode, _, k0, _, _) = search_example(model)
-    unfiltered = ops[1:].expand_as(ops).clone(), vops[1:].expand_as(vops).clone()  # row 1: TRUE (example_inputs)
+    (values, lengths, queries, exclude, ops, rows, vops, vrows, lists, mode, history, sources, _, k0, _, _) = \
+        search_example(model)
+    unfiltered = ops[1:].expand_as(ops).clone(), vops[1:].expand_as(vops).clone()  # row 1: TRUE (example_programs)
     no_lists, no_exclusions = torch.full_like(lists, NO_LISTS), torch.full_like(exclude, -1)
-    return (values, lengths, queries, no_exclusions, unfiltered[0], rows, unfiltered[1], vrows, no_lists, mode, 1, k0, 1, 1)
+    return (values, lengths, queries, no_exclusions, unfiltered[0], rows, unfiltered[1], vrows, no_lists, mode,
+            no_exclusions, sources, 1, k0, 1, 1)
 
 
 SEARCH_DYNAMIC = {
@@ -228,6 +261,8 @@ SEARCH_DYNAMIC = {
     "dense": {0: BATCH},
     "exclude": {0: BATCH, 1: Dim.DYNAMIC},
     **{k: DYNAMIC[k] for k in ("ops", "rows", "vops", "vrows", "lists", "mode", "k", "nprobe", "max_probe")},
+    "history": {0: BATCH, 1: Dim.DYNAMIC},
+    "sources": {0: BATCH},
     "k0": Dim.DYNAMIC,
 }
 
@@ -289,8 +324,8 @@ def write_index(
     config.backend (an update: the parent's measurement of the same program)."""
     clock = clock or StageClock()
     model = search_model(index)
-    manifest.setdefault("search", {})["rescore"] = model.rescore
-    manifest["spec"] = ModelSpec.search(index.codes.shape[1], index.nlist).to_json()
+    manifest.setdefault("search", {})["rescore"] = model.spec.rescore
+    manifest["spec"] = model.spec.to_json()
     if torchscript is None:
         torchscript = tensor_bytes(index) <= TORCHSCRIPT_MAX_BYTES
 

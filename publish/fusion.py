@@ -1,7 +1,7 @@
 """The hybrid snapshot's fusion, chosen on the validation split at publish.
 
 A hybrid `RecModel` ranks the union of the ANN's and the decode's candidates by
-`silverrec.generative.source.fuse_sources`: value + w x the decode's log-prob, with a source
+`silverrec.ranking.top_k.fuse_sources`: value + w x the decode's log-prob, with a source
 priority (which rows rank first). Publish picks (w, priority) from a small grid, `WEIGHTS` x
 `PRIORITIES`, by the hybrid's NDCG@10 on the validation split, when the publish config names
 validation checkpoints: the same two-tower and generative training, at stage "valid" (fitted on the
@@ -25,7 +25,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from silverrec.generative.source import FOUND_ANN, FOUND_GENERATIVE, PRIORITIES, SOURCES, fuse_sources, priority_tiers
+from silverrec.candidates import FOUND_ANN, FOUND_GENERATIVE, SOURCES
+from silverrec.ranking.top_k import fuse_sources, priority_tiers
+from silverrec.spec import PRIORITIES
 from silverrec.publish.config import ConfigError
 from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk
 from silverrec.publish.logs import Split, leave_one_out, read_logs
@@ -42,7 +44,7 @@ def union_tensors(handler, split: Split, stage: str = "valid", batch: int = 32) 
     log_prob float32 [U, C] (the decoder's log-prob the forward ranks with: exact, or a first-code
     bound; `fuse_sources`), found_by int64 [U, C], targets int64 [U] (item ids)."""
     cfg = handler.config
-    k = min(int(cfg.get("candidates") or len(handler.row_to_item)) + int(cfg["generative"]["beam_width"]),
+    k = min(int(handler.model_spec.candidates or len(handler.row_to_item)) + int(cfg["generative"]["beam_width"]),
             len(handler.row_to_item))
     ids = split.logs.item_ids
     hists = split.histories(split.eval_users, stage)

@@ -1,16 +1,19 @@
-"""Publish a generative (semantic-ID beam decode) snapshot.
+"""Publish a generative (semantic-ID beam decode) snapshot: the root module whose only source is the decode.
 
     >>> decoder, sids, info = load_checkpoint("generative.ckpt")          # silverrec train --generative
     >>> publish_generative(decoder, sids, "snapshots/gen-v1", beam_width=64)
     >>> snap = silverrec.load("snapshots/gen-v1")
-    >>> snap.recommend([[1, 50, 260]]).item_ids                           # int64 [1, 64]
+    >>> snap.recommend([{"history": [1, 50, 260]}], k=10).item_ids        # int64 [1, 10]
 
-The snapshot holds `GenerativeRetrieval` (decoder weights, the valid-path trie, row_to_item) as
-model.pt2 (torch.export, dynamic batch and history length) and model.ts (TorchScript), plus
-`items.npz`: item_ids int64 [N] and tokens int64 [N, L] in trie leaf order (row r of a filter
-bitmask), which the predictor uses to turn history item ids into tokens. The manifest config holds
-the vocabulary (level_sizes, level_offsets, vocab_size, L), beam_width, top_k, max history, the
-decoder config, the weight dtype, the semantic-ID statistics and the bf16-vs-fp32 check.
+The snapshot is a `RecModel` composed from the spec tower "none", sources ["generative"] (one task,
+"log_prob": the summed log-prob the decode ranks by) and the decode (`GenerativeRetrieval`: decoder
+weights, the valid-path trie), as model.pt2 (torch.export, dynamic batch and history length) and
+model.ts (TorchScript); its canonical rows are the trie's leaf order (items.npz: row_to_item). It
+answers `recommend` like every recommendation snapshot: histories, exclusions and filters (over
+the item features the pool has, in-model by the filter row bank) in, ranked items out. The
+manifest's "generative" section holds the vocabulary (level_sizes, level_offsets, vocab_size, L),
+beam_width, top_k, the decoder config, the weight dtype, the semantic-ID statistics and the
+bf16-vs-fp32 check.
 
 Weights: `weights="auto"` (default) stores bf16 when the bf16 module's top-10 lists agree with
 fp32's on probe histories (mean overlap >= `BF16_MIN_OVERLAP`), else fp32; "bf16"/"fp32" force it.
@@ -32,19 +35,24 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.export import Dim
 
+from silverrec.compose import ModelParts, compose
 from silverrec.generative.decoder import RecDecoder
 from silverrec.errors import PoolError
 from silverrec.generative.generative import GenerativeRetrieval
-from silverrec.serving.predictor import ITEMS_FILE, history_tokens
+from silverrec.publish.filtered_ivf import filter_bank
 from silverrec.publish.progress import step
-from silverrec.publish.semantic_ids import SemanticIds, check_paths
-from silverrec.snapshot import export_module, write_snapshot
+from silverrec.publish.rec_files import Built, write_rec_files
+from silverrec.publish.semantic_ids import SemanticIds, check_paths, history_tokens
+from silverrec.retrieval.user_tower import UserFeatureSpec
+from silverrec.serving.recommend import DEFAULT_EXCLUDE_LIMIT
+from silverrec.snapshot import write_snapshot
+from silverrec.spec import ModelSpec
 from silverrec.generative.trie import ValidPathTrie
 
 BF16_MIN_OVERLAP = 0.9
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TASK = "log_prob"  # the one task score of the decode alone
 
 
 def cast_decoder(decoder: RecDecoder, dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> RecDecoder:
@@ -139,21 +147,24 @@ def publish_generative(
     max_history: int = 20,
     weights: str = "auto",
     probe: list[list[int]] | None = None,
+    features: dict[str, list] | None = None,
     extra_config: dict[str, Any] | None = None,
     torchscript: bool = True,
     overwrite: bool = False,
 ) -> Path:
-    """Write a "generative" snapshot.
+    """Write a generative snapshot (module docstring).
 
     Args:
         decoder: trained `RecDecoder` (any dtype; cast as `weights` says).
         sids: the semantic IDs it was trained on (item ids, paths [N, L], level sizes).
         out: snapshot directory.
-        beam_width: W, items returned per request; top_k: per-beam candidates (default W).
-        max_history: the predictor keeps the most recent `max_history` items of a history.
+        beam_width: W, the most items a request gets; top_k: per-beam candidates (default W).
+        max_history: the decoder reads the most recent `max_history` items of a history.
         weights: "auto" | "bf16" | "fp32" (see module docstring).
         probe: histories (item ids) for the bf16 check; default 64 random 20-item histories.
-        extra_config: merged into the manifest config (e.g. training metrics).
+        features: categorical item features (name -> per item of `sids` its values) requests may
+            filter on; None = no filter features.
+        extra_config: merged into the manifest's "generative" section (e.g. training metrics).
     """
     if weights not in ("auto", *WEIGHT_DTYPES):
         raise PoolError(f"weights must be 'auto', 'bf16' or 'fp32', got {weights!r}")
@@ -184,36 +195,47 @@ def publish_generative(
         module = modules[compute]
         if compute == "fp32":
             overlap = top10_overlap(fp32, module, histories)
+    n = len(item_ids)
+    bank, filter_config = filter_bank(features or {}, module.trie.row_order.numpy())
+    spec = ModelSpec("none", 0, 0, (TASK,), ("generative",), decode_history=max_history)
+    parts = ModelParts(decode=module, bank=bank)
+    model = compose(spec, parts)
     dec = decoder.config
+    user_features = UserFeatureSpec(num_items=n, history_len=1, recent_len=1)  # the tower reads nothing
     config: dict[str, Any] = {
-        **sids.config(),
-        "beam_width": module.beam_width,
-        "top_k": module.top_k,
-        "max_history_items": max_history,
-        "max_history_tokens": 1 + L * max_history,
-        "weights_dtype": chosen,
-        "compute_dtype": compute,
-        "compute_timing": None if timing is None else {
-            "median_ms": timing, "batch": 1, "history_tokens": int(histories.shape[1]), "measured_on": device_name(),
-            "threads": torch.get_num_threads()},
-        "bf16_check": {"top10_overlap_vs_fp32": overlap, "threshold": BF16_MIN_OVERLAP,
-                       "probe_histories": int(histories.shape[0]), "compute_dtype": compute},
-        "decoder": dec.to_dict(),
-        "items_file": ITEMS_FILE,
-        **(extra_config or {}),
+        "index": "generative",
+        "spec": spec.to_json(),
+        "user_features": user_features.to_json(),
+        "item_feature_order": [],
+        "item_feature_names": [],
+        "filter": filter_config,
+        "filter_template": None,
+        "default_k0": module.beam_width,
+        "exclude_limit": DEFAULT_EXCLUDE_LIMIT,
+        "generative": {
+            **sids.config(),
+            "beam_width": module.beam_width,
+            "top_k": module.top_k,
+            "max_items": max_history,
+            "max_history_tokens": 1 + L * max_history,
+            "weights_dtype": chosen,
+            "compute_dtype": compute,
+            "compute_timing": None if timing is None else {
+                "median_ms": timing, "batch": 1, "history_tokens": int(histories.shape[1]),
+                "measured_on": device_name(), "threads": torch.get_num_threads()},
+            "bf16_check": {"top10_overlap_vs_fp32": overlap, "threshold": BF16_MIN_OVERLAP,
+                           "probe_histories": int(histories.shape[0]), "compute_dtype": compute},
+            "decoder": dec.to_dict(),
+            **(extra_config or {}),
+        },
     }
-    batch = Dim("batch", min=1, max=4096)
-    length = Dim("length", min=2, max=dec.max_seq_len - L)
-    example = (histories[:2], all_items_bitmask(2, len(item_ids)))
-    dynamic = {"history": {0: batch, 1: length}, "item_bitmask": {0: batch}}
+    built = Built(model, spec, parts, config, module.row_to_item.to(torch.int64).numpy())
 
     def write(tmp: Path) -> None:
-        np.savez(tmp / ITEMS_FILE, item_ids=item_ids, tokens=item_tokens)
-        with step(f"exporting generative model ({chosen} weights; torch.export + TorchScript)"):
-            export_module(module, example, dynamic, tmp, torchscript=torchscript)
+        with step(f"exporting generative model ({chosen} weights; torch.export" + (" + TorchScript)" if torchscript else ")")):
+            write_rec_files(built, tmp, torchscript)
 
-    return write_snapshot(out, kind="generative", config=config, item_count=len(item_ids), write_files=write,
-                          overwrite=overwrite)
+    return write_snapshot(out, kind="rec", config=config, item_count=n, write_files=write, overwrite=overwrite)
 
 
 def publish_from_pool(
@@ -239,5 +261,14 @@ def publish_from_pool(
     sids = sids.subset(pool.item_ids)
     max_history = int(info["train_config"]["max_history"])
     extra = {"training": {"checkpoint": str(model), **info["metrics"]}}
+    rows = pool_positions(pool.item_ids, sids.item_ids)
+    features = {f: [values[r] for r in rows] for f, values in pool.features.items()}  # in sids' item order
     return publish_generative(decoder, sids, out, beam_width=beam_width, top_k=top_k, max_history=max_history,
-                              weights=weights, extra_config=extra, torchscript=torchscript, overwrite=overwrite)
+                              weights=weights, features=features, extra_config=extra, torchscript=torchscript,
+                              overwrite=overwrite)
+
+
+def pool_positions(pool_ids: np.ndarray, item_ids: np.ndarray) -> np.ndarray:
+    """int64 [len(item_ids)]: the pool row of each item id (every id is in the pool)."""
+    order = np.argsort(pool_ids, kind="stable")
+    return order[np.searchsorted(pool_ids[order], item_ids)]

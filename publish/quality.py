@@ -15,6 +15,7 @@ and ranks the held-out item in that list (`ranks_from_topk`: absent = a miss).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any, Optional
@@ -22,17 +23,22 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from silverrec.compose import compose
 from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk
 from silverrec.publish.logs import Split
 from silverrec.rec_model import RecModel
+from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 from silverrec.serving.recommend import RecHandler
 
 K_EVAL = 100
 
 
-def handler_for(built) -> RecHandler:
-    """A predictor over an in-process `publish.rec.Built` (no snapshot written)."""
-    return RecHandler(built.manifest, built.model, built.row_to_item, built.item_csr, built.users, built.model.rank)
+def handler_for(built, model: Optional[RecModel] = None) -> RecHandler:
+    """A predictor over an in-process `publish.rec.Built` (no snapshot written), or over `model`, a
+    variant composed from its parts."""
+    model = built.model if model is None else model
+    config = {**built.manifest, "spec": model.spec.to_json()}
+    return RecHandler(config, model, built.row_to_item, built.item_csr, built.users, model.rank)
 
 
 def evaluate_handler(handler: RecHandler, split: Split, stage: str = "test", **options: Any) -> dict[str, float]:
@@ -53,8 +59,9 @@ def handler_ranks(handler: RecHandler, split: Split, stage: str = "test", **opti
     return torch.cat(out)
 
 
-def ivf_only_ranks(handler: RecHandler, split: Split, stage: str = "test", batch: int = 64, nprobe: Optional[int] = None) -> torch.Tensor:
-    """The int8 IVF search alone (task 0's user embedding, no re-score), known items dropped."""
+def ivf_only_ranks(handler: RecHandler, index: FilteredIVFIndex, split: Split, stage: str = "test", batch: int = 64,
+                   nprobe: Optional[int] = None) -> torch.Tensor:
+    """The int8 IVF search alone (`index`, task 0's user embedding, no re-score), known items dropped."""
     model: RecModel = handler.module
     ids = split.logs.item_ids
     targets = ids[split.targets(stage)]
@@ -67,7 +74,7 @@ def ivf_only_ranks(handler: RecHandler, split: Split, stage: str = "test", batch
             values, lengths, dense = handler.encoder.encode(hist)
             q = model.user_tower(values, lengths, dense)[:, 0]
             E = max(len(np.unique(h)) for h in hist)
-            _, found = model.index.scan(q, model.index.probe(q, nprobe), K_EVAL + E)  # item ids
+            _, found = index.scan(q, index.probe(q, nprobe), K_EVAL + E)  # item ids
         found = found.numpy()
         item_ids = np.full((len(users), K_EVAL), -1, dtype=np.int64)
         for b, h in enumerate(hist):
@@ -106,16 +113,12 @@ def quality_table(ckpt: dict, built, split: Split, stage: str = "test", baseline
             log(f"[silverrec] quality: {name:<28} HR@10 {m['HR@10']:.4f}  NDCG@10 {m['NDCG@10']:.4f}")
     timed("two-tower exact", lambda: two_tower_exact(ckpt, split, stage))
     handler = handler_for(built)
-    timed("IVF", lambda: metrics_from_ranks(ivf_only_ranks(handler, split, stage)))
-    m = built.model
+    timed("IVF", lambda: metrics_from_ranks(ivf_only_ranks(handler, built.parts.index, split, stage)))
 
-    def variant(arch, vm) -> RecHandler:
-        model = RecModel(m.user_tower, m.index, m.cache, arch, vm, tasks=m.tasks,
-                         merge="intersection" if m.intersection else "union", overfetch=m.overfetch,
-                         candidates=m.candidates).eval()
-        h = handler_for(built)
-        h.module = model
-        return h
+    def variant(kind: Optional[str], arch) -> RecHandler:
+        """The published composition with another OverArch (or none) and no value model."""
+        spec = built.spec.replace(overarch=kind, value_model=None)
+        return handler_for(built, compose(spec, dataclasses.replace(built.parts, overarch=arch)))
 
     timed("IVF + re-score", lambda: evaluate_handler(variant(None, None), split, stage))
     for kind, label in (("mlp", "+ OverArch MLP"), ("mol", "+ MoL"), ("listwise", "+ list-wise OverArch")):
@@ -123,9 +126,9 @@ def quality_table(ckpt: dict, built, split: Split, stage: str = "test", baseline
             entry = ckpt["overarch"][kind]
             arch = overarch_from_config(kind, entry["config"])
             arch.load_state_dict(entry["state"])
-            timed(label, lambda: evaluate_handler(variant(arch.eval(), None), split, stage))
-    if m.has_value_model:
-        timed(f"multi-task + value model ({built.manifest['overarch']})", lambda: evaluate_handler(handler, split, stage))
+            timed(label, lambda: evaluate_handler(variant(kind, arch.eval()), split, stage))
+    if built.spec.value_model is not None:
+        timed(f"multi-task + value model ({built.spec.overarch or 'none'})", lambda: evaluate_handler(handler, split, stage))
     return rows
 
 

@@ -12,7 +12,7 @@
 5. OverArch (the config names one the checkpoint holds, or none) and the value model formula.
 6. model.pt2 (forward), rank.pt2 (early-stage ranking), model.ts (both methods), items.npz
    (row -> item id, item feature codes for the request encoder), users.npz (histories of the
-   training users, for `recommend --user`).
+   training users, for `recommend --user`): publish/rec_files.py.
 """
 
 from __future__ import annotations
@@ -26,29 +26,25 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from torch.export import Dim
 
+from silverrec.candidates import SOURCES
+from silverrec.compose import CompositionError, ModelParts, compose
 from silverrec.publish.config import ConfigError, read_toml
-from silverrec.publish.filtered_ivf import DYNAMIC as FILTER_DYNAMIC, build_filtered_ivf, example_inputs, pool_rows
+from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows
 from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
 from silverrec.publish.progress import bar, step
+from silverrec.publish.rec_files import Built, write_rec_files
 from silverrec.publish.train import load_checkpoint, rebuild_item_tower, rebuild_user_tower
 from silverrec.ranking.cache import EmbeddingCache
 from silverrec.ranking.overarch import overarch_from_config
-from silverrec.ranking.value_model import compile_value_model
+from silverrec.ranking.value_model import formula_to_json
 from silverrec.filtering.filter_program import FilterPlan
-from silverrec.filtering.template import compile_template
-from silverrec.rec_model import MERGES, RankEntry, RecModel
-from silverrec.generative import source as generative_source
-from silverrec.generative.source import PRIORITIES, SOURCES, HybridRecModel
-from silverrec.spec import ModelSpec
-from silverrec.snapshot import EXPORT_FILE, SCRIPT_FILE, export_program, preferred_backend, write_snapshot
+from silverrec.rec_model import RecModel
+from silverrec.spec import MERGES, PRIORITIES, ModelSpec
+from silverrec.snapshot import write_snapshot
 from silverrec.retrieval.user_tower import UserFeatureSpec, _csr, direct_tower
 
-RANK_FILE = "rank.pt2"
-ITEMS_FILE = "items.npz"
-USERS_FILE = "users.npz"
 
 
 @dataclass
@@ -81,7 +77,7 @@ class PublishConfig:
     beam_width: int = 64  # the decode's beams = its candidates per request
     beam_top_k: int = 0  # per-beam candidates before the global top W (0 = beam_width)
     # hybrid ranking: value + generative_weight * the decode's log-prob, source_priority's rows first
-    # (source.fuse_sources); with validation_checkpoint and validation_generative_checkpoint (the same
+    # (ranking/top_k.py fuse_sources); with validation_checkpoint and validation_generative_checkpoint (the same
     # trainings at stage "valid") both are chosen on the validation split instead (publish/fusion.py).
     # Defaults: the best MovieLens validation NDCG@10 averaged over 3 seeds with 4,000-step decoders
     # (0.0560; the decode alone at its best w 0.0547, ANN alone 0.0461; on test 0.0519 vs 0.0515 / 0.0452:
@@ -125,17 +121,6 @@ class PublishConfig:
     def from_toml(cls, path: str | Path, **overrides: Any) -> "PublishConfig":
         return read_toml(cls, path, path_keys=("checkpoint", "generative_checkpoint", "validation_checkpoint",
                                                     "validation_generative_checkpoint"), required=("checkpoint",), **overrides)
-
-
-@dataclass
-class Built:
-    """A composed model and everything the snapshot records beside it."""
-
-    model: RecModel
-    manifest: dict[str, Any]
-    row_to_item: np.ndarray  # int64 [N]
-    item_csr: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    users: Optional[dict[str, np.ndarray]] = None
 
 
 def permute_item_table(user_tower: torch.nn.Module, perm: torch.Tensor) -> None:
@@ -274,180 +259,109 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
         arch.load_state_dict(entry["state"])
         arch.eval()
     formula = cfg.value_model if value_model == "config" else value_model
-    vm = compile_value_model(formula, tasks, cache.feature_names) if formula is not None else None
-    template = None if cfg.filter_template is None else compile_template(
-        cfg.filter_template, FilterPlan.from_config(manifest["filter"]), spec, cfg.template_values)
-    extra, kind_of_model = {}, RecModel
+    parts = ModelParts(user_tower=user, index=index, cache=cache, overarch=arch)
+    extra: dict[str, Any] = {}
+    if cfg.filter_template is not None:
+        parts.filter_plan, parts.user_features = FilterPlan.from_config(manifest["filter"]), spec
+        extra.update(template=cfg.filter_template, template_values=int(cfg.template_values))
     if "generative" in cfg.sources:  # hybrid: the beam decode beside the IVF search
-        extra["generative"], manifest["generative"] = load_generative_source(cfg, index.row_to_item)
+        parts.decode, manifest["generative"], extra["decode_history"] = load_generative(cfg)
         fusion = {"weight": float(cfg.generative_weight), "priority": cfg.source_priority, "chosen_on": "config"}
         if cfg.validation_checkpoint is not None:
             from silverrec.publish.fusion import choose_fusion
 
             with step("choosing the fusion on the validation split"):
                 fusion = choose_fusion(cfg, build_rec_model)
-        extra["generative_weight"], extra["source_priority"] = fusion["weight"], fusion["priority"]
+        extra.update(generative_weight=fusion["weight"], source_priority=fusion["priority"])
         manifest["generative"]["weight"], manifest["generative"]["fusion"] = fusion["weight"], fusion
-        kind_of_model = HybridRecModel
-    manifest["sources"] = list(cfg.sources)
-    model = kind_of_model(user, index, cache, arch, vm, tasks=len(tasks), merge=cfg.merge, overfetch=cfg.overfetch,
-                          candidates=cfg.candidates, template=template, **extra).eval()
-    manifest["filter_template"] = None if template is None else template.config()
+    model_spec = ModelSpec("two_tower", cache.dim, index.nlist, tuple(tasks), tuple(cfg.sources), cache=True,
+                           overarch=None if arch is None else kind, value_model=value_formula(formula),
+                           merge=cfg.merge, overfetch=int(cfg.overfetch), candidates=int(cfg.candidates), **extra)
+    model = compose_checked(model_spec, parts, cfg.generative_checkpoint)
+    record_composition(manifest, model)
     manifest.update({
-        **serving_config(cfg, spec, tasks, cache, kind, vm),
+        **serving_config(cfg, spec, cache),
         "quantization_user_tower": quant,
-        "bytes_per_item": _bytes_per_item(model, n),
+        "bytes_per_item": _bytes_per_item(parts, model, n),
         "training": ckpt.get("stats", {}),
         "training_metrics": ckpt.get("metrics", {}),
     })
     users = None
     if "users" in ckpt:
         users = {k: np.asarray(v) for k, v in ckpt["users"].items()}
-    return Built(model, manifest, index.row_to_item.to(torch.int64).numpy(), item_csr, users)
+    return Built(model, model_spec, parts, manifest, index.row_to_item.to(torch.int64).numpy(), item_csr, users)
 
 
-def serving_config(cfg: PublishConfig, spec: UserFeatureSpec, tasks: list[str], cache: EmbeddingCache, overarch: str,
-                   vm: Any) -> dict[str, Any]:
-    """The manifest keys the predictor reads to encode and answer requests, for every recommendation
-    snapshot (silverrec's own towers here, a user's in publish/byo.py)."""
+def value_formula(formula: Any) -> Optional[str]:
+    """A config's value model formula (JSON object, text or number; None) as the spec holds it."""
+    return None if formula is None else formula_to_json(formula)
+
+
+def compose_checked(spec: ModelSpec, parts: ModelParts, generative_checkpoint: Optional[str] = None) -> RecModel:
+    """`compose`, its part mismatches (a decoder over another pool) as ConfigError."""
+    try:
+        return compose(spec, parts)
+    except CompositionError as e:
+        where = f"generative_checkpoint {generative_checkpoint}: " if generative_checkpoint else ""
+        raise ConfigError(f"{where}{e}") from None
+
+
+def record_composition(manifest: dict[str, Any], model: RecModel) -> None:
+    """What the predictor reads of a composed model: its spec, the filled filter template's bindings
+    and, with a decode, the history length it reads."""
+    manifest["spec"] = model.spec.to_json()
+    template = model.filter_template
+    manifest["filter_template"] = template.config() if template.text else None
+    if "generative" in model.spec.sources:
+        manifest["generative"]["max_items"] = decode_stage(model).generative.max_items
+
+
+def decode_stage(model: RecModel):
+    """The model's DecodeSource (alone, or beside the ANN in HybridSources)."""
+    return model.sources.decode if model.spec.hybrid else model.sources
+
+
+def serving_config(cfg: Any, features: UserFeatureSpec, cache: EmbeddingCache) -> dict[str, Any]:
+    """The manifest keys beside the spec of every recommendation snapshot (silverrec's own towers
+    here, a user's in publish/byo.py): what the tower reads (the request encoder's spec), request
+    defaults and the cache's feature columns."""
     return {
         "index": "rec",
-        "tasks": tasks,
-        "user_features": spec.to_json(),
+        "user_features": features.to_json(),
         "item_feature_names": cache.feature_names,
-        "overarch": overarch,
-        "value_model": None if vm is None else vm.config()["formula"],
-        "merge": cfg.merge,
         "default_k0": int(cfg.k0),
-        "candidates": int(cfg.candidates),
         "exclude_limit": int(cfg.exclude_limit),
-        "overfetch": int(cfg.overfetch),
     }
 
 
-def load_generative_source(cfg: PublishConfig, row_to_item: torch.Tensor):
-    """The generative checkpoint as a `GenerativeSource` over the index's rows, and its manifest entry."""
+def load_generative(cfg: PublishConfig):
+    """The generative checkpoint's decode, its manifest entry and the decoder's history length
+    (its training `max_history`, None if unrecorded)."""
     from silverrec.publish.generative import build_generative
-    from silverrec.publish.generative_checkpoint import load_checkpoint as load_generative
+    from silverrec.publish.generative_checkpoint import load_checkpoint as load_generative_checkpoint
 
-    decoder, sids, info = load_generative(cfg.generative_checkpoint)
+    decoder, sids, info = load_generative_checkpoint(cfg.generative_checkpoint)
     top_k = int(cfg.beam_top_k) or int(cfg.beam_width)
-    try:
-        source = generative_source.GenerativeSource(build_generative(decoder, sids, int(cfg.beam_width), top_k), row_to_item,
-                                                    (info.get("train_config") or {}).get("max_history"))
-    except ValueError as e:
-        raise ConfigError(f"generative_checkpoint {cfg.generative_checkpoint}: {e}") from None
-    return source, {"beam_width": int(cfg.beam_width), "top_k": top_k, "level_sizes": list(sids.level_sizes),
-                    "max_items": source.max_items, "decoder": decoder.config.to_dict(),
-                    "training_metrics": info.get("metrics")}
+    decode = build_generative(decoder, sids, int(cfg.beam_width), top_k)
+    return decode, {"beam_width": int(cfg.beam_width), "top_k": top_k, "level_sizes": list(sids.level_sizes),
+                    "decoder": decoder.config.to_dict(), "training_metrics": info.get("metrics")}, \
+        (info.get("train_config") or {}).get("max_history")
 
 
-def _bytes_per_item(model: RecModel, n: int) -> dict[str, float]:
+def _bytes_per_item(parts: ModelParts, model: RecModel, n: int) -> dict[str, float]:
     """Snapshot tensor bytes per item, by part."""
     def size(m) -> int:
         return int(sum(t.numel() * t.element_size() for t in m.state_dict().values()))
 
-    idx = model.index
+    idx = parts.index
     parts = {
         "ivf_codes": idx.codes.numel() * idx.codes.element_size(),
         "filter_bank": idx.bits.numel() * 8,
         "posting_lists": idx.post_rows.numel() * 4 + idx.post_offsets.numel() * 8,
-        "cache": size(model.cache),
-        "user_tower": size(model.user_tower),
+        "cache": size(model.overarch.cache),  # every OverArch stage of a model with a cache reads it
+        "user_tower": size(parts.user_tower),
     }
     return {k: round(v / n, 2) for k, v in parts.items()} | {"total": round(sum(parts.values()) / n, 2)}
-
-
-def example_request(model: RecModel, spec: UserFeatureSpec, dim: int) -> tuple:
-    """Export example: batch 2, distinct ints so every dynamic size stays its own symbol."""
-    from silverrec.retrieval.user_tower import FeatureEncoder
-
-    n = model.index.num_items
-    csr = {f: (np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)) for f in spec.item_vocabs}
-    enc = FeatureEncoder.from_arrays(spec, csr)
-    values, lengths, dense = enc.encode([np.arange(min(3, n)), np.arange(min(2, n))])
-    f_args = example_inputs(model.index, dim)
-    ops, rows, vops, vrows, lists = f_args[3:8]
-    exclude = torch.tensor([[-1, 0, 1], [-1, -1, 2]], dtype=torch.int64).clamp_max(n - 1)
-    mode = torch.zeros(2, dtype=torch.int64)
-    nlist = model.index.nlist
-    return (values, lengths, dense, exclude, ops, rows, vops, vrows, lists, mode, 4, 6, min(5, nlist), min(7, nlist))
-
-
-def dynamic_shapes(num_keys: int) -> dict[str, Any]:
-    batch = FILTER_DYNAMIC["queries"][0]
-    return {
-        "values": {0: Dim.DYNAMIC},
-        "lengths": {0: num_keys * batch},
-        "dense": {0: batch},
-        "exclude": {0: batch, 1: Dim.DYNAMIC},
-        **{k: FILTER_DYNAMIC[k] for k in ("ops", "rows", "vops", "vrows", "lists", "mode")},
-        "k": Dim.DYNAMIC, "k0": Dim.DYNAMIC, "nprobe": Dim.DYNAMIC, "max_probe": Dim.DYNAMIC,
-    }
-
-
-def scriptable(model: RecModel) -> torch.jit.ScriptModule:
-    """TorchScript of the model, frozen: the TorchRec user tower is fx-traced first (torchrec's recipe);
-    `torch.jit.freeze` (keeping the `rank` entry point) makes parameters and attributes constants, so
-    the slices, transposes and casts of weights fold away at publish (MovieLens snapshot, 1 thread,
-    alternated, load 10: 0.95x the unfrozen program's time at batch 1, 0.97x at 16; equal answers;
-    optimize_for_inference on top measured no better)."""
-    import copy
-
-    clone = copy.copy(model)
-    clone._modules = dict(model._modules)
-    clone._modules["user_tower"] = scriptable_tower(model.user_tower)
-    return torch.jit.freeze(torch.jit.script(clone).eval(), preserved_attrs=["rank"])
-
-
-def scriptable_tower(tower: torch.nn.Module) -> torch.jit.ScriptModule:
-    """The user tower as TorchScript: silverrec's (TorchRec modules) fx-traced by torchrec first, a
-    user's tower (publish/byo.py, `script_directly`) scripted as it is."""
-    if not getattr(tower, "script_directly", False):
-        import torchrec.fx
-
-        tower = torchrec.fx.symbolic_trace(tower)
-    return torch.jit.script(tower)
-
-
-def rec_spec(model: RecModel, manifest: dict) -> ModelSpec:
-    """The configuration (silverrec/spec.py) of a recommendation snapshot: silverrec's towers or a
-    user's (publish/byo.py), the OverArch and value model it holds, its retrieval sources."""
-    from silverrec.adapters import UserTowerAdapter
-
-    return ModelSpec("byo" if isinstance(model.user_tower, UserTowerAdapter) else "two_tower", model.cache.dim,
-                     model.index.nlist, tuple(manifest["tasks"]), cache=True,
-                     overarch=manifest["overarch"] if model.has_overarch else None,
-                     value_model=model.has_value_model, sources=tuple(manifest.get("sources", ["ann"])))
-
-
-def write_rec_files(built: Built, tmp: Path, torchscript: bool = True) -> None:
-    model = built.model
-    built.manifest["spec"] = rec_spec(model, built.manifest).to_json()
-    spec = UserFeatureSpec.from_json(built.manifest["user_features"])
-    example = example_request(model, spec, model.cache.dim)
-    shapes = dynamic_shapes(len(spec.keys))
-    if isinstance(model, HybridRecModel):  # + the history rows and the source flags
-        example, shapes = generative_source.example_inputs(example, model.index.num_items), generative_source.dynamic_shapes(shapes)
-    with step("exporting the model (torch.export)"):
-        program = export_program(model, example, shapes)
-        torch.export.save(program, tmp / EXPORT_FILE)
-    rank_example = (*example[:3], torch.tensor([[0, -1, 1], [2, 3, -1]], dtype=torch.int64).clamp_max(model.index.num_items - 1))
-    rank_dynamic = {k: dynamic_shapes(len(spec.keys))[k] for k in ("values", "lengths", "dense")}
-    rank_dynamic["rows"] = {0: rank_dynamic["dense"][0], 1: Dim.DYNAMIC}
-    with step("exporting the ranking entry point (torch.export)"):
-        torch.export.save(export_program(RankEntry(model), rank_example, rank_dynamic), tmp / RANK_FILE)
-    if torchscript:
-        with step("TorchScript"):
-            scripted = scriptable(model)
-            torch.jit.save(scripted, str(tmp / SCRIPT_FILE))
-        built.manifest["backend"] = preferred_backend({"export": program.module(), "torchscript": scripted}, example)
-    arrays = {"row_to_item": built.row_to_item}
-    for i, (f, (off, codes)) in enumerate(built.item_csr.items()):
-        arrays[f"offsets_{i}"], arrays[f"codes_{i}"] = off, codes
-    np.savez(tmp / ITEMS_FILE, **arrays)
-    if built.users is not None:
-        np.savez(tmp / USERS_FILE, **built.users)
 
 
 def publish_rec(cfg: PublishConfig, out: str | os.PathLike, overwrite: bool = False) -> Path:

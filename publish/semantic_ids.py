@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from silverrec.generative.decoder import level_offsets, paths_to_tokens, vocab_size
-from silverrec.errors import PoolError
+from silverrec.errors import PoolError, QueryError
 from silverrec.publish.kmeans import assign, kmeans
 
 
@@ -274,3 +274,32 @@ def item_token_ids(item_ids: np.ndarray) -> SemanticIds:
         raise PoolError("item-token IDs need at least one item")
     paths = np.arange(ids.size, dtype=np.int64)[:, None]
     return SemanticIds(ids, paths, [], [int(ids.size)], collision_stats(paths, [int(ids.size)], [0.0]))
+
+
+def history_tokens(histories: list[list[int]], sorted_ids: np.ndarray, sorted_tokens: np.ndarray,
+                   max_items: int) -> torch.Tensor:
+    """Item-id histories -> left-padded decoder input int64 [B, T] (generative contract).
+
+    Each row is BOS (1) + the L tokens of its last `max_items` items, oldest first, left-padded
+    with PAD (0); T = max(2, longest row). sorted_ids int64 [N] ascending, sorted_tokens [N, L].
+    Raises QueryError naming the first unknown item id (and its request).
+    """
+    if isinstance(histories, (str, bytes)) or not hasattr(histories, "__len__") or len(histories) == 0:
+        raise QueryError("history_item_ids must be a non-empty list of item-id lists")
+    rows = []
+    for b, h in enumerate(histories):
+        try:
+            h = np.asarray(h, dtype=np.int64).reshape(-1)[-max_items:] if len(h) else np.zeros(0, np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise QueryError(f"history {b} must be a list of integer item ids") from None
+        pos = np.searchsorted(sorted_ids, h).clip(0, len(sorted_ids) - 1)
+        bad = np.flatnonzero(sorted_ids[pos] != h)
+        if bad.size:
+            raise QueryError(f"unknown history item id {int(h[bad[0]])} in history {b}: not in the snapshot's pool")
+        rows.append(sorted_tokens[pos].reshape(-1))
+    T = max(2, 1 + max(r.size for r in rows))
+    out = torch.zeros(len(rows), T, dtype=torch.int64)
+    for b, r in enumerate(rows):
+        out[b, T - r.size - 1] = 1  # BOS
+        out[b, T - r.size :] = torch.from_numpy(r)
+    return out

@@ -65,8 +65,7 @@ from silverrec.publish.generative import build_generative
 from silverrec.publish.generative_checkpoint import save_checkpoint
 from silverrec.publish.logs import Split, leave_one_out, read_logs
 from silverrec.publish.progress import quiet, step
-from silverrec.publish.semantic_ids import SemanticIds, build_semantic_ids, item_token_ids
-from silverrec.serving.predictor import history_tokens
+from silverrec.publish.semantic_ids import SemanticIds, build_semantic_ids, history_tokens, item_token_ids
 from silverrec.threads import num_threads
 
 ITEM_TOKENS = "items"  # `embeddings` value: one token per item (the reference), no semantic IDs
@@ -261,7 +260,7 @@ def semantic_ids_for(cfg: TrainConfig, item_ids: np.ndarray, train: list[np.ndar
 
 def left_pad(histories: list[np.ndarray], item_tokens: torch.Tensor, max_items: int) -> torch.Tensor:
     """BOS + the L tokens of the last `max_items` items of each history (pool rows, oldest first),
-    left-padded with PAD: int64 [B, T] (the predictor's `history_tokens` with rows as ids)."""
+    left-padded with PAD: int64 [B, T] (semantic_ids.history_tokens with rows as ids)."""
     return history_tokens(histories, np.arange(item_tokens.shape[0]), item_tokens.numpy(), max_items)
 
 

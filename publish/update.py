@@ -42,6 +42,7 @@ from silverrec.publish.forward_file import read_forward
 from silverrec.publish.kmeans import assign
 from silverrec.publish.pool import Pool, read_pool
 from silverrec.publish.stages import StageClock
+from silverrec.retrieval.sources import INDEX_TENSORS
 from silverrec.snapshot import MANIFEST, load_exported, read_manifest, read_tensors, verify_files
 
 # Drift thresholds past which `advice` recommends a full rebuild.
@@ -117,9 +118,9 @@ def _check_delta(parent_ids: np.ndarray, upsert: Optional[Pool], delete: np.ndar
 
 def _parent_tensors(root: Path, manifest: dict) -> dict[str, torch.Tensor]:
     """The parent's index buffers by name (codes, dim_scale, centroids, row_to_item, bits, ...):
-    tensors.pt memory-mapped, or (format 4) the state of its program."""
+    tensors.pt memory-mapped, or the state of its program."""
     state = read_tensors(root, manifest) or load_exported(root, manifest).state_dict
-    return {k[len("index."):]: v.detach() for k, v in state.items() if k.startswith("index.")}
+    return {k[len(INDEX_TENSORS):]: v.detach() for k, v in state.items() if k.startswith(INDEX_TENSORS)}
 
 
 def _manifest_digest(root: Path) -> str:

@@ -1,7 +1,7 @@
 """The `silverrec` command: what a serving host runs, with the build commands dispatched to silverrec.publish.
 
     silverrec query DIR --queries Q.npy --k K [--nprobe P] [--filter "..."] [--json]
-    silverrec query DIR --history "id1,id2,..." [--history-file F] --k K      (generative snapshots)
+    silverrec query DIR --history "id1,id2,..." [--history-file F] --k K      (snapshots that recommend)
     silverrec recommend DIR --user U | --history "id1,id2,..." [--filter "..."] [--k K] [--json]
     silverrec rank DIR --user U | --history IDS --items FILE [--json]      (early-stage ranking)
     silverrec inspect DIR

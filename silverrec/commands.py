@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from silverrec.errors import QueryError, SilverrecError, check_k
+from silverrec.errors import QueryError, SilverrecError
 
 
 def add_program_args(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +27,9 @@ def _query(args: argparse.Namespace) -> int:
     from silverrec.serving.loader import load
 
     snap = load(args.snapshot, backend=args.backend, device=args.device)
-    if snap.kind == "generative":
-        return _query_generative(snap, args)
+    spec = getattr(snap, "spec", None)  # (a sharded snapshot has no spec: it answers search)
+    if spec is not None and not spec.answers_search:
+        return _query_histories(snap, args)
     if args.queries is None:
         raise QueryError("a pure-ANN snapshot needs --queries Q.npy")
     try:
@@ -68,8 +69,9 @@ def _parse_history(text: str, where: str) -> list[int]:
         raise QueryError(f"{where}: history item id {bad!r} is not an integer") from None
 
 
-def _query_generative(snap, args: argparse.Namespace) -> int:
-    """Next items for each history: --history "1,2,3" (one request) or --history-file (one per line)."""
+def _query_histories(snap, args: argparse.Namespace) -> int:
+    """Next items for each history (a snapshot that answers recommend requests): --history "1,2,3"
+    (one request) or --history-file (one per line)."""
     histories = []
     if args.history is not None:
         histories.append(_parse_history(args.history, "--history"))
@@ -80,12 +82,10 @@ def _query_generative(snap, args: argparse.Namespace) -> int:
             raise QueryError(f"cannot read histories from {args.history_file}: {e.strerror}") from None
         histories += [_parse_history(line, f"{args.history_file} line {n}") for n, line in enumerate(lines, 1) if line.strip()]
     if not histories:
-        raise QueryError("a generative snapshot needs --history \"id1,id2,...\" or --history-file F")
-    width = int(snap.config["beam_width"])
-    check_k(args.k, width, "beams (the snapshot's beam_width)")
-    result = snap.recommend(histories, exclude_history=args.exclude_history)
-    result = type(result)(item_ids=result.item_ids[:, : args.k], scores=result.scores[:, : args.k])
-    _print_result(result, args)
+        raise QueryError("a snapshot that answers recommend requests needs --history \"id1,id2,...\" or "
+                         "--history-file F (or use silverrec recommend)")
+    requests = [{"history": h, "filter": args.filter} for h in histories]
+    _print_result(snap.recommend(requests, k=args.k, exclude_history=args.exclude_history), args)
     return 0
 
 
@@ -175,6 +175,7 @@ def print_stages(report: dict | None) -> None:
 
 def _print_generative_dtypes(config: dict) -> None:
     """A generative snapshot's stored weight dtype and the compute dtype the publisher measured faster."""
+    config = config.get("generative") or {}
     if "weights_dtype" not in config:
         return
     timing = config.get("compute_timing") or {}
@@ -251,10 +252,12 @@ def add_runtime_parsers(sub) -> None:
     q = sub.add_parser("query", help="top-k items for each query vector")
     q.add_argument("snapshot")
     q.add_argument("--queries", default=None, help=".npy float32 [B, D] (retrieval snapshots)")
-    q.add_argument("--history", default=None, help="generative: one history, item ids oldest first, e.g. \"1,50,260\"")
-    q.add_argument("--history-file", dest="history_file", default=None, help="generative: one history per line")
+    q.add_argument("--history", default=None,
+                   help="a snapshot that recommends: one history, item ids oldest first, e.g. \"1,50,260\"")
+    q.add_argument("--history-file", dest="history_file", default=None,
+                   help="a snapshot that recommends: one history per line")
     q.add_argument("--exclude-history", dest="exclude_history", action="store_true",
-                   help="generative: never recommend an item of the request's history")
+                   help="a snapshot that recommends: never recommend an item of the request's history")
     q.add_argument("--k", type=int, required=True)
     q.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or stdout)")
     add_program_args(q)

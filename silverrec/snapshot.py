@@ -35,8 +35,11 @@ from silverrec.errors import SnapshotError
 # 4: one root module: the kinds "exact", "ivf" and "filtered_ivf" became RecModel configurations (config.spec)
 # 5: a program's state tensors may live apart, in tensors.pt (an older reader would run the placeholders)
 # 6: the search ops take the index as a tensor list and an int list (kernels/search_args.py)
-FORMAT_VERSION = 6
-MIN_FORMAT_VERSION = 6  # older programs call ops (or hold modules) this silverrec no longer has
+# 7: one composition (silverrec/compose.py): the root module's stages are modules, its forward takes the
+#    history rows and source flags, config.spec is the spec it was built from; the kind "generative"
+#    became a RecModel whose only source is the decode
+FORMAT_VERSION = 7
+MIN_FORMAT_VERSION = 7  # older programs call ops, or take inputs, or hold modules, this silverrec no longer has
 MANIFEST = "manifest.json"
 EXPORT_FILE = "model.pt2"
 SCRIPT_FILE = "model.ts"
@@ -64,8 +67,8 @@ def write_snapshot(
 
     Args:
         out_dir: final directory. Must not exist unless `overwrite`.
-        kind: the root module: "rec" (RecModel; config.spec names its configuration), "generative",
-            or "sharded" (a top manifest); the predictor dispatches on kind and spec.
+        kind: the root module: "rec" (RecModel; config.spec is the spec it was composed from) or
+            "sharded" (a top manifest); the predictor dispatches on kind and spec.
         config: JSON-serialisable description the predictor needs (dims, feature vocabularies...).
         item_count: number of items in the candidate pool.
         write_files: called with the temporary directory; writes model.pt2 / model.ts / extras.
@@ -143,9 +146,10 @@ def read_manifest(path: str | os.PathLike, verify: bool = True) -> dict[str, Any
     if version < MIN_FORMAT_VERSION:
         raise SnapshotError(
             f"snapshot {root} has format version {version} (kind {manifest.get('kind')!r}); this silverrec "
-            f"{_silverrec_version()} reads format versions {MIN_FORMAT_VERSION}..{FORMAT_VERSION}: its program calls "
-            "operators in a form this silverrec no longer has (format 6: the search ops' narrow interface), so "
-            "re-publish it with this silverrec"
+            f"{_silverrec_version()} reads format versions {MIN_FORMAT_VERSION}..{FORMAT_VERSION}: since format 7 "
+            "every snapshot is one recommendation model composed from its spec (the kind 'generative' became its "
+            "decode-only configuration, and the model's inputs changed; format 6: the search ops' narrow "
+            "interface), so re-publish it with this silverrec"
         )
     if verify:
         verify_files(root, manifest)
@@ -177,10 +181,11 @@ _NEEDS_TORCHREC = ("rec",)
 
 def needs_torchrec(manifest: dict[str, Any]) -> bool:
     """Whether a snapshot's program holds TorchRec / fbgemm ops: a recommendation model with
-    silverrec's own (TorchRec) user tower. A query tower holds none, and a team's own plain-PyTorch
-    tower (byo) needs neither package (one that does use them loads where they are installed)."""
+    silverrec's own (TorchRec) user tower. A query tower or none holds none, and a team's own
+    plain-PyTorch tower (byo) needs neither package (one that does use them loads where they are
+    installed)."""
     tower = manifest.get("config", {}).get("spec", {}).get("tower")
-    return manifest.get("kind") in _NEEDS_TORCHREC and tower not in ("query", "byo")
+    return manifest.get("kind") in _NEEDS_TORCHREC and tower == "two_tower"
 
 
 def build_versions() -> dict[str, str]:

@@ -133,7 +133,7 @@ def test_published_export_program_equals_eager(world, tmp_path):
     out = publish_byo(cfg, tmp_path / "snap")
     snap = silverrec.load(out)
     m = snap.manifest["config"]
-    assert m["overarch"] == "listwise"
+    assert m["spec"]["overarch"] == "listwise"
     assert "torch.export program" in m["torchscript"] and not (out / "model.ts").exists()  # .pt2 does not script
     assert snap.backend == "export"
     check_against_eager(snap, world)

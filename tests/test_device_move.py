@@ -8,7 +8,6 @@ import numpy as np
 import torch
 
 import silverrec
-from silverrec.bitmask import pack_bits
 from silverrec.filtering.filter_program import compile_request
 from silverrec.publish.filtered_ivf import publish_index
 from silverrec.publish.generative import publish_generative
@@ -16,6 +15,7 @@ from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.pool import Pool
 from silverrec.publish.semantic_ids import build_semantic_ids
 from silverrec.retrieval.filtered_search import filter_plan
+from silverrec.serving.recommend import RecRequest
 
 from silverrec.serving.device import program_on, to_device
 from .reference_beam_search import random_decoder
@@ -47,10 +47,11 @@ def test_filtered_index_program_moves_whole(tmp_path):
     snap = silverrec.load(path, backend="export")
     request = (torch.zeros(3, dtype=torch.int64), torch.zeros(4, dtype=torch.int32), torch.randn(2, 16),
                torch.full((2, 1), -1), *compile_request(["country = c1", None], filter_plan(snap)),
-               torch.zeros(2, dtype=torch.int64), 5, 5, 4, 8)
+               torch.zeros(2, dtype=torch.int64), torch.full((2, 1), -1), torch.ones(2, 2, dtype=torch.bool), 5, 5, 4, 8)
     assert (snap.module(*request)[0] >= 0).all()  # the request is valid on CPU
-    # rows [B, 0]: a pure-ANN search without exclusions maps straight to item ids (RecModel.search_rows)
-    _assert_on_meta(_run_on_meta(path, *request), [(2, 5), (2, 5), (2, 5, 1), (2, 0)])
+    # rows [B, 0]: a pure-ANN search without exclusions maps straight to item ids (retrieval/sources.py
+    # AnnSearch); found_by and source scores: one source
+    _assert_on_meta(_run_on_meta(path, *request), [(2, 5), (2, 5), (2, 5, 1), (2, 0), (2, 0), (2, 0, 2)])
 
 
 def test_generative_program_moves_whole(tmp_path):
@@ -59,7 +60,13 @@ def test_generative_program_moves_whole(tmp_path):
     sids = build_semantic_ids(x, np.arange(240, dtype=np.int64) + 7, levels=1, codes=16, seed=0, niter=3)
     dec = random_decoder(sids.level_sizes, dim=32, n_layers=2, max_seq_len=64, seed=1)
     path = publish_generative(dec, sids, tmp_path / "g", beam_width=8, max_history=4, weights="fp32", torchscript=False)
-    history = torch.tensor([[0, 1, 3, 20], [1, 4, 19, 5]], dtype=torch.int64)
-    bitmask = pack_bits(torch.ones(2, 240, dtype=torch.bool))
+    handler = silverrec.load(path, backend="export").rec_handler()
+    ids = handler.row_to_item
+    requests = [RecRequest(history=ids[[0, 1, 3, 20]].tolist()), RecRequest(history=ids[[1, 4, 19]].tolist())]
+    values, lengths, dense, exclude, histories = handler.encode_rows(requests, True, 8)
+    history, flags = handler._sources(requests, histories)
+    request = (values, lengths, dense, exclude, *compile_request([None, None], handler.plan),
+               torch.zeros(2, dtype=torch.int64), history, flags, 8, 8, 1, 1)
+    assert (handler.module(*request)[0] >= 0).all()  # the request is valid on CPU
     # this graph burns device='cpu' into its factory calls (arange, zeros, full): unmoved, it fails here
-    _assert_on_meta(_run_on_meta(path, history, bitmask), [(2, 8), (2, 8)])
+    _assert_on_meta(_run_on_meta(path, *request), [(2, 8), (2, 8), (2, 8, 1), (2, 8), (2, 8), (2, 8, 2)])

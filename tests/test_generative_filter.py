@@ -1,7 +1,7 @@
 """The generative decode's filter evaluated in the model (silverrec/generative/source.py).
 
 References: the exact forward index (`ForwardIndex.evaluate`, pool order) for the allowed rows, the
-predictor's host-side history encoder (`serving.predictor.history_tokens`) for the decoder input,
+host-side history encoder (`publish.semantic_ids.history_tokens`) for the decoder input,
 and the plain reference beam search (tests/reference_beam_search.py, pool order, Python sets) for
 the filtered decode. The pool, filters and histories are those of tests/rec_fixtures.py.
 """
@@ -15,7 +15,7 @@ import torch
 from silverrec.filtering.filter_program import compile_request
 from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.generative.source import GenerativeSource
-from silverrec.serving.predictor import history_tokens
+from silverrec.publish.semantic_ids import history_tokens
 
 from tests.rec_fixtures import rec_setup
 from tests.reference_beam_search import reference_beam_search
@@ -32,13 +32,13 @@ def rec(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def source(rec):
-    return GenerativeSource(decode_module(rec, beam_width=10, top_k=4), rec.built.model.index.row_to_item)
+    return GenerativeSource(decode_module(rec, beam_width=10, top_k=4), rec.built.parts.index.row_to_item)
 
 
 def _canonical_to_pool(rec) -> np.ndarray:
     """pool row (items.parquet order) of each canonical row."""
     pool_row = {int(i): p for p, i in enumerate(rec.logs.item_ids.tolist())}
-    return np.array([pool_row[int(i)] for i in rec.built.model.index.row_to_item.tolist()])
+    return np.array([pool_row[int(i)] for i in rec.built.parts.index.row_to_item.tolist()])
 
 
 def _exclude(rows_per_request: list[list[int]], width: int) -> torch.Tensor:
@@ -58,7 +58,7 @@ def test_allowed_rows_equal_the_exact_evaluator(rec, source):
     rng = np.random.default_rng(0)
     excluded = [sorted(rng.choice(n, int(rng.integers(0, 30)), replace=False).tolist()) for _ in FILTERS]
     _, _, vops, vrows, _ = compile_request(FILTERS, plan)
-    allowed = source.allowed_rows(rec.built.model.index.bits, vops, vrows, _exclude(excluded, 32))
+    allowed = source.allowed_rows(rec.built.parts.index.bits, vops, vrows, _exclude(excluded, 32))
     assert allowed.shape == (len(FILTERS), n) and allowed.dtype == torch.bool
     for b, f in enumerate(FILTERS):
         want = fwd.evaluate(f).numpy()[to_pool]  # canonical order
@@ -68,13 +68,12 @@ def test_allowed_rows_equal_the_exact_evaluator(rec, source):
 
 
 @pytest.mark.parametrize("max_items", [None, 3])
-def test_history_tokens_equal_the_predictors_encoding(rec, source, max_items):
+def test_history_tokens_equal_the_host_encoding(rec, source, max_items):
     """Canonical history rows -> decoder tokens as the host encoder makes them, the newest
     `max_items` items (the decoder's training history length) or as many as its RoPE table holds."""
     if max_items is not None:
-        source = GenerativeSource(source.retrieval, rec.built.model.index.row_to_item, max_items=max_items)
-    m = rec.built.model
-    row_to_item = m.index.row_to_item.to(torch.int64)
+        source = GenerativeSource(source.retrieval, rec.built.parts.index.row_to_item, max_items=max_items)
+    row_to_item = rec.built.parts.index.row_to_item.to(torch.int64)
     tokens = source.canon_tokens  # checked below against the semantic paths directly
     paths = semantic_paths(len(row_to_item), SIZES)
     pool_row = {int(i): p for p, i in enumerate(rec.logs.item_ids.tolist())}
@@ -109,9 +108,9 @@ def test_filtered_decode_equals_the_reference_beam_search(rec, source):
     history = _exclude([[] for _ in users], H)
     for b, h in enumerate(hist_rows):
         history[b, H - len(h):] = torch.tensor(h)  # oldest first
-    allowed = source.allowed_rows(rec.built.model.index.bits, vops, vrows, _exclude(hist_rows, H))
+    allowed = source.allowed_rows(rec.built.parts.index.bits, vops, vrows, _exclude(hist_rows, H))
     rows, scores, _ = source(history, allowed, history[:, :0])
-    ids = torch.where(rows >= 0, rec.built.model.index.row_to_item[rows.clamp_min(0)].to(torch.int64), -1)
+    ids = torch.where(rows >= 0, rec.built.parts.index.row_to_item[rows.clamp_min(0)].to(torch.int64), -1)
 
     paths = semantic_paths(len(rec.logs.item_ids), SIZES)  # pool order, as decode_module built them
     pool_allowed = torch.stack([fwd.evaluate(f) for f in FILTERS])
@@ -130,11 +129,11 @@ def test_filtered_decode_equals_the_reference_beam_search(rec, source):
 
 def test_max_items_beyond_the_rope_table_is_an_error(rec, source):
     with pytest.raises(ValueError, match="max_items must be in"):
-        GenerativeSource(source.retrieval, rec.built.model.index.row_to_item, max_items=10**6)
+        GenerativeSource(source.retrieval, rec.built.parts.index.row_to_item, max_items=10**6)
 
 
 def test_semantic_ids_must_cover_the_pool(rec, source):
-    ids = rec.built.model.index.row_to_item.to(torch.int64).clone()
+    ids = rec.built.parts.index.row_to_item.to(torch.int64).clone()
     ids[5] = -77
     with pytest.raises(ValueError, match="item -77 of the pool has no semantic ID"):
         GenerativeSource(source.retrieval, ids)

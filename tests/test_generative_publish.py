@@ -1,5 +1,6 @@
-"""Generative snapshots: publish -> load (fresh process) -> recommend; the predictor's history
-mapping (checked against the independent reference beam search), bad input, bf16 vs fp32, CLI;
+"""Generative snapshots (a RecModel whose only source is the decode): publish -> load (fresh process)
+-> recommend; the predictor's history mapping, filters and exclusions (checked against the
+independent reference beam search), bad input, bf16 vs fp32, CLI;
 the generic trainer (`silverrec train --generative`) on tiny synthetic logs: its split, embeddings
 sources, metrics, the item-token reference and a training run that learns a known pattern."""
 
@@ -18,7 +19,7 @@ from silverrec.generative.decoder import BOS, PAD
 from silverrec.errors import PoolError, QueryError
 from silverrec.publish.generative import build_generative, publish_generative
 from silverrec.publish.pool import write_pool
-from silverrec.publish.semantic_ids import build_semantic_ids
+from silverrec.publish.semantic_ids import build_semantic_ids, history_tokens
 from silverrec.publish.generative_checkpoint import load_checkpoint, save_checkpoint
 from silverrec.publish.train_generative import Sequences, TrainConfig, item_embeddings, left_pad, popularity_rows
 
@@ -52,6 +53,24 @@ def setup(tmp_path_factory):
     return root, sids, dec, snap_dir
 
 
+def _recommend(snap, histories, k=W, **options):
+    """recommend with one request per history (item ids, oldest first); the history is not excluded
+    unless asked (the reference decodes over every item)."""
+    options.setdefault("exclude_history", False)
+    return snap.recommend([{"history": h} for h in histories], k=k, **options)
+
+
+def _row_to_item(snap) -> np.ndarray:
+    """The snapshot's item id of each row (its canonical order: the trie's)."""
+    return snap.rec_handler().row_to_item
+
+
+def _tokens(sids):
+    """(item ids ascending, their decoder tokens [N, L]): semantic_ids.history_tokens' tables."""
+    order = np.argsort(sids.item_ids)
+    return sids.item_ids[order], sids.tokens()[order]
+
+
 def _empty_metrics():
     from silverrec.publish.train_generative import Metrics
 
@@ -76,62 +95,78 @@ def _reference(dec, sids, histories, top_k=5, allowed=None):
 def test_manifest_describes_the_snapshot(setup):
     _, sids, dec, snap_dir = setup
     m = json.loads((snap_dir / "manifest.json").read_text())
-    c = m["config"]
-    assert m["kind"] == "generative" and m["item_count"] == len(sids.item_ids)
+    spec, c = m["config"]["spec"], m["config"]["generative"]
+    assert m["kind"] == "rec" and m["item_count"] == len(sids.item_ids)
+    assert (spec["tower"], spec["sources"], spec["decode_history"]) == ("none", ["generative"], MAX_HISTORY)
     assert c["level_sizes"] == sids.level_sizes and c["levels"] == 3
     assert c["level_offsets"] == sids.level_offsets and c["vocab_size"] == dec.vocab_size
-    assert (c["beam_width"], c["top_k"], c["max_history_items"], c["weights_dtype"]) == (W, 5, MAX_HISTORY, "fp32")
+    assert (c["beam_width"], c["top_k"], c["max_items"], c["weights_dtype"]) == (W, 5, MAX_HISTORY, "fp32")
     assert c["decoder"] == dec.config.to_dict()
     assert c["stats"]["max_items_per_path"] >= 4
-    assert {"model.pt2", "model.ts", "items.npz"} <= set(m["files"])
+    assert {"model.pt2", "model.ts", "items.npz"} <= set(m["files"]) and "rank.pt2" not in m["files"]
 
 
 def test_recommend_equals_reference_beam_search(setup):
     _, sids, dec, snap_dir = setup
     snap = silverrec.load(snap_dir)
     histories = _histories(sids.item_ids)
-    got = snap.recommend(histories)
+    got = _recommend(snap, histories)
     ref_ids, ref_scores = _reference(dec, sids, histories)
     assert torch.equal(got.item_ids, ref_ids)
     torch.testing.assert_close(got.scores, ref_scores, atol=2e-5, rtol=2e-5)
+    # the one result type: the task score is the log-prob; the decode found every item
+    assert got.tasks == ["log_prob"] and torch.equal(got.task_scores[:, :, 0], got.scores)
+    assert bool((got.found_by == 2).all()) and torch.equal(got.source_scores[:, :, 1], got.scores)
+    assert bool(torch.isneginf(got.source_scores[:, :, 0]).all())
     # every recommended item is a real pool item, once
     real = set(sids.item_ids.tolist())
     for row in got.item_ids.tolist():
         assert set(row) <= real and len(set(row)) == W
 
 
-def test_filter_bitmask_prunes_during_decode(setup):
+def test_filter_and_exclusions_prune_during_decode(setup, tmp_path):
+    """A snapshot published with item features: each request's filter (in-model, on the filter row
+    bank) and exclude ids prune the decode as the reference's allowed set does; a filter naming no
+    feature of the pool is a named error."""
     _, sids, dec, snap_dir = setup
-    snap = silverrec.load(snap_dir)
-    rows = snap.generative_item_ids()
-    allowed_rows = torch.rand(3, len(rows)) < torch.tensor([[0.03], [0.3], [1.0]])
-    from silverrec.bitmask import pack_bits
-
-    histories = _histories(sids.item_ids, n=3, seed=2)
-    got = snap.recommend(histories, pack_bits(allowed_rows))
-    pos = {int(i): r for r, i in enumerate(rows)}
-    allowed = torch.tensor([[bool(allowed_rows[b, pos[int(i)]]) for i in sids.item_ids] for b in range(3)])
-    ref_ids, _ = _reference(dec, sids, histories, allowed=allowed)
-    assert torch.equal(got.item_ids, ref_ids)
-    for b in range(3):
-        ok = set(rows[allowed_rows[b].numpy()].tolist())
-        assert set(got.item_ids[b][got.item_ids[b] >= 0].tolist()) <= ok
-    assert int((got.item_ids[0] >= 0).sum()) == min(W, int(allowed_rows[0].sum()))
-    with pytest.raises(QueryError, match="filter_bitmask must be int64"):
-        snap.recommend(histories, pack_bits(allowed_rows)[:2])
+    g = np.random.default_rng(4)
+    colour = [["red", "green", "blue"][c] for c in g.integers(0, 3, len(sids.item_ids))]
+    tags = [sorted({f"t{x}" for x in g.choice(6, int(g.integers(1, 3)), replace=False)}) for _ in sids.item_ids]
+    out = publish_generative(dec, sids, tmp_path / "f", beam_width=W, top_k=5, max_history=MAX_HISTORY,
+                             weights="fp32", features={"colour": [[c] for c in colour], "tags": tags},
+                             torchscript=False)
+    snap = silverrec.load(out)
+    histories = _histories(sids.item_ids, n=4, seed=2)
+    filters = ["colour = red", "tags = t1 AND NOT colour = blue", None, "colour = purple"]
+    exclude = [g.choice(sids.item_ids, 60, replace=False).tolist() if b % 2 else [] for b in range(4)]
+    got = snap.recommend([{"history": h, "filter": f, "exclude": e} for h, f, e in zip(histories, filters, exclude)],
+                         k=W, exclude_history=False)
+    passes = {"colour = red": lambda i: colour[i] == "red", None: lambda i: True,
+              "tags = t1 AND NOT colour = blue": lambda i: "t1" in tags[i] and colour[i] != "blue",
+              "colour = purple": lambda i: False}
+    allowed = torch.tensor([[passes[f](i) and int(sids.item_ids[i]) not in set(e) for i in range(len(sids.item_ids))]
+                            for f, e in zip(filters, exclude)])
+    some = allowed.any(dim=1)
+    ref_ids, ref_scores = _reference(dec, sids, [h for h, s in zip(histories, some) if s], allowed=allowed[some])
+    assert torch.equal(got.item_ids[some], ref_ids)
+    torch.testing.assert_close(got.scores[some], ref_scores, atol=2e-5, rtol=2e-5)
+    assert bool((got.item_ids[3] == -1).all()) and not bool(some[3])
+    assert int((got.item_ids[0] >= 0).sum()) == min(W, int(allowed[0].sum()))
+    with pytest.raises(QueryError, match="unknown feature 'colour'"):
+        silverrec.load(snap_dir).recommend([{"history": histories[0], "filter": "colour = red"}], k=3)
 
 
 def test_exclude_history_prunes_history_items(setup):
     _, sids, dec, snap_dir = setup
     snap = silverrec.load(snap_dir, backend="torchscript")
     histories = _histories(sids.item_ids, n=4, seed=8, lengths=(9, 0, 3, 12))
-    got = snap.recommend(histories, exclude_history=True)
+    got = _recommend(snap, histories, exclude_history=True)
     allowed = torch.tensor([[int(i) not in set(h) for i in sids.item_ids] for h in histories])
     ref_ids, _ = _reference(dec, sids, histories, allowed=allowed)
     assert torch.equal(got.item_ids, ref_ids)
     for row, h in zip(got.item_ids.tolist(), histories):
         assert not set(row) & set(h)
-    plain = snap.recommend(histories)
+    plain = _recommend(snap, histories)
     assert any(set(row) & set(h) for row, h in zip(plain.item_ids.tolist(), histories))  # the option matters
 
 
@@ -140,7 +175,8 @@ _FRESH = textwrap.dedent(
     import json, sys, silverrec
     out = {}
     for backend in ("export", "torchscript"):
-        r = silverrec.load(sys.argv[1], backend=backend).recommend(json.loads(sys.argv[2]))
+        requests = [{"history": h} for h in json.loads(sys.argv[2])]
+        r = silverrec.load(sys.argv[1], backend=backend).recommend(requests, k=int(sys.argv[3]), exclude_history=False)
         out[backend] = {"ids": r.item_ids.tolist(), "scores": r.scores.tolist()}
     print(json.dumps(out))
     """
@@ -150,14 +186,12 @@ _FRESH = textwrap.dedent(
 def test_fresh_process_equals_in_process(setup):
     _, sids, dec, snap_dir = setup
     histories = _histories(sids.item_ids, seed=3)
-    proc = subprocess.run([sys.executable, "-c", _FRESH, str(snap_dir), json.dumps(histories)],
+    proc = subprocess.run([sys.executable, "-c", _FRESH, str(snap_dir), json.dumps(histories), str(W)],
                           capture_output=True, text=True, timeout=300, check=True)
-    module = build_generative(dec, sids.subset(silverrec.load(snap_dir).generative_item_ids()), W, 5)
-    ids, tokens, order = silverrec.load(snap_dir)._generative_items()
-    from silverrec.serving.predictor import history_tokens
-
+    ids = _row_to_item(silverrec.load(snap_dir))
+    module = build_generative(dec, sids.subset(ids), W, 5)
     with torch.no_grad():
-        hist = history_tokens(histories, ids[order], tokens[order], MAX_HISTORY)
+        hist = history_tokens(histories, *_tokens(sids), MAX_HISTORY)
         ref_ids, ref_scores = module(hist, torch.full((len(histories), (len(ids) + 63) // 64), -1))
     for backend, out in json.loads(proc.stdout).items():
         assert out["ids"] == ref_ids.tolist(), backend
@@ -168,14 +202,14 @@ def test_truncation_and_padding(setup):
     _, sids, _, snap_dir = setup
     snap = silverrec.load(snap_dir)
     long = _histories(sids.item_ids, n=1, lengths=(15,), seed=4)[0]
-    a = snap.recommend([long])
-    b = snap.recommend([long[-MAX_HISTORY:]])
+    a = _recommend(snap, [long])
+    b = _recommend(snap, [long[-MAX_HISTORY:]])
     assert torch.equal(a.item_ids, b.item_ids)
     # a batch of different lengths (left padding) answers each row as if alone
     histories = _histories(sids.item_ids, seed=5)
-    batch = snap.recommend(histories)
+    batch = _recommend(snap, histories)
     for i, h in enumerate(histories):
-        single = snap.recommend([h])
+        single = _recommend(snap, [h])
         assert torch.equal(batch.item_ids[i], single.item_ids[0])
         torch.testing.assert_close(batch.scores[i], single.scores[0], atol=1e-5, rtol=1e-5)
 
@@ -184,16 +218,18 @@ def test_unknown_history_item_is_named(setup, capsys):
     _, sids, _, snap_dir = setup
     snap = silverrec.load(snap_dir)
     unknown = int(sids.item_ids.max()) + 7
-    with pytest.raises(QueryError, match=f"unknown history item id {unknown} in history 1"):
-        snap.recommend([[int(sids.item_ids[0])], [int(sids.item_ids[1]), unknown]])
-    with pytest.raises(QueryError, match="non-empty list"):
+    with pytest.raises(QueryError, match=f"request 1 history: unknown item id {unknown}"):
+        _recommend(snap, [[int(sids.item_ids[0])], [int(sids.item_ids[1]), unknown]])
+    with pytest.raises(QueryError, match="at least one request"):
         snap.recommend([])
+    with pytest.raises(QueryError, match=rf"k must be an int in \[1, {W}\]"):  # at most the beams
+        _recommend(snap, [[]], k=W + 1)
     from silverrec.cli import main  # in-process CLI: exit code 2 and the message on stderr
 
     for argv, message in [
-        (["--history", f"{int(sids.item_ids[0])},{unknown}", "--k", "3"], f"unknown history item id {unknown}"),
+        (["--history", f"{int(sids.item_ids[0])},{unknown}", "--k", "3"], f"unknown item id {unknown}"),
         (["--history", "12,abc", "--k", "3"], "'abc' is not an integer"),
-        (["--history", "", "--k", str(W + 1)], "beam_width"),
+        (["--history", "", "--k", str(W + 1)], f"k must be an int in [1, {W}]"),
         (["--k", "3"], "needs --history"),
     ]:
         assert main(["query", str(snap_dir), *argv]) == 2
@@ -207,19 +243,19 @@ def test_cli_query_matches_api(setup, tmp_path):
     proc = run_cli("query", str(snap_dir), "--history", ",".join(map(str, histories[0])),
                    "--history-file", str(tmp_path / "h.txt"), "--k", "5", "--json")
     out = json.loads(proc.stdout)
-    expect = silverrec.load(snap_dir).recommend(histories)
-    assert out["item_ids"] == expect.item_ids[:, :5].tolist()
+    expect = _recommend(silverrec.load(snap_dir), histories, k=5)
+    assert out["item_ids"] == expect.item_ids.tolist()
 
 
 def test_bf16_snapshot_agrees_with_fp32(setup):
     root, sids, dec, snap_dir = setup
     out = publish_generative(dec, sids, root / "bf16", beam_width=W, top_k=5, max_history=MAX_HISTORY,
                              weights="bf16", torchscript=False)
-    cfg = json.loads((out / "manifest.json").read_text())["config"]
+    cfg = json.loads((out / "manifest.json").read_text())["config"]["generative"]
     assert cfg["weights_dtype"] == "bf16" and 0.0 <= cfg["bf16_check"]["top10_overlap_vs_fp32"] <= 1.0
     histories = _histories(sids.item_ids, n=20, seed=7, lengths=(2, 4, 6))
-    a = silverrec.load(out).recommend(histories).item_ids
-    b = silverrec.load(snap_dir).recommend(histories).item_ids
+    a = _recommend(silverrec.load(out), histories).item_ids
+    b = _recommend(silverrec.load(snap_dir), histories).item_ids
     overlap = np.mean([len(set(x[:10].tolist()) & set(y[:10].tolist())) / 10 for x, y in zip(a, b)])
     assert overlap >= 0.8, overlap
     real = set(sids.item_ids.tolist())
@@ -309,7 +345,7 @@ def test_generic_trainer_learns_the_next_item(tmp_path, capsys):
                       torchscript=False)  # the CLI path of --model is the `setup` fixture's
     snap = silverrec.load(tmp_path / "snap")
     walks = [cycle[np.arange(s, s + 4) % len(cycle)] for s in range(0, 40, 3)]
-    got = snap.recommend([w.tolist() for w in walks]).item_ids[:, 0].numpy()
+    got = _recommend(snap, [w.tolist() for w in walks], k=1).item_ids[:, 0].numpy()
     expect = np.array([cycle[(s + 4) % len(cycle)] for s in range(0, 40, 3)])
     assert np.mean(got == expect) > 0.9
 
@@ -471,19 +507,16 @@ def test_bf16_weights_compute_in_the_measured_faster_dtype(setup, tmp_path, monk
     out = publish_generative(dec, sids, tmp_path / "s", beam_width=W, top_k=5, max_history=MAX_HISTORY,
                              weights="bf16", probe=_histories(sids.item_ids, n=8), torchscript=False)
     assert seen == [{"bf16": torch.bfloat16, "fp32": torch.float32}]
-    cfg = json.loads((out / "manifest.json").read_text())["config"]
+    cfg = json.loads((out / "manifest.json").read_text())["config"]["generative"]
     assert (cfg["weights_dtype"], cfg["compute_dtype"]) == ("bf16", faster)
     assert cfg["compute_timing"]["median_ms"] == timings and cfg["compute_timing"]["measured_on"]
     histories = _histories(sids.item_ids, n=4, seed=9, lengths=(2, 5))
     snap = silverrec.load(out)
-    got = snap.recommend(histories)
+    got = _recommend(snap, histories)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[faster]
-    module = build_generative(dec, sids.subset(snap.generative_item_ids()), W, 5, torch.bfloat16, dtype)
-    ids, tokens, order = snap._generative_items()
-    from silverrec.serving.predictor import history_tokens
-
+    module = build_generative(dec, sids.subset(_row_to_item(snap)), W, 5, torch.bfloat16, dtype)
     with torch.no_grad():
-        ref_ids, ref_scores = module(history_tokens(histories, ids[order], tokens[order], MAX_HISTORY))
+        ref_ids, ref_scores = module(history_tokens(histories, *_tokens(sids), MAX_HISTORY))
     assert torch.equal(got.item_ids, ref_ids)
     torch.testing.assert_close(got.scores, ref_scores)
     from silverrec.cli import main

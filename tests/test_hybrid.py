@@ -15,17 +15,21 @@ import numpy as np
 import pytest
 import torch
 
+import dataclasses
+
 from silverrec.bitmask import pack_bits
+from silverrec.candidates import FOUND_ANN, FOUND_GENERATIVE, SOURCES
+from silverrec.compose import compose
 from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.generative.generative import GenerativeRetrieval
-from silverrec.generative.source import (FOUND_ANN, FOUND_GENERATIVE, SOURCES, GenerativeSource, HybridRecModel,
-                                        merge_sources, request_tensors)
+from silverrec.generative.source import merge_sources, request_tensors
 from silverrec.generative.trie import ValidPathTrie
-from silverrec.generative import source as source_module
-from silverrec.publish.rec import dynamic_shapes, example_request, scriptable
+from silverrec.publish.rec_files import dynamic_shapes, model_example, scriptable
+from silverrec.ranking.top_k import priority_tiers
 from silverrec.rec_model import RecModel
 from silverrec.retrieval.user_tower import UserFeatureSpec
 from silverrec.snapshot import export_program
+from silverrec.spec import PRIORITIES
 
 from tests.rec_fixtures import K0, N_ITEMS, TASKS, rec_setup
 from tests.reference_beam_search import random_decoder
@@ -55,20 +59,25 @@ def decode_module(rec, beam_width: int = W, top_k: int = 5) -> GenerativeRetriev
     return GenerativeRetrieval(random_decoder(SIZES, seed=3), trie, ids, beam_width, top_k).eval()
 
 
-def hybrid_model(rec, beam_width: int = W) -> HybridRecModel:
-    m = rec.built.model
-    source = GenerativeSource(decode_module(rec, beam_width), m.index.row_to_item)
-    return HybridRecModel(m.user_tower, m.index, m.cache, m.overarch if m.has_overarch else None,
-                          m.value_model if m.has_value_model else None, tasks=m.tasks, overfetch=m.overfetch,
-                          candidates=m.candidates, generative=source).eval()
+def hybrid_model(rec, beam_width: int = W, weight: float = 0.0, priority: str = "none") -> RecModel:
+    """The published composition with the decode as a second source, ranked by `weight` and `priority`."""
+    built = rec.built
+    spec = built.spec.replace(sources=SOURCES, generative_weight=weight, source_priority=priority)
+    return compose(spec, dataclasses.replace(built.parts, decode=decode_module(rec, beam_width)))
+
+
+def plain_model(rec) -> RecModel:
+    """The published composition without OverArch and value model: the ANN's candidates by exact re-score."""
+    built = rec.built
+    return compose(built.spec.replace(overarch=None, value_model=None), dataclasses.replace(built.parts, overarch=None))
 
 
 def hybrid_inputs(rec, handler, requests, *, k, sources=None, **kw):
-    """RecModel's inputs (the predictor's encoding) with the history rows and source flags inserted."""
+    """RecModel's inputs (the predictor's encoding) with the history rows and source flags."""
     args = model_inputs(handler, requests, k=k, **kw)
     hist = [handler.rows(rec.logs.history(r["user_id"]) if "user_id" in r else r["history"], "history") for r in requests]
     history, flags = request_tensors(hist, [sources] * len(requests), SOURCES)
-    return (*args[:10], history, flags, *args[10:])
+    return (*args[:10], history, flags, *args[12:])
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +118,9 @@ def test_merge_sources_matches_python_sets():
 def _gen_alone(hybrid, args):
     """The stand-alone decode of the same requests: GenerativeRetrieval with a caller-built bitmask
     (the exact forward index's filter, the history excluded), item ids -> canonical rows."""
-    src = hybrid.generative
+    src = hybrid.sources.decode.generative
     exclude, vops, vrows, history = args[3], args[6], args[7], args[10]
-    allowed = src.allowed_rows(hybrid.index.bits, vops, vrows, exclude)
+    allowed = src.allowed_rows(hybrid.sources.ann.index.bits, vops, vrows, exclude)
     bitmask = pack_bits(allowed[:, src.trie_to_canon])
     with torch.inference_mode():
         ids, scores = src.retrieval(src.history_tokens(history), bitmask)
@@ -127,14 +136,12 @@ def test_union_equals_the_two_sources_run_alone(rec, hybrid):
     requests = [{"user_id": u} for u in users(rec, 4, start=5)]
     requests[1]["filter"] = "NOT cat = c0"
     requests[2]["filter"] = "tags IN (t1, t3)"
-    K1 = hybrid.candidates or T * K0
+    K1 = hybrid.spec.candidates or T * K0
     args = hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2)
     ids, scores, tasks, rows, by, src_scores = run(hybrid, args)
-    plain = RecModel(hybrid.user_tower, hybrid.index, hybrid.cache, None, None, tasks=hybrid.tasks,
-                     overfetch=hybrid.overfetch, candidates=hybrid.candidates).eval()
-    ann_rows = run(plain, model_inputs(handler, requests, k=K1, nprobe=2))[3]
+    ann_rows = run(plain_model(rec), model_inputs(handler, requests, k=K1, nprobe=2))[3]
     gen_ids, gen_scores = _gen_alone(hybrid, args)
-    row_of = {int(i): r for r, i in enumerate(hybrid.index.row_to_item.tolist())}
+    row_of = {int(i): r for r, i in enumerate(rec.built.parts.index.row_to_item.tolist())}
     for b in range(len(requests)):
         a = set(ann_rows[b][ann_rows[b] >= 0].tolist())
         g = {row_of[int(i)]: float(s) for i, s in zip(gen_ids[b], gen_scores[b]) if i >= 0}
@@ -163,7 +170,7 @@ def test_ranking_of_the_union_equals_rank_on_the_union(rec, hybrid):
     """The top-k is the best k of the union by the model's own value (RecModel.rank on those rows)."""
     handler = rec.snap().rec_handler()
     requests = [{"user_id": u} for u in users(rec, 3, start=11)]
-    K1 = hybrid.candidates or T * K0
+    K1 = hybrid.spec.candidates or T * K0
     full = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2))
     top = run(hybrid, hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
     values, lengths, dense = model_inputs(handler, requests, k=10)[:3]
@@ -181,10 +188,9 @@ def test_generative_weight_ranks_by_value_plus_weighted_log_prob(rec, hybrid):
     candidate's value and log-prob)."""
     handler = rec.snap().rec_handler()
     requests = [{"user_id": u} for u in users(rec, 4, start=5)]
-    K1 = hybrid.candidates or T * K0
+    K1 = hybrid.spec.candidates or T * K0
     full = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2))
-    weighted = hybrid_model(rec)
-    weighted.generative_weight = 2.0
+    weighted = hybrid_model(rec, weight=2.0)
     top = run(weighted, hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
     value, rows, logp = full[1].numpy(), full[3].numpy(), full[5][:, :, 1].numpy()
     fused_any = False
@@ -220,7 +226,7 @@ def test_every_returned_item_passes_its_filter_from_both_sources(rec, hybrid):
 @pytest.mark.parametrize("batch", [1, 16])
 def test_export_and_torchscript_equal_eager(rec, hybrid, batch):
     handler = rec.snap().rec_handler()
-    programs = _programs(hybrid, UserFeatureSpec.from_json(handler.config["user_features"]))
+    programs = _programs(rec, hybrid, UserFeatureSpec.from_json(handler.config["user_features"]))
     requests = [{"user_id": u, "filter": FILTERS[i % len(FILTERS)]} for i, u in enumerate(users(rec, batch, start=40))]
     args = hybrid_inputs(rec, handler, requests, k=15, nprobe=2)
     eager = run(hybrid, args)
@@ -234,12 +240,11 @@ def test_export_and_torchscript_equal_eager(rec, hybrid, batch):
 _PROGRAMS = {}
 
 
-def _programs(hybrid, spec):
+def _programs(rec, hybrid, spec):
     """The hybrid exported (publish's RecModel example and shapes, extended) and scripted, once."""
     if not _PROGRAMS:
-        example = source_module.example_inputs(example_request(hybrid, spec, hybrid.cache.dim), hybrid.index.num_items)
-        shapes = source_module.dynamic_shapes(dynamic_shapes(len(spec.keys)))
-        _PROGRAMS["export"] = export_program(hybrid, example, shapes).module()
+        example = model_example(hybrid, spec, rec.built.parts)
+        _PROGRAMS["export"] = export_program(hybrid, example, dynamic_shapes(len(spec.keys))).module()
         _PROGRAMS["torchscript"] = scriptable(hybrid)
     return _PROGRAMS
 
@@ -251,7 +256,7 @@ def test_predictor_encodes_histories_and_sources(rec, hybrid):
     from silverrec.serving.recommend import RecHandler
 
     snap_handler = rec.snap().rec_handler()
-    cfg = dict(snap_handler.config, sources=list(SOURCES), generative={"beam_width": W})
+    cfg = dict(snap_handler.config, spec=hybrid.spec.to_json(), generative={"beam_width": W})
     handler = RecHandler(cfg, hybrid, snap_handler.row_to_item, _item_csr(rec), snap_handler.users)
     us = users(rec, 3, start=50)
     requests = [{"user_id": us[0]}, {"user_id": us[1], "sources": ["generative"], "filter": "NOT cat = c0"},
@@ -300,16 +305,14 @@ def test_publish_config_names_the_sources(rec):
             PublishConfig(checkpoint="c", **bad)
 
 
-def _fused(model, weight, priority):
-    """`model` (a hybrid_model) set to another fusion (the publisher sets both at construction)."""
-    model.generative_weight = weight
-    model.tiers = source_module.priority_tiers(priority)
-    return model
+def _fused(rec, weight, priority):
+    """The hybrid composed with another fusion."""
+    return hybrid_model(rec, weight=weight, priority=priority)
 
 
 def _union(rec, hybrid, handler, requests):
     """publish/fusion.py's union tensors of `requests`, from the neutral fusion's forward (w 0, none)."""
-    K1 = hybrid.candidates or T * K0
+    K1 = hybrid.spec.candidates or T * K0
     full = run(hybrid, hybrid_inputs(rec, handler, requests, k=K1 + W, nprobe=2))
     return {"item_ids": full[0], "value": full[1], "log_prob": full[5][:, :, 1], "found_by": full[4]}
 
@@ -322,9 +325,9 @@ def test_fusion_grid_ranks_as_the_forward_does(rec, hybrid):
     handler = rec.snap().rec_handler()
     requests = [{"user_id": u} for u in users(rec, 5, start=7)]
     u = _union(rec, hybrid, handler, requests)
-    changed, fused = set(), hybrid_model(rec)
+    changed = set()
     for weight, priority in [(2.0, "none"), (0.5, "ann"), (1.0, "generative"), (4.0, "both")]:
-        model = _fused(fused, weight, priority)
+        model = _fused(rec, weight, priority)
         for source, names in [("hybrid", None), ("ann", ["ann"]), ("generative", ["generative"])]:
             got = run(model, hybrid_inputs(rec, handler, requests, k=10, nprobe=2, sources=names))[0]
             want = fused_topk(u, source, weight, priority, k=10)
@@ -340,24 +343,23 @@ def test_source_priority_ranks_a_source_first(rec, hybrid):
     both sources found first; scores stay value + w * log-prob (the order's key is not returned)."""
     handler = rec.snap().rec_handler()
     requests = [{"user_id": u} for u in users(rec, 6, start=30)]
-    fused = hybrid_model(rec)
     for weight, priority, alone in [(0.0, "ann", ["ann"]), (0.0, "generative", ["generative"]),
                                     (2.0, "generative", ["generative"])]:
-        model = _fused(fused, weight, priority)
+        model = _fused(rec, weight, priority)
         got = run(model, hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
         want = run(model, hybrid_inputs(rec, handler, requests, k=10, nprobe=2, sources=alone))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (weight, priority)
-    ann_first = run(_fused(fused, 2.0, "ann"), hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
+    ann_first = run(_fused(rec, 2.0, "ann"), hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
     assert bool((ann_first[4] & FOUND_ANN != 0).all())
-    both = run(_fused(fused, 2.0, "both"), hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
-    neutral = run(_fused(fused, 2.0, "none"), hybrid_inputs(rec, handler, requests, k=hybrid.candidates + W, nprobe=2))
+    both = run(_fused(rec, 2.0, "both"), hybrid_inputs(rec, handler, requests, k=10, nprobe=2))
+    neutral = run(_fused(rec, 2.0, "none"), hybrid_inputs(rec, handler, requests, k=hybrid.spec.candidates + W, nprobe=2))
     for b in range(len(requests)):
         n_both = int((neutral[4][b] == FOUND_ANN | FOUND_GENERATIVE).sum())
         first = both[4][b][: min(n_both, 10)]
         assert bool((first == FOUND_ANN | FOUND_GENERATIVE).all())
     assert any(int((neutral[4][b] == 3).sum()) > 0 for b in range(len(requests))), "no row found by both sources"
     with pytest.raises(ValueError, match="source priority"):
-        source_module.priority_tiers("first")
+        priority_tiers("first")
 
 
 def test_choose_fusion_takes_the_best_validation_row_and_checks_its_checkpoints():
@@ -381,8 +383,6 @@ def test_publish_chooses_the_fusion_on_held_out_validation_items(rec, tmp_path):
     row is its best hybrid NDCG@10 and is >= each source alone's there, the model carries the choice,
     and the grid's ANN-alone figures equal a plain (ANN-only) RecModel of the validation checkpoint
     evaluated by publish/quality.py at stage "valid" (the independent reference)."""
-    import dataclasses
-
     from silverrec.publish import fusion
     from silverrec.publish.logs import leave_one_out, read_logs
     from silverrec.publish.quality import evaluate_handler, handler_for
@@ -402,12 +402,12 @@ def test_publish_chooses_the_fusion_on_held_out_validation_items(rec, tmp_path):
     built = build_rec_model(cfg)
     chosen = built.manifest["generative"]["fusion"]
     grid = chosen["grid"]
-    assert len(grid) == len(fusion.WEIGHTS) * len(source_module.PRIORITIES) and chosen["chosen_on"] == "valid"
+    assert len(grid) == len(fusion.WEIGHTS) * len(PRIORITIES) and chosen["chosen_on"] == "valid"
     best = max(r["hybrid"]["NDCG@10"] for r in grid)
     assert chosen["validation"]["hybrid"]["NDCG@10"] == best
     assert best >= max(chosen["validation"]["ann"]["NDCG@10"], chosen["validation"]["generative"]["NDCG@10"])
-    assert built.model.generative_weight == chosen["weight"]
-    assert torch.equal(built.model.tiers, source_module.priority_tiers(chosen["priority"]))
+    assert built.spec.generative_weight == chosen["weight"] and built.spec.source_priority == chosen["priority"]
+    assert torch.equal(built.model.top_k.tiers, priority_tiers(chosen["priority"]))
     plain = build_rec_model(dataclasses.replace(rec.publish_cfg, checkpoint=str(tt)))
     split = leave_one_out(read_logs(rec.inter_path, rec.items_path, seed=rec.train_cfg.seed))
     want = evaluate_handler(handler_for(plain), split, "valid")

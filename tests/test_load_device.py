@@ -1,6 +1,6 @@
 """`silverrec.load(path, device=...)` without a GPU: the device path (program moved, `OnDevice`
-around it, the generative decode through GraphedDecode) forced on the CPU answers exactly like the
-plain CPU path; device "cpu" is that plain path; bad devices are refused with a named error. The
+around it) forced on the CPU answers exactly like the plain CPU path; the decode through
+GraphedDecode answers as the module; device "cpu" is that plain path; bad devices are refused with a named error. The
 same loads on CUDA against the CPU: tests/gpu/test_snapshots_cuda.py."""
 
 import numpy as np
@@ -9,9 +9,9 @@ import torch
 
 import silverrec
 import silverrec.serving.device as device_path
-from silverrec.serving.device import serving_module
 from silverrec.bitmask import pack_bits
 from silverrec.errors import SnapshotError
+from silverrec.serving.cuda_graphs import capture_eager
 from silverrec.serving.graphed_decode import GraphedDecode
 from silverrec.publish.filtered_ivf import publish_index
 from silverrec.publish.generative import build_generative
@@ -68,17 +68,16 @@ def test_index_through_the_device_path(index, backend, monkeypatch):
 
 
 def test_generative_through_graphed_decode():
-    """A generative program behind serving_module (what load does on a device): GraphedDecode with
-    capture_eager on the CPU (the padding to batch / history buckets and the static buffers the
-    CUDA graph uses), behind OnDevice, returns the module's own ranking; one capture per bucket.
-    (Published and loaded on CUDA: tests/gpu/test_snapshots_cuda.py; the exported decode moved
-    whole: tests/test_device_move.py.)"""
+    """The decode behind GraphedDecode with capture_eager on the CPU (the padding to batch / history
+    buckets and the static buffers the CUDA graph uses), behind OnDevice, returns the module's own
+    ranking; one capture per bucket. (A published generative snapshot is a RecModel, served through
+    GraphedForward: tests/gpu/test_snapshots_cuda.py; moved whole: tests/test_device_move.py.)"""
     g = np.random.default_rng(0)
     x = g.normal(size=(200, 8)).astype(np.float32)
     sids = build_semantic_ids(x, np.arange(200, dtype=np.int64) + 7, levels=1, codes=16, seed=0, niter=3)
     module = build_generative(random_decoder(sids.level_sizes, dim=32, n_layers=2, max_seq_len=64, seed=1),
                               sids, 8, None, torch.float32)
-    served = serving_module(module, {"kind": "generative", "config": {"beam_width": 8}}, torch.device("cpu"))
+    served = device_path.OnDevice(GraphedDecode(module, beam_width=8, capture=capture_eager), torch.device("cpu"))
     decode = served.module
     assert isinstance(served, device_path.OnDevice) and isinstance(decode, GraphedDecode)
     words = (len(sids.item_ids) + 63) // 64

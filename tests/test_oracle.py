@@ -184,10 +184,12 @@ class Published:
         self.row_of = {int(i): r for r, i in enumerate(self.row_to_item)}
 
     def tensor(self, suffix: str) -> np.ndarray:
-        """The one published tensor whose name ends with `suffix`, as float64 (int64 for integers)."""
+        """The one published tensor whose name ends with `suffix` (names of one shared tensor count
+        once), as float64 (int64 for integers)."""
         hits = [n for n in self.tensors if isinstance(self.tensors[n], torch.Tensor)
                 and (n == suffix or n.endswith("." + suffix))]
-        assert len(hits) == 1, f"tensor {suffix!r}: {hits or 'none'} in {sorted(self.tensors)}"
+        assert len({self.tensors[n].data_ptr() for n in hits}) == 1, \
+            f"tensor {suffix!r}: {hits or 'none'} in {sorted(self.tensors)}"
         t = self.tensors[hits[0]].detach()
         return t.to(torch.float64).numpy() if t.is_floating_point() else t.to(torch.int64).numpy()
 
@@ -387,7 +389,7 @@ def test_recommend_equals_the_float_reference(setup, kind):
 
     path = setup["snaps"][kind]
     pub = Published(path)
-    assert pub.config["overarch"] == kind and pub.config["default_nprobe"] == NLIST
+    assert pub.config["spec"]["overarch"] == kind and pub.config["default_nprobe"] == NLIST
     requests = requests_for(setup)
     backends = ["export", "torchscript"] if kind == "mol" else ["export"]
     answers = {b: silverrec.load(path, backend=b).recommend(requests, k=K, nprobe=NLIST, max_probe=NLIST)

@@ -18,6 +18,9 @@ from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.ranking import ListwiseOverArch
 from silverrec.ranking.value_model import evaluate_formula
+import dataclasses
+
+from silverrec.compose import compose
 from silverrec.rec_model import RecModel
 from silverrec.serving.recommend import RecRequest
 
@@ -40,7 +43,10 @@ def model_inputs(handler, requests, *, k, k0=K0, nprobe=None, max_probe=None, mo
     modes = torch.tensor([MODES["probed"] if f is None else MODES[mode] for f in filters], dtype=torch.int64)
     nprobe = int(handler.config["default_nprobe"]) if nprobe is None else nprobe
     max_probe = max(nprobe, int(handler.config["search"]["default_max_probe"])) if max_probe is None else max_probe
-    return (values, lengths, dense, exclude, *compile_request(filters, handler.plan), modes, k, k0, nprobe, max_probe)
+    # a model whose one source is the ANN reads no history and no source flags
+    history, flags = torch.full((len(reqs), 1), -1, dtype=torch.int64), torch.ones(len(reqs), 2, dtype=torch.bool)
+    return (values, lengths, dense, exclude, *compile_request(filters, handler.plan), modes, history, flags, k, k0,
+            nprobe, max_probe)
 
 
 def run(module, args):
@@ -48,12 +54,10 @@ def run(module, args):
         return [x.clone() for x in module(*args)]
 
 
-def variant(built, overarch=None, value_model=None) -> RecModel:
-    """The published model's user tower, index and cache, with another OverArch / value model."""
-    m = built.model
-    return RecModel(m.user_tower, m.index, m.cache, overarch, value_model, tasks=m.tasks,
-                    merge="intersection" if m.intersection else "union", overfetch=m.overfetch,
-                    candidates=m.candidates).eval()
+def variant(built, kind=None, overarch=None, value_model=None) -> RecModel:
+    """The published composition with another OverArch (`kind`, the module) / value model formula."""
+    return compose(built.spec.replace(overarch=kind, value_model=value_model),
+                   dataclasses.replace(built.parts, overarch=overarch))
 
 
 def users(rec, n, start=0):
@@ -80,9 +84,9 @@ def test_snapshot_side_files_match_the_published_model(rec):
     """items.npz maps the programs' rows to the same ids as the composition publish exported."""
     handler = rec.snap().rec_handler()
     np.testing.assert_array_equal(handler.row_to_item, rec.built.row_to_item)
-    np.testing.assert_array_equal(handler.row_to_item, rec.built.model.index.row_to_item.numpy())
+    np.testing.assert_array_equal(handler.row_to_item, rec.built.parts.index.row_to_item.numpy())
     assert sorted(handler.row_to_item.tolist()) == sorted(rec.logs.item_ids.tolist())
-    assert rec.snap().config["tasks"] == TASKS and rec.snap().config["overarch"] == "mol"
+    assert rec.snap().spec.tasks == tuple(TASKS) and rec.snap().spec.overarch == "mol"
     assert 1 <= int(rec.snap().config["default_nprobe"]) <= NLIST
 
 
@@ -106,7 +110,8 @@ def test_export_equals_eager_equals_torchscript(rec, case):
     script = run(rec.snap("torchscript").module, args)
     B = len(requests)
     for name, got in (("export", exported), ("torchscript", script)):
-        ids, scores, task_scores, rows = got
+        ids, scores, task_scores, rows, found_by, source_scores = got
+        assert found_by.shape == (B, 0) and source_scores.shape == (B, 0, 2)  # one source
         assert ids.shape == (B, 12) and task_scores.shape[:2] == (B, 12) and task_scores.shape[2] >= T
         torch.testing.assert_close(ids, eager[0], rtol=0, atol=0, msg=f"{name} item ids")
         torch.testing.assert_close(rows, eager[3], rtol=0, atol=0, msg=f"{name} rows")
@@ -120,7 +125,7 @@ def test_candidate_cap_ranks_a_subset_of_the_union(rec):
     uncapped union, taken rank by rank (each task's best rows are never cut before worse ones)."""
     built, handler = rec.built, rec.snap().rec_handler()
     m = built.model
-    capped = RecModel(m.user_tower, m.index, m.cache, m.overarch, m.value_model, tasks=m.tasks, candidates=K0 // 2).eval()
+    capped = compose(built.spec.replace(candidates=K0 // 2), built.parts)
     requests = [{"user_id": u} for u in users(rec, 3, start=2)]
     args = model_inputs(handler, requests, k=K0 // 2, nprobe=3)
     got = run(capped, args)
@@ -135,20 +140,18 @@ def test_variant_exports_equal_to_eager(rec, kind):
     """A RecModel with a list-wise OverArch (attention over its padded candidate list), or with a
     linear value model (folded into weights, as the demo's), exports with the same dynamic shapes
     as the published one and answers as its eager self, at batch 1 too."""
-    from silverrec.publish.rec import dynamic_shapes, example_request
-    from silverrec.ranking.value_model import compile_value_model
+    from silverrec.publish.rec_files import dynamic_shapes, model_example
     from silverrec.retrieval.user_tower import UserFeatureSpec
     from silverrec.snapshot import export_program
 
     if kind == "listwise":
         model = listwise_variant(rec.built)
     else:
-        m = rec.built.model
-        vm = compile_value_model({"weights": {"interacted": 1.0, "liked": 0.5}}, list(rec.built.manifest["tasks"]))
-        assert vm.linear
-        model = variant(rec.built, m.overarch if m.has_overarch else None, vm)
+        built = rec.built
+        model = variant(built, built.spec.overarch, built.parts.overarch, '{"weights":{"interacted":1.0,"liked":0.5}}')
+        assert model.value_model.value_model.linear
     spec = UserFeatureSpec.from_json(rec.built.manifest["user_features"])
-    program = export_program(model, example_request(model, spec, model.cache.dim), dynamic_shapes(len(spec.keys))).module()
+    program = export_program(model, model_example(model, spec, rec.built.parts), dynamic_shapes(len(spec.keys))).module()
     handler = rec.snap().rec_handler()
     for case in ("b1", "b3-filter"):
         args = model_inputs(handler, _three_way_cases(rec)[case], k=12, nprobe=2, max_probe=NLIST)
@@ -161,12 +164,12 @@ def test_variant_exports_equal_to_eager(rec, kind):
 
 def listwise_variant(built) -> RecModel:
     """The published model with an (untrained, randomised) list-wise OverArch in place of its own."""
-    m = built.model
-    arch = ListwiseOverArch(m.cache.dim, len(m.cache.feature_names), T, model_dim=16, heads=2, layers=1, ffn=16)
+    cache = built.parts.cache
+    arch = ListwiseOverArch(cache.dim, len(cache.feature_names), T, model_dim=16, heads=2, layers=1, ffn=16)
     with torch.no_grad():
         for p in arch.parameters():
             p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
-    return variant(built, arch.eval(), m.value_model)
+    return variant(built, "listwise", arch.eval(), built.spec.value_model)
 
 
 @pytest.mark.parametrize("ranker", ["published", "listwise"])
@@ -181,7 +184,7 @@ def test_overarch_only_reorders_the_candidates(rec, ranker):
     args = model_inputs(handler, requests, k=k, nprobe=3)
     full = run(model, args)
     plain = run(variant(built), args)
-    names = built.model.cache.feature_names
+    names = built.parts.cache.feature_names
     with torch.inference_mode():
         user = built.model.user_tower(*args[:3])
     for b in range(len(requests)):
@@ -190,9 +193,9 @@ def test_overarch_only_reorders_the_candidates(rec, ranker):
         assert int((got >= 0).sum()) > K0 // 2
         rows = full[3][b][full[3][b] >= 0]
         with torch.inference_mode():
-            emb, feats = built.model.cache.gather(rows[None])
-            arch = model.overarch  # its item side, as the snapshot stores it (the cache's ranker dtype)
-            item = arch.item_side(emb, feats).to(model.cache.ranker.dtype).float()
+            emb, feats = built.parts.cache.gather(rows[None])
+            arch = model.overarch.overarch  # its item side, as the snapshot stores it (the cache's ranker dtype)
+            item = arch.item_side(emb, feats).to(model.overarch.cache.ranker.dtype).float()
             ts = arch.score(user[b:b + 1], emb, item, rows[None] >= 0)[0].numpy()
         ref = {int(i): formula_value(ts[j], feats[0, j].numpy(), names)
                for j, i in enumerate(got[got >= 0].tolist())}
@@ -201,10 +204,10 @@ def test_overarch_only_reorders_the_candidates(rec, ranker):
 
 def test_value_model_equals_plain_python_formula(rec):
     """The snapshot's scores are FORMULA of its returned task scores and the cache's features."""
-    snap, cache = rec.snap(), rec.built.model.cache
+    snap, cache = rec.snap(), rec.built.parts.cache
     handler = snap.rec_handler()
     requests = [{"user_id": u} for u in users(rec, 4, start=12)]
-    ids, scores, task_scores, rows = run(snap.module, model_inputs(handler, requests, k=15))
+    ids, scores, task_scores, rows = run(snap.module, model_inputs(handler, requests, k=15))[:4]
     feats = cache.feats.float()
     names = cache.feature_names
     assert "log_count" in names
@@ -391,10 +394,10 @@ def test_full_probe_rescore_is_the_exact_top_k(rec):
     us = users(rec, 6, start=60)
     k = 10
     args = model_inputs(handler, [{"user_id": u} for u in us], k=k, k0=3 * k, nprobe=NLIST, max_probe=NLIST)
-    ids, scores, _, rows = run(model, args)
+    ids, scores, _, rows = run(model, args)[:4]
     with torch.inference_mode():
         user = model.user_tower(*args[:3])[:, 0]  # task 0 (no value model: the score is task 0's)
-    exact = user @ model.cache.emb.float().T  # [B, N]
+    exact = user @ built.parts.cache.emb.float().T  # [B, N]
     assert exact.shape[1] == N_ITEMS
     for b, u in enumerate(us):
         s = exact[b].clone()
@@ -439,7 +442,8 @@ def test_int8_user_tower_calls_the_tbe_directly_with_torchrecs_answers(rec):
     TorchScript (publish's fx trace) and exported; the published snapshot holds it."""
     from torchrec.inference.modules import quantize_embeddings
 
-    from silverrec.publish.rec import rebuild_user_tower, scriptable_tower
+    from silverrec.publish.rec_files import scriptable_tower
+    from silverrec.publish.train import rebuild_user_tower
     from silverrec.retrieval.user_tower import DirectTBEUserTower, direct_tower
 
     tower = quantize_embeddings(rebuild_user_tower(rec.ckpt), dtype=torch.qint8, inplace=False).eval()

@@ -229,11 +229,11 @@ def test_bad_rank_requests(rec):
         snap.rank({"user_id": u}, [])
     with pytest.raises(QueryError, match="unknown user_id 7"):
         snap.rank({"user_id": 7}, good)
-    listwise = RecHandler(dict(snap.config, overarch="listwise"), snap.module, rec.built.row_to_item,
+    listwise = RecHandler(dict(snap.config, spec=dict(snap.config["spec"], overarch="listwise")), snap.module, rec.built.row_to_item,
                           rec.built.item_csr, rec.built.users)  # a list-wise OverArch attends over the list
     with pytest.raises(QueryError, match=r"rank takes 1 to 4096 item ids with this snapshot's OverArch \(listwise\), got 4097"):
         listwise.rank({"user_id": u}, [good[0]] * 4097)
-    capped = RecHandler(dict(snap.config, candidates=5), snap.module, rec.built.row_to_item, rec.built.item_csr,
+    capped = RecHandler(dict(snap.config, spec=dict(snap.config["spec"], candidates=5)), snap.module, rec.built.row_to_item, rec.built.item_csr,
                         rec.built.users)  # a snapshot that ranks at most 5 candidates per request
     with pytest.raises(QueryError, match=r"k must be an int in \[1, 5\], got 6"):
         capped.recommend({"user_id": u}, k=6)

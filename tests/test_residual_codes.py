@@ -296,7 +296,7 @@ def test_published_residual_snapshot_answers_like_its_decoded_items(tmp_path):
     t = read_tensors(snap.path, read_manifest(snap.path))
     if not t:  # the exported program's state
         t = {k: v for k, v in snap.module.state_dict().items()}
-    t = {k.split("index.")[-1]: v for k, v in t.items() if "index." in k}
+    t = {k.split("sources.index.")[-1]: v for k, v in t.items() if "sources.index." in k}
     off = t["cluster_offsets"]
     cluster = torch.repeat_interleave(torch.arange(nlist), off[1:] - off[:-1])
     decoded = t["centroids"][cluster] + t["codes"].float() * t["dim_scale"] + t["dim_offset"]

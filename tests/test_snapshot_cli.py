@@ -106,10 +106,11 @@ def test_newer_format_version_is_rejected(exact_snapshot, tmp_path):
     assert proc.returncode == 2 and "format version" in proc.stderr
 
 
-@pytest.mark.parametrize("kind", ["exact", "ivf", "filtered_ivf", "rec"])
+@pytest.mark.parametrize("kind", ["exact", "ivf", "filtered_ivf", "rec", "generative"])
 def test_older_format_is_refused_naming_format_and_kind(exact_snapshot, tmp_path, kind):
-    """Format 4 folded the kinds exact / ivf / filtered_ivf into the recommendation model: a snapshot of
-    an older format holds modules this silverrec cannot call, so load refuses it before deserialising."""
+    """Format 6 composes every snapshot from its spec (the kind generative became the decode-only
+    recommendation model, the forward's inputs changed): a snapshot of an older format holds
+    programs this silverrec cannot call, so load refuses it before deserialising."""
     from silverrec.snapshot import MIN_FORMAT_VERSION
 
     snap = _copy(exact_snapshot, tmp_path / "s")

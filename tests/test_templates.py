@@ -10,7 +10,6 @@ user's favourite category (`fav_cat`, values shared with the items' `cat`), a fe
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 
@@ -23,7 +22,7 @@ import torch
 from silverrec.errors import QueryError
 from silverrec.filtering.filter_lang import FilterSyntaxError
 from silverrec.filtering.filter_program import FilterPlan
-from silverrec.filtering.template import FilterTemplate, TemplateError, compile_template
+from silverrec.filtering.template import TemplateError, compile_template
 from silverrec.retrieval.user_tower import UserFeatureSpec
 from tests.rec_fixtures import K0, NLIST, TRAIN_TOML, make_logs, publish_keeping_model, write_logs
 
@@ -61,16 +60,15 @@ def handler(setup, template_text=None):
     """A RecHandler over the eager model with `template_text` compiled in (None: no template)."""
     from silverrec.serving.recommend import RecHandler
 
+    from silverrec.compose import compose
+    from silverrec.publish.rec import record_composition
+
     built = setup["built"]
+    plan, features = plan_spec(setup) if template_text is not None else (None, None)
+    model = compose(built.spec.replace(template=template_text),
+                    dataclasses.replace(built.parts, filter_plan=plan, user_features=features))
     manifest = dict(built.manifest, item_feature_order=list(built.item_csr))
-    model = copy.copy(built.model)
-    model._modules = dict(built.model._modules)
-    if template_text is None:
-        model.filter_template = FilterTemplate.empty()
-        manifest["filter_template"] = None
-    else:
-        model.filter_template = compile_template(template_text, *plan_spec(setup))
-        manifest["filter_template"] = model.filter_template.config()
+    record_composition(manifest, model)
     return RecHandler(manifest, model, built.row_to_item, built.item_csr, built.users)
 
 
@@ -195,7 +193,7 @@ def test_filled_posting_lists_equal_hand_written(setup, extra):
     reqs = [RecRequest.coerce(dict(r, filter=extra), "r") for r in users]
     values, lengths, _, _ = h.encode(reqs, True, 8)
     ops, rows, vops, vrows, lists = compile_request([extra] * len(users), plan)
-    got = h.module.filter_template(values, lengths, ops, rows, vops, vrows, lists, h.module.index.post_sizes)[4]
+    got = h.module.filter_template(values, lengths, ops, rows, vops, vrows, lists)[4]
     want = compile_request([r["filter"] for r in by_hand(users, fill_main, extra)], plan)[4]
     for g, w in zip(got.tolist(), want.tolist()):
         assert (g[0] == -2) == (w[0] == -2)

@@ -158,7 +158,7 @@ def test_ivf_update_equals_brute_force(world, tmp_path):
     _assert_same(snap.search(torch.from_numpy(q), 30, nprobe=NLIST), _reference(final, _per_dim(plain.embeddings), q, 30), final)
     # upserted items sit in their nearest parent centroid's cluster: a 1-probe search of an item's
     # own embedding along its nearest centroid finds it
-    centroids = read_tensors(Path(parent), read_manifest(parent))["index.centroids"]
+    centroids = read_tensors(Path(parent), read_manifest(parent))["sources.index.centroids"]
     x = torch.from_numpy(up.embeddings[:20])
     res = snap.search(x, 50, nprobe=1)
     best = (x @ centroids.t()).argmax(1)
@@ -282,19 +282,19 @@ def test_residual_update_encodes_upserts_against_their_centroid(world, tmp_path)
     v2 = update_snapshot(parent, tmp_path / "v2", upsert=Pool(world["up"].item_ids, world["up"].embeddings),
                          delete=world["deleted"])
     t = read_tensors(Path(v2), read_manifest(v2))
-    off = t["index.cluster_offsets"]
+    off = t["sources.index.cluster_offsets"]
     cluster = torch.repeat_interleave(torch.arange(off.numel() - 1), off[1:] - off[:-1])
-    codes = t["index.codes"].float()
-    decoded = t["index.centroids"][cluster] + codes * t["index.dim_scale"] + t["index.dim_offset"]
+    codes = t["sources.index.codes"].float()
+    decoded = t["sources.index.centroids"][cluster] + codes * t["sources.index.dim_scale"] + t["sources.index.dim_offset"]
     final = world["final"]
     pos = {int(i): r for r, i in enumerate(final.item_ids)}
-    x = torch.from_numpy(final.embeddings)[[pos[int(i)] for i in t["index.row_to_item"].tolist()]]
+    x = torch.from_numpy(final.embeddings)[[pos[int(i)] for i in t["sources.index.row_to_item"].tolist()]]
     inside = (codes > -128) & (codes < 127)  # clamped values decode to the range's end
     assert inside.float().mean() > 0.95
     err = (decoded - x).abs()
-    assert torch.all(err[inside] <= (t["index.dim_scale"] / 2 + 1e-4).expand_as(err)[inside])
+    assert torch.all(err[inside] <= (t["sources.index.dim_scale"] / 2 + 1e-4).expand_as(err)[inside])
     q = torch.from_numpy(world["rng"].standard_normal((8, D)).astype(np.float32))
-    own = t["index.row_to_item"].long()[torch.topk(q @ decoded.t(), 30, dim=1).indices]
+    own = t["sources.index.row_to_item"].long()[torch.topk(q @ decoded.t(), 30, dim=1).indices]
     res = silverrec.load(v2).search(q, 30, nprobe=NLIST)
     hits = [len(set(a.tolist()) & set(b.tolist())) for a, b in zip(res.item_ids, own)]
     assert np.mean(hits) / 30 >= 0.95

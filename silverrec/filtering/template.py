@@ -28,8 +28,8 @@ placeholders per value) and the request's own, as `posting_lists` picks an AND's
 
 Example (the demo's MovieLens items have `genre`; users.parquet a `fav_genre`):
 
-    >>> t = compile_template("genre = $user.fav_genre AND NOT item_id IN $history", plan, spec)
-    >>> ops, rows, vops, vrows, lists = t(values, lengths, *compile_request(filters, plan), post_sizes)
+    >>> t = compile_template("genre = $user.fav_genre AND NOT item_id IN $history", plan, spec, 8, index.post_sizes)
+    >>> ops, rows, vops, vrows, lists = t(values, lengths, *compile_request(filters, plan))
 """
 
 from __future__ import annotations
@@ -186,7 +186,8 @@ def _program(node: Node, plan: FilterPlan, spec, verify: bool, max_values: int, 
     return positions, frags
 
 
-def compile_template(text: str, plan: FilterPlan, spec, max_values: int = 8) -> "FilterTemplate":
+def compile_template(text: str, plan: FilterPlan, spec, max_values: int = 8,
+                     post_sizes: Optional[Tensor] = None) -> "FilterTemplate":
     """Check a template against a snapshot and build its FilterTemplate.
 
     Args:
@@ -194,6 +195,8 @@ def compile_template(text: str, plan: FilterPlan, spec, max_values: int = 8) -> 
         plan: the snapshot's FilterPlan (item features, vocabularies, row bank).
         spec: the user tower's UserFeatureSpec (categorical user features and their vocabularies).
         max_values: most values of a user feature bound with IN (a request with more is refused).
+        post_sizes: int64 [V + 1] the index's posting-list sizes (`FilteredIVFIndex.post_sizes`: the
+            cheapest list is picked per request); None = no posting lists.
     Raises:
         TemplateError: an unbound placeholder, a type mismatch (numeric user feature, or no value in
             common with the item feature), an unknown item feature, a placeholder mixed with values.
@@ -213,7 +216,7 @@ def compile_template(text: str, plan: FilterPlan, spec, max_values: int = 8) -> 
     keys = list(spec.keys)
     tables = _tables(programs, [keys.index(f"user_{b.user_feature}") for b in bindings], caps)
     lists = _list_candidates(node, plan, bindings, user_values)
-    return FilterTemplate(text, excludes_history, bindings, len(keys), max_values, tables, lists)
+    return FilterTemplate(text, excludes_history, bindings, len(keys), max_values, tables, lists, post_sizes)
 
 
 _NEVER = 1 << 40  # a value position no request reaches: the column's code is always 0
@@ -313,16 +316,17 @@ class FilterTemplate(nn.Module):
     """The compiled template (module docstring). An empty one (no template) passes programs through.
 
     forward(values int64 [nnz], lengths int32 [F*B] (the request's KJT), ops int64 [B, L],
-            rows int64 [B, L, T], vops, vrows (the verify program, same layout), lists int64 [B, T2],
-            post_sizes int64 [V + 1] (posting-list sizes, the index's))
+            rows int64 [B, L, T], vops, vrows (the verify program, same layout), lists int64 [B, T2])
         -> (ops [B, Lb + L + 1], rows [B, Lb + L + 1, W + T], vops, vrows (alike), lists [B, W2 + T2]
            or the request's lists when the template has no posting-list candidates):
            the filled template AND the request's filter, as postfix programs.
     """
 
     def __init__(self, text: str, excludes_history: bool, bindings: list[Binding], num_keys: int, max_values: int,
-                 tables: dict[str, np.ndarray], lists: dict[str, np.ndarray]):
+                 tables: dict[str, np.ndarray], lists: dict[str, np.ndarray], post_sizes: Optional[Tensor] = None):
         super().__init__()
+        # the index's posting-list sizes (the same tensor), with the trailing 0 of an unused slot
+        self.register_buffer("post_sizes", torch.zeros(1, dtype=torch.int64) if post_sizes is None else post_sizes)
         self.text = text
         self.excludes_history = bool(excludes_history)
         self.bindings = bindings
@@ -371,7 +375,7 @@ class FilterTemplate(nn.Module):
         return self.col_base[None, :] + torch.where(self.col_index[None, :] < n, code, torch.zeros_like(code))
 
     def forward(self, values: Tensor, lengths: Tensor, ops: Tensor, rows: Tensor, vops: Tensor, vrows: Tensor,
-                lists: Tensor, post_sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                lists: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         if not self.active:
             return ops, rows, vops, vrows, lists
         entry = self.entries(values, lengths)
@@ -381,14 +385,15 @@ class FilterTemplate(nn.Module):
         Lb = self.bloom_length
         out_ops, out_rows = self._and(t_ops[:, :Lb], t_rows[:, :Lb], ops, rows)
         out_vops, out_vrows = self._and(t_ops[:, Lb:], t_rows[:, Lb:], vops, vrows)
-        return out_ops, out_rows, out_vops, out_vrows, self._lists(entry, lists, post_sizes)
+        return out_ops, out_rows, out_vops, out_vrows, self._lists(entry, lists)
 
-    def _lists(self, entry: Tensor, lists: Tensor, post_sizes: Tensor) -> Tensor:
+    def _lists(self, entry: Tensor, lists: Tensor) -> Tensor:
         """The cheapest posting-list superset: the template's candidates first, then the request's
         (ties to the first, as `posting_lists` picks an AND's child)."""
         if self.num_candidates == 0:
             return lists
         B = lists.shape[0]
+        post_sizes = self.post_sizes
         n_lists = post_sizes.shape[0] - 1
         req_size = post_sizes[torch.where(lists >= 0, lists, torch.full_like(lists, n_lists))].sum(dim=1)
         req_size = torch.where(lists[:, 0] == self.no_lists, torch.full_like(req_size, self.no_list_size), req_size)

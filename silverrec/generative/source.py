@@ -1,16 +1,18 @@
-"""The generative decode as a retrieval source of `RecModel`, and the hybrid model that ranks the
-union of the ANN's and the decode's candidates in one forward.
+"""The generative decode as a retrieval source of `RecModel`: alone (a generative-only snapshot) or
+beside the ANN search (a hybrid), whose union the ranking stages then rank.
 
-    request -> user tower -> filtered IVF search (RecModel.retrieve)  -> ANN rows  [B, K1]
+    request -> user tower -> filtered IVF search + cache/merge (AnnSource) -> ANN rows  [B, K1]
             -> filter program over the whole pool (bloom_filter, the verify program) & not excluded
                -> allowed rows [B, N] -> (trie order) beam decode     -> decode rows [B, W]
                   (+ EXTRA_PREFIXES rows in its last step: the ANN rows' exact log-probs)
             -> union (each row once; which source found it; each source's score) [B, K1 + W]
-            -> embedding cache re-score, OverArch, value model (RecModel.rank_rows)
-            -> + w x the decode's log-prob, source priority (fuse_sources) -> top-k
+            (`HybridSources`; then the ranking stages and ranking/top_k.py's `FusedTopK`)
 
-Rows: the decode works in trie-leaf order, everything else in the canonical (cluster-major) row
-space; `GenerativeSource` maps once each way with two permutation buffers (`canon_to_trie`,
+    request -> filter program & not excluded -> beam decode -> rows [B, W] by log-prob (`DecodeSource`)
+
+Rows: the decode works in trie-leaf order, everything else in the canonical row space (the
+IVF's cluster-major order; a generative-only snapshot's canonical order is the trie's);
+`GenerativeSource` maps once each way with two permutation buffers (`canon_to_trie`,
 `trie_to_canon`), and feeds the decoder from canonical history rows through `canon_tokens`.
 
 The filter is the request's own compiled program (filter_program.compile_request's verify program:
@@ -33,20 +35,16 @@ from torch import Tensor, nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.bloom_filter)
 from silverrec.bitmask import unpack_bits
+from silverrec.candidates import FOUND_ANN, FOUND_GENERATIVE, SOURCE_ANN, SOURCE_GENERATIVE, SOURCES, Candidates
 from silverrec.errors import QueryError
 from silverrec.generative.decoder import BOS, PAD
 from silverrec.generative.generative import GenerativeRetrieval
-from silverrec.rec_model import RecModel
+from silverrec.retrieval.item_ids import rows_to_items
+from silverrec.retrieval.sources import AnnSource
+from silverrec.spec import EXTRA_PREFIXES
 
-SOURCES = ("ann", "generative")
-SOURCE_ANN, SOURCE_GENERATIVE = 0, 1
-FOUND_ANN, FOUND_GENERATIVE = 1, 2  # bits of `found_by`
-PRIORITIES = ("none", "ann", "generative", "both")  # which candidates rank first (fuse_sources)
-# the decode's last step extends this many more prefixes, of the ANN's best candidates, beside its
-# beams: the log-prob those candidates are ranked with is then exact, not a bound (on
-# MovieLens: offline, 8, 16 and 32 gave what exact log-probs of every candidate give; in the
-# forward, 4 and 8 gave the same NDCG@10, and 4 costs half the extra rows in a step of 64)
-EXTRA_PREFIXES = 4
+__all__ = ["FOUND_ANN", "FOUND_GENERATIVE", "SOURCE_ANN", "SOURCE_GENERATIVE", "SOURCES", "DecodeSource",
+           "GenerativeSource", "HybridSources", "merge_sources", "request_tensors"]
 
 
 class GenerativeSource(nn.Module):
@@ -59,7 +57,7 @@ class GenerativeSource(nn.Module):
         max_items: the most history items fed to the decoder, the newest (its training history
             length; None: as many as its RoPE table holds). The prefill costs grow with it.
         extra_prefixes: prefixes of the ANN's best candidates that the decode's last step extends
-            beside its beams, so those candidates get exact log-probs (`EXTRA_PREFIXES`).
+            beside its beams, so those candidates get exact log-probs (spec.EXTRA_PREFIXES).
     Buffers:
         trie_to_canon int64 [N], canon_to_trie int64 [N]: the row permutations;
         canon_tokens int64 [N, L]: each canonical row's L decoder tokens.
@@ -138,6 +136,75 @@ class GenerativeSource(nn.Module):
         return rows, scores, cand_lp
 
 
+class DecodeSource(nn.Module):
+    """The decode as a retrieval stage: `GenerativeSource` with the filter bank its filter runs on.
+
+    Alone (a generative-only snapshot) its forward is the retrieval stage (silverrec/retrieval/
+    sources.py's signature): the decode's rows ranked by log-prob; beside the ANN (`HybridSources`)
+    `candidates` is called with the ANN's rows.
+
+    Args:
+        generative: the decode over the canonical rows; bits: int64 [R, ceil(N / 64)] the filter row
+            bank (the index's, beside the ANN: the same tensor); row_to_item: int64 [N] item id of each
+            canonical row.
+    """
+
+    def __init__(self, generative: GenerativeSource, bits: Tensor, row_to_item: Tensor):
+        super().__init__()
+        n = generative.num_items
+        if bits.dim() != 2 or bits.shape[1] != (n + 63) // 64 or row_to_item.shape != (n,):
+            raise ValueError(f"the filter bank must be int64 [R, {(n + 63) // 64}] and row_to_item [{n}] for the "
+                             f"decode's {n} rows, got {tuple(bits.shape)} and {tuple(row_to_item.shape)}")
+        self.generative = generative
+        self.num_items = n
+        self.register_buffer("bits", bits)
+        self.register_buffer("row_to_item", row_to_item)
+
+    def candidates(self, history: Tensor, vops: Tensor, vrows: Tensor, exclude: Tensor, on: Tensor,
+                   ann: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """The decode of the requests whose `on` bool [B, 1] is set, over the rows their verify
+        programs (vops, vrows) pass and `exclude` does not list, with the ANN's rows int64 [B, K]
+        -> GenerativeSource's (rows [B, W], log-probs [B, W], the ANN rows' log-probs [B, K])."""
+        allowed = self.generative.allowed_rows(self.bits, vops, vrows, exclude) & on
+        return self.generative(history, allowed, ann)
+
+    def forward(self, user: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor, vops: Tensor, vrows: Tensor,
+                lists: Tensor, mode: Tensor, history: Tensor, sources: Tensor, k: int, k0: int, nprobe: int,
+                max_probe: int) -> Candidates:
+        """The decode alone -> Candidates ranked by log-prob: rows, ids int64 [B, W] (-1 = none),
+        scores = log_prob float32 [B, W] (-inf = none), found_by FOUND_GENERATIVE."""
+        found, log_prob, _ = self.candidates(history, vops, vrows, exclude, sources[:, 1:2], history[:, :0])
+        found_by = torch.where(found >= 0, torch.full_like(found, 2), torch.zeros_like(found))  # FOUND_GENERATIVE
+        return Candidates(found, found_by, log_prob, log_prob, rows_to_items(self.row_to_item, found))
+
+
+class HybridSources(nn.Module):
+    """The ANN source and the decode, their union (module docstring): the retrieval stage of a hybrid."""
+
+    def __init__(self, ann: AnnSource, decode: DecodeSource):
+        super().__init__()
+        if decode.num_items != ann.index.num_items:
+            raise ValueError(f"generative source holds {decode.num_items} rows, the index {ann.index.num_items}")
+        self.ann = ann
+        self.decode = decode
+
+    def forward(self, user: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor, vops: Tensor, vrows: Tensor,
+                lists: Tensor, mode: Tensor, history: Tensor, sources: Tensor, k: int, k0: int, nprobe: int,
+                max_probe: int) -> Candidates:
+        """-> Candidates: rows int64 [B, K1 + W] (the union, each row once), found_by (FOUND_* bits),
+        log_prob (the decoder's log-prob of each row: exact where the decode found it or extended its
+        prefix, else its first code's, an upper bound; -inf where the request's decode is off)."""
+        # (literal columns: TorchScript does not read module globals; SOURCE_* name them)
+        ann = self.ann(user, exclude, ops, rows, vops, vrows, lists, mode, history, sources, k, k0, nprobe,
+                       max_probe).rows
+        ann = torch.where(sources[:, 0:1], ann, torch.full_like(ann, -1))
+        gen, gen_scores, ann_log_prob = self.decode.candidates(history, vops, vrows, exclude, sources[:, 1:2], ann)
+        ann_log_prob = torch.where(sources[:, 1:2], ann_log_prob, float("-inf"))  # decode off: the ANN alone
+        cand, found_by, log_prob = merge_sources(ann, ann_log_prob, gen, gen_scores)
+        none = cand[:, :0]
+        return Candidates(cand, found_by, log_prob, none.float(), none)
+
+
 def merge_sources(ann: Tensor, ann_log_prob: Tensor, gen: Tensor, gen_scores: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """The union of two candidate lists, each row once.
 
@@ -165,105 +232,13 @@ def merge_sources(ann: Tensor, ann_log_prob: Tensor, gen: Tensor, gen_scores: Te
     return rows, torch.where(real, found, torch.zeros_like(found)), torch.where(real, best, torch.full_like(best, float("-inf")))
 
 
-def fuse_sources(value: Tensor, log_prob: Tensor, found_by: Tensor, weight: float, tiers: Tensor
-                 ) -> Tuple[Tensor, Tensor]:
-    """The union's ranking: value float32 [B, C] (-inf at padding), the decoder's log-prob float32
-    [B, C] (exact, or an upper bound for a row neither the beam found nor the last step extended;
-    -inf where the request's decode is switched off), found_by int64 [B, C] (FOUND_* bits), the
-    log-prob's weight w and the source priority's tiers float32 [4] (by found_by, `PRIORITIES`) ->
-
-        score float32 [B, C] = value + w * log-prob (a -inf log-prob adds nothing: the ANN alone);
-        key float32 [B, C]: the order of the top-k, score + tier * (the request's score range + 1):
-            every row of a higher tier before every row of a lower one, by score within a tier.
-
-    Priority "generative" (the decode's rows first) ranks the top-k as the decode alone does, and
-    "ann" (the ANN's rows first) at w = 0 as the ANN alone does (by value), so a grid over (w,
-    priority) on the validation split (publish/fusion.py) cannot choose a fusion worse there than
-    the better source; "both" puts the rows both sources found first. Without the log-prob term the
-    OverArch, trained on the ANN's candidates, ranks the union as it ranks the ANN's list
-    (MovieLens: hybrid = ANN only). The log-prob of an ANN row is exact for the rows whose prefix the
-    decode's last step extends (GenerativeSource.extra_prefixes): with a bound in their place (the
-    decode's lowest beam log-prob) no fusion beat the better source on MovieLens.
-    """
-    score = value + weight * torch.where(log_prob > float("-inf"), log_prob, torch.zeros_like(log_prob))
-    real = score > float("-inf")
-    hi = torch.where(real, score, torch.full_like(score, float("-inf"))).amax(dim=1, keepdim=True)
-    lo = torch.where(real, score, torch.full_like(score, float("inf"))).amin(dim=1, keepdim=True)
-    span = torch.where(real.any(dim=1, keepdim=True), hi - lo + 1.0, torch.ones_like(hi))
-    return score, score + tiers[found_by] * span
-
-
-def priority_tiers(priority: str) -> Tensor:
-    """A source priority (`PRIORITIES`) -> its tier per found_by value 0..3, float32 [4]."""
-    if priority not in PRIORITIES:
-        raise ValueError(f"source priority must be one of {PRIORITIES}, got {priority!r}")
-    first = {"none": 0, "ann": FOUND_ANN, "generative": FOUND_GENERATIVE, "both": FOUND_ANN | FOUND_GENERATIVE}[priority]
-    return torch.tensor([float(first != 0 and (f & first) == first) for f in range(4)])
-
-
-class HybridRecModel(RecModel):
-    """`RecModel` with a second retrieval source, the generative decode (module docstring).
-
-    Args: those of `RecModel`, plus generative: a `GenerativeSource` over the same pool;
-        generative_weight: w in the ranking score value + w * (the decode's log-prob) (0: the value alone);
-        source_priority: which candidates rank first, one of `PRIORITIES` (see `fuse_sources`).
-    Buffer: tiers float32 [4], the priority's tier of each found_by value.
-    """
-
-    def __init__(self, *args, generative: Optional[GenerativeSource] = None, generative_weight: float = 0.0,
-                 source_priority: str = "none", **kwargs):
-        super().__init__(*args, **kwargs)
-        self.generative_weight = float(generative_weight)
-        self.register_buffer("tiers", priority_tiers(source_priority))
-        if generative is None:
-            raise ValueError("HybridRecModel needs a generative source (a plain RecModel has none)")
-        if generative.num_items != self.index.num_items:
-            raise ValueError(f"generative source holds {generative.num_items} rows, the index {self.index.num_items}")
-        self.generative = generative
-
-    def forward(self, values: Tensor, lengths: Tensor, dense: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor,
-                vops: Tensor, vrows: Tensor, lists: Tensor, mode: Tensor, history: Tensor, sources: Tensor, k: int,
-                k0: int, nprobe: int, max_probe: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """One request batch: RecModel.forward's arguments, plus
-
-            history int64 [B, H]: the user's history as canonical rows, oldest first, left-padded with -1;
-            sources bool [B, 2]: the sources each request uses (SOURCE_ANN, SOURCE_GENERATIVE columns).
-
-        Returns RecModel.forward's (item_ids, scores, task scores, rows) over the union (k <= K1 + W;
-        scores: `fuse_sources`' score, in the order of its key),
-        plus found_by int64 [B, k] (FOUND_ANN | FOUND_GENERATIVE; 0 = none) and source scores
-        float32 [B, k, 2]: the exact re-score of task 0 (ANN; -inf where the ANN did not find the
-        item) and the decoder's summed log-prob of the item (exact where the decode found it or
-        extended its prefix, else its first code's log-prob, an upper bound; -inf where the
-        request's decode was switched off).
-        """
-        # (literal columns and bits: TorchScript does not read module globals; SOURCE_* and FOUND_* name them)
-        user, ops, rows, vops, vrows, lists = self.request(values, lengths, dense, ops, rows, vops, vrows, lists)
-        ann = self.retrieve(user, exclude, ops, rows, vops, vrows, lists, mode, k0, nprobe, max_probe)
-        ann = torch.where(sources[:, 0:1], ann, torch.full_like(ann, -1))
-        allowed = self.generative.allowed_rows(self.index.bits, vops, vrows, exclude)
-        allowed = allowed & sources[:, 1:2]
-        gen, gen_scores, ann_log_prob = self.generative(history, allowed, ann)
-        ann_log_prob = torch.where(sources[:, 1:2], ann_log_prob, float("-inf"))  # decode off: the ANN alone
-        cand, found_by, gen_feature = merge_sources(ann, ann_log_prob, gen, gen_scores)
-        value, task_scores = self.rank_rows(user, cand)
-        score, key = fuse_sources(value, gen_feature, found_by, self.generative_weight, self.tiers)
-        ids, _, tasks_out, top_rows, top = self.best(cand, key, task_scores, k)
-        found = top_rows >= 0
-        top_scores = torch.where(found, score.gather(1, top), float("-inf"))
-        by = torch.where(found, found_by.gather(1, top), torch.zeros_like(top))
-        ann_score = (self.cache.embeddings(top_rows) * user[:, :1, :]).sum(dim=2)  # task 0's exact re-score
-        ann_score = torch.where((by & 1) != 0, ann_score, float("-inf"))
-        gen_score = torch.where(found, gen_feature.gather(1, top), float("-inf"))  # the log-prob ranked with
-        return ids, top_scores, tasks_out, top_rows, by, torch.stack([ann_score, gen_score], dim=2)
-
-
 def request_tensors(histories: Sequence[np.ndarray], sources: Sequence[Optional[Sequence[str]]],
-                    available: Sequence[str]) -> Tuple[Tensor, Tensor]:
+                    available: Sequence[str], max_items: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """The predictor's side: per request, its history as canonical rows (oldest first) and the
     sources it asks for (None = every source of the snapshot) -> (history int64 [B, H] left-padded
-    with -1, H = max(2, longest); sources bool [B, 2]). A source the snapshot lacks, an unknown
-    name, or an empty list is a QueryError naming the request."""
+    with -1, the newest `max_items` of each (all: None; the decoder reads no more), H = max(2,
+    longest); sources bool [B, 2]). A source the snapshot lacks, an unknown name, or an empty list
+    is a QueryError naming the request."""
     flags = torch.zeros(len(histories), len(SOURCES), dtype=torch.bool)
     for b, names in enumerate(sources):
         names = list(available) if names is None else ([names] if isinstance(names, str) else list(names))
@@ -272,23 +247,11 @@ def request_tensors(histories: Sequence[np.ndarray], sources: Sequence[Optional[
             raise QueryError(f"request {b}: sources must be a non-empty list of {list(available)}, got {names!r}")
         for x in names:
             flags[b, SOURCES.index(x)] = True
+    if max_items is not None:
+        histories = [h[len(h) - min(len(h), max_items):] for h in histories]
     H = max([2] + [len(h) for h in histories])
     history = torch.full((len(histories), H), -1, dtype=torch.int64)
     for b, h in enumerate(histories):
         if len(h):
             history[b, H - len(h):] = torch.as_tensor(np.asarray(h, dtype=np.int64))
     return history, flags
-
-
-def example_inputs(example: tuple, num_items: int) -> tuple:
-    """RecModel's export example (batch 2, publish/rec.py example_request) -> the hybrid's: the
-    history rows [2, 4] (-1 left padding) and the source flags [2, 2] inserted before the ints."""
-    history = torch.tensor([[-1, -1, 0, 1], [2, 0, 1, 2]], dtype=torch.int64).clamp_max(num_items - 1)
-    return (*example[:10], history, torch.ones(2, 2, dtype=torch.bool), *example[10:])
-
-
-def dynamic_shapes(shapes: dict) -> dict:
-    """RecModel's export dynamic shapes (by argument name) -> the hybrid's: dynamic batch (the
-    request batch's symbol) and history length."""
-    batch = shapes["dense"][0]
-    return {**shapes, "history": {0: batch, 1: torch.export.Dim.DYNAMIC}, "sources": {0: batch}}

@@ -140,6 +140,12 @@ class EmbeddingCache(nn.Module):
         return _take(self.feats, rows).float()
 
     @torch.jit.export
+    def item_sides(self, rows: Tensor) -> Tensor:
+        """rows int64 [B, K] (-1 = padding) -> the OverArch's item side [B, K, E] in its stored dtype
+        (`with_ranker`); padding reads row 0."""
+        return _take(self.ranker, rows)
+
+    @torch.jit.export
     def gather(self, rows: Tensor) -> Tuple[Tensor, Tensor]:
         """Look up candidates.
 

@@ -128,12 +128,14 @@ def _forward(snap, queries: torch.Tensor, filters: list, plan, modes: torch.Tens
              max_probe: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The pure-ANN program on one request batch: (scores float32 [B, k], item_ids int64 [B, k]).
     `modes` int64 [B] is only read (a cached request's tensor is reused)."""
-    values, lengths, exclude = _NO_USER_FEATURES
-    item_ids, scores, _, _ = snap.module(values, lengths, queries, exclude.expand(queries.shape[0], 1),
-                                         *compile_request(filters, plan), modes, k, k, nprobe, max_probe)
+    values, lengths, none, ann = _NO_USER_FEATURES
+    B = queries.shape[0]
+    item_ids, scores = snap.module(values, lengths, queries, none.expand(B, 1), *compile_request(filters, plan), modes,
+                                   none.expand(B, 1), ann.expand(B, 2), k, k, nprobe, max_probe)[:2]
     return scores, item_ids
 
 
-# a query-tower model reads no KJT and excludes nothing: the same constant inputs every call
+# a query-tower model reads no KJT, excludes nothing and has no history: the same constant inputs
+# every call (rows -1: exclusions and history; the ANN source on)
 _NO_USER_FEATURES = (torch.zeros(3, dtype=torch.int64), torch.zeros(4, dtype=torch.int32),
-                     torch.full((1, 1), -1, dtype=torch.int64))
+                     torch.full((1, 1), -1, dtype=torch.int64), torch.ones(1, 2, dtype=torch.bool))

@@ -1,9 +1,11 @@
-"""`QueryTower`: the user tower of a pure-ANN snapshot, whose caller computed the user already.
+"""The user towers of models whose caller computed the user already, or that need none.
 
-A snapshot published from a pool of item embeddings (`silverrec publish --pool`) is the same root
-module as a recommendation snapshot (`RecModel`) without ranking stages: its "user" is the query
-embedding the request carries in its dense tensor, one task. The KJT inputs are accepted and
-ignored, so both configurations share one forward signature, one exporter and one predictor.
+`QueryTower`: a snapshot published from a pool of item embeddings (`silverrec publish --pool`) is
+the same root module as a recommendation snapshot (`RecModel`) without ranking stages: its "user"
+is the query embedding the request carries in its dense tensor, one task.
+`NoTower`: the generative decode alone reads the user's history rows, no embedding.
+The KJT inputs are accepted and ignored, so every configuration shares one forward signature, one
+exporter and one predictor.
 """
 
 from __future__ import annotations
@@ -21,3 +23,11 @@ class QueryTower(nn.Module):
 
     def forward(self, values: Tensor, lengths: Tensor, dense: Tensor) -> Tensor:
         return dense.unsqueeze(1)
+
+
+class NoTower(nn.Module):
+    """(values, lengths, dense float32 [B, Fd]) -> float32 [B, 1, 0]: no user embedding (the decode
+    alone ranks)."""
+
+    def forward(self, values: Tensor, lengths: Tensor, dense: Tensor) -> Tensor:
+        return dense[:, None, :0]

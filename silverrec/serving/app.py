@@ -7,10 +7,9 @@ the batcher, metrics, reloads) and the ASGI gate in front (body limit, per-route
 
 Routes (the OpenAPI schema is at /openapi.json, the interactive page at /docs):
     POST /v1/search      pure-ANN snapshots (published from a pool): {"queries": [[...]], "k", "filter", "nprobe", "max_probe", "mode"}
-    POST /v1/recommend   kind rec: one user (user_id | history, features, numeric, filter, exclude) or
-                         {"requests": [...]}, with k, k0, nprobe, max_probe, mode, exclude_history;
-                         kind generative: {"history": [...]} or {"requests": [{"history": [...]}, ...]}, k
-    POST /v1/rank        kind rec: one user and {"items": [ids]}
+    POST /v1/recommend   every other snapshot: one user (user_id | history, features, numeric, filter,
+                         exclude) or {"requests": [...]}, with k, k0, nprobe, max_probe, mode, exclude_history
+    POST /v1/rank        a model with a user tower: one user and {"items": [ids]}
     GET  /healthz /readyz /v1/model /metrics;  POST /v1/admin/reload (token)
 
 Every answer names the snapshot version that computed it ("version"). Status codes: 400 malformed
@@ -219,7 +218,7 @@ def create_app(path: str | os.PathLike, config: Optional[ServeConfig] = None, se
     async def search(body: SearchBody, request: Request):
         return await server.submit(request, body, "prepare_search")
 
-    @app.post("/v1/recommend", summary="top-k items for users (rec / generative snapshots)")
+    @app.post("/v1/recommend", summary="top-k items for users (every snapshot but a pure-ANN index)")
     async def recommend(body: RecommendBody, request: Request):
         return await server.submit(request, body, "prepare_recommend")
 

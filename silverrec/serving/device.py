@@ -10,8 +10,7 @@ The CPU path (device "cpu", the default) is untouched: no move, no wrapper. On a
   exported rank program (rank.pt2) moves the same way, the TorchScript `rank` method with its module.
 - `OnDevice` runs it behind the unchanged predictor API: a call moves its tensor arguments to the
   device once and its outputs back once (non-blocking copies both ways, one stream synchronisation).
-- Its forward is replayed from CUDA graphs: a generative snapshot decodes through `GraphedDecode`
-  (one graph per batch / history bucket; silverrec/serving/graphed_decode.py), every other program
+- Its forward is replayed from CUDA graphs: every program
   through `GraphedForward` (one graph per request shape; silverrec/serving/cuda_graphs.py). Both
   keep the least recently used 8 graphs.
 """
@@ -115,20 +114,13 @@ class OnDevice:
 
 
 def serving_module(module, manifest: dict[str, Any], device: torch.device) -> OnDevice:
-    """A program already on `device` behind the CPU API, its forward replayed from CUDA graphs: a
-    generative decode through GraphedDecode (padded to batch / history buckets), every other program
-    through GraphedForward (one graph per request shape). On the CPU (the tests' forced device
-    path), `capture_eager`: the same keys, static buffers and copies, no graph."""
+    """A program already on `device` behind the CPU API, its forward replayed from CUDA graphs through
+    GraphedForward (one graph per request shape). On the CPU (the tests' forced device path),
+    `capture_eager`: the same keys, static buffers and copies, no graph."""
     from silverrec.serving.cuda_graphs import GraphedForward, capture_cuda_graph, capture_eager
 
     capture = capture_cuda_graph if device.type == "cuda" else capture_eager
-    if manifest.get("kind") == "generative":
-        from silverrec.serving.graphed_decode import GraphedDecode
-
-        module = GraphedDecode(module, beam_width=int(manifest["config"]["beam_width"]), capture=capture)
-    else:
-        module = GraphedForward(module, capture=capture)
-    return OnDevice(module, device)
+    return OnDevice(GraphedForward(module, capture=capture), device)
 
 
 def exported_module(program: torch.export.ExportedProgram, device: torch.device):

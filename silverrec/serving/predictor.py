@@ -23,7 +23,6 @@ from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
 from silverrec.retrieval.filtered_search import search_index
 from silverrec.serving.device import CPU, exported_on, moves, resolve_device, serving_module
 from silverrec.snapshot import SCRIPT_FILE, check_build, load_exported, load_scripted, needs_torchrec, read_manifest
-from silverrec.bitmask import pack_bits, unpack_bits
 from silverrec.spec import ModelSpec
 
 
@@ -59,25 +58,21 @@ class Snapshot:
     def config(self) -> dict[str, Any]:
         return self.manifest["config"]
 
-    def recommend(self, requests, *args: Any, **options: Any):
-        """Recommendations, one forward call.
-
-        A "rec" snapshot (the recommendation model): `recommend(requests, k=10, k0=None,
-        nprobe=None, max_probe=None, mode="auto", exclude_history=True)` with requests as in
-        silverrec/serving/recommend.py -> `Recommendations`. A "generative" snapshot:
-        `recommend(history_item_ids, filter_bitmask=None, exclude_history=False)` -> SearchResult.
+    def recommend(self, requests, **options: Any):
+        """Recommendations, one forward call, from every snapshot but a pure-ANN index:
+        `recommend(requests, k=10, k0=None, nprobe=None, max_probe=None, mode="auto",
+        exclude_history=True)` with requests as in silverrec/serving/recommend.py -> `Recommendations`.
         """
-        if self.kind == "rec":
-            if self.spec.answers_search:
-                raise QueryError("this snapshot is a pure-ANN index (published from a pool): it answers search "
-                                 "requests by query embedding, not recommend requests")
-            return self.rec_handler().recommend(requests, *args, **options)
-        return self._recommend_generative(requests, *args, **options)
+        if self.kind != "rec" or self.spec.answers_search:
+            raise QueryError("this snapshot is a pure-ANN index (published from a pool): it answers search "
+                             "requests by query embedding, not recommend requests")
+        return self.rec_handler().recommend(requests, **options)
 
     def rank(self, request, item_ids):
-        """Early-stage ranking (a "rec" snapshot): scores of `item_ids` for one user, in their order."""
-        if self.kind != "rec" or self.spec.answers_search:
-            raise QueryError("only a recommendation model (silverrec publish --config) ranks items for a user")
+        """Early-stage ranking (a model with a trained user tower): scores of `item_ids` for one user, in their order."""
+        if self.kind != "rec" or not self.spec.ranks:
+            raise QueryError("only a recommendation model with a user tower (silverrec publish --config) ranks "
+                             "items for a user")
         return self.rec_handler().rank(request, item_ids)
 
     def rec_handler(self):
@@ -87,58 +82,9 @@ class Snapshot:
             self._rec = RecHandler.from_snapshot(self)
         return self._rec
 
-    def _recommend_generative(self, history_item_ids: list[list[int]], filter_bitmask: torch.Tensor | None = None,
-                              exclude_history: bool = False) -> SearchResult:
-        """Next items for each history (a "generative" snapshot), one forward call.
-
-        Args:
-            history_item_ids: per request, item ids oldest first; only the most recent
-                `config["max_history_items"]` are used. Unknown ids raise QueryError.
-            filter_bitmask: optional int64 [B, ceil(N/64)]: bit r & 63 of word r >> 6 allows item
-                row r of `generative_item_ids()` (trie leaf order); None = every item.
-            exclude_history: also clear the bits of each request's history items (its whole
-                history, not only the most recent items), so they are pruned during the decode.
-        Returns:
-            item_ids int64 [B, beam_width] (-1 = fewer valid items) and scores float32 (summed
-            log-probs, descending; -inf = none).
-        """
-        if self.kind != "generative":
-            raise QueryError(f"snapshot kind {self.kind!r} does not answer recommend requests (use search)")
-        ids, tokens, order = self._generative_items()
-        history = history_tokens(history_item_ids, ids[order], tokens[order], int(self.config["max_history_items"]))
-        n, B = self.manifest["item_count"], history.shape[0]
-        words = (n + 63) // 64
-        if filter_bitmask is None:
-            filter_bitmask = torch.full((B, words), -1, dtype=torch.int64)
-        elif not isinstance(filter_bitmask, torch.Tensor) or filter_bitmask.dtype != torch.int64 \
-                or tuple(filter_bitmask.shape) != (B, words):
-            got = tuple(filter_bitmask.shape) if isinstance(filter_bitmask, torch.Tensor) else type(filter_bitmask).__name__
-            raise QueryError(f"filter_bitmask must be int64 [{B}, {words}], got "
-                             f"{getattr(filter_bitmask, 'dtype', '')} {got}")
-        if exclude_history:
-            allowed = unpack_bits(filter_bitmask, n)
-            for b, h in enumerate(history_item_ids):  # every id is known: history_tokens checked them
-                hist = np.asarray(h, dtype=np.int64).reshape(-1)
-                allowed[b, torch.from_numpy(order[np.searchsorted(ids[order], hist)])] = False
-            filter_bitmask = pack_bits(allowed)
-        with torch.inference_mode():
-            item_ids, scores = self.module(history.contiguous(), filter_bitmask.contiguous())
-        return SearchResult(item_ids=item_ids, scores=scores)
-
-    def generative_item_ids(self) -> np.ndarray:
-        """int64 [N] item id of every row of a generative snapshot (the filter bitmask's order)."""
-        return self._generative_items()[0]
-
-    def _generative_items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if getattr(self, "_items", None) is None:
-            with np.load(self.path / self.config["items_file"], allow_pickle=False) as f:
-                ids, tokens = f["item_ids"], f["tokens"]
-            self._items = (ids, tokens, np.argsort(ids, kind="stable"))
-        return self._items
-
     @property
     def spec(self) -> ModelSpec | None:
-        """The root module's configuration (a "rec" snapshot), None for other kinds."""
+        """The root module's configuration (a "rec" snapshot), None for a sharded top manifest."""
         if self.kind != "rec":
             return None
         if getattr(self, "_spec", None) is None:
@@ -159,38 +105,6 @@ class Snapshot:
         with torch.inference_mode():
             scores, item_ids = search_index(self, queries, k, **options)
         return SearchResult(item_ids=item_ids, scores=scores)
-
-
-ITEMS_FILE = "items.npz"  # generative snapshots: item_ids [N], tokens [N, L] in trie leaf order
-
-
-def history_tokens(histories: list[list[int]], sorted_ids: np.ndarray, sorted_tokens: np.ndarray,
-                   max_items: int) -> torch.Tensor:
-    """Item-id histories -> left-padded decoder input int64 [B, T] (generative contract).
-
-    Each row is BOS (1) + the L tokens of its last `max_items` items, oldest first, left-padded
-    with PAD (0); T = max(2, longest row). sorted_ids int64 [N] ascending, sorted_tokens [N, L].
-    Raises QueryError naming the first unknown item id (and its request).
-    """
-    if isinstance(histories, (str, bytes)) or not hasattr(histories, "__len__") or len(histories) == 0:
-        raise QueryError("history_item_ids must be a non-empty list of item-id lists")
-    rows = []
-    for b, h in enumerate(histories):
-        try:
-            h = np.asarray(h, dtype=np.int64).reshape(-1)[-max_items:] if len(h) else np.zeros(0, np.int64)
-        except (TypeError, ValueError, OverflowError):
-            raise QueryError(f"history {b} must be a list of integer item ids") from None
-        pos = np.searchsorted(sorted_ids, h).clip(0, len(sorted_ids) - 1)
-        bad = np.flatnonzero(sorted_ids[pos] != h)
-        if bad.size:
-            raise QueryError(f"unknown history item id {int(h[bad[0]])} in history {b}: not in the snapshot's pool")
-        rows.append(sorted_tokens[pos].reshape(-1))
-    T = max(2, 1 + max(r.size for r in rows))
-    out = torch.zeros(len(rows), T, dtype=torch.int64)
-    for b, r in enumerate(rows):
-        out[b, T - r.size - 1] = 1  # BOS
-        out[b, T - r.size :] = torch.from_numpy(r)
-    return out
 
 
 def load_snapshot(path: str | os.PathLike, backend: str = "auto", verify: bool = True,

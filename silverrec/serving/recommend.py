@@ -30,6 +30,7 @@ from silverrec.errors import QueryError
 from silverrec.filtering.filter_program import FilterPlan, compile_request
 from silverrec.filtering.template import check_request_features
 from silverrec.generative.source import request_tensors
+from silverrec.spec import ModelSpec
 from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.item_ids import ItemRows
@@ -64,7 +65,7 @@ class RecRequest:
     numeric: Mapping[str, float] = field(default_factory=dict)
     filter: Optional[str] = None
     exclude: Sequence[int] = ()
-    sources: Optional[Sequence[str]] = None  # hybrid snapshots: "ann" and / or "generative" (default both)
+    sources: Optional[Sequence[str]] = None  # of the snapshot's retrieval sources, those to use (default all)
 
     @classmethod
     def coerce(cls, r: Union["RecRequest", Mapping[str, Any]], where: Union[str, int]) -> "RecRequest":
@@ -97,8 +98,9 @@ class Recommendations:
     scores: torch.Tensor
     task_scores: torch.Tensor
     tasks: list[str]
-    # hybrid snapshots (silverrec/generative/source.py): which sources found each item (bits 1 = ann,
-    # 2 = generative) int64 [B, k], and their scores float32 [B, k, 2] (-inf = not found by that source)
+    # snapshots with a decode (silverrec/generative/source.py): which sources found each item (bits
+    # 1 = ann, 2 = generative) int64 [B, k], and their scores float32 [B, k, 2] (-inf = not found by
+    # that source); None for a snapshot whose one source is the ANN
     found_by: Optional[torch.Tensor] = None
     source_scores: Optional[torch.Tensor] = None
 
@@ -131,8 +133,9 @@ class RecHandler:
                  rank_module=None):
         self.config = config
         self.module = module
+        self.model_spec = ModelSpec.from_json(config["spec"])
         self.spec = UserFeatureSpec.from_json(config["user_features"])
-        self.tasks = list(config["tasks"])
+        self.tasks = list(self.model_spec.tasks)
         self.row_to_item = np.asarray(row_to_item, dtype=np.int64)
         self.encoder = FeatureEncoder.from_arrays(self.spec, item_csr)
         self.item_rows = ItemRows(self.row_to_item)
@@ -160,7 +163,9 @@ class RecHandler:
         if (snap.path / USERS_FILE).is_file():
             with np.load(snap.path / USERS_FILE, allow_pickle=False) as f:
                 users = {k: f[k] for k in f.files}
-        if snap.backend == "torchscript":
+        if not snap.spec.ranks:  # no user tower: no ranking entry point (Snapshot.rank refuses)
+            rank = None
+        elif snap.backend == "torchscript":
             rank = snap.module.rank
         else:
             def rank():
@@ -379,15 +384,13 @@ class RecHandler:
         requests = [RecRequest.coerce(r, b) for b, r in enumerate(requests)]
         if not requests:
             raise QueryError("recommend needs at least one request")
-        cfg = self.config
-        n, nlist, T = len(self.row_to_item), int(cfg["nlist"]), len(self.tasks)
-        sources = list(cfg.get("sources", ["ann"]))
-        beams = int(cfg["generative"]["beam_width"]) if "generative" in sources else 0
-        _check_int("k", k, 1, min(n, int(cfg.get("candidates") or n) + beams))  # at most the candidates ranked
+        cfg, spec = self.config, self.model_spec
+        n, T = len(self.row_to_item), len(self.tasks)
+        beams = int(cfg["generative"]["beam_width"]) if "generative" in spec.sources else 0
+        ranked = (spec.candidates or n) if "ann" in spec.sources else 0
+        _check_int("k", k, 1, min(n, ranked + beams))  # at most the candidates ranked
         k0 = max(k, int(cfg["default_k0"]) if k0 is None else _check_int("k0", k0, 1, n))
-        nprobe = _check_int("nprobe", int(cfg["default_nprobe"]) if nprobe is None else nprobe, 1, nlist)
-        max_probe = _check_int("max_probe", max(nprobe, int(cfg["search"]["default_max_probe"])) if max_probe is None
-                               else max_probe, nprobe, nlist)
+        nprobe, max_probe = self.probes(nprobe, max_probe)
         if mode not in MODES:
             raise QueryError(f"unknown search mode {mode!r}: use one of {sorted(MODES)}")
         limit = int(cfg.get("exclude_limit", DEFAULT_EXCLUDE_LIMIT)) if exclude_limit is None else \
@@ -406,31 +409,51 @@ class RecHandler:
                 modes = torch.full((len(filters),), MODES["probed"], dtype=torch.int64)
                 if len(self._probed_modes) < 64:
                     self._probed_modes[len(filters)] = modes
-        if beams:  # hybrid: + the histories (the decoder's input) and the source flags
-            extra = request_tensors(histories, [r.sources for r in requests], sources)
-        elif any(r.sources is not None and list(r.sources) != ["ann"] for r in requests):
-            raise QueryError("this snapshot has one retrieval source, 'ann' (publish with sources = ['ann', 'generative'])")
-        else:
-            extra = ()
+        history, flags = self._sources(requests, histories)
         if threads == "auto":
             threads = 1 if len(requests) <= ONE_THREAD_MAX_BATCH else None
         elif threads is not None:
             threads = _check_int("threads", threads, 1, 1 << 10)
         with torch.inference_mode(), num_threads(threads):
-            out = self.module(values, lengths, dense, exclude, *compile_request(filters, self.plan), modes, *extra,
-                              k, k0, nprobe, max_probe)
+            out = self.module(values, lengths, dense, exclude, *compile_request(filters, self.plan), modes, history,
+                              flags, k, k0, nprobe, max_probe)
         tasks = out[2] if out[2].shape[2] == T else out[2][:, :, :T]
-        return Recommendations(out[0], out[1], tasks, self.tasks, *out[4:])
+        found_by, source_scores = (out[4], out[5]) if out[4].shape[1] else (None, None)  # width 0: one source
+        return Recommendations(out[0], out[1], tasks, self.tasks, found_by, source_scores)
+
+    def probes(self, nprobe: Optional[int], max_probe: Optional[int]) -> tuple[int, int]:
+        """The request's (nprobe, max_probe), checked against the index (1, 1 without one: unread)."""
+        cfg = self.config
+        if "ann" not in self.model_spec.sources:
+            return 1, 1
+        nlist = self.model_spec.nlist
+        nprobe = _check_int("nprobe", int(cfg["default_nprobe"]) if nprobe is None else nprobe, 1, nlist)
+        max_probe = _check_int("max_probe", max(nprobe, int(cfg["search"]["default_max_probe"])) if max_probe is None
+                               else max_probe, nprobe, nlist)
+        return nprobe, max_probe
+
+    def _sources(self, requests: Sequence[RecRequest], histories: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode's inputs: each request's history as rows int64 [B, H] (-1 left padding) and the
+        sources it uses bool [B, 2] (QueryError naming a source the snapshot lacks). A snapshot whose
+        one source is the ANN reads neither: constants."""
+        available = self.model_spec.sources
+        if "generative" in available:
+            return request_tensors(histories, [r.sources for r in requests], available,
+                                   self.config["generative"].get("max_items"))
+        if any(r.sources is not None and list(r.sources) != ["ann"] for r in requests):
+            raise QueryError("this snapshot has one retrieval source, 'ann' (publish with sources = ['ann', 'generative'])")
+        B = len(requests)
+        return _NO_HISTORY.expand(B, 1), _ANN_ONLY.expand(B, 2)
 
     def rank(self, request, item_ids: Sequence[int]) -> Recommendations:
         """Early-stage ranking: score `item_ids` (1 .. 2^20 of them) for one user; returned in the
         given order (scores [1, C], task scores [1, C, T])."""
         r = RecRequest.coerce(request, "request")
         rows = self.rows(item_ids, "items")
-        limit = MAX_LISTWISE_RANK_ITEMS if self.config.get("overarch") == "listwise" else MAX_RANK_ITEMS
+        kind = self.model_spec.overarch
+        limit = MAX_LISTWISE_RANK_ITEMS if kind == "listwise" else MAX_RANK_ITEMS
         if not 1 <= rows.size <= limit:
-            raise QueryError(f"rank takes 1 to {limit} item ids with this snapshot's OverArch "
-                             f"({self.config.get('overarch')}), got {rows.size}")
+            raise QueryError(f"rank takes 1 to {limit} item ids with this snapshot's OverArch ({kind}), got {rows.size}")
         values, lengths, dense, _ = self.encode([r], exclude_history=False, exclude_limit=max(1, len(r.exclude)))
         with torch.inference_mode():
             value, tasks = self.rank_module()(values, lengths, dense, torch.from_numpy(rows)[None])
@@ -441,6 +464,11 @@ class RecHandler:
         if getattr(self._rank_module, "lazy", False):
             self._rank_module = self._rank_module()
         return self._rank_module
+
+
+# the decode's inputs of a snapshot without one: no history, the ANN on (expanded to the batch)
+_NO_HISTORY = torch.full((1, 1), -1, dtype=torch.int64)
+_ANN_ONLY = torch.ones(1, 2, dtype=torch.bool)
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:

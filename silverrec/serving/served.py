@@ -24,7 +24,6 @@ from silverrec.filtering.filter_program import compile_request, normalize_filter
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.filtered_search import _modes, filter_plan
 from silverrec.serving.loader import load
-from silverrec.serving.predictor import history_tokens
 from silverrec.serving.recommend import DEFAULT_EXCLUDE_LIMIT, MAX_RANK_ITEMS, RecRequest
 
 MAX_QUERY_ROWS = 1024  # rows per search request, users per recommend request
@@ -35,7 +34,7 @@ class GroupKey(NamedTuple):
     """What requests must share to run in one forward call; unused options stay None."""
 
     served: "Served"  # the version the requests were validated on
-    op: str  # "search", "rec" (recommendation model), "gen" (generative) or "rank"
+    op: str  # "search", "rec" (every snapshot but a pure-ANN index) or "rank"
     nprobe: Optional[int] = None
     max_probe: Optional[int] = None  # search: set only for a filtered request
     k: Optional[int] = None  # filtered search: the widening step reads k (match_factor * k)
@@ -59,11 +58,11 @@ def snapshot_version(snap) -> str:
 
 
 def answers(kind: str, config: dict[str, Any]) -> str:
-    """What a snapshot answers: "search" (a pure-ANN index: the root module with a query tower),
-    "recommend" (a recommendation model) or "generative"; "" = nothing servable."""
+    """What a snapshot answers: "search" (a pure-ANN index: the root module with a query tower) or
+    "recommend" (every other configuration); "" = nothing servable."""
     if kind == "rec":
         return "search" if config.get("spec", {}).get("tower") == "query" else "recommend"
-    return "generative" if kind == "generative" else ""
+    return ""
 
 
 class Served:
@@ -153,17 +152,13 @@ class Served:
 
     def prepare_recommend(self, body) -> tuple[GroupKey, dict]:
         users = self._user_requests(body)
-        if self.answers == "generative":
-            return self._prepare_generative(body, users)
         if self.answers != "recommend":
             raise QueryError("this snapshot is a pure-ANN index: it answers /v1/search, not /v1/recommend")
         h, cfg = self.handler, self.handler.config
-        n, nlist = len(h.row_to_item), int(cfg["nlist"])
+        n = len(h.row_to_item)
         k = _check_int("k", body.k, 1, n)
         k0 = max(k, int(cfg["default_k0"]) if body.k0 is None else _check_int("k0", body.k0, 1, n))
-        nprobe = _check_int("nprobe", int(cfg["default_nprobe"]) if body.nprobe is None else body.nprobe, 1, nlist)
-        max_probe = _check_int("max_probe", max(nprobe, int(cfg["search"]["default_max_probe"]))
-                               if body.max_probe is None else body.max_probe, nprobe, nlist)
+        nprobe, max_probe = h.probes(body.nprobe, body.max_probe)
         if body.mode not in MODES:
             raise QueryError(f"unknown search mode {body.mode!r}: use one of {sorted(MODES)}")
         exclude_history = True if body.exclude_history is None else body.exclude_history
@@ -182,32 +177,7 @@ class Served:
         key = GroupKey(self, "rec", nprobe, max_probe, k0=k0, mode=body.mode, exclude_history=exclude_history)
         return key, {"requests": requests, "k": k}
 
-    def _prepare_generative(self, body, users: list[dict]) -> tuple[GroupKey, dict]:
-        beams = int(self.snap.config.get("beam_width", 0)) or None
-        k = _check_int("k", body.k, 1, beams or self.snap.manifest["item_count"])
-        extra = [f for u in users for f in USER_FIELDS if f != "history" and u[f] not in (None, {}, [])]
-        if extra:
-            raise QueryError(f"a generative snapshot reads only 'history', got {sorted(set(extra))}")
-        histories = []
-        for b, u in enumerate(users):
-            if u["history"] is None:
-                raise QueryError(f"request {b}: a generative snapshot needs a history (item ids, oldest first)")
-            histories.append(list(u["history"]))
-        ids, tokens, order = self.snap._generative_items()
-        history_tokens(histories, ids[order], tokens[order], int(self.snap.config["max_history_items"]))
-        key = GroupKey(self, "gen", exclude_history=bool(body.exclude_history))
-        return key, {"histories": histories, "k": k}
-
     def run_recommend(self, key: GroupKey, payloads: list[dict]) -> list[dict]:
-        if key.op == "gen":
-            res = self.snap.recommend([h for p in payloads for h in p["histories"]], exclude_history=key.exclude_history)
-            out, start = [], 0
-            for p in payloads:
-                n = len(p["histories"])
-                out.append({"item_ids": res.item_ids[start:start + n, :p["k"]].tolist(),
-                            "scores": _clean(res.scores[start:start + n, :p["k"]].tolist())})
-                start += n
-            return out
         k = max(p["k"] for p in payloads)
         # threads=None: the server's own setting (ServeConfig.threads, silverrec tune's table, applied by the
         # batcher) governs; the handler's per-call "auto" would override a tuned table and, with several
@@ -219,15 +189,17 @@ class Served:
         for p in payloads:
             n, kk = len(p["requests"]), p["k"]
             part = type(res)(res.item_ids[start:start + n, :kk], res.scores[start:start + n, :kk],
-                             res.task_scores[start:start + n, :kk], res.tasks)
+                             res.task_scores[start:start + n, :kk], res.tasks,
+                             *(None if x is None else x[start:start + n, :kk] for x in (res.found_by, res.source_scores)))
             out.append(part.to_json())
             start += n
         return out
 
     # -------------------------------------------------------------- rank
     def prepare_rank(self, body) -> tuple[GroupKey, dict]:
-        if self.answers != "recommend":
-            raise QueryError("only a recommendation model (silverrec publish --config) ranks items for a user")
+        if self.answers != "recommend" or not self.handler.model_spec.ranks:
+            raise QueryError("only a recommendation model with a user tower (silverrec publish --config) ranks "
+                             "items for a user")
         r = RecRequest(**{f: getattr(body, f) for f in USER_FIELDS if getattr(body, f) is not None})
         if not 1 <= len(body.items) <= MAX_RANK_ITEMS:
             raise QueryError(f"rank takes 1 to {MAX_RANK_ITEMS} item ids, got {len(body.items)}")
@@ -243,7 +215,7 @@ class Served:
         """One group's forward call -> one JSON-ready answer per payload, in order (the batcher's run_group)."""
         if key.op == "search":
             return self.run_search(key, payloads)
-        if key.op in ("rec", "gen"):
+        if key.op == "rec":
             return self.run_recommend(key, payloads)
         return self.run_rank(key, payloads)
 
@@ -258,8 +230,6 @@ class Served:
             res = self.handler.recommend([{"history": [first]}], k=1)
             if tuple(res.item_ids.shape) != (1, 1):
                 raise SnapshotError(f"recommend answered shape {tuple(res.item_ids.shape)}, expected (1, 1)")
-        elif self.answers == "generative":
-            self.snap.recommend([[int(self.snap.generative_item_ids()[0])]])
         else:
             raise SnapshotError(f"snapshot kind {self.kind!r} cannot be served")
 

@@ -82,9 +82,6 @@ def sample_bodies(served, n: int, seed: int = 0) -> list[Any]:
     if served.answers == "recommend":
         ids = served.handler.row_to_item
         return [RecommendBody(history=[int(x) for x in rng.choice(ids, 10)], k=10) for _ in range(n)]
-    if served.answers == "generative":
-        ids = served.snap.generative_item_ids()
-        return [RecommendBody(history=[int(x) for x in rng.choice(ids, 5)], k=10) for _ in range(n)]
     raise SilverrecError(f"cannot tune a {served.kind!r} snapshot")
 
 

@@ -1,7 +1,8 @@
 """The generative decode replayed from a CUDA graph (GraphedDecode) against eager launches of the
-same module on the same padded inputs: bit-identical item ids and scores, for the eager module and
-the exported / TorchScript programs, across replays with new inputs (static buffers re-filled),
-several (batch, history) buckets, batch padding included, and beam width 128."""
+same module on the same padded inputs: bit-identical item ids and scores across replays with new
+inputs (static buffers re-filled), several (batch, history) buckets, batch padding included, and
+beam width 128. (A published generative snapshot is a RecModel, replayed by GraphedForward:
+tests/gpu/test_snapshots_cuda.py.)"""
 
 import pytest
 import torch
@@ -11,11 +12,9 @@ from silverrec.serving.cuda_graphs import capture_cuda_graph, capture_eager
 from silverrec.serving.graphed_decode import GraphedDecode
 from silverrec.generative.generative import GenerativeRetrieval
 from silverrec.generative.trie import ValidPathTrie
-from silverrec.serving.device import program_on
 
 from ..reference_beam_search import random_decoder, random_histories, random_paths
 from .device import assert_ranking_close
-from .test_snapshots_cuda import generative  # noqa: F401  (the published generative snapshot fixture)
 
 SIZES = [16, 12, 8, 4]
 
@@ -50,21 +49,3 @@ def test_replay_equals_eager(beam_width, top_k, cuda):
         assert_ranking_close(got[0], got[1], unpadded[0].cpu(), unpadded[1].cpu())
         assert (got[0] >= 0).any()
     assert graphed.captures == 4 and len(graphed.graphs) == 2  # (4, 16), (1, 16), (4, 32), (4, 16) again
-
-
-@pytest.mark.parametrize("backend", ["export", "torchscript"])
-def test_replay_of_a_loaded_program(generative, backend, cuda):  # noqa: F811
-    _, _, path, _ = generative
-    program = program_on(path, backend, cuda)
-    n = int(__import__("json").loads((path / "manifest.json").read_text())["item_count"])
-    graphed = GraphedDecode(program, 16, capture=_capture(cuda))
-    for seed in range(3):
-        g = torch.Generator().manual_seed(seed)
-        hist = torch.cat([torch.ones(3, 1, dtype=torch.int64), torch.randint(2, 18, (3, 6), generator=g)], dim=1)
-        bits = pack_bits(torch.rand(3, n, generator=g) < 0.5)
-        hist, bits = hist.to(cuda), bits.to(cuda)
-        got = graphed(hist, bits)
-        with torch.inference_mode():
-            want = [t[:3] for t in program(*graphed.pad(hist, bits))]  # batch bucket 4, history 16
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert graphed.captures == 1

@@ -2,8 +2,8 @@
 filtered index (filtered_ivf), the generative decode and the recommendation model, each published
 small here with the publish code (a snapshot saved by another torch may not load), then loaded as
 model.pt2 (moved by torch.export's device pass) and model.ts (map_location) onto the device by the
-public `silverrec.load(path, device=...)` and run behind the unchanged predictor API (the
-generative decode through GraphedDecode, the rank program too); the eager modules moved with
+public `silverrec.load(path, device=...)` and run behind the unchanged predictor API (every
+program replayed through GraphedForward, the rank program too); the eager modules moved with
 `.to(device)` as well."""
 
 from unittest import mock
@@ -87,13 +87,15 @@ def generative(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_generative_snapshot(generative, backend, cuda):
-    _, _, path, histories = generative
+    """The decode-only RecModel: histories, with and without exclude ids (half the pool)."""
+    _, sids, path, histories = generative
     cpu, dev = _on_device(path, backend, cuda)
-    n = cpu.manifest["item_count"]
-    allowed = torch.rand(len(histories), n, generator=torch.Generator().manual_seed(0)) < 0.5
-    for bitmask in (None, pack_bits(allowed)):
-        want = cpu.recommend(histories, filter_bitmask=bitmask)
-        got = dev.recommend(histories, filter_bitmask=bitmask)
+    rng = np.random.default_rng(0)
+    excluded = [rng.choice(sids.item_ids, len(sids.item_ids) // 2, replace=False).tolist() for _ in histories]
+    for exclude in ([[]] * len(histories), excluded):
+        requests = [{"history": [int(i) for i in h], "exclude": e} for h, e in zip(histories, exclude)]
+        want = cpu.recommend(requests, k=16, exclude_history=False)
+        got = dev.recommend(requests, k=16, exclude_history=False)
         assert_ranking_close(got.item_ids, got.scores, want.item_ids, want.scores)
 
 

@@ -1,0 +1,37 @@
+"""`Candidates`: what the retrieval stage of `RecModel` hands to the ranking stages, and the names
+of the retrieval sources.
+
+Every field is indexed [b, c]: request b's candidate c. A field that a configuration's sources do
+not produce has width 0 (one slice, no tensor filled per call): a pure-ANN search maps its rows to
+item ids itself (`ids`) and may return no `rows`; only a decode fills `log_prob`; only a union of
+two sources fills `found_by`. `rows_only` makes the candidates of the `rank` entry point.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+SOURCES = ("ann", "generative")  # retrieval sources, in the column order of the request's `sources` flags
+SOURCE_ANN, SOURCE_GENERATIVE = 0, 1  # columns of `sources` bool [B, 2]
+FOUND_ANN, FOUND_GENERATIVE = 1, 2  # bits of `found_by`
+
+
+class Candidates(NamedTuple):
+    """rows int64 [B, C] canonical rows (-1 = none); found_by int64 [B, C] FOUND_* bits (0 at padding);
+    log_prob float32 [B, C] the decoder's summed log-prob (-inf = none); scores float32 [B, C] the
+    source's own ranking score (a source that ranks alone); ids int64 [B, C] item ids (a source that
+    maps rows to ids itself). Width 0 where not produced (module docstring)."""
+
+    rows: Tensor
+    found_by: Tensor
+    log_prob: Tensor
+    scores: Tensor
+    ids: Tensor
+
+
+def rows_only(rows: Tensor) -> Candidates:
+    """Candidates that are given rows int64 [B, C] and nothing else (`RecModel.rank`)."""
+    none = rows[:, :0]
+    return Candidates(rows, none, none.float(), none.float(), none)
