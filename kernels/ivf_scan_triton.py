@@ -31,10 +31,10 @@ from silverrec.kernels.constants import EMPTY_KEY
 NO_CLUSTER = tl.constexpr(constants.NO_CLUSTER)  # a probe slot that scans nothing (kernels/constants.py)
 
 SLOT_GROUP = 8  # the fewest probe slots scored per launch before a top-k merge
-# ... and the most: as many as this many bytes of keys hold. On an H200 (benchmarks/profile_cuda.py,
-# batch 16, max_probe 128) merging every 8 slots made 16 torch.topk calls a search, each a multi-block
-# radix select of ~8 passes x 4 small kernels: 1.1 of the search's 2.2 ms of device time, for a few
-# MB of keys. One merge per 16 MiB of keys makes that 2-3 calls.
+# ... and the most: as many as this many bytes of keys hold. Each merge is a torch.topk, a multi-block
+# radix select of several passes of small kernels; merging every 8 slots made it the largest share of
+# a search's device time (benchmarks/profile_cuda.py). One merge per 16 MiB of keys makes it 2-3 a
+# search at batch 16, max_probe 128.
 KEY_BUFFER_BYTES = 16 << 20
 
 

@@ -1,6 +1,6 @@
 """Full-ranking evaluation of the leave-one-out split: tie-aware ranks, HR@K and NDCG@K.
 
-The protocol (DESIGN.md, Evaluation): every pool row is scored, the user's known items (its history
+The protocol (docs/architecture.md, "Evaluation"): every pool row is scored, the user's known items (its history
 at that stage) are masked, and the held-out target is ranked among the rest. Ties are counted at
 the expected rank, ``greater + (equal - 1) / 2`` (trap 2): a target scored 0 among 999 other zeros
 lands at 499.5, not at 0 as an optimistic ``argsort`` would put it.

@@ -2,7 +2,7 @@
 
 Runs on the device of the input (CPU or CUDA), deterministically for a given seed. Clustering is
 on the raw (or, with `spherical=True`, normalised) embeddings with squared-L2 assignment; the
-runtime probes clusters by inner product with the centroids (DESIGN.md, "Int8 IVF ANN index").
+runtime probes clusters by inner product with the centroids (docs/architecture.md, "Int8 IVF ANN index").
 
     >>> result = kmeans(embeddings, nlist=default_nlist(len(embeddings)), seed=0)
     >>> result.centroids      # float32 [nlist, D]

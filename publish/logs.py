@@ -12,7 +12,7 @@ Input files (Parquet, read with pyarrow), the same for every data set (nothing h
 Every problem raises :class:`silverrec.errors.PoolError` naming the file, the column and the first
 offending row or value, e.g. ``interactions.parquet row 17: item_id 999 is not in items.parquet``.
 
-Time order (DESIGN.md, Evaluation, trap 1): interactions are sorted by (user, timestamp) and
+Time order (docs/architecture.md, "Evaluation", trap 1): interactions are sorted by (user, timestamp) and
 timestamp ties are broken by a seeded random shuffle, never by file order or item id. MovieLens
 lists same-second ratings by ascending item id; a sequential model trained on that order learns
 the id order instead of the user.

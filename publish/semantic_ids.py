@@ -1,6 +1,6 @@
 """Semantic IDs for generative retrieval: residual k-means codes plus a disambiguation token.
 
-Every item gets a path of L = levels + 1 codes (DESIGN.md, "Generative beam decode"):
+Every item gets a path of L = levels + 1 codes (docs/architecture.md, "Generative beam decode"):
 
     level 0..levels-1  residual k-means: level l clusters what levels < l left unexplained
                        (x - sum of the chosen centroids so far) into `codes` centroids;

@@ -52,7 +52,7 @@ from silverrec.serving.sharded import CENTROIDS_FILE, SHARDED_KIND
 from silverrec.snapshot import FORMAT_VERSION, MANIFEST, move_into_place, sha256_file
 
 SHARD_BY = ("items", "clusters")
-# Chosen from benchmarks/results/shards.json (see README "Scale-out"): at batch 16 a request probes
+# Chosen from benchmarks/results/shards.json (see docs/scale-out.md): at batch 16 a request probes
 # clusters on every shard anyway, so cluster ownership saves no fan-out and costs imbalance.
 DEFAULT_SHARD_BY = "items"
 

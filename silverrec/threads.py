@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from typing import Iterator, Optional
 
 # A predictor shares its cores with a server's event loop, its batcher and other processes: OpenMP
-# workers that spin after each op (the default) took a 2-thread batch-1 recommend from 2.9 ms to
-# 11 ms median on a loaded 2-core machine, where passive waiting kept 3.4 ms. OpenMP reads the
+# workers that spin after each op (the default) take the cores those need, and on a loaded 2-core
+# machine made a batch-1 recommend several times slower than passive waiting does. OpenMP reads the
 # policy once, when torch loads it: set here (silverrec/__init__ imports this module first) only
 # if torch is not loaded yet, and a value the user set wins.
 _TORCH_LOADED_FIRST = "torch" in sys.modules

@@ -3,8 +3,8 @@
 // equal scores to the lower centroid.
 //
 // Scoring every centroid in float is most of a light search's fixed cost (an unfiltered nprobe-4 search
-// of 16 queries over 4000 x 128 centroids: 8.2M multiply-adds, 220 us on one thread as one MKL sgemm, a
-// third of it MKL packing the centroids). Here an int8 pass bounds every score instead (VNNI: 64
+// of 16 queries over 4000 x 128 centroids is 8.2M multiply-adds, as one MKL sgemm a third of it spent
+// packing the centroids). Here an int8 pass bounds every score instead (VNNI: 64
 // multiply-adds an instruction, on centroid codes packed as 16-row tiles once per centroid tensor), and
 // only the centroids whose bound can reach a query's top P are scored in float:
 //   centroid c ~= sc * code_c (per-row scale, codes cached per centroid tensor), query q ~= sq * code_q;
@@ -263,7 +263,7 @@ struct QueryCodes {
 #if SILVERREC_VNNI
 // acc += the u8 x s8 dot of v's 4-byte lanes with *b broadcast (embedded broadcast). In asm: gcc 12 keeps
 // an array of 16 intrinsic accumulators in rotating registers (two copies per vpdpbusd, two of them on the
-// stack), which took 74 of this screen's 82 us.
+// stack), which made it most of this screen's time.
 static inline void dpbusd_bcast(__m512i& acc, __m512i v, const int32_t* b) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(v), "m"(*b));
 }

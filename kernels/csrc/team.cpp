@@ -69,8 +69,8 @@ thread_local int64_t t_index = 0;  // 0 the calling thread, 1 + i helper i (team
 // Who runs the ops' parallel steps: the team where torch's OpenMP workers sleep between regions
 // (OMP_WAIT_POLICY=PASSIVE, silverrec's default: silverrec/threads.py sets it before torch loads, and
 // OpenMP read it then), torch's OpenMP workers where they spin (any other policy: they keep a core busy
-// between ops, and helpers of ours would contend with them for it: conjunctions at 8.6%, k 100, 1.9 ->
-// 3.1 ms on 2 vCPUs). Tests pin either, or the calling thread alone (set_team_pin).
+// between ops, and helpers of ours would contend with them for it, which slows a filtered search on a
+// small VM markedly). Tests pin either, or the calling thread alone (set_team_pin).
 enum class Runner { kAlone, kTeam, kOpenMP };
 Runner runner() {
   static const bool passive = [] {

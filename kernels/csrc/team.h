@@ -5,11 +5,10 @@
 //
 // Why not at::parallel_for (OpenMP): under OMP_WAIT_POLICY=PASSIVE, silverrec's default
 // (silverrec/threads.py), each parallel region wakes the sleeping workers, and its closing barrier puts
-// the caller to sleep until the last worker wakes it: two wakes, ~70 us a region on the 2-vCPU benchmark
-// VM (a parallel torch.add of 40k floats: 72 us against 4.4 us with spinning workers), more than a light
-// search's whole step. One futex wake takes 3-30 us to land on that VM (p50 of 300: 3-7 us after the
-// caller idled, 15-30 us after it worked without a break); here it lands while the caller works, and the
-// caller only spins out the chunks a helper holds. Helpers spin only within a call, yielding the core to
+// the caller to sleep until the last worker wakes it: two wakes a region, each an order of magnitude
+// slower than a spinning worker's pickup on a small VM, and together more than a light search's whole
+// step. Here the helpers' wake lands while the caller works, and the caller only spins out the chunks a
+// helper holds. Helpers spin only within a call, yielding the core to
 // any other runnable thread, and sleep after 1 ms without a step: nothing burns a core between requests.
 #pragma once
 

@@ -81,8 +81,7 @@ inline void select_top(int64_t* a, int64_t n, int64_t k, std::vector<int64_t>& t
     int64_t i = 0;
 #if defined(__AVX512F__)
     // each side compressed in a register and stored whole (the lanes past its count are overwritten by
-    // the next store): a compress straight to memory is microcoded on AMD Zen 4 (366 keys to 110 took
-    // 3.9 us, 0.6 us this way, on the benchmark VM's EPYC). The < lanes run forward from tmp + m + 8,
+    // the next store): a compress straight to memory is microcoded on AMD Zen 4, several times slower. The < lanes run forward from tmp + m + 8,
     // then move to end at tmp + m.
     int64_t* const lo_start = tmp.data() + m + 8;
     int64_t* lo_run = lo_start;
@@ -172,9 +171,7 @@ struct TopK {
 
   // Buffer of about 2k keys (at least k + 256): a compaction (select_top, O(cap)) every cap - k pushes
   // keeps the amortised cost per push O(1) and the threshold tight. k + 1024 let a k 100 scan offer
-  // ~1,100 rows per query before its first real threshold: in one process over varied query batches,
-  // 0.489 -> 0.474 ms a whole-pool search of 2,027 matches x 16 queries, 1.166 -> 1.142 ms unfiltered
-  // nprobe 16 (1M x 96), the same at k 4096.
+  // ~1,100 rows per query before its first real threshold, which measured slower than this size.
   void ensure(int64_t k_) {
     if (cap) return;
     k = k_;
@@ -221,12 +218,10 @@ namespace silverrec {
 // keys. A digit is 8 bits, 11 from kWideDigitMin keys: each digit starts at the next varying bit, so a
 // search's keys in row order (score bits alone) take 2 passes of 11 bits instead of 3 bytes. The radix
 // sort has no data-dependent branches; std::sort's comparisons mispredict on a search's keys (a fresh
-// order every call): 241 keys took 5.8 us against 1.3 us, and the filtered search op at k 240-4096
-// (16 queries, 241 matches each) ran 8-12% faster with the radix sort (129 -> 121 us at k 240, 177 ->
-// 160 us at k 4096). At k 100 the keys come out of select_top's partitions, partly ordered, and
-// std::sort was as fast on one query batch repeated (86 us either way); over varied batches (fresh
-// branch histories, as in serving) the radix sort from 16 keys was faster in one process: unfiltered
-// nprobe 16 1.158 -> 1.144 and 1.221 -> 1.163 ms, a 2,027-match whole-pool search 0.534 -> 0.526 ms.
+// order every call), so the filtered search op at k 240-4096 is faster with the radix sort. At k 100 the
+// keys come out of select_top's partitions, partly ordered, and std::sort is as fast on one query batch
+// repeated; over varied batches (fresh branch histories, as in serving) the radix sort from 16 keys was
+// faster, unfiltered and on a whole-pool route alike.
 constexpr int64_t kComparisonSortMax = 16;
 constexpr int64_t kWideDigitMin = 1024;
 inline void radix_sort_keys(int64_t* keys, int64_t n, std::vector<uint64_t>& tmp, bool score_only = false);

@@ -108,7 +108,7 @@ static inline __m512 widen16(const int8_t* p) {
 #endif
 
 // <q, codes> in float32: 16 codes widened per AVX-512 register, two accumulators, one reduction at
-// the end (dot_lanes's portable form kept its 16 lanes in memory: 2x slower here). The re-score's dot
+// the end (dot_lanes's portable form keeps its 16 lanes in memory, which is slower). The re-score's dot
 // (rescore.cpp) and the exact routes' float ranking (float_rank.cpp): the same bits in both.
 static inline float dot_codes(const float* q, const int8_t* c, int64_t D) {
 #if defined(__AVX512F__)

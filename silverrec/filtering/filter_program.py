@@ -10,7 +10,7 @@ Program tensors, one program per query, padded to a common length L with NOP:
     rows int64 [B, L, T]   for PUSH: the row-bank rows ANDed together (r >= 0: row r; r < 0: ~row ~r);
                            shorter lists are padded by repeating their first row (AND is idempotent)
 
-Semantics (documented in README "Filtering"):
+Semantics (documented in docs/filtering.md):
 - A positive term `f = v` (under an even number of NOTs) is a Bloom test: the AND of v's K hashed
   bit rows. It can pass items without the value (false positives, rate estimated at publish,
   <= 1% by default) but never drops an item that has it.

@@ -16,9 +16,8 @@ Storage (measured by `bytes_per_item`):
     ranker float32  [N, E]   the OverArch's item side (`item_side`), computed once per item by the
                              model that owns the OverArch (`with_ranker`); E = 0 without one.
                              float32 by default: on this CPU (AVX2, no native bf16 arithmetic)
-                             the gather + bf16 -> float32 conversion of the candidates' rows cost
-                             10-50% more than gathering float32 rows (256 rows: 42 vs 28 us;
-                             4096: 231 vs 206 us), for 2 * E more bytes per item (E = 192 for
+                             the gather + bf16 -> float32 conversion of the candidates' rows costs
+                             more than gathering float32 rows, for 2 * E more bytes per item (E = 192 for
                              MovieLens' MoL: 384 B). `with_ranker(..., dtype=torch.bfloat16)` halves
                              it where memory matters more (and on accelerators with bf16 math).
 
@@ -157,8 +156,8 @@ class EmbeddingCache(nn.Module):
         """
         flat = rows.clamp(min=0).reshape(-1)
         # the embeddings: one bag per row, weighted 1 (a row) or 0 (padding), so that one kernel
-        # gathers and zeroes (10k of 200k rows: 0.38 ms against 0.95 ms for index_select + float +
-        # masked_fill_, whose mask pass cost twice the gather)
+        # gathers and zeroes (index_select + float + masked_fill_ is slower: its mask pass costs
+        # more than the gather)
         keep = (rows >= 0).reshape(-1).to(self.emb.dtype)
         bags = torch.arange(flat.shape[0], device=rows.device)
         emb = F.embedding_bag(flat, self.emb, bags, mode="sum", per_sample_weights=keep).float()
@@ -206,7 +205,7 @@ class EmbeddingCache(nn.Module):
 
 def _take(table: Tensor, rows: Tensor) -> Tensor:
     """table[rows.clamp(min=0)] as one index_select over the flattened rows: [B, K] -> [B, K, C]
-    (advanced indexing measured 3-5x slower here for 10k-200k rows)."""
+    (advanced indexing is several times slower for 10k-200k rows)."""
     flat = table.index_select(0, rows.clamp(min=0).reshape(-1))
     return flat.reshape(rows.shape[0], rows.shape[1], table.shape[1])
 
