@@ -14,7 +14,15 @@ ANN_DIR = Path(os.environ.get("SILVERREC_ANN_DATA", REPO.parent / "shared" / "da
 
 
 def load_ann(name: str) -> tuple[np.ndarray, np.ndarray]:
-    """Real vectors from ../shared/data/ann/<name>: (base float32 [N, D], queries float32 [Q, D])."""
+    """Real vectors from ../shared/data/ann/<name>: (base float32 [N, D], queries float32 [Q, D]).
+
+    The real-data tests are part of the suite, so a missing data folder is an error that says where
+    the data was looked for (set SILVERREC_ANN_DATA to the folder of the ANN sets), not a skip."""
+    if not (ANN_DIR / name / "base.npy").is_file():
+        raise FileNotFoundError(
+            f"ANN data set {name!r} not found under {ANN_DIR}: set SILVERREC_ANN_DATA to the folder that holds "
+            f"{name}/base.npy and {name}/queries.npy (see its SOURCE.md)"
+        )
     base = np.load(ANN_DIR / name / "base.npy").astype(np.float32)
     queries = np.load(ANN_DIR / name / "queries.npy").astype(np.float32)
     return base, queries
