@@ -218,11 +218,12 @@ def _serve(args: argparse.Namespace) -> int:
     from silverrec.serving.tune import default_tune_path
 
     tune_file = args.tune
-    if tune_file is None and args.workers is None and args.threads is None:
+    if tune_file is None and args.batch_workers is None and args.threads is None:
         sibling = default_tune_path(args.snapshot)
         tune_file = str(sibling) if sibling.is_file() else None
     config = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                         max_queue=args.max_queue, workers=args.workers or 1, threads=args.threads,
+                         max_queue=args.max_queue, processes=args.workers or 1, batch_workers=args.batch_workers,
+                         threads=args.threads,
                          max_body_bytes=args.max_body_bytes, deadline_ms=args.deadline_ms,
                          admin_token=read_token(args.admin_token_file), tune_file=tune_file, device=args.device)
     if args.sharded:  # torchrun (RANK / WORLD_SIZE / MASTER_ADDR) or --rank / --world-size / --init-method
@@ -294,12 +295,16 @@ def add_runtime_parsers(sub) -> None:
     s.add_argument("snapshot")
     s.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs an admin token)")
     s.add_argument("--port", type=int, default=8080, help="0 = an ephemeral port (printed)")
-    s.add_argument("--max-batch", dest="max_batch", type=int, default=32, help="requests per batch (default 32)")
-    s.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, default=5.0,
-                   help="a batch closes when its oldest request waited this long (default 5)")
+    s.add_argument("--max-batch", dest="max_batch", type=int, default=64, help="requests per batch (default 64)")
+    s.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, default=0.0,
+                   help="beside a busy batch worker, how long a free one may hold a short queue for a fuller batch "
+                        "(default 0: a request runs at once when a worker is free)")
     s.add_argument("--max-queue", dest="max_queue", type=int, default=1024, help="queued requests before 503 (default 1024)")
-    s.add_argument("--workers", type=int, default=None, help="batches computed at once (default 1, or the tune file)")
-    s.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's, or the tune file)")
+    s.add_argument("--workers", type=int, default=None, help="server processes sharing the port (default 1)")
+    s.add_argument("--batch-workers", dest="batch_workers", type=int, default=None,
+                   help="batches computed at once per process (default: one per core of its share, or the tune file)")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads per batch (default: the cores per batch worker, or the tune file)")
     s.add_argument("--tune", default=None, help="silverrec tune's file (default DIR.tune.json if it exists)")
     s.add_argument("--device", default="cpu", help="where the program runs: cpu (default), cuda, cuda:N")
     s.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, default=4 << 20, help="413 above (default 4 MiB)")
@@ -319,11 +324,11 @@ def add_runtime_parsers(sub) -> None:
                    help="--sharded: seconds before a request waiting on a dead or stalled rank fails with 503 (default 5)")
     s.set_defaults(func=_serve)
 
-    t = sub.add_parser("tune", help="measure workers x intra-op threads per concurrency; write the file serve reads")
+    t = sub.add_parser("tune", help="measure batch workers x intra-op threads per concurrency; write the file serve reads")
     t.add_argument("snapshot")
     t.add_argument("--out", default=None, help="output JSON (default DIR.tune.json)")
     t.add_argument("--seconds", type=float, default=1.0, help="per setting and concurrency level (default 1)")
     t.add_argument("--concurrency", default=None, help="levels, e.g. 1,4,16,64 (the default)")
-    t.add_argument("--max-batch", dest="max_batch", type=int, default=32)
-    t.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, default=2.0)
+    t.add_argument("--max-batch", dest="max_batch", type=int, default=64)
+    t.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, default=0.0)
     t.set_defaults(func=_tune)

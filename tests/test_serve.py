@@ -262,23 +262,76 @@ def test_queue_full_answers_503_with_retry_after(snaps):
         run.stop()
 
 
-def test_batcher_isolates_a_failing_request():
-    def run_group(key, payloads):
-        if "bad" in payloads:
-            raise QueryError("bad payload")
+class Gated:
+    """A run_group that records its batches and holds every call until `release()`."""
+
+    def __init__(self, fail_on=None):
+        self.batches, self.fail_on = [], fail_on
+        self.gate = threading.Event()
+        self.started = threading.Semaphore(0)
+
+    def __call__(self, key, payloads):
+        self.batches.append(list(payloads))
+        self.started.release()
+        self.gate.wait(30)
+        if self.fail_on in payloads:
+            raise QueryError(f"bad payload {self.fail_on}")
         return [p.upper() for p in payloads]
 
-    async def main():
-        b = Batcher(run_group, max_batch=8, max_wait_ms=20, max_queue=2)
-        await b.start()
-        res = await asyncio.gather(*(b.submit("k", p) for p in ("a", "bad")), return_exceptions=True)
-        with pytest.raises(QueueFull, match="queue full"):
-            await asyncio.gather(*(b.submit("k", p) for p in ("x", "y", "z")))
-        await b.stop()
-        return res
+    async def running(self, n: int):
+        """Wait until n more batches have started."""
+        for _ in range(n):
+            await asyncio.get_running_loop().run_in_executor(None, self.started.acquire)
 
-    a, bad = asyncio.run(main())
-    assert a == "A" and isinstance(bad, QueryError)
+    def release(self):
+        self.gate.set()
+
+
+def test_batcher_runs_a_lone_request_at_once_and_batches_what_queues_behind_busy_workers():
+    async def main(workers, max_wait_ms):
+        run = Gated()
+        b = Batcher(run, max_batch=8, max_wait_ms=max_wait_ms, workers=workers)
+        await b.start()
+        first = asyncio.ensure_future(b.submit("k", "a"))
+        await run.running(1)  # "a" runs alone: nothing was queued and a worker was free
+        rest = [asyncio.ensure_future(b.submit("k", p)) for p in ("b", "c", "d")]
+        await asyncio.sleep(0.05)
+        run.release()
+        out = await asyncio.gather(first, *rest)
+        await b.stop()
+        return run.batches, out
+
+    # one worker: "b", "c", "d" queue while it is busy and go as one batch when it comes free
+    batches, out = asyncio.run(main(1, 0))
+    assert batches == [["a"], ["b", "c", "d"]] and out == ["A", "B", "C", "D"]
+    # two workers, no window: the free worker takes "b" at once, "c" and "d" queue behind both
+    batches, out = asyncio.run(main(2, 0))
+    assert batches == [["a"], ["b"], ["c", "d"]] and out == ["A", "B", "C", "D"]
+    # two workers, a window longer than the test: beside the busy worker the free one holds the queue
+    # open, and takes it all when the first worker comes free (the window bounds the wait)
+    batches, out = asyncio.run(main(2, 60_000))
+    assert batches == [["a"], ["b", "c", "d"]] and out == ["A", "B", "C", "D"]
+
+
+def test_batcher_isolates_a_failing_request():
+    async def main():
+        run = Gated(fail_on="bad")
+        b = Batcher(run, max_batch=8, max_wait_ms=0, max_queue=2, workers=1)
+        await b.start()
+        blocker = asyncio.ensure_future(b.submit("k", "first"))
+        await run.running(1)
+        pair = [asyncio.ensure_future(b.submit("k", p)) for p in ("a", "bad")]  # queue behind the busy worker
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFull, match="queue full"):
+            await b.submit("k", "x")
+        run.release()  # the pair's batch fails, then each of its payloads runs alone
+        res = await asyncio.gather(blocker, *pair, return_exceptions=True)
+        await b.stop()
+        return run.batches, res
+
+    batches, (first, a, bad) = asyncio.run(main())
+    assert batches[:2] == [["first"], ["a", "bad"]] and sorted(map(tuple, batches[2:])) == [("a",), ("bad",)]
+    assert first == "FIRST" and a == "A" and isinstance(bad, QueryError)
 
 
 # ------------------------------------------------------------------------------------ reload
@@ -408,7 +461,7 @@ def test_tune_writes_a_table_serve_reads(snaps, tmp_path):
     table = tune(snaps["v1"], out, seconds=0.05, workers=(1, 2), threads=(1,), levels=(1, 8), log=lambda s: None)
     assert [r["concurrency"] for r in table["best"]] == [1, 8] and len(table["results"]) == 4
     policy = TunePolicy.from_file(out)
-    assert policy(0) == policy(1) and policy(100) == (table["best"][1]["workers"], table["best"][1]["threads"])
+    assert policy(0) == policy(1) and policy(100) == (table["best"][1]["batch_workers"], table["best"][1]["threads"])
     run = start_in_thread(snaps["v1"], ServeConfig(port=0, tune_file=str(out)))
     try:
         assert post(run.url, "/v1/search", {"queries": snaps["queries"][:2].tolist(), "k": 2}).status_code == 200

@@ -1,22 +1,29 @@
-"""Server-side dynamic batching: a bounded queue, batches that close on size or age, per-request deadlines.
+"""Server-side dynamic batching: a bounded queue, dispatch at once when a worker is free, batches from
+what queues while the workers are busy, per-request deadlines.
 
-    >>> batcher = Batcher(run_group, max_batch=32, max_wait_ms=5, max_queue=512, workers=1)
+    >>> batcher = Batcher(run_group, max_batch=64, max_wait_ms=0, max_queue=1024, workers=2)
     >>> await batcher.start()
     >>> result = await batcher.submit(key, payload, deadline=time.monotonic() + 0.1)
 
-A *job* is one validated request: a group `key` and a `payload`. When a worker is free, the batcher
-takes the oldest queued job and waits until either `max_batch` jobs are queued or that job has
-waited `max_wait_ms`; it then takes up to `max_batch` jobs, drops those whose deadline passed
-(`DeadlineExceeded`, before any compute), groups the rest by key and calls
-`run_group(key, payloads) -> results` once per group in a worker thread. Jobs with the same key
-can share one forward call (the server's key, served.GroupKey: the snapshot version and options); `run_group` returns one result per
-payload in order, or raises. A `QueryError` from a group is isolated by re-running each of its
-payloads alone, so one bad request never fails its neighbours.
+A *job* is one validated request: a group `key` and a `payload`. A job that arrives while a worker
+is free and nothing is queued runs at once, alone: an idle server adds no wait to a request. Jobs
+that arrive while every worker is busy queue, and the next worker to come free takes up to
+`max_batch` of them as one batch, so batches grow with the load and no further. With several
+workers, a free worker beside a busy one may hold a short queue open for up to `max_wait_ms` (from
+its oldest job's arrival) to let a fuller batch form; the window bounds that wait and is never a
+minimum (0 = never hold). A batch drops the jobs whose deadline passed (`DeadlineExceeded`, before
+any compute), groups the rest by key and calls `run_group(key, payloads) -> results` once per group
+in a worker thread. Jobs with the same key can share one forward call (the server's key,
+served.GroupKey: the snapshot version and options); `run_group` returns one result per payload in
+order (an exception instance in place of a result fails that job alone), or raises. A `QueryError`
+raised by a group is isolated by re-running each of its payloads alone, so one bad request never
+fails its neighbours.
 
 Backpressure: `submit` raises `QueueFull` when `max_queue` jobs are already waiting.
-Concurrency policy: `policy(concurrency) -> (workers, threads)` (silverrec tune's table) is asked
-at every batch with the number of requests in flight; `workers` bounds the batches computed at once
-and `threads` is applied with torch.set_num_threads before the batch runs.
+Concurrency: `workers` (default: one per core the process may run on) bounds the batches computed at
+once; `threads` is applied with torch.set_num_threads in the worker before its batch runs. A
+`policy(concurrency) -> (workers, threads)` (silverrec tune's table) is asked at every batch with the
+number of requests in flight instead.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional, Sequence
@@ -59,12 +67,21 @@ RunGroup = Callable[[Hashable, Sequence[Any]], Sequence[Any]]
 Policy = Callable[[int], tuple[int, int]]
 
 
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity, else os.cpu_count())."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 class Batcher:
     """Dynamic batcher (module docstring). Create and use inside one asyncio event loop."""
 
-    def __init__(self, run_group: RunGroup, max_batch: int = 32, max_wait_ms: float = 5.0, max_queue: int = 1024,
-                 workers: int = 1, threads: Optional[int] = None, policy: Optional[Policy] = None,
+    def __init__(self, run_group: RunGroup, max_batch: int = 64, max_wait_ms: float = 0.0, max_queue: int = 1024,
+                 workers: Optional[int] = None, threads: Optional[int] = None, policy: Optional[Policy] = None,
                  on_batch: Optional[Callable[[int], None]] = None):
+        workers = cores() if workers is None else workers
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_wait_ms < 0:
@@ -129,7 +146,8 @@ class Batcher:
         job = Job(key, payload, deadline, asyncio.get_running_loop().create_future(), now)
         self._queue.append(job)
         self._in_flight += 1
-        self._kick.set()
+        if self._pump() is not None:  # held open beside a busy worker: the loop keeps the time
+            self._kick.set()
         try:
             if deadline is None:
                 return await job.future
@@ -142,7 +160,7 @@ class Batcher:
         finally:
             self._in_flight -= 1
 
-    # ------------------------------------------------------------------ loop
+    # ------------------------------------------------------------------ dispatch
     async def _wait(self, timeout: Optional[float] = None) -> None:
         self._kick.clear()
         try:
@@ -156,34 +174,33 @@ class Batcher:
         workers, threads = self.policy(self._in_flight)
         return max(1, min(int(workers), self._max_workers)), threads
 
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
+    def _pump(self) -> Optional[float]:
+        """Start batches while a worker is free and jobs are queued (on the event loop: from submit, a
+        finished batch and the loop) -> seconds until a held queue must go, or None."""
+        while self._queue:
             workers, threads = self._limits()
             if self._busy >= workers:
-                await self._wait()
-                continue
-            if not self._queue:
-                if self._closing:
-                    if self._busy == 0:
-                        return
-                    await self._wait()
-                    continue
-                await self._wait()
-                continue
-            close_at = self._queue[0].enqueued + self.max_wait
-            remaining = close_at - time.monotonic()
-            if len(self._queue) < self.max_batch and remaining > 0 and not self._closing:
-                await self._wait(remaining)
-                continue
+                return None
+            if self._busy and len(self._queue) < self.max_batch and not self._closing:
+                remaining = self._queue[0].enqueued + self.max_wait - time.monotonic()
+                if remaining > 0:
+                    return remaining
             batch = self._take()
-            if not batch:
-                continue
-            self._busy += 1
-            if self.on_batch is not None:
-                self.on_batch(len(batch))
-            fut = loop.run_in_executor(self._executor, self._execute, batch, threads)
-            fut.add_done_callback(lambda f, batch=batch: self._finish(batch, f))
+            if batch:
+                self._busy += 1
+                if self.on_batch is not None:
+                    self.on_batch(len(batch))
+                fut = asyncio.get_running_loop().run_in_executor(self._executor, self._execute, batch, threads)
+                fut.add_done_callback(lambda f, batch=batch: self._finish(batch, f))
+        return None
+
+    async def _loop(self) -> None:
+        """Holds a short queue open (max_wait) and drains the queue on stop; dispatch itself runs in _pump."""
+        while True:
+            hold = self._pump()
+            if self._closing and not self._queue and self._busy == 0:
+                return
+            await self._wait(hold)
 
     def _take(self) -> list[Job]:
         batch, now = [], time.monotonic()
@@ -219,7 +236,7 @@ class Batcher:
             return []
         try:
             results = self.run_group(key, payloads)
-            return [(True, r) for r in results]
+            return [(not isinstance(r, BaseException), r) for r in results]
         except QueryError as e:
             if len(payloads) == 1:
                 return [(False, e)]
@@ -229,6 +246,7 @@ class Batcher:
 
     def _finish(self, batch: list[Job], fut: asyncio.Future) -> None:
         self._busy -= 1
+        self._pump()
         self._kick.set()
         exc = fut.exception()
         for i, job in enumerate(batch):

@@ -33,10 +33,16 @@ class SearchResult:
     item_ids: torch.Tensor
     scores: torch.Tensor
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, arrays: bool = False) -> dict[str, Any]:
+        """{"item_ids", "scores"} as lists (non-finite scores as None); arrays=True: as C-contiguous
+        numpy arrays, for an encoder that writes them (orjson; it writes non-finite as null)."""
+        if arrays:
+            return {"item_ids": np.ascontiguousarray(self.item_ids.numpy()),
+                    "scores": np.ascontiguousarray(self.scores.numpy())}
         scores = self.scores.tolist()
         scores = [[s if np.isfinite(s) else None for s in row] for row in scores]
         return {"item_ids": self.item_ids.tolist(), "scores": scores}
+
 
 
 class Snapshot:

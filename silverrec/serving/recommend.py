@@ -104,16 +104,33 @@ class Recommendations:
     found_by: Optional[torch.Tensor] = None
     source_scores: Optional[torch.Tensor] = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, arrays: bool = False) -> dict[str, Any]:
+        """{"item_ids", "scores", "task_scores": {task: ...}, "sources" (hybrid)} as lists (non-finite
+        scores as None); arrays=True: the numbers as C-contiguous numpy arrays, for an encoder that
+        writes them (orjson; it writes non-finite as null)."""
         def clean(x):
             return [clean(v) for v in x] if isinstance(x, list) else (x if np.isfinite(x) else None)
 
-        out = {"item_ids": self.item_ids.tolist(), "scores": clean(self.scores.tolist()),
-               "task_scores": {t: clean(self.task_scores[:, :, i].tolist()) for i, t in enumerate(self.tasks)}}
+        if arrays:
+            def array(x):
+                return np.ascontiguousarray(x.numpy())
+
+            out = {"item_ids": array(self.item_ids), "scores": array(self.scores),
+                   "task_scores": {t: array(self.task_scores[:, :, i]) for i, t in enumerate(self.tasks)}}
+        else:
+            out = {"item_ids": self.item_ids.tolist(), "scores": clean(self.scores.tolist()),
+                   "task_scores": {t: clean(self.task_scores[:, :, i].tolist()) for i, t in enumerate(self.tasks)}}
         if self.found_by is not None:
             out["sources"] = [[[s for j, s in enumerate(("ann", "generative")) if f >> j & 1] for f in row]
                               for row in self.found_by.tolist()]
         return out
+
+    def rows(self, start: int, stop: int, k: int) -> "Recommendations":
+        """Requests start..stop-1, their first k items."""
+        cut = (slice(start, stop), slice(0, k))
+        return Recommendations(self.item_ids[cut], self.scores[cut], self.task_scores[cut], self.tasks,
+                               None if self.found_by is None else self.found_by[cut],
+                               None if self.source_scores is None else self.source_scores[cut])
 
 
 def _is_empty(ids) -> bool:

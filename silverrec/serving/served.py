@@ -1,17 +1,20 @@
 """One loaded snapshot version as the server sees it: requests validated into (GroupKey, payload),
-groups of them run in one forward call.
+groups of them run in one forward call, each answer encoded as JSON bytes in the batch.
 
 Every request is validated on its own, on the version current when it arrives, before it joins a
-batch (so a bad request never disturbs its batch, and in-flight requests finish on the version they
-were validated on after a reload). The batcher (serving/batcher.py) groups jobs by `GroupKey`: the
-version and every option that must be equal for requests to share one forward call.
+batch (so in-flight requests finish on the version they were validated on after a reload). The
+batcher (serving/batcher.py) groups jobs by `GroupKey`: the version and every option that must be
+equal for requests to share one forward call. A recommendation request is checked for its options
+on arrival; its users (ids, histories, features, filter) are checked by the batch's one request
+encoding, and when that refuses the batch, each request is encoded alone to find the ones at
+fault: they get their own error, the others their answers, so a bad request never disturbs its
+batch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -130,10 +133,14 @@ class Served:
         out, start = [], 0
         for p in payloads:
             n = p["queries"].shape[0]
-            out.append({"item_ids": res.item_ids[start:start + n, :p["k"]].tolist(),
-                        "scores": _clean(res.scores[start:start + n, :p["k"]].tolist())})
+            part = type(res)(res.item_ids[start:start + n, :p["k"]], res.scores[start:start + n, :p["k"]])
+            out.append(self._answer(part))
             start += n
         return out
+
+    def _answer(self, result) -> bytes:
+        """One request's answer: its result's fields and the version, as JSON bytes."""
+        return encode_json({**result.to_json(arrays=True), "version": self.version})
 
     # -------------------------------------------------------------- recommend
     def _user_requests(self, body) -> list[dict]:
@@ -162,36 +169,46 @@ class Served:
         if body.mode not in MODES:
             raise QueryError(f"unknown search mode {body.mode!r}: use one of {sorted(MODES)}")
         exclude_history = True if body.exclude_history is None else body.exclude_history
-        limit = int(cfg.get("exclude_limit", DEFAULT_EXCLUDE_LIMIT))
-        requests = []
-        for b, u in enumerate(users):
-            r = RecRequest(**{f: v for f, v in u.items() if v is not None})
-            where = f"request {b}" if len(users) > 1 else "request"
-            try:
-                h.encode([r], exclude_history, limit)  # ids, user, features: named errors, per request
-                if r.filter is not None:
-                    compile_request([r.filter], h.plan)
-            except QueryError as e:
-                raise QueryError(str(e).replace("request 0", where, 1)) from None
-            requests.append(r)
+        requests = [RecRequest(**{f: v for f, v in u.items() if v is not None}) for u in users]
         key = GroupKey(self, "rec", nprobe, max_probe, k0=k0, mode=body.mode, exclude_history=exclude_history)
         return key, {"requests": requests, "k": k}
 
-    def run_recommend(self, key: GroupKey, payloads: list[dict]) -> list[dict]:
+    def request_error(self, key: GroupKey, payload: dict) -> Optional[QueryError]:
+        """The error that refuses a recommendation payload's users when encoded alone (ids, histories,
+        features, filter; named "request" or "request b" as its body holds one or several), or None."""
+        h = self.handler
+        requests, limit = payload["requests"], int(h.config.get("exclude_limit", DEFAULT_EXCLUDE_LIMIT))
+        for b, r in enumerate(requests):
+            try:
+                h.encode([r], key.exclude_history, limit)
+                if r.filter is not None:
+                    compile_request([r.filter], h.plan)
+            except QueryError as e:
+                where = f"request {b}" if len(requests) > 1 else "request"
+                return QueryError(str(e).replace("request 0", where, 1))
+        return None
+
+    def run_recommend(self, key: GroupKey, payloads: list[dict]) -> list:
         k = max(p["k"] for p in payloads)
         # threads=None: the server's own setting (ServeConfig.threads, silverrec tune's table, applied by the
         # batcher) governs; the handler's per-call "auto" would override a tuned table and, with several
         # workers, race on the process-global torch.set_num_threads.
-        res = self.handler.recommend([r for p in payloads for r in p["requests"]], k=k, k0=key.k0, nprobe=key.nprobe,
-                                     max_probe=key.max_probe, mode=key.mode, exclude_history=key.exclude_history,
-                                     threads=None)
+        try:
+            res = self.handler.recommend([r for p in payloads for r in p["requests"]], k=k, k0=key.k0,
+                                         nprobe=key.nprobe, max_probe=key.max_probe, mode=key.mode,
+                                         exclude_history=key.exclude_history, threads=None)
+        except QueryError:
+            # the batch's encoding refused a request: each alone names the ones at fault; the rest run
+            errors = [self.request_error(key, p) for p in payloads]
+            if not any(errors):
+                raise  # none refused alone: the batcher re-runs each payload by itself
+            good = [p for p, e in zip(payloads, errors) if e is None]
+            answers = iter(self.run_recommend(key, good) if good else [])
+            return [e if e is not None else next(answers) for e in errors]
         out, start = [], 0
         for p in payloads:
-            n, kk = len(p["requests"]), p["k"]
-            part = type(res)(res.item_ids[start:start + n, :kk], res.scores[start:start + n, :kk],
-                             res.task_scores[start:start + n, :kk], res.tasks,
-                             *(None if x is None else x[start:start + n, :kk] for x in (res.found_by, res.source_scores)))
-            out.append(part.to_json())
+            n = len(p["requests"])
+            out.append(self._answer(res.rows(start, start + n, p["k"])))
             start += n
         return out
 
@@ -207,12 +224,13 @@ class Served:
         self.handler.encode([r], exclude_history=False, exclude_limit=max(1, len(r.exclude)))
         return GroupKey(self, "rank", alone=object()), {"request": r, "items": body.items}
 
-    def run_rank(self, key: GroupKey, payloads: list[dict]) -> list[dict]:
-        return [self.snap.rank(p["request"], p["items"]).to_json() for p in payloads]
+    def run_rank(self, key: GroupKey, payloads: list[dict]) -> list[bytes]:
+        return [self._answer(self.snap.rank(p["request"], p["items"])) for p in payloads]
 
     # -------------------------------------------------------------- dispatch + verification
-    def run(self, key: GroupKey, payloads: list[dict]) -> list[dict]:
-        """One group's forward call -> one JSON-ready answer per payload, in order (the batcher's run_group)."""
+    def run(self, key: GroupKey, payloads: list[dict]) -> list:
+        """One group's forward call -> one answer per payload, in order: its JSON bytes, or the
+        QueryError that refuses it alone (the batcher's run_group)."""
         if key.op == "search":
             return self.run_search(key, payloads)
         if key.op == "rec":
@@ -240,11 +258,14 @@ def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
     return int(value)
 
 
-def _clean(rows: list[list[float]]) -> list[list[Optional[float]]]:
-    return [[s if math.isfinite(s) else None for s in row] for row in rows]
+def encode_json(content: dict) -> bytes:
+    """An answer's JSON bytes (orjson: numpy arrays as nested lists, NaN and +-Inf as null)."""
+    import orjson
+
+    return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def run_group(key: GroupKey, payloads: list[dict]) -> list[dict]:
+def run_group(key: GroupKey, payloads: list[dict]) -> list:
     """The batcher's run_group: the group's forward call on the version its requests were validated on."""
     return key.served.run(key, payloads)
 

@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
-
 from silverrec.errors import SilverrecError
 from silverrec.serving.app import ServeConfig, create_app
 from silverrec.serving.reload import TOKEN_ENV
@@ -89,8 +87,27 @@ def _uvicorn_server(app, log_level: str = "warning"):
                 self.should_exit = True
 
     cfg = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=30,
-                         backlog=2048)
+                         backlog=2048, proxy_headers=False, server_header=False, http=_http_protocol())
     return _Server(cfg)
+
+
+def _http_protocol() -> str:
+    """uvicorn's HTTP/1.1 parser: httptools (C) where installed, else h11."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+def run_loop(main) -> None:
+    """Run the coroutine `main` on uvloop where installed (its event loop is libuv, in C), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 def start_in_thread(path: str | os.PathLike, config: Optional[ServeConfig] = None, served: Optional[Served] = None,
@@ -103,7 +120,7 @@ def start_in_thread(path: str | os.PathLike, config: Optional[ServeConfig] = Non
     server = _uvicorn_server(app)
     run = Running(app, sock, server)
     server.install_signal_handlers = lambda: None  # noqa: E731  (not the main thread)
-    run.thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True,
+    run.thread = threading.Thread(target=lambda: run_loop(server.serve(sockets=[sock])), daemon=True,
                                   name="silverrec-serve")
     run.thread.start()
     t0 = time.monotonic()
@@ -124,10 +141,10 @@ def serve(path: str | os.PathLike, config: ServeConfig, served: Optional[Served]
     host, port = sock.getsockname()[:2]
     srv = app.server.current
     print(f"silverrec: serving {srv.kind} snapshot {srv.version} ({srv.snap.backend}, {config.device}) on http://{host}:{port} "
-          f"(max batch {config.max_batch}, max wait {config.max_wait_ms:g} ms, workers {config.workers}, "
-          f"threads {config.threads or torch.get_num_threads()}{', tune ' + config.tune_file if config.tune_file else ''})",
+          f"(max batch {config.max_batch}, max wait {config.max_wait_ms:g} ms, batch workers {config.compute()[0]}, "
+          f"threads {config.compute()[1]}{', tune ' + config.tune_file if config.tune_file else ''})",
           file=sys.stderr, flush=True)
     server = _uvicorn_server(app, log_level=os.environ.get("SILVERREC_LOG_LEVEL", "warning"))
-    asyncio.run(server.serve(sockets=[sock]))
+    run_loop(server.serve(sockets=[sock]))
     print("silverrec: stopped (in-flight requests answered)", file=sys.stderr, flush=True)
     return 0

@@ -1,9 +1,9 @@
-"""`silverrec tune DIR`: which (workers, intra-op threads) serve a snapshot best at each concurrency.
+"""`silverrec tune DIR`: which (batch workers, intra-op threads) serve a snapshot best at each concurrency.
 
     $ silverrec tune snapshots/v1 --seconds 1          # writes snapshots/v1.tune.json
     $ silverrec serve snapshots/v1                      # reads it (or --tune FILE)
 
-For every setting (workers = batches computed at once, threads = torch intra-op threads) and every
+For every setting (batch workers = batches computed at once, threads = torch intra-op threads per batch) and every
 concurrency level (closed loop: that many clients, each sending its next request when the last is
 answered) the snapshot is driven through the server's batcher (`Batcher` over `Served`, as the app
 wires them) in this process, with real request validation and forward calls but no HTTP (the HTTP cost is the same for every setting and
@@ -13,6 +13,9 @@ with the lowest p99.
 `serve` applies the row of the largest measured concurrency <= the requests in flight.
 
 Bounded: settings x levels x `seconds` (default 4 x 4 x 1 s, plus a short warm-up each).
+
+The table is for one server process: with `silverrec serve --workers N` (N processes) every process
+applies it to its own requests in flight, so tune on a machine with the cores one process gets.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ LEVELS = (1, 4, 16, 64)
 
 
 class TunePolicy:
-    """`silverrec tune`'s table: for each concurrency level, the best (workers, threads).
+    """`silverrec tune`'s table: for each concurrency level, the best (batch workers, threads).
 
     `policy(in_flight)` picks the row of the largest measured concurrency <= in_flight (the smallest
     row below that)."""
@@ -45,14 +48,14 @@ class TunePolicy:
         if not rows:
             raise SilverrecError("tune file has no 'best' rows")
         self.rows = sorted(rows, key=lambda r: r["concurrency"])
-        self.max_workers = max(int(r["workers"]) for r in self.rows)
+        self.max_workers = max(int(r["batch_workers"]) for r in self.rows)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "TunePolicy":
         try:
             data = json.loads(Path(path).read_text())
-            rows = [{"concurrency": int(r["concurrency"]), "workers": int(r["workers"]), "threads": int(r["threads"])}
-                    for r in data["best"]]
+            rows = [{"concurrency": int(r["concurrency"]), "batch_workers": int(r["batch_workers"]),
+                     "threads": int(r["threads"])} for r in data["best"]]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise SilverrecError(f"cannot read tune file {path}: {type(e).__name__}: {e}") from None
         return cls(rows)
@@ -62,7 +65,7 @@ class TunePolicy:
         for r in self.rows:
             if r["concurrency"] <= in_flight:
                 row = r
-        return row["workers"], row["threads"]
+        return row["batch_workers"], row["threads"]
 
 
 def default_tune_path(snapshot: str | os.PathLike) -> Path:
@@ -111,8 +114,8 @@ async def closed_loop(served: Served, batcher: Batcher, bodies: list[Any], prepa
 
 def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, seconds: float = 1.0,
          workers: tuple[int, ...] = (1, 2), threads: tuple[int, ...] = (1, 2), levels: tuple[int, ...] = LEVELS,
-         max_batch: int = 32, max_wait_ms: float = 2.0, log=print) -> dict[str, Any]:
-    """Measure every (workers, threads) at every concurrency level; write and return the table."""
+         max_batch: int = 64, max_wait_ms: float = 0.0, log=print) -> dict[str, Any]:
+    """Measure every (batch workers `workers`, threads) at every concurrency level; write and return the table."""
     served = load_served(snapshot)
     prepare = "prepare_search" if served.answers == "search" else "prepare_recommend"
     bodies = sample_bodies(served, 512)
@@ -125,10 +128,10 @@ def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, s
         try:
             await closed_loop(served, batcher, bodies, prepare, max(levels), min(0.3, seconds))  # warm-up
             for c in levels:
-                row = {"workers": w, "threads": t, "concurrency": c,
+                row = {"batch_workers": w, "threads": t, "concurrency": c,
                        **await closed_loop(served, batcher, bodies, prepare, c, seconds)}
                 results.append(row)
-                log(f"tune: workers {w} threads {t} concurrency {c:3d}: {row['throughput']:8.1f} req/s, "
+                log(f"tune: batch workers {w} threads {t} concurrency {c:3d}: {row['throughput']:8.1f} req/s, "
                     f"p50 {row['p50_ms']:7.2f} ms, p99 {row['p99_ms']:7.2f} ms")
         finally:
             await batcher.stop()
@@ -146,7 +149,7 @@ def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, s
         top = max(r["throughput"] for r in rows)
         near = [r for r in rows if r["throughput"] >= 0.95 * top]
         pick = min(near, key=lambda r: r["p99_ms"])
-        best.append({k: pick[k] for k in ("concurrency", "workers", "threads", "throughput", "p99_ms")})
+        best.append({k: pick[k] for k in ("concurrency", "batch_workers", "threads", "throughput", "p99_ms")})
     table = {"snapshot": str(Path(snapshot).resolve()), "version": served.version, "kind": served.kind,
              "seconds": seconds, "max_batch": max_batch, "max_wait_ms": max_wait_ms, "cpu_count": os.cpu_count(),
              "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results,
