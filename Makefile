@@ -63,9 +63,11 @@ test-gpu:
 bench: setup
 	$(BIN)/python benchmarks/ann.py --quick
 
-# Load test of silverrec serve (benchmarks/serve.py), with Ray Serve as a baseline: ray goes into its
-# own venv (.venv/ray) that sees this one's packages, so its pins never touch the project's.
+# Load test of silverrec serve (benchmarks/serve.py): wrk (Debian's package) drives it, Ray Serve is
+# the peer: ray goes into its own venv (.venv/ray) that sees this one's packages, so its pins never
+# touch the project's.
 bench-serve: setup
+	command -v wrk >/dev/null 2>&1 || apt-get install -y wrk || { apt-get update && apt-get install -y wrk; }
 	test -x $(VENV)/ray/bin/python || $(PY) -m venv $(VENV)/ray
 	$(VENV)/ray/bin/pip install -q --disable-pip-version-check "ray[serve]"
 	echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python3.11/site-packages')" \

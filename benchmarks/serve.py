@@ -1,36 +1,57 @@
-"""Load test of `silverrec serve` on loopback, against what users would run instead.
+"""Load test of `silverrec serve` with a C load generator (wrk), beside the in-process ceiling of the
+same requests, with Ray Serve as the peer.
 
-    .venv/bin/python benchmarks/serve.py            # about 4 minutes; make bench-serve adds Ray Serve
-    .venv/bin/python benchmarks/serve.py --quick    # about 1 minute
+    make bench-serve                                 # installs wrk and Ray Serve (.venv/ray) when missing
+    .venv/bin/python benchmarks/serve.py [--quick] [--no-ray] [--workloads recommend,search] [--seconds S]
 
-Servers (each its own process, the same snapshot: an exact int8 index of 50,000 x 64 items):
-    batched     silverrec serve, max batch 32, max wait 2 ms
-    unbatched   silverrec serve, max batch 1 (same stack, batching off)
-    plain       a plain FastAPI endpoint calling snap.search per request (sync def, threadpool)
-    ray         Ray Serve, @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002) around the same
-                snapshot (needs ray: `make bench-serve` installs it into .venv/ray)
+Workloads (one snapshot each; the requests rotate over a fixed set of bodies):
+    recommend   POST /v1/recommend on the MovieLens snapshot of `make demo` (out/demo/snapshot, built
+                when missing): {"user_id": U, "k": 10} for the 610 users in turn.
+    search      POST /v1/search on a filtered pool of 1,000,000 x 64 items (100,000 with --quick;
+                generated and published once under out/bench_serve): one query row, k 10, and one of
+                six filters of different selectivity.
+Systems, each its own server process(es) on loopback, the same snapshot:
+    silverrec       `silverrec serve` with its defaults (batching; --workers: its default for this machine)
+    silverrec 1p /  the same with --workers 1 and --workers <cores>: one process against one per core
+    silverrec Np
+    unbatched       the defaults with --max-batch 1
+    ray             Ray Serve, one replica, @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002)
+                    around the same snapshot (its own venv, .venv/ray: `make bench-serve` builds it)
+    in-process      snap.recommend / snap.search on the same requests at batch 1, 16 and 64 in this
+                    process, no HTTP: the ceiling a server can approach (its batch-B throughput is drawn
+                    at concurrency B)
+Load: wrk (C, one thread) in a closed loop, C connections each sending its next request when answered,
+at concurrency 1, 4, 16 and 64 for --seconds per point (after a warm-up); latency percentiles are
+wrk's. Then, on the default server: 10 reloads (alternating two copies of the snapshot) under load
+at concurrency 16, counting every answer's status, and a fuzz of bodies (mutated, truncated and
+random) counting 5xx. The load generator, the server and (for Ray) its raylet share this machine's
+cores; the 1-minute load average is recorded at each point.
 
-Load (this process, raw HTTP/1.1 keep-alive on asyncio, one 1-row k=10 query per request):
-    closed loop at concurrency 1, 4, 16, 32, 64 (C clients, each sends when answered);
-    open loop at 70% of the batched server's peak: Poisson vs uniform arrivals at the same rate;
-    a run with 10% bad requests (wrong dimension, k = 0, malformed JSON, NaN) at concurrency 32;
-    a run with 10 reloads (alternating two snapshot versions) under concurrency-16 load.
-Latency is measured from the intended send time (open loop: the scheduled arrival), so client-side
-queueing counts. Client and server share this machine's cores: every server pays the same client.
-Writes benchmarks/results/serve.json and serve.png.
+Targets (written to the JSON's "targets", each met or not with its numbers):
+    c 1 p50 <= in-process batch-1 time + 1.0 ms;
+    c 64 throughput >= 0.6 x the in-process batch-64 throughput, with p99 <= 100 ms;
+    batched >= unbatched and >= Ray Serve throughput at every concurrency;
+    0 failed good requests over 10 reloads under load; no 5xx in the fuzz.
+Writes benchmarks/results/serve.json (serve_quick.json) and serve.png.
 """
 
+from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
+import shutil
 import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
+
+import silverrec  # noqa: F401  (first: its OpenMP wait policy, as `silverrec serve` runs)
 
 import numpy as np
 
@@ -39,62 +60,461 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import RESULTS, Panel, machine_info, plot_only, print_table, replot, save_plot  # noqa: E402
 
 WORK = ROOT / "out" / "bench_serve"
-N_ITEMS, DIM, K = 50_000, 64, 10
-TOKEN = "bench-token"
+DEMO = ROOT / "out" / "demo" / "snapshot"
 RAY_PYTHON = ROOT / ".venv" / "ray" / "bin" / "python"
+TOKEN = "bench-token"
+K = 10
+LEVELS = (1, 4, 16, 64)
+BATCHES = (1, 16, 64)
+SEARCH_DIM = 64
+SEARCH_FEATURES = {"country": 10, "genre": 20, "lang": 100}  # name -> values (genre zipf-distributed)
+SEARCH_FILTERS = [  # from ~50% of the pool down to ~1%
+    "NOT lang IN (l0, l1, l2)",
+    "country IN (c1, c2, c3, c4, c5)",
+    "genre IN (g2, g3) OR country = c4",
+    "country = c1 AND NOT genre = g1",
+    "lang IN (l1, l2, l3, l4, l5) AND NOT country = c0",
+    "genre = g5 AND country IN (c1, c2)",
+]
+WRK_SCRIPT = r"""
+-- bodies: one hex-encoded body per line of BODIES; each connection rotates through them
+local path, route = os.getenv("SILVERREC_BODIES"), os.getenv("SILVERREC_ROUTE")
+local count_statuses = os.getenv("SILVERREC_COUNT") == "1"
+local reqs = {}
+for line in io.lines(path) do
+  local body = line:gsub("..", function(cc) return string.char(tonumber(cc, 16)) end)
+  reqs[#reqs + 1] = wrk.format("POST", route, {["Content-Type"] = "application/json"}, body)
+end
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+local i = 0
+counts = {}
+versions = {}
+function init(args) i = math.random(#reqs) end
+function request()
+  i = i % #reqs + 1
+  return reqs[i]
+end
+if count_statuses then
+  function response(status, headers, body)
+    counts[status] = (counts[status] or 0) + 1
+    local v = headers["x-silverrec-version"]
+    if v then versions[v] = (versions[v] or 0) + 1 end
+  end
+end
+local function encode(t)
+  local parts = {}
+  for k, v in pairs(t) do parts[#parts + 1] = string.format("%q: %d", tostring(k), v) end
+  return "{" .. table.concat(parts, ", ") .. "}"
+end
+function done(summary, latency, requests)
+  local c, v = {}, {}
+  for _, t in ipairs(threads) do
+    for k, n in pairs(t:get("counts") or {}) do c[k] = (c[k] or 0) + n end
+    for k, n in pairs(t:get("versions") or {}) do v[k] = (v[k] or 0) + n end
+  end
+  local e = summary.errors
+  io.write(string.format('WRK_JSON {"requests": %d, "duration_us": %d, "connect_errors": %d, "read_errors": %d, ' ..
+    '"write_errors": %d, "timeouts": %d, "non_2xx": %d, "p50_us": %d, "p90_us": %d, "p99_us": %d, "p999_us": %d, ' ..
+    '"mean_us": %.1f, "max_us": %d, "statuses": %s, "versions": %s}\n',
+    summary.requests, summary.duration, e.connect, e.read, e.write, e.timeout, e.status,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency:percentile(99.9),
+    latency.mean, latency.max, encode(c), encode(v)))
+end
+"""
 
 
-# ------------------------------------------------------------------------------------ snapshots
+# ------------------------------------------------------------------------------------ workloads
 
-def snapshots() -> tuple[Path, Path]:
-    """Two versions of the exact snapshot (built once, cached under out/bench_serve)."""
+class Workload:
+    """A snapshot, its route and its request bodies (and how to call the same requests in-process)."""
+
+    def __init__(self, name: str, snapshot: Path, route: str, bodies: list[dict]):
+        self.name, self.snapshot, self.route, self.bodies = name, snapshot, route, bodies
+
+    def inprocess(self, snap, batch: list[dict]):
+        if self.route == "/v1/recommend":
+            return snap.recommend([{"user_id": b["user_id"]} for b in batch], k=K)
+        queries = np.asarray([b["queries"][0] for b in batch], dtype=np.float32)
+        return snap.search(queries, K, filter=[b["filter"] for b in batch])
+
+
+def recommend_workload() -> Workload:
+    if not (DEMO / "manifest.json").is_file():
+        print(f"{DEMO} missing: running the demo (make demo) to build it", flush=True)
+        subprocess.run([sys.executable, "-m", "silverrec.publish.demo", "--no-table"], cwd=ROOT, check=True)
+    snap = silverrec.load(DEMO)
+    users = snap.rec_handler().users["user_ids"].tolist()
+    return Workload("recommend", DEMO, "/v1/recommend", [{"user_id": int(u), "k": K} for u in users])
+
+
+def search_workload(n: int) -> Workload:
+    """A filtered pool of n x 64 items (a Gaussian mixture, three categorical features), published once."""
     from silverrec.publish.filtered_ivf import publish_index
     from silverrec.publish.pool import read_pool, write_pool
 
-    WORK.mkdir(parents=True, exist_ok=True)
+    path = WORK / f"search_{n}"
+    if not (path / "manifest.json").is_file():
+        print(f"publishing a filtered pool of {n:,} items into {path} (once)", flush=True)
+        WORK.mkdir(parents=True, exist_ok=True)
+        x = mixture(n, 0)
+        rng = np.random.default_rng(0)
+        card = SEARCH_FEATURES
+        features = {"country": [f"c{i}" for i in rng.integers(0, card["country"], n)],
+                    "genre": [f"g{i}" for i in (rng.zipf(2.0, n) - 1) % card["genre"]],
+                    "lang": [f"l{i}" for i in rng.integers(0, card["lang"], n)]}
+        pool = WORK / f"search_{n}.parquet"
+        write_pool(pool, np.arange(n, dtype=np.int64) * 7 + 3, x, features)
+        del x, features
+        publish_index(read_pool(pool), path, overwrite=True, release_embeddings=True)
+        pool.unlink()
+    queries = mixture(1024, 1)
+    bodies = [{"queries": [[round(float(v), 5) for v in q]], "k": K, "filter": SEARCH_FILTERS[i % len(SEARCH_FILTERS)]}
+              for i, q in enumerate(queries)]
+    return Workload("search", path, "/v1/search", bodies)
+
+
+def mixture(n: int, seed: int) -> np.ndarray:
+    """n points of a 256-centre Gaussian mixture in 64-d (the same centres for every seed)."""
+    centres = np.random.default_rng(12345).standard_normal((256, SEARCH_DIM)).astype(np.float32)
+    rng = np.random.default_rng(seed)
+    return centres[rng.integers(0, 256, n)] + 0.7 * rng.standard_normal((n, SEARCH_DIM), dtype=np.float32)
+
+
+def second_version(path: Path) -> Path:
+    """A copy of the snapshot under another directory name: another version to reload to."""
+    copy = WORK / f"{path.name}_v2"
+    if not (copy / "manifest.json").is_file():
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(path, copy)
+    return copy
+
+
+def fuzz_bodies(w: Workload, n: int, seed: int = 0) -> list[bytes]:
+    """Bodies a client should not send: mutated fields (wrong types, out of range, unknown users and
+    ids, bad filters, extra keys, NaN), truncated JSON and random bytes."""
+    rng = random.Random(seed)
+    junk = [None, True, -1, 0, 2 ** 70, 1.5, float("nan"), "x", "", [], {}, [[]], [None], {"a": 1}, "genre = = c1",
+            "NOT", "(", "country IN ()", "é" * 8, [[0.1] * (SEARCH_DIM + 1)], [[0.1] * 3], 10 ** 6, -10 ** 6]
+    keys = ["queries", "k", "filter", "nprobe", "max_probe", "mode", "deadline_ms", "user_id", "history", "features",
+            "numeric", "exclude", "k0", "requests", "exclude_history", "colour"]
     out = []
-    for name in ("v1", "v2"):
-        path = WORK / name
-        if not (path / "manifest.json").is_file():
-            rng = np.random.default_rng(0)
-            emb = rng.standard_normal((N_ITEMS, DIM)).astype(np.float32)
-            pool = WORK / "pool.parquet"
-            if not pool.is_file():
-                write_pool(pool, np.arange(N_ITEMS, dtype=np.int64) * 3 + 1, emb)
-            publish_index(read_pool(pool), path, exact=True, torchscript=False, overwrite=True)
-        out.append(path)
-    return out[0], out[1]
+    for i in range(n):
+        body = dict(w.bodies[i % len(w.bodies)])
+        kind = rng.random()
+        if kind < 0.6:
+            for _ in range(rng.randint(1, 3)):
+                body[rng.choice(keys)] = rng.choice(junk)
+            out.append(json.dumps(body, allow_nan=True).encode())
+        elif kind < 0.7:
+            body.pop(rng.choice(list(body)))
+            out.append(json.dumps(body).encode())
+        elif kind < 0.85:
+            text = json.dumps(body).encode()
+            out.append(text[:rng.randint(0, max(0, len(text) - 1))])
+        else:
+            out.append(bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 64))))
+    return out
+
+
+# ------------------------------------------------------------------------------------ in-process
+
+def ceiling(w: Workload, seconds: float) -> list[dict]:
+    """snap.recommend / snap.search on the workload's requests at batch 1, 16, 64: time per batch."""
+    snap = silverrec.load(w.snapshot)
+    rows = []
+    for b in BATCHES:
+        batches = [[w.bodies[(i * b + j) % len(w.bodies)] for j in range(b)] for i in range(max(8, 1024 // b))]
+        for batch in batches[:3]:
+            w.inprocess(snap, batch)
+        times, t_end, i = [], time.perf_counter() + seconds, 0
+        while time.perf_counter() < t_end or len(times) < 5:
+            t = time.perf_counter()
+            w.inprocess(snap, batches[i % len(batches)])
+            times.append(time.perf_counter() - t)
+            i += 1
+        ms = statistics.median(times) * 1000
+        rows.append({"workload": w.name, "system": "in-process", "batch": b, "median_ms": ms,
+                     "throughput": b / (sum(times) / len(times)), "calls": len(times), "load_1min": os.getloadavg()[0]})
+        print(f"{w.name:9s} in-process batch {b:3d}: {ms:8.3f} ms median, {rows[-1]['throughput']:8.1f} req/s", flush=True)
+    del snap
+    return rows
 
 
 # ------------------------------------------------------------------------------------ servers
 
-def plain_app(path: str):
-    """What a user writes first: FastAPI, one snap.search per request, no batching."""
-    import torch
-    from fastapi import FastAPI
-    from pydantic import BaseModel
-
-    import silverrec
-
-    snap = silverrec.load(path)
-    app = FastAPI()
-
-    class Body(BaseModel):
-        queries: list[list[float]]
-        k: int = 10
-
-    @app.post("/v1/search")
-    def search(body: Body):
-        res = snap.search(torch.tensor(body.queries, dtype=torch.float32), body.k)
-        return {"item_ids": res.item_ids.tolist(), "scores": res.scores.tolist()}
-
-    return app
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def ray_main(path: str, port: int) -> None:
+def get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def post(port: int, path: str, body: bytes, headers: dict | None = None, timeout: float = 120.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def start_server(system: dict, w: Workload) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    env = dict(os.environ, SILVERREC_QUIET="1", SILVERREC_ADMIN_TOKEN=TOKEN, PYTHONPATH=str(ROOT))
+    if system["kind"] == "ray":
+        cmd = [str(RAY_PYTHON), str(Path(__file__)), "--ray-server", str(w.snapshot), "--route", w.route,
+               "--port", str(port)]
+    else:
+        cmd = [sys.executable, "-m", "silverrec", "serve", str(w.snapshot), "--port", str(port), *system["args"]]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=str(ROOT),
+                            start_new_session=True)
+    body = json.dumps(w.bodies[0]).encode()
+    t0 = time.time()
+    while time.time() - t0 < 300:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{system['name']} exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if post(port, w.route, body, timeout=30)[0] == 200:
+                return proc, port
+        except OSError:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError(f"{system['name']} did not answer within 300 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (a multi-process server or Ray's raylet with it)."""
+    try:
+        os.killpg(proc.pid, 15)
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def wrk(port: int, route: str, bodies_file: Path, concurrency: int, seconds: float, count: bool = False) -> dict:
+    script = WORK / "rotate.lua"
+    script.write_text(WRK_SCRIPT)
+    env = dict(os.environ, SILVERREC_BODIES=str(bodies_file), SILVERREC_ROUTE=route, SILVERREC_COUNT="1" if count else "0")
+    out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "10s", "-s", str(script),
+                          f"http://127.0.0.1:{port}"], env=env, capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("WRK_JSON "))
+    r = json.loads(line[len("WRK_JSON "):])
+    r["throughput"] = r["requests"] / (r["duration_us"] / 1e6)
+    for p in ("p50", "p90", "p99", "p999", "mean", "max"):
+        r[f"{p}_ms"] = r.pop(f"{p}_us") / 1000
+    r["errors"] = r["connect_errors"] + r["read_errors"] + r["write_errors"] + r["timeouts"] + r["non_2xx"]
+    return r
+
+
+def write_bodies(path: Path, bodies: list[bytes]) -> Path:
+    path.write_text("\n".join(b.hex() for b in bodies) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------ runs
+
+def systems(args) -> list[dict]:
+    from silverrec.serving.batcher import cores
+    from silverrec.serving.processes import default_processes
+
+    n, default = cores(), default_processes()
+    out = [{"name": "silverrec", "kind": "silverrec", "args": [], "processes": default}]
+    for p in sorted({1, n} - {default}):
+        out.append({"name": f"silverrec {p}p", "kind": "silverrec", "args": ["--workers", str(p)], "processes": p})
+    out.append({"name": "unbatched", "kind": "silverrec", "args": ["--max-batch", "1"], "processes": default})
+    if not args.no_ray:
+        out.append({"name": "ray", "kind": "ray", "args": []})
+    return out
+
+
+def run_workload(w: Workload, args, extra: dict) -> list[dict]:
+    seconds = args.seconds or (3 if args.quick else 10)
+    rows = ceiling(w, 2.0 if args.quick else 5.0)
+    good = write_bodies(WORK / f"{w.name}.bodies", [json.dumps(b).encode() for b in w.bodies])
+    for system in systems(args):
+        if system["kind"] == "ray" and not RAY_PYTHON.exists():
+            extra[f"{w.name} ray"] = f"skipped: {RAY_PYTHON} missing (make bench-serve installs Ray Serve there)"
+            continue
+        try:
+            proc, port = start_server(system, w)
+        except RuntimeError as e:
+            extra[f"{w.name} {system['name']}"] = f"failed to start: {e}"
+            print(extra[f"{w.name} {system['name']}"], flush=True)
+            continue
+        try:
+            wrk(port, w.route, good, 16, 2)  # warm-up
+            for c in LEVELS:
+                r = wrk(port, w.route, good, c, seconds)
+                r.update({"workload": w.name, "system": system["name"], "concurrency": c, "load": "closed",
+                          "load_1min": os.getloadavg()[0]})
+                rows.append(r)
+                print(f"{w.name:9s} {system['name']:14s} c={c:3d} {r['throughput']:8.1f} req/s  p50 {r['p50_ms']:7.2f}  "
+                      f"p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  load {r['load_1min']:.1f}", flush=True)
+            if system["name"] == "silverrec":
+                rows.append(reloads_under_load(w, port, good, max(6.0, seconds)))
+                rows.append(fuzz(w, port, seconds))
+        finally:
+            stop_server(proc)
+    return rows
+
+
+def reloads_under_load(w: Workload, port: int, good: Path, seconds: float) -> dict:
+    """10 reloads, alternating a copy of the snapshot and the snapshot, while wrk sends at concurrency 16."""
+    v2, answers = second_version(w.snapshot), []
+
+    def reload_ten():
+        for i in range(10):
+            time.sleep(seconds / 12)
+            target = v2 if i % 2 == 0 else w.snapshot
+            t0 = time.perf_counter()
+            status, body = post(port, "/v1/admin/reload", json.dumps({"path": str(target)}).encode(),
+                                {"Authorization": f"Bearer {TOKEN}"})
+            answers.append({"status": status, "seconds": time.perf_counter() - t0,
+                            "version": json.loads(body).get("version")})
+
+    t = threading.Thread(target=reload_ten)
+    t.start()
+    r = wrk(port, w.route, good, 16, seconds, count=True)
+    t.join()
+    r.update({"workload": w.name, "system": "silverrec", "concurrency": 16, "load": "10 reloads", "reloads": answers,
+              "failed_good": r["errors"], "load_1min": os.getloadavg()[0]})
+    print(f"{w.name:9s} 10 reloads under load: {r['requests']} requests, failed {r['failed_good']}, statuses "
+          f"{r['statuses']}, versions {r['versions']}, reload statuses {[a['status'] for a in answers]}", flush=True)
+    return r
+
+
+def fuzz(w: Workload, port: int, seconds: float) -> dict:
+    bodies = write_bodies(WORK / f"{w.name}.fuzz", fuzz_bodies(w, 2000))
+    r = wrk(port, w.route, bodies, 16, min(seconds, 5), count=True)
+    r.update({"workload": w.name, "system": "silverrec", "concurrency": 16, "load": "fuzz",
+              "status_5xx": sum(n for s, n in r["statuses"].items() if s.startswith("5")), "load_1min": os.getloadavg()[0]})
+    print(f"{w.name:9s} fuzz: {r['requests']} requests, statuses {r['statuses']}, 5xx {r['status_5xx']}", flush=True)
+    return r
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """Each target per workload: met or not, with the numbers it compares."""
+    out = []
+    for wl in dict.fromkeys(r["workload"] for r in rows):
+        def closed(system, c):
+            return next((r for r in rows if r["workload"] == wl and r["system"] == system and r.get("load") == "closed"
+                         and r["concurrency"] == c), None)
+
+        inproc = {r["batch"]: r for r in rows if r["workload"] == wl and r["system"] == "in-process"}
+        c1, c64 = closed("silverrec", 1), closed("silverrec", 64)
+        if c1 and 1 in inproc:
+            limit = inproc[1]["median_ms"] + 1.0
+            out.append({"workload": wl, "target": "c 1 p50 <= in-process batch-1 time + 1.0 ms", "met": c1["p50_ms"] <= limit,
+                        "value": c1["p50_ms"], "limit": limit})
+        if c64 and 64 in inproc:
+            limit = 0.6 * inproc[64]["throughput"]
+            out.append({"workload": wl, "target": "c 64 throughput >= 0.6x in-process batch 64", "met": c64["throughput"] >= limit,
+                        "value": c64["throughput"], "limit": limit, "ratio": c64["throughput"] / inproc[64]["throughput"]})
+            out.append({"workload": wl, "target": "c 64 p99 <= 100 ms", "met": c64["p99_ms"] <= 100, "value": c64["p99_ms"],
+                        "limit": 100.0})
+        for peer in ("unbatched", "ray"):
+            pairs = [(c, closed("silverrec", c), closed(peer, c)) for c in LEVELS]
+            pairs = [(c, a, b) for c, a, b in pairs if a and b]
+            if pairs:
+                out.append({"workload": wl, "target": f"batched >= {peer} throughput at every concurrency",
+                            "met": all(a["throughput"] >= b["throughput"] for _, a, b in pairs),
+                            "ratios": {str(c): a["throughput"] / b["throughput"] for c, a, b in pairs}})
+        rel = next((r for r in rows if r["workload"] == wl and r.get("load") == "10 reloads"), None)
+        if rel:
+            ok = sum(a["status"] == 200 for a in rel["reloads"])
+            out.append({"workload": wl, "target": "0 failed good requests over 10 reloads under load",
+                        "met": rel["failed_good"] == 0 and ok == 10, "value": rel["failed_good"], "reloads_ok": ok,
+                        "requests": rel["requests"]})
+        fz = next((r for r in rows if r["workload"] == wl and r.get("load") == "fuzz"), None)
+        if fz:
+            out.append({"workload": wl, "target": "no 5xx in a fuzz of bodies", "met": fz["status_5xx"] == 0,
+                        "value": fz["status_5xx"], "requests": fz["requests"]})
+    return out
+
+
+def run(args) -> None:
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is missing: `make bench-serve` installs it (apt-get install -y wrk)")
+    WORK.mkdir(parents=True, exist_ok=True)
+    rows, extra = [], {}
+    n = 100_000 if args.quick else 1_000_000
+    for name in args.workloads.split(","):
+        w = recommend_workload() if name == "recommend" else search_workload(n)
+        rows += run_workload(w, args, extra)
+    report(rows, extra, args, n)
+
+
+def report(rows: list[dict], extra: dict, args, n: int) -> None:
+    from silverrec.serving.processes import default_processes
+
+    met = targets(rows)
+    payload = {"benchmark": "serve", "machine": {**machine_info(), "loadavg_at_end": os.getloadavg()},
+               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "config": {"quick": args.quick, "seconds_per_point": args.seconds or (3 if args.quick else 10),
+                          "levels": LEVELS, "batches": BATCHES, "k": K, "search_items": n, "search_filters": SEARCH_FILTERS,
+                          "default_processes": default_processes(), "load_generator": "wrk -t1 (closed loop)",
+                          "ray": "one replica, @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002)",
+                          "command": "python benchmarks/serve.py" + (" --quick" if args.quick else "")},
+               "targets": met, "notes": extra, "rows": rows}
+    RESULTS.mkdir(exist_ok=True)
+    name = "serve_quick" if args.quick else "serve"
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    print_table([r for r in rows if r.get("load") == "closed"],
+                ["workload", "system", "concurrency", "throughput", "p50_ms", "p99_ms", "errors", "load_1min"])
+    print_table([r for r in rows if r["system"] == "in-process"], ["workload", "batch", "median_ms", "throughput"])
+    for t in met:
+        print(("MET     " if t["met"] else "NOT MET ") + f"{t['workload']}: {t['target']}: "
+              + json.dumps({k: v for k, v in t.items() if k not in ("workload", "target", "met")}))
+    replot(name, plot)
+
+
+def plot(payload: dict, path: Path) -> None:
+    """Per workload: throughput and p99 latency against concurrency for every system, the in-process
+    batch-B throughput at concurrency B."""
+    panels = []
+    rows = payload["rows"]
+    for wl in dict.fromkeys(r["workload"] for r in rows):
+        thr, p99 = {}, {}
+        for system in dict.fromkeys(r["system"] for r in rows if r["workload"] == wl):
+            if system == "in-process":
+                pts = sorted((r["batch"], r["throughput"], r["median_ms"]) for r in rows
+                             if r["workload"] == wl and r["system"] == system)
+                thr["in-process (batch = c)"] = ([p[0] for p in pts], [p[1] for p in pts])
+                continue
+            pts = sorted((r["concurrency"], r["throughput"], r["p99_ms"]) for r in rows
+                         if r["workload"] == wl and r["system"] == system and r.get("load") == "closed")
+            if pts:
+                thr[system] = ([p[0] for p in pts], [p[1] for p in pts])
+                p99[system] = ([p[0] for p in pts], [p[2] for p in pts])
+        panels += [Panel(f"{wl}: throughput", "concurrency (wrk connections)", "requests / s", thr, logx=True, logy=True),
+                   Panel(f"{wl}: p99 latency", "concurrency (wrk connections)", "p99, ms", p99, logx=True, logy=True,
+                         ref=100.0, ref_label="100 ms")]
+    m = payload["machine"]
+    save_plot(path, panels, f"silverrec serve under wrk, loopback, {m.get('cores')} cores ({m.get('cpu')}), "
+                            f"{payload['created'][:10]}")
+
+
+# ------------------------------------------------------------------------------------ Ray Serve
+
+def ray_main(path: str, route: str, port: int) -> None:
     """Ray Serve with @serve.batch around the same snapshot (run under .venv/ray/bin/python)."""
+    import signal
+
+    import numpy as np
     import ray
-    import torch
     from ray import serve
     from starlette.requests import Request
 
@@ -104,364 +524,46 @@ def ray_main(path: str, port: int) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
 
     @serve.deployment(max_ongoing_requests=256)
-    class Search:
+    class Model:
         def __init__(self, p: str):
             self.snap = silverrec.load(p)
 
-        @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
+        @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002)
         async def batch(self, bodies: list[dict]) -> list[dict]:
-            q = torch.tensor([row for b in bodies for row in b["queries"]], dtype=torch.float32)
-            res = self.snap.search(q, max(b.get("k", 10) for b in bodies))
-            out, start = [], 0
-            for b in bodies:
-                n = len(b["queries"])
-                out.append({"item_ids": res.item_ids[start:start + n, :b.get("k", 10)].tolist(),
-                            "scores": res.scores[start:start + n, :b.get("k", 10)].tolist()})
-                start += n
-            return out
+            if route == "/v1/recommend":
+                res = self.snap.recommend([{"user_id": b["user_id"]} for b in bodies], k=max(b.get("k", K) for b in bodies))
+                return [res.rows(i, i + 1, b.get("k", K)).to_json() for i, b in enumerate(bodies)]
+            q = np.asarray([b["queries"][0] for b in bodies], dtype=np.float32)
+            res = self.snap.search(q, max(b.get("k", K) for b in bodies), filter=[b.get("filter") for b in bodies])
+            return [{"item_ids": res.item_ids[i:i + 1, :b.get("k", K)].tolist(),
+                     "scores": res.scores[i:i + 1, :b.get("k", K)].tolist()} for i, b in enumerate(bodies)]
 
         async def __call__(self, request: Request) -> dict:
             return await self.batch(await request.json())
 
-    import signal
-
     def shutdown(*_):
         serve.shutdown()
-        ray.shutdown()  # the raylet and GCS this driver started end with it
+        ray.shutdown()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, shutdown)
-    serve.run(Search.bind(path), route_prefix="/v1/search")
-    print(f"READY {port}", flush=True)
+    serve.run(Model.bind(path), route_prefix=route)
     while True:
         time.sleep(3600)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(kind: str, path: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    env = dict(os.environ, SILVERREC_QUIET="1", SILVERREC_ADMIN_TOKEN=TOKEN, PYTHONPATH=str(ROOT))
-    py = sys.executable
-    if kind == "batched":
-        cmd = [py, "-m", "silverrec", "serve", str(path), "--port", str(port), "--max-batch", "32",
-               "--max-wait-ms", "2", "--workers", "1"]
-    elif kind == "unbatched":
-        cmd = [py, "-m", "silverrec", "serve", str(path), "--port", str(port), "--max-batch", "1",
-               "--max-wait-ms", "0", "--workers", "1"]
-    elif kind == "plain":
-        cmd = [py, "-c", "import sys, uvicorn; sys.path.insert(0, sys.argv[3]); from benchmarks.serve import plain_app; "
-               "uvicorn.run(plain_app(sys.argv[1]), host='127.0.0.1', port=int(sys.argv[2]), log_level='warning')",
-               str(path), str(port), str(ROOT)]
-    elif kind == "ray":
-        cmd = [str(RAY_PYTHON), str(Path(__file__)), "--ray-server", str(path), "--port", str(port)]
-    else:
-        raise ValueError(kind)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(ROOT))
-    t0 = time.time()
-    while time.time() - t0 < 180:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} server exited with {proc.returncode}")
-        try:
-            status, _ = asyncio.run(one_request(port, b'{"queries": [[' + b",".join([b"0.1"] * DIM) + b']], "k": 1}'))
-            if status == 200:
-                return proc, port
-        except OSError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"{kind} server did not answer within 180 s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-# ------------------------------------------------------------------------------------ HTTP client
-
-class Conn:
-    """One keep-alive HTTP/1.1 connection (raw asyncio streams: a cheap client)."""
-
-    def __init__(self, port: int):
-        self.port = port
-        self.reader = self.writer = None
-
-    async def request(self, body: bytes, path: str = "/v1/search", headers: str = "") -> tuple[int, bytes]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
-        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                          f"Content-Length: {len(body)}\r\n{headers}\r\n".encode() + body)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        status = int(lines[0].split()[1])
-        hdrs = {ln.split(":", 1)[0].lower(): ln.split(":", 1)[1].strip() for ln in lines[1:] if ":" in ln}
-        if "content-length" in hdrs:
-            data = await self.reader.readexactly(int(hdrs["content-length"]))
-        elif hdrs.get("transfer-encoding") == "chunked":
-            data = b""
-            while True:
-                size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
-                data += await self.reader.readexactly(size + 2)
-                if size == 0:
-                    break
-        else:
-            data = await self.reader.read()
-        if hdrs.get("connection") == "close":
-            self.close()
-        return status, data
-
-    def close(self):
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
-
-
-async def one_request(port: int, body: bytes) -> tuple[int, bytes]:
-    c = Conn(port)
-    try:
-        return await c.request(body)
-    finally:
-        c.close()
-
-
-def bodies(n: int = 512, seed: int = 0) -> list[bytes]:
-    q = np.random.default_rng(seed).standard_normal((n, DIM)).astype(np.float32)
-    return [json.dumps({"queries": [[round(float(x), 5) for x in row]], "k": K}).encode() for row in q]
-
-
-def bad_bodies() -> list[bytes]:
-    good = [0.1] * DIM
-    return [json.dumps({"queries": [good[:-1]], "k": K}).encode(), json.dumps({"queries": [good], "k": 0}).encode(),
-            b'{"queries": [[0.1, 0.2', ('{"queries": [[NaN' + ", 0.1" * (DIM - 1) + ']], "k": 10}').encode()]
-
-
-def summary(lat: list[float], statuses: list[int], wall: float) -> dict:
-    ms = np.asarray(lat) * 1000 if lat else np.zeros(1)
-    ok = sum(s == 200 for s in statuses)
-    return {"requests": len(statuses), "ok": ok, "throughput": ok / wall,
-            "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "p999_ms": float(np.percentile(ms, 99.9)), "status_counts": {str(s): statuses.count(s) for s in set(statuses)}}
-
-
-async def closed_loop(port: int, concurrency: int, seconds: float, data: list[bytes],
-                      bad: list[bytes] | None = None, bad_rate: float = 0.0, during=None) -> dict:
-    lat, statuses, good_fail, kinds = [], [], [0], []
-    stop = time.perf_counter() + seconds
-    rng = random.Random(concurrency)
-
-    async def client(c: int):
-        conn, i = Conn(port), c
-        while time.perf_counter() < stop:
-            is_bad = bad is not None and rng.random() < bad_rate
-            body = rng.choice(bad) if is_bad else data[i % len(data)]
-            i += concurrency
-            t0 = time.perf_counter()
-            try:
-                status, _ = await conn.request(body)
-            except (OSError, asyncio.IncompleteReadError):
-                conn.close()
-                status = 599
-            if not is_bad:
-                lat.append(time.perf_counter() - t0)
-                if status != 200:
-                    good_fail[0] += 1
-            statuses.append(status)
-            kinds.append(is_bad)
-        conn.close()
-
-    t0 = time.perf_counter()
-    tasks = [client(c) for c in range(concurrency)]
-    if during is not None:
-        tasks.append(during())
-    await asyncio.gather(*tasks)
-    wall = time.perf_counter() - t0
-    out = summary(lat, [s for s, b in zip(statuses, kinds) if not b], wall)
-    out["concurrency"] = concurrency
-    if bad is not None:
-        bad_statuses = [s for s, b in zip(statuses, kinds) if b]
-        out["bad_requests"] = len(bad_statuses)
-        out["bad_status_counts"] = {str(s): bad_statuses.count(s) for s in set(bad_statuses)}
-        out["failed_good"] = good_fail[0]
-        out["status_500"] = sum(s >= 500 for s in statuses)
-    return out
-
-
-async def open_loop(port: int, rate: float, seconds: float, data: list[bytes], poisson: bool, seed: int = 0) -> dict:
-    """Requests arrive at `rate`/s (exponential or constant gaps), each on a free keep-alive connection."""
-    rng = np.random.default_rng(seed)
-    n = int(rate * seconds)
-    gaps = rng.exponential(1.0 / rate, n) if poisson else np.full(n, 1.0 / rate)
-    arrivals = np.cumsum(gaps)
-    pool: list[Conn] = [Conn(port) for _ in range(64)]  # connected on first use, then kept alive
-    lat, statuses = [], []
-
-    async def fire(i: int, at: float):
-        conn = pool.pop() if pool else Conn(port)
-        try:
-            status, _ = await conn.request(data[i % len(data)])
-        except (OSError, asyncio.IncompleteReadError):
-            conn.close()
-            status = 599
-        lat.append(time.perf_counter() - at)
-        statuses.append(status)
-        pool.append(conn)
-
-    t0 = time.perf_counter()
-    tasks = []
-    for i, a in enumerate(arrivals):
-        delay = t0 + a - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(fire(i, t0 + a)))
-    await asyncio.gather(*tasks)
-    wall = time.perf_counter() - t0
-    for c in pool:
-        c.close()
-    out = summary(lat, statuses, wall)
-    out.update({"rate": rate, "arrivals": "poisson" if poisson else "uniform"})
-    return out
-
-
-# ------------------------------------------------------------------------------------ runs
-
-def run(args) -> None:
-    v1, v2 = snapshots()
-    levels = (1, 4, 16, 32, 64)
-    seconds = 1.0 if args.quick else 2.5
-    data, rows, extra = bodies(), [], {}
-    kinds = ["batched", "unbatched", "plain"]
-    if not args.no_ray:
-        if RAY_PYTHON.exists():
-            kinds.append("ray")
-        else:
-            extra["ray"] = f"skipped: {RAY_PYTHON} missing (make bench-serve installs ray there)"
-    for kind in kinds:
-        try:
-            proc, port = start_server(kind, v1)
-        except RuntimeError as e:
-            extra[kind] = f"failed to start: {e}"
-            print(extra[kind])
-            continue
-        try:
-            asyncio.run(closed_loop(port, 16, 0.5, data))  # warm-up
-            for c in levels:
-                r = asyncio.run(closed_loop(port, c, seconds, data))
-                r.update({"server": kind, "load": "closed"})
-                rows.append(r)
-                print(f"{kind:9s} c={c:3d} {r['throughput']:8.1f} req/s p50 {r['p50_ms']:7.2f} p99 {r['p99_ms']:7.2f} "
-                      f"p99.9 {r['p999_ms']:7.2f} ms {r['status_counts']}", flush=True)
-            if kind == "batched":
-                # peak: the best closed-loop throughput at concurrency <= 32 (64 clients oversubscribe
-                # this 2-core machine's client as much as the server)
-                peak = max(r["throughput"] for r in rows if r["server"] == "batched" and r["concurrency"] <= 32)
-                rate = 0.7 * peak
-                for poisson in (False, True):
-                    r = asyncio.run(open_loop(port, rate, 3.0 if args.quick else 6.0, data, poisson))
-                    r.update({"server": kind, "load": "open"})
-                    rows.append(r)
-                    print(f"{kind:9s} open {r['arrivals']:8s} {rate:7.1f}/s: p50 {r['p50_ms']:7.2f} p99 {r['p99_ms']:7.2f} "
-                          f"p99.9 {r['p999_ms']:7.2f} ms", flush=True)
-                r = asyncio.run(closed_loop(port, 32, seconds * 2, data, bad_bodies(), 0.10))
-                r.update({"server": kind, "load": "closed+10%bad"})
-                rows.append(r)
-                print(f"{kind:9s} 10% bad: good failed {r['failed_good']}, 5xx {r['status_500']}, bad statuses "
-                      f"{r['bad_status_counts']}", flush=True)
-                reloads = []
-
-                async def reload_ten():
-                    conn = Conn(port)
-                    for i in range(10):
-                        await asyncio.sleep(0.3)
-                        target = v2 if i % 2 == 0 else v1
-                        t0 = time.perf_counter()
-                        status, body = await conn.request(json.dumps({"path": str(target)}).encode(), "/v1/admin/reload",
-                                                          f"Authorization: Bearer {TOKEN}\r\n")
-                        reloads.append({"status": status, "seconds": time.perf_counter() - t0,
-                                        "version": json.loads(body).get("version")})
-                    conn.close()
-
-                r = asyncio.run(closed_loop(port, 16, 10 * 0.3 + 4.0 if not args.quick else 5.0, data, during=reload_ten))
-                r.update({"server": kind, "load": "closed+10 reloads", "reloads": reloads,
-                          "failed_good": r["requests"] - r["ok"]})
-                rows.append(r)
-                print(f"{kind:9s} 10 reloads: {r['requests']} requests, failed {r['failed_good']}, reload statuses "
-                      f"{[x['status'] for x in reloads]}", flush=True)
-        finally:
-            stop_server(proc)
-    report(rows, extra, args)
-
-
-def report(rows: list[dict], extra: dict, args) -> None:
-    def at(server, c):
-        return next((r for r in rows if r["server"] == server and r["load"] == "closed" and r["concurrency"] == c), None)
-
-    summary_ = {}
-    b32, u32, p32, r32 = at("batched", 32), at("unbatched", 32), at("plain", 32), at("ray", 32)
-    if b32 and u32:
-        summary_["c32_throughput_batched_over_unbatched"] = b32["throughput"] / u32["throughput"]
-        summary_["c32_p99_batched_over_unbatched"] = b32["p99_ms"] / u32["p99_ms"]
-    if b32 and p32:
-        summary_["c32_throughput_batched_over_plain"] = b32["throughput"] / p32["throughput"]
-        summary_["c32_p99_batched_over_plain"] = b32["p99_ms"] / p32["p99_ms"]
-    if b32 and r32:
-        summary_["c32_throughput_batched_over_ray"] = b32["throughput"] / r32["throughput"]
-        summary_["c32_p99_batched_over_ray"] = b32["p99_ms"] / r32["p99_ms"]
-    op = {r["arrivals"]: r for r in rows if r["load"] == "open"}
-    if len(op) == 2:
-        summary_["open_loop_rate"] = op["poisson"]["rate"]
-        summary_["poisson_p99_over_uniform_p99"] = op["poisson"]["p99_ms"] / op["uniform"]["p99_ms"]
-    for load in ("closed+10%bad", "closed+10 reloads"):
-        r = next((r for r in rows if r["load"] == load), None)
-        if r:
-            summary_[load.replace("closed+", "").replace(" ", "_").replace("%", "pct") + "_failed_good"] = r["failed_good"]
-            summary_[load.replace("closed+", "").replace(" ", "_").replace("%", "pct") + "_5xx"] = sum(
-                v for s, v in r["status_counts"].items() if s.startswith("5")) + r.get("status_500", 0)
-    payload = {"benchmark": "serve", "machine": {**machine_info(), "loadavg_at_end": os.getloadavg()}, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "config": {"items": N_ITEMS, "dim": DIM, "k": K, "snapshot": "exact", "quick": args.quick,
-                          "batched": "max batch 32, max wait 2 ms, 1 worker", "ray": "@serve.batch(32, 2 ms)",
-                          "command": "python benchmarks/serve.py" + (" --quick" if args.quick else "")},
-               "summary": summary_, "notes": extra, "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    name = "serve_quick" if args.quick else "serve"
-    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
-    print_table([r for r in rows if r["load"] == "closed"], ["server", "concurrency", "throughput", "p50_ms", "p99_ms", "p999_ms"])
-    print(json.dumps(summary_, indent=2))
-    replot(name, plot)
-    print(f"wrote {RESULTS / (name + '.json')} and {name}.png")
-
-
-def plot(payload: dict, path: Path) -> None:
-    """Closed loop per server: throughput against concurrency, and p99 latency against throughput."""
-    rows, thr, p99 = payload["rows"], {}, {}
-    for server in dict.fromkeys(r["server"] for r in payload["rows"]):
-        pts = sorted((r["concurrency"], r["throughput"], r["p99_ms"]) for r in rows if r["server"] == server and r["load"] == "closed")
-        if pts:
-            c, t, p = zip(*pts)
-            thr[server], p99[server] = (c, t), (t, p)
-    c = payload["config"]
-    save_plot(path, [Panel("throughput", "concurrency (closed loop)", "requests / s", thr, logx=True),
-                     Panel("p99 vs throughput (c = 1..64)", "requests / s", "p99 latency, ms", p99, logy=True)],
-              f"silverrec serve, {c['snapshot']} {c['items']} x {c['dim']}, 1-row k={c['k']} requests, loopback, "
-              f"{payload['machine'].get('cores')} cores")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="3 s per point, a 100k-item search pool")
+    p.add_argument("--seconds", type=float, default=None, help="seconds per load point (default 10, quick 3)")
+    p.add_argument("--workloads", default="recommend,search")
     p.add_argument("--no-ray", dest="no_ray", action="store_true")
     p.add_argument("--ray-server", dest="ray_server", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--route", default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.ray_server:
-        ray_main(args.ray_server, args.port)
+        ray_main(args.ray_server, args.route, args.port)
         return
     os.environ.setdefault("SILVERREC_QUIET", "1")
     run(args)

@@ -213,6 +213,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from silverrec.serving.app import ServeConfig
+    from silverrec.serving.processes import default_processes
     from silverrec.serving.reload import read_token
     from silverrec.serving.server import serve
     from silverrec.serving.tune import default_tune_path
@@ -222,15 +223,21 @@ def _serve(args: argparse.Namespace) -> int:
         sibling = default_tune_path(args.snapshot)
         tune_file = str(sibling) if sibling.is_file() else None
     config = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                         max_queue=args.max_queue, processes=args.workers or 1, batch_workers=args.batch_workers,
+                         max_queue=args.max_queue, processes=args.workers or (1 if args.sharded else default_processes()), batch_workers=args.batch_workers,
                          threads=args.threads,
                          max_body_bytes=args.max_body_bytes, deadline_ms=args.deadline_ms,
                          admin_token=read_token(args.admin_token_file), tune_file=tune_file, device=args.device)
     if args.sharded:  # torchrun (RANK / WORLD_SIZE / MASTER_ADDR) or --rank / --world-size / --init-method
         from silverrec.serving.distributed import serve_http
 
+        if config.processes > 1:
+            raise SilverrecError("--sharded serves from rank 0 in one process: drop --workers")
         return serve_http(args.snapshot, config, rank=args.rank, world_size=args.world_size,
                           init_method=args.init_method, timeout_s=args.shard_timeout)
+    if config.processes > 1:
+        from silverrec.serving.processes import serve_processes
+
+        return serve_processes(args.snapshot, config)
     return serve(args.snapshot, config)
 
 
@@ -300,7 +307,9 @@ def add_runtime_parsers(sub) -> None:
                    help="beside a busy batch worker, how long a free one may hold a short queue for a fuller batch "
                         "(default 0: a request runs at once when a worker is free)")
     s.add_argument("--max-queue", dest="max_queue", type=int, default=1024, help="queued requests before 503 (default 1024)")
-    s.add_argument("--workers", type=int, default=None, help="server processes sharing the port (default 1)")
+    s.add_argument("--workers", type=int, default=None,
+                   help="server processes sharing the port, each with its own copy of the snapshot "
+                        "(default: one per core; --sharded: 1)")
     s.add_argument("--batch-workers", dest="batch_workers", type=int, default=None,
                    help="batches computed at once per process (default: one per core of its share, or the tune file)")
     s.add_argument("--threads", type=int, default=None,

@@ -444,6 +444,66 @@ def test_cli_serve_starts_answers_and_stops_on_sigterm(snaps):
     assert "stopped (in-flight requests answered)" in proc.stderr.read()
 
 
+def serve_cli(*args, token=None):
+    """`silverrec serve ARGS` in a subprocess -> (process, its first line, the base URL it names or None)."""
+    env = dict(os.environ, SILVERREC_QUIET="1", **({"SILVERREC_ADMIN_TOKEN": token} if token else {}))
+    proc = subprocess.Popen([sys.executable, "-m", "silverrec", "serve", *map(str, args)], stderr=subprocess.PIPE,
+                            text=True, env=env)
+    line = proc.stderr.readline()
+    m = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+    return proc, line, m and m.group(1)
+
+
+def versions_by_process(url, want=2, tries=400):
+    """{process id: version} from /v1/model, a new connection each time, until `want` processes answered."""
+    seen = {}
+    for _ in range(tries):
+        model = httpx.get(url + "/v1/model", timeout=30).json()
+        seen.setdefault(model["process"], set()).add(model["version"])
+        if len(seen) == want and _ >= 20:
+            break
+    return seen
+
+
+def test_processes_share_the_port_and_reload_together(snaps, tmp_path):
+    """--workers 2: both processes answer on one port; a reload switches both or, refused, neither."""
+    versions = {v: load_served(snaps[v]).version for v in ("v1", "v2")}
+    bad = tmp_path / "corrupt"
+    shutil.copytree(snaps["v2"], bad)
+    (bad / "model.pt2").write_bytes(b"not a program")
+    proc, line, url = serve_cli(snaps["v1"], "--port", 0, "--workers", 2, token=TOKEN)
+    try:
+        assert url and "(2 processes, " in line, line
+        seen = versions_by_process(url)
+        assert len(seen) == 2 and all(v == {versions["v1"]} for v in seen.values()), seen
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        r = post(url, "/v1/admin/reload", {"path": str(snaps["v2"])}, headers=auth)
+        assert r.status_code == 200 and r.json()["version"] == versions["v2"], r.text
+        seen = versions_by_process(url)
+        assert len(seen) == 2 and all(v == {versions["v2"]} for v in seen.values()), seen
+        r = post(url, "/v1/admin/reload", {"path": str(bad)}, headers=auth)
+        assert r.status_code == 409 and f"still serving {versions['v2']}" in r.json()["detail"], r.text
+        seen = versions_by_process(url)
+        assert len(seen) == 2 and all(v == {versions["v2"]} for v in seen.values()), seen
+        q = snaps["queries"][:2]
+        r = post(url, "/v1/search", {"queries": q.tolist(), "k": 3})
+        assert r.status_code == 200 and r.json()["item_ids"] == silverrec.load(snaps["v2"]).search(q, 3).item_ids.tolist()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+    assert "stopped (in-flight requests answered)" in proc.stderr.read()
+
+
+def test_processes_that_cannot_load_stop_with_the_reason(tmp_path):
+    proc, line, _ = serve_cli(tmp_path / "missing", "--port", 0, "--workers", 2)
+    try:
+        assert proc.wait(120) == 2
+    finally:
+        proc.kill()
+    assert "is not a snapshot directory" in line + proc.stderr.read()
+
+
 def test_cli_serve_refuses_non_loopback_without_token(snaps, monkeypatch, capsys):
     from silverrec.cli import main
 

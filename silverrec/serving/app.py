@@ -10,7 +10,7 @@ Routes (the OpenAPI schema is at /openapi.json, the interactive page at /docs):
     POST /v1/recommend   every other snapshot: one user (user_id | history, features, numeric, filter,
                          exclude) or {"requests": [...]}, with k, k0, nprobe, max_probe, mode, exclude_history
     POST /v1/rank        a model with a user tower: one user and {"items": [ids]}
-    GET  /healthz /readyz /v1/model /metrics;  POST /v1/admin/reload (token)
+    GET  /healthz /readyz /v1/model (+ the answering process's id) /metrics;  POST /v1/admin/reload (token)
 
 Every answer names the snapshot version that computed it ("version"). Status codes: 400 malformed
 JSON or an invalid request (QueryError: wrong dimension, k out of range, unknown feature, filter
@@ -97,12 +97,13 @@ class Server:
     """State of one serving app: the served version (`reloads.current`), the batcher, metrics."""
 
     def __init__(self, path: str | os.PathLike, config: ServeConfig, served: Optional[Served] = None,
-                 loader: Optional[Callable[[Path], Served]] = None):
+                 loader: Optional[Callable[[Path], Served]] = None, coordinator=None):
         self.config = config
         self.metrics = Metrics()
-        # loader: path -> a verified, smoke-tested Served (start-up unless `served` is given, and reloads)
+        # loader: path -> a verified, smoke-tested Served (start-up unless `served` is given, and reloads);
+        # coordinator: reloads run across the server's processes (serving/processes.py)
         self.reloads = Reloader(path, loader or functools.partial(load_served, device=config.device), self.metrics,
-                                served)
+                                served, coordinator)
         self.policy = TunePolicy.from_file(config.tune_file) if config.tune_file else None
         workers, self.threads = config.compute()
         self.batcher = Batcher(run_group, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms,
@@ -195,14 +196,14 @@ def _json(content: dict, version: str, status: int = 200):
 
 
 def create_app(path: str | os.PathLike, config: Optional[ServeConfig] = None, served: Optional[Served] = None,
-               loader: Optional[Callable[[Path], Served]] = None):
-    """The FastAPI app serving the snapshot at `path` (loaded and smoke-tested now, unless `served`
-    is given). `loader(path) -> Served` loads for reloads (default `load_served`)."""
+               loader: Optional[Callable[[Path], Served]] = None, coordinator=None):
+    """The app serving the snapshot at `path` (loaded and smoke-tested now, unless `served` is given).
+    `loader(path) -> Served` loads for reloads (default `load_served`); `coordinator`: see Reloader."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
 
     config = config or ServeConfig()
-    server = Server(path, config, served, loader)
+    server = Server(path, config, served, loader, coordinator)
     SearchBody, UserBody, RecommendBody, RankBody, ReloadBody = request_models()
 
     @contextlib.asynccontextmanager
@@ -266,7 +267,7 @@ def create_app(path: str | os.PathLike, config: Optional[ServeConfig] = None, se
     async def model():
         cur = server.current
         return _json({"version": cur.version, "kind": cur.kind, "path": str(cur.snap.path),
-                      "backend": cur.snap.backend, "manifest": cur.snap.manifest,
+                      "backend": cur.snap.backend, "manifest": cur.snap.manifest, "process": os.getpid(),
                       "serving": {k: v for k, v in asdict(config).items() if k != "admin_token"}}, cur.version)
 
     @app.get("/metrics")

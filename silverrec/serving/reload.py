@@ -6,6 +6,11 @@ The new snapshot is loaded, verified and smoke-tested off the event loop (one re
 then does it become the version new requests are validated on. Anything that fails refuses the
 snapshot and the old version keeps serving. In-flight requests finish on the version they were
 validated on (their group key holds it). Reloads run one at a time.
+
+With several server processes (`silverrec serve --workers N`, serving/processes.py) a reload that
+reaches one of them is coordinated across all: every process loads the snapshot (`prepare`), and
+only when all have does every one switch (`commit`); any refusal leaves every process on its old
+version (`abort`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import concurrent.futures
 import hmac
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional
 
 from silverrec.errors import SilverrecError, SnapshotError
 from silverrec.serving.metrics import Metrics
@@ -53,17 +58,22 @@ class Reloader:
     """The served version of one app and its replacement.
 
     `current` is the version new requests are validated on; `loader(path) -> Served` loads, verifies
-    and smoke-tests a snapshot (the app's default: `served.load_served` on its device)."""
+    and smoke-tests a snapshot (the app's default: `served.load_served` on its device).
+    `coordinator(path) -> awaitable answer`, where given, runs every reload across the server's
+    processes (serving/processes.py), which call `prepare`, `commit` and `abort` here."""
 
     def __init__(self, path: str | os.PathLike, loader: Callable[[Path], Served], metrics: Metrics,
-                 served: Optional[Served] = None):
+                 served: Optional[Served] = None,
+                 coordinator: Optional[Callable[[Optional[str]], Awaitable[dict[str, Any]]]] = None):
         self.path = Path(path)
         self.loader = loader
         self.metrics = metrics
+        self.coordinator = coordinator
         self.current = served if served is not None else loader(self.path)
         metrics.info.labels(self.current.version, self.current.kind).set(1)
         self._lock = asyncio.Lock()
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._pending: Optional[tuple[Served, Path]] = None
 
     def start(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="silverrec-reload")
@@ -78,18 +88,39 @@ class Reloader:
         Raises:
             SnapshotError: the snapshot was refused (the message names why); the old one still serves.
         """
-        target = Path(path) if path else self.path
+        if self.coordinator is not None:
+            return await self.coordinator(path)
         async with self._lock:
-            old = self.current
-            loop = asyncio.get_running_loop()
-            try:
-                new = await loop.run_in_executor(self._pool, self.loader, target)
-            except Exception as e:  # noqa: BLE001  (any failure refuses the snapshot)
-                self.metrics.reloads.labels("refused").inc()
-                raise SnapshotError(f"snapshot {target} refused, still serving {old.version}: "
-                                    f"{type(e).__name__}: {e}") from None
-            self.current, self.path = new, target
-            self.metrics.info.clear()
-            self.metrics.info.labels(new.version, new.kind).set(1)
-            self.metrics.reloads.labels("ok").inc()
-            return {"version": new.version, "previous": old.version, "kind": new.kind, "path": str(target)}
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.prepare, path)
+            return self.commit()
+
+    def prepare(self, path: Optional[str]) -> str:
+        """Load, verify and smoke-test `path` (default: the served path) beside the current version, in
+        the caller's thread -> its version; nothing switches yet.
+
+        Raises:
+            SnapshotError: refused (the message names the snapshot, the version still served and why).
+        """
+        target = Path(path) if path else self.path
+        try:
+            new = self.loader(target)
+        except Exception as e:  # noqa: BLE001  (any failure refuses the snapshot)
+            self.metrics.reloads.labels("refused").inc()
+            raise SnapshotError(f"snapshot {target} refused, still serving {self.current.version}: "
+                                f"{type(e).__name__}: {e}") from None
+        self._pending = (new, target)
+        return new.version
+
+    def commit(self) -> dict[str, Any]:
+        """Switch to the prepared version -> {version, previous, kind, path}."""
+        (new, target), old = self._pending, self.current
+        self._pending = None
+        self.current, self.path = new, target
+        self.metrics.info.clear()
+        self.metrics.info.labels(new.version, new.kind).set(1)
+        self.metrics.reloads.labels("ok").inc()
+        return {"version": new.version, "previous": old.version, "kind": new.kind, "path": str(target)}
+
+    def abort(self) -> None:
+        """Drop the prepared version (another process refused it)."""
+        self._pending = None
