@@ -488,6 +488,12 @@ def test_processes_share_the_port_and_reload_together(snaps, tmp_path):
         q = snaps["queries"][:2]
         r = post(url, "/v1/search", {"queries": q.tolist(), "k": 3})
         assert r.status_code == 200 and r.json()["item_ids"] == silverrec.load(snaps["v2"]).search(q, 3).item_ids.tolist()
+        for _ in range(20):  # /metrics adds up both processes, whichever answers
+            text = httpx.get(url + "/metrics", timeout=30).text
+            served = {m.group(1): float(m.group(2)) for m in
+                      re.finditer(r'silverrec_snapshot_info\{[^}]*version="([^"]+)"[^}]*\} ([\d.]+)', text)}
+            assert served == {versions["v1"]: 0.0, versions["v2"]: 2.0}, served
+            assert 'silverrec_reloads_total{result="ok"} 2.0' in text and 'result="refused"} 2.0' in text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:

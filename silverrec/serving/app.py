@@ -26,6 +26,7 @@ a body of the wrong shape, another content type) goes on to the FastAPI app, whi
 error exactly as it always has. The other routes, /docs and /openapi.json are FastAPI's.
 """
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -109,8 +110,8 @@ class Server:
         self.batcher = Batcher(run_group, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms,
                                max_queue=config.max_queue, workers=workers, threads=self.threads,
                                policy=self.policy, on_batch=self.metrics.batch.observe)
-        self.metrics.queue.set_function(lambda: self.batcher.queue_depth)
-        self.metrics.in_flight.set_function(lambda: self.batcher.in_flight)
+        self.metrics.watch(self.batcher)
+        self._sampling = None
         self.ready = False
         self.routes = {"/v1/search", "/v1/recommend", "/v1/rank", "/healthz", "/readyz", "/v1/model", "/metrics",
                        "/v1/admin/reload"}
@@ -128,10 +129,14 @@ class Server:
         torch.set_num_threads(self.threads)
         await self.batcher.start(max_workers=self.policy.max_workers if self.policy else None)
         self.reloads.start()
+        if self.metrics.multiprocess:
+            self._sampling = asyncio.get_running_loop().create_task(self.metrics.sample())
         self.ready = True
 
     async def stop(self) -> None:
         self.ready = False
+        if self._sampling is not None:
+            self._sampling.cancel()
         await self.batcher.stop()
         self.reloads.stop()
 
@@ -272,10 +277,10 @@ def create_app(path: str | os.PathLike, config: Optional[ServeConfig] = None, se
 
     @app.get("/metrics")
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST
         from starlette.responses import Response
 
-        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/admin/reload", summary="load, verify and switch to a snapshot (token required)")
     async def reload(request: Request, body: Optional[ReloadBody] = None):

@@ -15,8 +15,8 @@ one port for all), waits until every process answers, prints one line, and then 
 - A process that exits on its own stops the others and the parent exits 1 (a service manager
   restarts the whole); a process that cannot load the snapshot at start stops all with exit 2.
 
-Each process keeps its own metrics: GET /metrics answers for the process that takes the connection
-(its `silverrec_snapshot_info` names the version it serves).
+GET /metrics, whichever process answers, adds up the metrics of every live process (each writes its
+values to files in a folder the parent makes and removes; serving/metrics.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -36,6 +38,7 @@ from typing import Any, Optional
 from silverrec.errors import SilverrecError, SnapshotError
 from silverrec.serving.app import ServeConfig, create_app
 from silverrec.serving.batcher import cores
+from silverrec.serving.metrics import MULTIPROC_ENV
 from silverrec.serving.server import banner, bind, check_bind, run_loop, uvicorn_server
 
 
@@ -54,6 +57,9 @@ def serve_processes(path: str | os.PathLike, config: ServeConfig) -> int:
     child_config = dataclasses.replace(config, port=port)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    metrics_dir = tempfile.mkdtemp(prefix="silverrec-metrics-")  # the processes' metric files (serving/metrics.py)
+    environ = os.environ.get(MULTIPROC_ENV)
+    os.environ[MULTIPROC_ENV] = metrics_dir  # what the spawned processes inherit
     procs, conns = [], []
     try:
         for i in range(config.processes):
@@ -82,6 +88,11 @@ def serve_processes(path: str | os.PathLike, config: ServeConfig) -> int:
             if proc.is_alive():
                 proc.kill()
         reservation.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        if environ is None:
+            os.environ.pop(MULTIPROC_ENV, None)
+        else:
+            os.environ[MULTIPROC_ENV] = environ
         for s, handler in previous.items():
             signal.signal(s, handler)
 

@@ -70,7 +70,7 @@ class Reloader:
         self.metrics = metrics
         self.coordinator = coordinator
         self.current = served if served is not None else loader(self.path)
-        metrics.info.labels(self.current.version, self.current.kind).set(1)
+        metrics.serving(self.current.version, self.current.kind)
         self._lock = asyncio.Lock()
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._pending: Optional[tuple[Served, Path]] = None
@@ -116,8 +116,7 @@ class Reloader:
         (new, target), old = self._pending, self.current
         self._pending = None
         self.current, self.path = new, target
-        self.metrics.info.clear()
-        self.metrics.info.labels(new.version, new.kind).set(1)
+        self.metrics.serving(new.version, new.kind)
         self.metrics.reloads.labels("ok").inc()
         return {"version": new.version, "previous": old.version, "kind": new.kind, "path": str(target)}
 
