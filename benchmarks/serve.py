@@ -341,32 +341,43 @@ def systems(args) -> list[dict]:
 
 
 def run_workload(w: Workload, args, extra: dict) -> list[dict]:
+    """The in-process ceiling, then every system at every level: the silverrec servers all started at
+    once and taken in turn at each level (the order reversed from level to level, so that a shared
+    machine's load falls on all alike), Ray Serve alone after them; reloads and the fuzz last."""
     seconds = args.seconds or (3 if args.quick else 10)
     rows = ceiling(w, 2.0 if args.quick else 5.0)
     good = write_bodies(WORK / f"{w.name}.bodies", [json.dumps(b).encode() for b in w.bodies])
-    for system in systems(args):
-        if system["kind"] == "ray" and not RAY_PYTHON.exists():
-            extra[f"{w.name} ray"] = f"skipped: {RAY_PYTHON} missing (make bench-serve installs Ray Serve there)"
-            continue
-        try:
-            proc, port = start_server(system, w)
-        except RuntimeError as e:
-            extra[f"{w.name} {system['name']}"] = f"failed to start: {e}"
-            print(extra[f"{w.name} {system['name']}"], flush=True)
-            continue
-        try:
-            wrk(port, w.route, good, 16, 2)  # warm-up
-            for c in LEVELS:
-                r = wrk(port, w.route, good, c, seconds)
-                r.update({"workload": w.name, "system": system["name"], "concurrency": c, "load": "closed",
-                          "load_1min": os.getloadavg()[0]})
-                rows.append(r)
-                print(f"{w.name:9s} {system['name']:14s} c={c:3d} {r['throughput']:8.1f} req/s  p50 {r['p50_ms']:7.2f}  "
-                      f"p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  load {r['load_1min']:.1f}", flush=True)
-            if system["name"] == "silverrec":
+    running = {}
+    try:
+        for group in ([s for s in systems(args) if s["kind"] == "silverrec"], [s for s in systems(args) if s["kind"] == "ray"]):
+            for system in group:
+                if system["kind"] == "ray" and not RAY_PYTHON.exists():
+                    extra[f"{w.name} ray"] = f"skipped: {RAY_PYTHON} missing (make bench-serve installs Ray Serve there)"
+                    continue
+                try:
+                    running[system["name"]] = start_server(system, w)
+                except RuntimeError as e:
+                    extra[f"{w.name} {system['name']}"] = f"failed to start: {e}"
+                    print(extra[f"{w.name} {system['name']}"], flush=True)
+            names = [s["name"] for s in group if s["name"] in running]
+            for name in names:
+                wrk(running[name][1], w.route, good, 16, 2)  # warm-up
+            for i, c in enumerate(LEVELS):
+                for name in (names if i % 2 == 0 else names[::-1]):
+                    r = wrk(running[name][1], w.route, good, c, seconds)
+                    r.update({"workload": w.name, "system": name, "concurrency": c, "load": "closed",
+                              "load_1min": os.getloadavg()[0]})
+                    rows.append(r)
+                    print(f"{w.name:9s} {name:14s} c={c:3d} {r['throughput']:8.1f} req/s  p50 {r['p50_ms']:7.2f}  "
+                          f"p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  load {r['load_1min']:.1f}", flush=True)
+            if "silverrec" in names:
+                port = running["silverrec"][1]
                 rows.append(reloads_under_load(w, port, good, max(6.0, seconds)))
                 rows.append(fuzz(w, port, seconds))
-        finally:
+            for name in names:
+                stop_server(running.pop(name)[0])
+    finally:
+        for proc, _ in running.values():
             stop_server(proc)
     return rows
 

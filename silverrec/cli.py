@@ -5,10 +5,10 @@
     silverrec recommend DIR --user U | --history "id1,id2,..." [--filter "..."] [--k K] [--json]
     silverrec rank DIR --user U | --history IDS --items FILE [--json]      (early-stage ranking)
     silverrec inspect DIR
-    silverrec serve DIR [--host H] [--port P] [--max-batch N] [--max-wait-ms MS] [--workers W] [--threads T] [--tune F]
-                        [--device cuda]   (query / recommend / rank / evaluate take --device too)
+    silverrec serve DIR [--host H] [--port P] [--workers N] [--max-batch B] [--max-wait-ms MS] [--batch-workers W]
+                        [--threads T] [--tune F] [--device cuda]   (query / recommend / rank / evaluate take --device too)
     torchrun --nproc-per-node N -m silverrec serve DIR --sharded [--shard-timeout S]   (sharded snapshot across ranks)
-    silverrec tune DIR [--out F] [--seconds S]            (workers x threads per concurrency, read by serve)
+    silverrec tune DIR [--out F] [--seconds S]            (batch workers x threads per concurrency, read by serve)
 
 Build commands (silverrec/publish/cli.py, imported only when one of them runs, or for --help):
 

@@ -595,6 +595,31 @@ def test_recommend_errors_name_the_problem(rec_server):
         assert re.search(pattern, r.json()["detail"]), r.json()["detail"]
 
 
+def test_bad_users_in_a_batch_get_their_own_errors_and_the_rest_their_answers(rec):
+    """Users are checked by the batch's one encoding; when it refuses, each request alone names its fault."""
+    from silverrec.serving.schemas import request_models
+
+    served, snap = load_served(rec.snap_dir), silverrec.load(rec.snap_dir)
+    Body = request_models().RecommendBody
+    users = rec.logs.user_ids[:4].tolist()
+    bodies = [Body(user_id=users[0], k=3), Body(user_id=1, k=3), Body(user_id=users[1], k=5),
+              Body(requests=[{"user_id": users[2]}, {"history": [999999]}], k=3),
+              Body(history=rec.logs.history(users[3]), filter="colour = red", k=3), Body(user_id=users[3], k=4)]
+    prepared = [served.prepare_recommend(b) for b in bodies]
+    assert len({key for key, _ in prepared}) == 1  # one group: one forward for all
+    out = served.run(prepared[0][0], [payload for _, payload in prepared])
+    errors = {1: r"^request: unknown user_id 1: not a user", 3: r"^request 1 history: unknown item id 999999",
+              4: r"unknown feature 'colour'"}
+    for i, (body, answer) in enumerate(zip(bodies, out)):
+        if i in errors:
+            assert isinstance(answer, QueryError) and re.search(errors[i], str(answer)), (i, answer)
+            continue
+        got = json.loads(answer)
+        ref = snap.recommend([{"user_id": body.user_id}], k=body.k).to_json()
+        assert got["item_ids"] == ref["item_ids"] and got["version"] == served.version
+        np.testing.assert_allclose(np.array(got["scores"], dtype=np.float32), np.array(ref["scores"]), rtol=1e-4)
+
+
 # ------------------------------------------------------------------------------------ fuzz: no 500s
 
 FILTER_TOKENS = ["cat", "tags", "c1", "t2", "=", "!=", "IN", "(", ")", ",", "AND", "OR", "NOT", "'", '"', " ", "x",
