@@ -476,6 +476,9 @@ def test_processes_share_the_port_and_reload_together(snaps, tmp_path):
         assert url and "(2 processes, " in line, line
         seen = versions_by_process(url)
         assert len(seen) == 2 and all(v == {versions["v1"]} for v in seen.values()), seen
+        port = url.rsplit(":", 1)[1]  # a second server on the taken port is refused, not let in beside
+        second, line2, _ = serve_cli(snaps["v2"], "--port", port, "--workers", 2)
+        assert second.wait(120) == 2 and f"cannot bind 127.0.0.1:{port}" in line2, line2
         auth = {"Authorization": f"Bearer {TOKEN}"}
         r = post(url, "/v1/admin/reload", {"path": str(snaps["v2"])}, headers=auth)
         assert r.status_code == 200 and r.json()["version"] == versions["v2"], r.text

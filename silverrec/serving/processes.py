@@ -51,8 +51,14 @@ def serve_processes(path: str | os.PathLike, config: ServeConfig) -> int:
     """Run `config.processes` server processes on (config.host, config.port) until SIGTERM / SIGINT
     (module docstring) -> exit code."""
     check_bind(config)
-    reservation = bind(config.host, config.port, reuse_port=True, listen=False)
-    host, port = reservation.getsockname()[:2]
+    # a plain bind first: it fails where anything listens on the port, even another server's processes
+    # bound with SO_REUSEPORT, which the processes' own binds would join; then the port is held (port 0:
+    # the one the plain bind picked) with SO_REUSEPORT until every process has bound it
+    probe = bind(config.host, config.port, listen=False)
+    port = probe.getsockname()[1]
+    probe.close()
+    reservation = bind(config.host, port, reuse_port=True, listen=False)
+    host = reservation.getsockname()[0]
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no torch state forked
     child_config = dataclasses.replace(config, port=port)
     stop = threading.Event()
