@@ -36,7 +36,7 @@ def request_models() -> RequestModels:
         nprobe: Optional[StrictInt] = None
         max_probe: Optional[StrictInt] = None
         mode: Union[StrictStr, list[StrictStr], None] = None
-        deadline_ms: Optional[StrictFloat] = Field(None, gt=0, description="budget in ms from arrival; 504 after")
+        deadline_ms: Optional[float] = Field(None, gt=0, description="budget in ms from arrival; 504 after")
 
     class UserBody(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -55,11 +55,11 @@ def request_models() -> RequestModels:
         max_probe: Optional[StrictInt] = None
         mode: StrictStr = "auto"
         exclude_history: Optional[StrictBool] = None
-        deadline_ms: Optional[StrictFloat] = Field(None, gt=0)
+        deadline_ms: Optional[float] = Field(None, gt=0)
 
     class RankBody(UserBody):
         items: list[StrictInt] = Field(description="item ids to score, in the order of the answer")
-        deadline_ms: Optional[StrictFloat] = Field(None, gt=0)
+        deadline_ms: Optional[float] = Field(None, gt=0)
 
     class ReloadBody(BaseModel):
         model_config = ConfigDict(extra="forbid")
