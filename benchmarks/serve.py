@@ -42,13 +42,11 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import silverrec  # noqa: F401  (first: its OpenMP wait policy, as `silverrec serve` runs)
@@ -58,6 +56,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import RESULTS, Panel, machine_info, plot_only, print_table, replot, save_plot  # noqa: E402
+from silverrec.errors import SilverrecError  # noqa: E402
+from silverrec.serving.loadgen import free_port, post, stop_server, write_bodies, wrk  # noqa: E402
+from silverrec.serving.loadgen import start_server as start_server_process  # noqa: E402
 
 WORK = ROOT / "out" / "bench_serve"
 DEMO = ROOT / "out" / "demo" / "snapshot"
@@ -76,54 +77,6 @@ SEARCH_FILTERS = [  # from ~50% of the pool down to ~1%
     "lang IN (l1, l2, l3, l4, l5) AND NOT country = c0",
     "genre = g5 AND country IN (c1, c2)",
 ]
-WRK_SCRIPT = r"""
--- bodies: one hex-encoded body per line of BODIES; each connection rotates through them
-local path, route = os.getenv("SILVERREC_BODIES"), os.getenv("SILVERREC_ROUTE")
-local count_statuses = os.getenv("SILVERREC_COUNT") == "1"
-local reqs = {}
-for line in io.lines(path) do
-  local body = line:gsub("..", function(cc) return string.char(tonumber(cc, 16)) end)
-  reqs[#reqs + 1] = wrk.format("POST", route, {["Content-Type"] = "application/json"}, body)
-end
-local threads = {}
-function setup(thread) table.insert(threads, thread) end
-local i = 0
-counts = {}
-versions = {}
-function init(args) i = math.random(#reqs) end
-function request()
-  i = i % #reqs + 1
-  return reqs[i]
-end
-if count_statuses then
-  function response(status, headers, body)
-    counts[status] = (counts[status] or 0) + 1
-    local v = headers["x-silverrec-version"]
-    if v then versions[v] = (versions[v] or 0) + 1 end
-  end
-end
-local function encode(t)
-  local parts = {}
-  for k, v in pairs(t) do parts[#parts + 1] = string.format("%q: %d", tostring(k), v) end
-  return "{" .. table.concat(parts, ", ") .. "}"
-end
-function done(summary, latency, requests)
-  local c, v = {}, {}
-  for _, t in ipairs(threads) do
-    for k, n in pairs(t:get("counts") or {}) do c[k] = (c[k] or 0) + n end
-    for k, n in pairs(t:get("versions") or {}) do v[k] = (v[k] or 0) + n end
-  end
-  local e = summary.errors
-  io.write(string.format('WRK_JSON {"requests": %d, "duration_us": %d, "connect_errors": %d, "read_errors": %d, ' ..
-    '"write_errors": %d, "timeouts": %d, "non_2xx": %d, "p50_us": %d, "p90_us": %d, "p99_us": %d, "p999_us": %d, ' ..
-    '"mean_us": %.1f, "max_us": %d, "statuses": %s, "versions": %s}\n',
-    summary.requests, summary.duration, e.connect, e.read, e.write, e.timeout, e.status,
-    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency:percentile(99.9),
-    latency.mean, latency.max, encode(c), encode(v)))
-end
-"""
-
-
 # ------------------------------------------------------------------------------------ workloads
 
 class Workload:
@@ -243,30 +196,6 @@ def ceiling(w: Workload, seconds: float) -> list[dict]:
 
 # ------------------------------------------------------------------------------------ servers
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def post(port: int, path: str, body: bytes, headers: dict | None = None, timeout: float = 120.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
 def start_server(system: dict, w: Workload) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = dict(os.environ, SILVERREC_QUIET="1", SILVERREC_ADMIN_TOKEN=TOKEN, PYTHONPATH=str(ROOT))
@@ -275,53 +204,8 @@ def start_server(system: dict, w: Workload) -> tuple[subprocess.Popen, int]:
                "--port", str(port)]
     else:
         cmd = [sys.executable, "-m", "silverrec", "serve", str(w.snapshot), "--port", str(port), *system["args"]]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=str(ROOT),
-                            start_new_session=True)
-    body = json.dumps(w.bodies[0]).encode()
-    t0 = time.time()
-    while time.time() - t0 < 300:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{system['name']} exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if post(port, w.route, body, timeout=30)[0] == 200:
-                return proc, port
-        except OSError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"{system['name']} did not answer within 300 s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group (a multi-process server or Ray's raylet with it)."""
-    try:
-        os.killpg(proc.pid, 15)
-        proc.wait(90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-    except ProcessLookupError:
-        pass
-
-
-def wrk(port: int, route: str, bodies_file: Path, concurrency: int, seconds: float, count: bool = False) -> dict:
-    script = WORK / "rotate.lua"
-    script.write_text(WRK_SCRIPT)
-    env = dict(os.environ, SILVERREC_BODIES=str(bodies_file), SILVERREC_ROUTE=route, SILVERREC_COUNT="1" if count else "0")
-    out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "10s", "-s", str(script),
-                          f"http://127.0.0.1:{port}"], env=env, capture_output=True, text=True, check=True).stdout
-    line = next(ln for ln in out.splitlines() if ln.startswith("WRK_JSON "))
-    r = json.loads(line[len("WRK_JSON "):])
-    r["throughput"] = r["requests"] / (r["duration_us"] / 1e6)
-    for p in ("p50", "p90", "p99", "p999", "mean", "max"):
-        r[f"{p}_ms"] = r.pop(f"{p}_us") / 1000
-    r["errors"] = r["connect_errors"] + r["read_errors"] + r["write_errors"] + r["timeouts"] + r["non_2xx"]
-    return r
-
-
-def write_bodies(path: Path, bodies: list[bytes]) -> Path:
-    path.write_text("\n".join(b.hex() for b in bodies) + "\n")
-    return path
+    proc = start_server_process(cmd, port, w.route, json.dumps(w.bodies[0]).encode(), env, name=system["name"])
+    return proc, port
 
 
 # ------------------------------------------------------------------------------------ runs
@@ -356,7 +240,7 @@ def run_workload(w: Workload, args, extra: dict) -> list[dict]:
                     continue
                 try:
                     running[system["name"]] = start_server(system, w)
-                except RuntimeError as e:
+                except SilverrecError as e:
                     extra[f"{w.name} {system['name']}"] = f"failed to start: {e}"
                     print(extra[f"{w.name} {system['name']}"], flush=True)
             names = [s["name"] for s in group if s["name"] in running]

@@ -211,22 +211,31 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace):
+    """The ServeConfig of `silverrec serve`'s flags. Without --workers: the process count `silverrec
+    tune` chose (the tune file's "processes"), else one per core; the tune file's batch-worker table
+    applies unless --batch-workers or --threads is given (or --tune names the file)."""
     from silverrec.serving.app import ServeConfig
     from silverrec.serving.processes import default_processes
     from silverrec.serving.reload import read_token
-    from silverrec.serving.server import serve
-    from silverrec.serving.tune import default_tune_path
+    from silverrec.serving.tune import default_tune_path, tuned_processes
 
+    sibling = default_tune_path(args.snapshot)
+    found = args.tune or (str(sibling) if sibling.is_file() else None)
     tune_file = args.tune
     if tune_file is None and args.batch_workers is None and args.threads is None:
-        sibling = default_tune_path(args.snapshot)
-        tune_file = str(sibling) if sibling.is_file() else None
-    config = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                         max_queue=args.max_queue, processes=args.workers or (1 if args.sharded else default_processes()), batch_workers=args.batch_workers,
-                         threads=args.threads,
-                         max_body_bytes=args.max_body_bytes, deadline_ms=args.deadline_ms,
-                         admin_token=read_token(args.admin_token_file), tune_file=tune_file, device=args.device)
+        tune_file = found
+    processes = args.workers or (1 if args.sharded else tuned_processes(found) or default_processes())
+    return ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                       max_queue=args.max_queue, processes=processes, batch_workers=args.batch_workers,
+                       threads=args.threads, max_body_bytes=args.max_body_bytes, deadline_ms=args.deadline_ms,
+                       admin_token=read_token(args.admin_token_file), tune_file=tune_file, device=args.device)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from silverrec.serving.server import serve
+
+    config = serve_config(args)
     if args.sharded:  # torchrun (RANK / WORLD_SIZE / MASTER_ADDR) or --rank / --world-size / --init-method
         from silverrec.serving.distributed import serve_http
 
@@ -250,8 +259,16 @@ def _tune(args: argparse.Namespace) -> int:
         levels = ()
     if not levels or min(levels) < 1:
         raise SilverrecError(f"--concurrency must list positive ints, got {args.concurrency!r}")
+    processes = None
+    if args.processes is not None:
+        try:
+            processes = tuple(int(x) for x in args.processes.split(",") if x.strip())
+        except ValueError:
+            processes = (0,)
+        if any(n < 1 for n in processes):
+            raise SilverrecError(f"--processes must list positive ints (or be empty), got {args.processes!r}")
     tune(args.snapshot, args.out, seconds=args.seconds, levels=levels, max_batch=args.max_batch,
-         max_wait_ms=args.max_wait_ms, log=lambda s: print(s, file=sys.stderr))
+         max_wait_ms=args.max_wait_ms, processes=processes, log=lambda s: print(s, file=sys.stderr))
     return 0
 
 
@@ -309,7 +326,7 @@ def add_runtime_parsers(sub) -> None:
     s.add_argument("--max-queue", dest="max_queue", type=int, default=1024, help="queued requests before 503 (default 1024)")
     s.add_argument("--workers", type=int, default=None,
                    help="server processes sharing the port, each with its own copy of the snapshot "
-                        "(default: one per core; --sharded: 1)")
+                        "(default: the count silverrec tune chose, else one per core; --sharded: 1)")
     s.add_argument("--batch-workers", dest="batch_workers", type=int, default=None,
                    help="batches computed at once per process (default: one per core of its share, or the tune file)")
     s.add_argument("--threads", type=int, default=None,
@@ -333,11 +350,14 @@ def add_runtime_parsers(sub) -> None:
                    help="--sharded: seconds before a request waiting on a dead or stalled rank fails with 503 (default 5)")
     s.set_defaults(func=_serve)
 
-    t = sub.add_parser("tune", help="measure batch workers x intra-op threads per concurrency; write the file serve reads")
+    t = sub.add_parser("tune", help="measure server processes, and batch workers x intra-op threads per concurrency; write the file serve reads")
     t.add_argument("snapshot")
     t.add_argument("--out", default=None, help="output JSON (default DIR.tune.json)")
     t.add_argument("--seconds", type=float, default=1.0, help="per setting and concurrency level (default 1)")
     t.add_argument("--concurrency", default=None, help="levels, e.g. 1,4,16,64 (the default)")
+    t.add_argument("--processes", default=None,
+                   help="server process counts to compare over HTTP with wrk, e.g. 1,2 (default: 1 and one per core; "
+                        "'' skips)")
     t.add_argument("--max-batch", dest="max_batch", type=int, default=64)
     t.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, default=0.0)
     t.set_defaults(func=_tune)

@@ -527,8 +527,10 @@ def test_tune_writes_a_table_serve_reads(snaps, tmp_path):
     from silverrec.serving.tune import tune
 
     out = tmp_path / "t.json"
-    table = tune(snaps["v1"], out, seconds=0.05, workers=(1, 2), threads=(1,), levels=(1, 8), log=lambda s: None)
+    table = tune(snaps["v1"], out, seconds=0.05, workers=(1, 2), threads=(1,), levels=(1, 8), processes=(),
+                 log=lambda s: None)
     assert [r["concurrency"] for r in table["best"]] == [1, 8] and len(table["results"]) == 4
+    assert table["processes"] is None and table["process_results"] == []
     policy = TunePolicy.from_file(out)
     assert policy(0) == policy(1) and policy(100) == (table["best"][1]["batch_workers"], table["best"][1]["threads"])
     run = start_in_thread(snaps["v1"], ServeConfig(port=0, tune_file=str(out)))
@@ -539,6 +541,58 @@ def test_tune_writes_a_table_serve_reads(snaps, tmp_path):
     (tmp_path / "broken.json").write_text("{}")
     with pytest.raises(SilverrecError, match="cannot read tune file"):
         TunePolicy.from_file(tmp_path / "broken.json")
+
+
+def test_choose_processes_takes_the_best_relative_throughput_over_the_levels():
+    from silverrec.serving.tune import choose_processes
+
+    rows = [{"processes": 1, "concurrency": 1, "throughput": 100.0}, {"processes": 2, "concurrency": 1, "throughput": 90.0},
+            {"processes": 1, "concurrency": 64, "throughput": 500.0}, {"processes": 2, "concurrency": 64, "throughput": 900.0}]
+    assert choose_processes(rows) == 2  # (1.0 + 0.556) / 2 against (0.9 + 1.0) / 2
+    rows[1]["throughput"], rows[3]["throughput"] = 50.0, 500.0
+    assert choose_processes(rows) == 1  # behind at c 1, tied at c 64
+    tie = [{"processes": n, "concurrency": 1, "throughput": 10.0} for n in (4, 2, 1)]
+    assert choose_processes(tie) == 1  # the fewer processes on a tie
+
+
+def serve_args(*argv):
+    from silverrec.commands import add_runtime_parsers, serve_config
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_runtime_parsers(parser.add_subparsers())
+    return serve_config(parser.parse_args(["serve", *map(str, argv)]))
+
+
+def test_serve_starts_the_process_count_tune_chose(snaps, tmp_path):
+    from silverrec.serving.batcher import cores
+    from silverrec.serving.tune import default_tune_path
+
+    snap = tmp_path / "snap"
+    shutil.copytree(snaps["v1"], snap)
+    assert serve_args(snap).processes == cores()  # no tune file: one per core
+    rows = [{"concurrency": 1, "batch_workers": 1, "threads": 1}]
+    default_tune_path(snap).write_text(json.dumps({"processes": 3, "best": rows}))
+    config = serve_args(snap)
+    assert config.processes == 3 and config.tune_file == str(default_tune_path(snap))
+    assert serve_args(snap, "--workers", 1).processes == 1  # --workers wins
+    config = serve_args(snap, "--batch-workers", 2)  # the table is not applied, the process count still is
+    assert config.processes == 3 and config.tune_file is None
+    default_tune_path(snap).write_text(json.dumps({"processes": 0, "best": rows}))
+    with pytest.raises(SilverrecError, match="processes must be a positive int, got 0"):
+        serve_args(snap)
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk (Debian's package) drives the servers")
+def test_tune_measures_server_processes_over_http(snaps, tmp_path):
+    from silverrec.serving.tune import tune
+
+    out = tmp_path / "t.json"
+    table = tune(snaps["v1"], out, seconds=1, levels=(1, 4), processes=(1, 2), log=lambda s: None)
+    rows = table["process_results"]
+    assert sorted((r["processes"], r["concurrency"]) for r in rows) == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    assert all(r["throughput"] > 0 and r["errors"] == 0 for r in rows)
+    assert table["processes"] in (1, 2) and json.loads(out.read_text())["processes"] == table["processes"]
 
 
 # ------------------------------------------------------------------------------------ recommendation model

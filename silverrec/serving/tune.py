@@ -1,21 +1,30 @@
-"""`silverrec tune DIR`: which (batch workers, intra-op threads) serve a snapshot best at each concurrency.
+"""`silverrec tune DIR`: how many server processes, and which (batch workers, intra-op threads) in
+each, serve a snapshot best.
 
     $ silverrec tune snapshots/v1 --seconds 1          # writes snapshots/v1.tune.json
     $ silverrec serve snapshots/v1                      # reads it (or --tune FILE)
 
-For every setting (batch workers = batches computed at once, threads = torch intra-op threads per batch) and every
-concurrency level (closed loop: that many clients, each sending its next request when the last is
-answered) the snapshot is driven through the server's batcher (`Batcher` over `Served`, as the app
-wires them) in this process, with real request validation and forward calls but no HTTP (the HTTP cost is the same for every setting and
-would only add noise on a 2-core machine). Measured: throughput (requests/s) and p50/p99 latency.
-The best setting per level: among the settings within 5% of the level's best throughput, the one
-with the lowest p99.
-`serve` applies the row of the largest measured concurrency <= the requests in flight.
+Processes (`serve --workers N`): `silverrec serve DIR --workers N` is started for every N of
+`processes` (default 1 and one per core) and driven over HTTP by wrk (serving/loadgen.py) at every
+concurrency level, the process counts taken in turn at each level (the order reversed from level to
+level, so that a shared machine's load falls on all alike). The HTTP, JSON and scheduling work is what
+more processes spread over the cores, so only a load test through the server can choose them. Kept:
+the count with the highest throughput relative to each level's best, averaged over the levels (the
+fewer processes on a tie); serve starts that many when --workers is not given. Without wrk on PATH
+the processes are not measured and serve keeps its default (one per core).
 
-Bounded: settings x levels x `seconds` (default 4 x 4 x 1 s, plus a short warm-up each).
+Batch workers x threads, per process: for every setting (batch workers = batches computed at once,
+threads = torch intra-op threads per batch; by default 1 and the cores of one process's share) and
+every concurrency level (closed loop: that many clients, each sending its next request when the last
+is answered) the snapshot is driven through the server's batcher (`Batcher` over `Served`, as the app
+wires them) in this process, with real request validation and forward calls but no HTTP (the HTTP
+cost is the same for every setting and would only add noise on a 2-core machine). Measured:
+throughput (requests/s) and p50/p99 latency. The best setting per level: among the settings within
+5% of the level's best throughput, the one with the lowest p99. `serve` applies the row of the
+largest measured concurrency <= the requests in flight, in each of its processes.
 
-The table is for one server process: with `silverrec serve --workers N` (N processes) every process
-applies it to its own requests in flight, so tune on a machine with the cores one process gets.
+Bounded: process counts x levels x `seconds` (at least 1 s each, wrk's unit) plus a start per count,
+then settings x levels x `seconds`, plus a short warm-up each.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -31,8 +42,9 @@ import numpy as np
 import torch
 
 from silverrec.errors import SilverrecError
+from silverrec.serving import loadgen
+from silverrec.serving.batcher import Batcher, cores
 from silverrec.serving.schemas import request_models
-from silverrec.serving.batcher import Batcher
 from silverrec.serving.served import Served, load_served, run_group
 
 LEVELS = (1, 4, 16, 64)
@@ -66,6 +78,21 @@ class TunePolicy:
             if r["concurrency"] <= in_flight:
                 row = r
         return row["batch_workers"], row["threads"]
+
+
+def tuned_processes(path: Optional[str | os.PathLike]) -> Optional[int]:
+    """The server process count `silverrec tune` chose (its file's "processes"), None if it chose none."""
+    if path is None:
+        return None
+    try:
+        value = json.loads(Path(path).read_text()).get("processes")
+    except (OSError, ValueError, AttributeError) as e:
+        raise SilverrecError(f"cannot read tune file {path}: {type(e).__name__}: {e}") from None
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SilverrecError(f"tune file {path}: processes must be a positive int, got {value!r}")
+    return value
 
 
 def default_tune_path(snapshot: str | os.PathLike) -> Path:
@@ -112,13 +139,77 @@ async def closed_loop(served: Served, batcher: Batcher, bodies: list[Any], prepa
             "p99_ms": float(np.percentile(ms, 99))}
 
 
+def measure_processes(snapshot: str | os.PathLike, counts: tuple[int, ...], levels: tuple[int, ...], seconds: float,
+                      route: str, bodies: list[bytes], max_batch: int = 64, max_wait_ms: float = 0.0,
+                      log=print) -> list[dict[str, Any]]:
+    """`silverrec serve DIR --workers N` for each N in `counts`, driven by wrk at each level -> one row
+    per (N, level): throughput, p50 / p99 ms, errors. Every server runs throughout, taken in turn."""
+    env = {k: v for k, v in os.environ.items() if k != "SILVERREC_ADMIN_TOKEN"}
+    servers, rows = {}, []
+    with tempfile.TemporaryDirectory(prefix="silverrec-tune-") as tmp:
+        hexed = loadgen.write_bodies(Path(tmp) / "bodies.hex", bodies)
+        try:
+            for n in counts:
+                port = loadgen.free_port()
+                share = max(1, cores() // n)  # serve's own default per process (ServeConfig.compute), not a tune file
+                cmd = [sys.executable, "-m", "silverrec", "serve", str(snapshot), "--port", str(port), "--workers", str(n),
+                       "--batch-workers", str(share), "--threads", "1", "--max-batch", str(max_batch),
+                       "--max-wait-ms", str(max_wait_ms)]
+                servers[n] = (loadgen.start_server(cmd, port, route, bodies[0], env, name=f"serve --workers {n}"), port)
+                loadgen.wrk(port, route, hexed, max(levels), 1)  # warm-up
+            for i, c in enumerate(levels):
+                for n in (counts if i % 2 == 0 else counts[::-1]):
+                    r = loadgen.wrk(servers[n][1], route, hexed, c, seconds)
+                    rows.append({"processes": n, "concurrency": c, "throughput": r["throughput"], "p50_ms": r["p50_ms"],
+                                 "p99_ms": r["p99_ms"], "errors": r["errors"]})
+                    log(f"tune: processes {n} concurrency {c:3d}: {r['throughput']:8.1f} req/s, p50 {r['p50_ms']:7.2f} ms, "
+                        f"p99 {r['p99_ms']:7.2f} ms (wrk, HTTP)")
+        finally:
+            for proc, _ in servers.values():
+                loadgen.stop_server(proc)
+    return rows
+
+
+def choose_processes(rows: list[dict[str, Any]]) -> int:
+    """The process count with the highest throughput relative to each level's best, averaged over the
+    levels; the fewer processes on a tie."""
+    best = {}
+    for r in rows:
+        best[r["concurrency"]] = max(best.get(r["concurrency"], 0.0), r["throughput"])
+    score = {}
+    for r in rows:
+        score.setdefault(r["processes"], []).append(r["throughput"] / best[r["concurrency"]] if best[r["concurrency"]] else 0.0)
+    return max(sorted(score), key=lambda n: sum(score[n]) / len(score[n]))
+
+
 def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, seconds: float = 1.0,
-         workers: tuple[int, ...] = (1, 2), threads: tuple[int, ...] = (1, 2), levels: tuple[int, ...] = LEVELS,
-         max_batch: int = 64, max_wait_ms: float = 0.0, log=print) -> dict[str, Any]:
-    """Measure every (batch workers `workers`, threads) at every concurrency level; write and return the table."""
+         workers: Optional[tuple[int, ...]] = None, threads: Optional[tuple[int, ...]] = None,
+         levels: tuple[int, ...] = LEVELS, max_batch: int = 64, max_wait_ms: float = 0.0,
+         processes: Optional[tuple[int, ...]] = None, log=print) -> dict[str, Any]:
+    """Measure the server process counts `processes` over HTTP (default 1 and one per core, when wrk is
+    on PATH; () skips), then every (batch workers `workers`, threads) in-process (default 1 and the
+    cores of one process's share, each) at every concurrency level; write and return the table."""
     served = load_served(snapshot)
     prepare = "prepare_search" if served.answers == "search" else "prepare_recommend"
     bodies = sample_bodies(served, 512)
+    process_rows, chosen, skipped = [], None, None
+    if processes is None:
+        processes = tuple(sorted({1, cores()}))
+        if not loadgen.available():
+            processes, skipped = (), "wrk is not on PATH (Debian: apt-get install wrk)"
+            log(f"tune: server processes not measured: {skipped}; serve keeps one per core")
+    if len(processes) == 1:  # one count asked for: the batch workers are tuned for its share, nothing to compare
+        chosen = processes[0]
+    elif processes:
+        route = "/v1/search" if served.answers == "search" else "/v1/recommend"
+        raw = [b.model_dump_json(exclude_unset=True).encode() for b in bodies]
+        process_rows = measure_processes(snapshot, tuple(processes), levels, seconds, route, raw, max_batch,
+                                         max_wait_ms, log)
+        chosen = choose_processes(process_rows)
+        log(f"tune: {chosen} server process{'es' if chosen > 1 else ''} (serve --workers {chosen})")
+    share = max(1, cores() // (chosen or 1))
+    workers = workers or tuple(sorted({1, share}))
+    threads = threads or tuple(sorted({1, share}))
     results = []
 
     async def run_setting(w: int, t: int):
@@ -152,8 +243,10 @@ def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, s
         best.append({k: pick[k] for k in ("concurrency", "batch_workers", "threads", "throughput", "p99_ms")})
     table = {"snapshot": str(Path(snapshot).resolve()), "version": served.version, "kind": served.kind,
              "seconds": seconds, "max_batch": max_batch, "max_wait_ms": max_wait_ms, "cpu_count": os.cpu_count(),
-             "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results,
-             "best": best}
+             "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "processes": chosen, "process_results": process_rows, "results": results, "best": best}
+    if skipped:
+        table["processes_skipped"] = skipped
     out = Path(out) if out else default_tune_path(snapshot)
     out.write_text(json.dumps(table, indent=2))
     log(f"tune: wrote {out}")
