@@ -145,7 +145,8 @@ def second_version(path: Path) -> Path:
 
 def fuzz_bodies(w: Workload, n: int, seed: int = 0) -> list[bytes]:
     """Bodies a client should not send: mutated fields (wrong types, out of range, unknown users and
-    ids, bad filters, extra keys, NaN), truncated JSON and random bytes."""
+    ids, bad filters, extra keys, NaN, deadlines that are not positive numbers), truncated JSON and
+    random bytes."""
     rng = random.Random(seed)
     junk = [None, True, -1, 0, 2 ** 70, 1.5, float("nan"), "x", "", [], {}, [[]], [None], {"a": 1}, "genre = = c1",
             "NOT", "(", "country IN ()", "é" * 8, [[0.1] * (SEARCH_DIM + 1)], [[0.1] * 3], 10 ** 6, -10 ** 6]
@@ -157,7 +158,10 @@ def fuzz_bodies(w: Workload, n: int, seed: int = 0) -> list[bytes]:
         kind = rng.random()
         if kind < 0.6:
             for _ in range(rng.randint(1, 3)):
-                body[rng.choice(keys)] = rng.choice(junk)
+                key, value = rng.choice(keys), rng.choice(junk)
+                if key == "deadline_ms" and isinstance(value, (int, float)) and value > 0:
+                    value = -value  # a positive deadline is a valid one, answered 504 once it passes
+                body[key] = value
             out.append(json.dumps(body, allow_nan=True).encode())
         elif kind < 0.7:
             body.pop(rng.choice(list(body)))
