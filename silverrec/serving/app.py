@@ -1,7 +1,7 @@
 """The HTTP app of `silverrec serve DIR`: its routes, the server state behind them (the served version,
 the batcher, metrics, reloads) and the ASGI gate in front (body limit, per-route metrics).
 
-    $ silverrec serve snapshots/v1 --port 8080 --max-batch 32 --max-wait-ms 5
+    $ silverrec serve snapshots/v1 --port 8080
     $ curl -s localhost:8080/v1/search -d '{"queries": [[0.1, 0.2, ...]], "k": 10}'
     {"item_ids": [[...]], "scores": [[...]], "version": "v1@3f9c2a1b7d0e"}
 

@@ -1,7 +1,7 @@
 """`silverrec serve DIR`: the HTTP app (serving/app.py) on a bound socket, in the foreground until
 SIGINT/SIGTERM (in-flight requests are answered first) or in a background thread (tests, benchmarks).
 
-    $ silverrec serve snapshots/v1 --port 8080 --max-batch 32 --max-wait-ms 5
+    $ silverrec serve snapshots/v1 --port 8080
     $ curl -s localhost:8080/v1/search -d '{"queries": [[0.1, 0.2, ...]], "k": 10}'
     {"item_ids": [[...]], "scores": [[...]], "version": "v1@3f9c2a1b7d0e"}
 
@@ -33,7 +33,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
 
 
 class Running:
@@ -98,7 +97,7 @@ def uvicorn_server(app, log_level: str = "warning"):
 
 def run_loop(main) -> None:
     """Run the coroutine `main` on uvloop (libuv's event loop, in C; the HTTP parser is httptools, also
-    in C: together they took a tenth off the server's CPU time per request against asyncio's loop and h11)."""
+    in C): less of the server's CPU time per request than asyncio's loop (docs/benchmarks.md)."""
     import uvloop
 
     uvloop.run(main)
