@@ -21,8 +21,11 @@ Systems, each its own server process(es) on loopback, the same snapshot:
                     process, no HTTP: the ceiling a server can approach (its batch-B throughput is drawn
                     at concurrency B)
 Load: wrk (C, one thread) in a closed loop, C connections each sending its next request when answered,
-at concurrency 1, 4, 16 and 64 for --seconds per point (after a warm-up); latency percentiles are
-wrk's. Then, on the default server: 10 reloads (alternating two copies of the snapshot) under load
+at concurrency 1, 4, 16 and 64 for --seconds per point (after a warm-up), in two rounds of half
+each with the systems' order reversed between rounds: a point's throughput is over both rounds, its
+p50 their mean, its p99 the worse round's, and the rounds' spread is the run's noise. Latency
+percentiles are wrk's. The in-process ceiling is measured before and after the servers (its two
+measurements' mean, both recorded). Then, on the default server: 10 reloads (alternating two copies of the snapshot) under load
 at concurrency 16, counting every answer's status, and a fuzz of bodies (mutated, truncated and
 random) counting 5xx. The load generator, the server and (for Ray) its raylet share this machine's
 cores; the 1-minute load average is recorded at each point.
@@ -66,6 +69,7 @@ RAY_PYTHON = ROOT / ".venv" / "ray" / "bin" / "python"
 TOKEN = "bench-token"
 K = 10
 LEVELS = (1, 4, 16, 64)
+ROUNDS = 2  # each load point: this many rounds of seconds / ROUNDS, the systems' order reversed each round
 BATCHES = (1, 16, 64)
 SEARCH_DIM = 64
 SEARCH_FEATURES = {"country": 10, "genre": 20, "lang": 100}  # name -> values (genre zipf-distributed)
@@ -229,13 +233,13 @@ def systems(args) -> list[dict]:
 
 
 def run_workload(w: Workload, args, extra: dict) -> list[dict]:
-    """The in-process ceiling, then every system at every level: the silverrec servers all started at
+    """The in-process ceiling (before and after the rest), every system at every level: the silverrec servers all started at
     once and taken in turn at each level (the order reversed from level to level, so that a shared
     machine's load falls on all alike), Ray Serve alone after them; reloads and the fuzz last."""
     seconds = args.seconds or (3 if args.quick else 10)
-    rows = ceiling(w, 2.0 if args.quick else 5.0)
+    before = ceiling(w, 1.0 if args.quick else 2.5)
     good = write_bodies(WORK / f"{w.name}.bodies", [json.dumps(b).encode() for b in w.bodies])
-    running = {}
+    rows, running = [], {}
     try:
         for group in ([s for s in systems(args) if s["kind"] == "silverrec"], [s for s in systems(args) if s["kind"] == "ray"]):
             for system in group:
@@ -251,13 +255,20 @@ def run_workload(w: Workload, args, extra: dict) -> list[dict]:
             for name in names:
                 wrk(running[name][1], w.route, good, 16, 2)  # warm-up
             for i, c in enumerate(LEVELS):
-                for name in (names if i % 2 == 0 else names[::-1]):
-                    r = wrk(running[name][1], w.route, good, c, seconds)
-                    r.update({"workload": w.name, "system": name, "concurrency": c, "load": "closed",
-                              "load_1min": os.getloadavg()[0]})
+                per = {name: [] for name in names}
+                for k in range(ROUNDS):  # A B C then C B A: a shared machine's load falls on all alike
+                    for name in (names if (i * ROUNDS + k) % 2 == 0 else names[::-1]):
+                        r = wrk(running[name][1], w.route, good, c, seconds / ROUNDS)
+                        r.update({"workload": w.name, "system": name, "concurrency": c, "load": "closed round",
+                                  "round": k, "load_1min": os.getloadavg()[0]})
+                        rows.append(r)
+                        per[name].append(r)
+                for name in names:
+                    r = combine(per[name])
                     rows.append(r)
                     print(f"{w.name:9s} {name:14s} c={c:3d} {r['throughput']:8.1f} req/s  p50 {r['p50_ms']:7.2f}  "
-                          f"p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  load {r['load_1min']:.1f}", flush=True)
+                          f"p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  rounds {r['round_throughputs']}  "
+                          f"load {r['load_1min']:.1f}", flush=True)
             if "silverrec" in names:
                 port = running["silverrec"][1]
                 rows.append(reloads_under_load(w, port, good, max(6.0, seconds)))
@@ -267,7 +278,26 @@ def run_workload(w: Workload, args, extra: dict) -> list[dict]:
     finally:
         for proc, _ in running.values():
             stop_server(proc)
+    after = ceiling(w, 1.0 if args.quick else 2.5)  # again after the servers: the machine's drift over the run
+    for a, b in zip(before, after):
+        rows.append({**a, "median_ms": (a["median_ms"] + b["median_ms"]) / 2, "throughput": (a["throughput"] + b["throughput"]) / 2,
+                     "calls": a["calls"] + b["calls"], "round_throughputs": [round(a["throughput"], 1), round(b["throughput"], 1)],
+                     "round_median_ms": [a["median_ms"], b["median_ms"]], "load_1min": (a["load_1min"] + b["load_1min"]) / 2})
     return rows
+
+
+def combine(rounds: list[dict]) -> dict:
+    """A system's rounds at one level as one point: throughput over all rounds, p50 the rounds' mean,
+    p99 the worst round's, and each round's throughput (their spread is the run's noise)."""
+    first = rounds[0]
+    requests = sum(r["requests"] for r in rounds)
+    tps = [r["throughput"] for r in rounds]
+    return {"workload": first["workload"], "system": first["system"], "concurrency": first["concurrency"],
+            "load": "closed", "requests": requests, "throughput": requests / sum(r["duration_us"] / 1e6 for r in rounds),
+            "p50_ms": statistics.mean(r["p50_ms"] for r in rounds), "p99_ms": max(r["p99_ms"] for r in rounds),
+            "errors": sum(r["errors"] for r in rounds), "round_throughputs": [round(t, 1) for t in tps],
+            "spread": (max(tps) - min(tps)) / statistics.mean(tps) if statistics.mean(tps) else 0.0,
+            "load_1min": statistics.mean(r["load_1min"] for r in rounds)}
 
 
 def reloads_under_load(w: Workload, port: int, good: Path, seconds: float) -> dict:
