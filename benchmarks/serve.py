@@ -432,7 +432,9 @@ def plot(payload: dict, path: Path) -> None:
                    Panel(f"{wl}: p99 latency", "concurrency (wrk connections)", "p99, ms", p99, logx=True, logy=True,
                          ref=100.0, ref_label="100 ms")]
     m = payload["machine"]
-    save_plot(path, panels, f"silverrec serve under wrk, loopback, {m.get('cores')} cores ({m.get('cpu')}), "
+    loads = [r["load_1min"] for r in rows if "load_1min" in r]
+    shared = f", 1-min load {min(loads):.0f}-{max(loads):.0f} (shared)" if loads else ""
+    save_plot(path, panels, f"silverrec serve under wrk, loopback, {m.get('cores')} cores ({m.get('cpu')}){shared}, "
                             f"{payload['created'][:10]}")
 
 
