@@ -12,12 +12,13 @@ setup: $(STAMP)
 # with `make lock`, tests/test_lock.py checks it against pyproject.toml): torch 2.13.0+cpu from local
 # disk, fbgemm-gpu-cpu instead of the CUDA fbgemm-gpu that torchrec declares, so the whole lock goes in
 # with --no-deps (torchrec included, as before); then silverrec itself in editable mode (setup.py
-# compiles the C++ CPU kernels, kernels/csrc/, into silverrec.kernels._cpu).
+# compiles the operator library, kernels/csrc/, into kernels/libsilverrec_ops.so: every op's schema, CPU and
+# Meta kernel; it needs a C++17 compiler, without which no silverrec op exists).
 $(STAMP): pyproject.toml requirements.lock setup.py Makefile $(wildcard kernels/csrc/*)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements.lock
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
-	$(BIN)/python -c "import silverrec, torchrec, fbgemm_gpu; from silverrec.kernels.cpu_ext import cpu_ext; print('silverrec', silverrec.__version__, 'ready; C++ CPU kernels:', cpu_ext() is not None)"
+	$(BIN)/python -c "import silverrec, torchrec, fbgemm_gpu; from silverrec.kernels import library; print('silverrec', silverrec.__version__, 'ready; operators:', library.load(), library.host().isa())"
 	touch $(STAMP)
 
 demo: setup
@@ -30,7 +31,7 @@ test: setup
 # The C++ kernels' other code paths (kernels/csrc: AVX-512 with VNNI, AVX-512 without it, AVX2, SSE), of
 # which a machine runs only its own under -march=native: each instruction set (ISAS, gcc -march names)
 # is built under build/portable/ (SILVERREC_MARCH) and the kernel tests run on that build
-# (SILVERREC_CPU_EXT_PATH; test_the_build_under_test_is_loaded checks it is loaded and its ISA). `make test`
+# (SILVERREC_OPS_PATH; test_the_build_under_test_is_loaded checks it is loaded and its ISA). `make test`
 # covers x86-64-v4 (AVX-512 without VNNI: Skylake-X) and x86-64-v3 (AVX2: Zen 2/3, Haswell), ~2 min each;
 # add x86-64-v2 (SSE4.2: the scalar paths) with `make test-portable ISAS="x86-64-v4 x86-64-v3 x86-64-v2"`.
 # These runs use OMP_WAIT_POLICY=PASSIVE, silverrec's default, under which the ops' parallel steps run on
@@ -39,7 +40,7 @@ ISAS ?= x86-64-v4 x86-64-v3
 PORTABLE_TESTS := tests/test_cpu_scan.py tests/test_filtered_topk.py tests/test_rescore_rows.py \
 	tests/test_search_fast_paths.py tests/test_filter_routes.py tests/test_mol_score.py tests/test_candidate_rows.py \
 	tests/test_residual_codes.py tests/test_bloom_filter.py tests/test_team.py \
-	tests/test_centroid_probe.py
+	tests/test_centroid_probe.py tests/test_beam_topk.py tests/test_staged_attention.py
 test-portable: setup
 	@set -e; mkdir -p build/portable; for march in $(ISAS); do \
 		case $$march in x86-64-v4) isa=avx512;; x86-64-v3) isa=avx2;; x86-64-v2) isa=sse;; *) isa=;; esac; \
@@ -47,15 +48,18 @@ test-portable: setup
 		SILVERREC_MARCH=$$march $(BIN)/python setup.py -q build_ext --build-lib build/portable/$$march \
 			--build-temp build/portable/$$march-obj > build/portable/$$march.log 2>&1 \
 			|| { tail -30 build/portable/$$march.log; exit 1; }; \
-		SILVERREC_CPU_EXT_PATH=$$(ls $(CURDIR)/build/portable/$$march/silverrec/kernels/_cpu*.so) OMP_WAIT_POLICY=PASSIVE \
+		SILVERREC_OPS_PATH=$(CURDIR)/build/portable/$$march/silverrec/kernels/libsilverrec_ops.so OMP_WAIT_POLICY=PASSIVE \
 			SILVERREC_EXPECT_ISA=$$isa $(BIN)/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS); \
 	done
 
 # The GPU suite (tests/gpu; docs/gpu.md): on a machine whose python3 already has torch and triton, with
-# no venv, no install and no network (tools/repo_import.py maps pyproject's package folders). Triton
-# compiles for the device (no TRITON_INTERPRET); every test skips without CUDA.
+# no venv, no install and no network (tools/repo_import.py maps pyproject's package folders); the operator
+# library is built against that torch under build/gpu/ first. Triton compiles for the device (no
+# TRITON_INTERPRET); every test skips without CUDA.
 test-gpu:
-	SILVERREC_GPU_TESTS=1 SILVERREC_QUIET=1 $(PY) -m pytest -q tests/gpu
+	$(PY) setup.py -q build_ext --build-lib build/gpu --build-temp build/gpu-obj
+	SILVERREC_OPS_PATH=$(CURDIR)/build/gpu/silverrec/kernels/libsilverrec_ops.so SILVERREC_GPU_TESTS=1 SILVERREC_QUIET=1 \
+		$(PY) -m pytest -q tests/gpu
 
 # The search a published pure-ANN snapshot runs (the index's forward, and silverrec.load(DIR).search on the
 # snapshot) against Faiss IVF-Flat / IVF-SQ8 and hnswlib on the same data, in benchmarks/ann.py's quick mode
@@ -80,4 +84,4 @@ lock:
 	$(BIN)/python tools/lock.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info kernels/_cpu*.so
+	rm -rf $(VENV) build *.egg-info kernels/libsilverrec_ops.so

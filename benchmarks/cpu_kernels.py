@@ -40,22 +40,20 @@ def main() -> int:
     p.add_argument("--nprobe", type=int, default=32)
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--ext", default=None, help="path of another build of silverrec.kernels._cpu")
+    p.add_argument("--ext", default=None, help="path of another build of libsilverrec_ops.so")
     p.add_argument("--tag", default="current")
     p.add_argument("--quick", action="store_true", help="100k items, 3 reps")
     args = p.parse_args()
     if args.quick:
         args.n, args.reps = 100_000, 3
-    if args.ext:  # kernels/cpu_ext.py loads this build instead of the package's
-        os.environ["SILVERREC_CPU_EXT_PATH"] = args.ext
+    if args.ext:  # kernels/library.py loads this build instead of the package's
+        os.environ["SILVERREC_OPS_PATH"] = args.ext
     import faiss
     from exact_topk import exact_index, gaussian_mixture
 
-    from silverrec.kernels.cpu_ext import cpu_ext
+    import silverrec.kernels  # noqa: F401  (loads the operator library)
     from silverrec.publish.quantize import quantize_global
 
-    ext = cpu_ext()
-    assert ext is not None, "extension not loaded"
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     load_before = os.getloadavg()

@@ -12,10 +12,10 @@ the result is the W best admissible candidates, ties broken by lower (i, c). Few
 admissible candidates: the remaining slots get score -inf, parent 0, code 0 (never a real
 candidate). top_k >= C (or >= W) means "no per-beam cut", i.e. ordinary beam search.
 
-CPU (host logic is fine inside the op) uses early termination: beams are ranked by their best
-candidate; the top_k candidates of the first ceil(W / top_k) of them give a lower bound on the
-final W-th score, and every beam whose best candidate is below it is skipped (never sorted).
-CUDA: the same selection on every beam, without the data-dependent cut (no host sync).
+CPU (kernels/csrc/beam.cpp; host logic is fine inside the op) uses early termination: beams are
+ranked by their best candidate; the top_k candidates of the first ceil(W / top_k) of them give a lower
+bound on the final W-th score, and every beam whose best candidate is below it is skipped (never
+sorted). CUDA: the same selection on every beam (`_select`), without the data-dependent cut (no host sync).
 `beam_topk_reference` is the independent full-sort reference used by the tests.
 """
 
@@ -63,45 +63,6 @@ def _select(total: torch.Tensor, top_k: int, beam_width: int, beams: torch.Tenso
 def _candidates(beam_scores: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     # + 0.0 turns -0.0 into +0.0 so that equal scores compare equal everywhere
     return beam_scores[:, :, None] + logprobs + 0.0
-
-
-def beam_topk_early_exit(beam_scores: torch.Tensor, logprobs: torch.Tensor, top_k: int, beam_width: int):
-    """CPU selection with early termination (see module docstring); returns what `_select` does."""
-    total = _candidates(beam_scores, logprobs)
-    B, Wi, C = total.shape
-    k = min(top_k, C)
-    m = -(-beam_width // k)  # beams whose top_k candidates alone can fill the W slots
-    if m >= Wi:
-        return _select(total, top_k, beam_width, None)
-    best = total.amax(dim=2)  # [B, Wi]
-    rank = torch.sort(best, dim=1, descending=True, stable=True).indices
-    lead = torch.sort(rank[:, :m], dim=1).values
-    lead_vals = total.gather(1, lead[:, :, None].expand(B, m, C)).topk(k, dim=2).values.reshape(B, m * k)
-    threshold = lead_vals.topk(beam_width, dim=1).values[:, -1]  # <= the final W-th best score
-    need = (best >= threshold[:, None]) & (best > float("-inf"))
-    n = max(int(need.sum(dim=1).max()), m)  # needed beams are a prefix of `rank`
-    if n >= Wi:
-        return _select(total, top_k, beam_width, None)
-    return _select(total, top_k, beam_width, torch.sort(rank[:, :n], dim=1).values)
-
-
-@torch.library.custom_op("silverrec::beam_topk", mutates_args=())
-def beam_topk(
-    beam_scores: torch.Tensor, logprobs: torch.Tensor, top_k: int, beam_width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CPU (fast path with early termination). See module docstring."""
-    _check(beam_scores, logprobs, top_k, beam_width)
-    return beam_topk_early_exit(beam_scores, logprobs, top_k, beam_width)
-
-
-@beam_topk.register_fake
-def _(beam_scores, logprobs, top_k, beam_width):
-    B = logprobs.shape[0]
-    return (
-        logprobs.new_empty(B, beam_width),
-        logprobs.new_empty(B, beam_width, dtype=torch.int64),
-        logprobs.new_empty(B, beam_width, dtype=torch.int64),
-    )
 
 
 @torch.library.register_kernel("silverrec::beam_topk", "cuda")

@@ -15,10 +15,7 @@ The IVF co-design passes one window per probed cluster (`word_start = cluster_of
 unprobed mode passes one window `word_start = 0, n_words = W` per query.
 Scratch memory is O(B * P * n_words * stack depth): proportional to the probed items, not N.
 
-CPU: the C++ evaluator (`kernels/csrc/bloom.cpp`, `silverrec.kernels._cpu.bloom_filter`: blocks of
-256 words per instruction, no numpy temporaries) when the extension is built; otherwise numpy,
-vectorised over queries, windows and words, with one step per instruction (the
-per-query stack slot of every instruction is precomputed from the opcodes). CUDA: the Triton
+CPU: the C++ evaluator (`kernels/csrc/bloom.cpp`: blocks of 256 words per instruction). CUDA: the Triton
 kernel in `bloom_filter_triton.py` (one program per window block, stack in scratch memory).
 `bloom_filter_reference` is an independent per-query stack machine used by the tests.
 
@@ -30,21 +27,16 @@ kernel in `bloom_filter_triton.py` (one program per window block, stack in scrat
 
 The IVF planner's fused step (per-cluster match counts next to the bitmask). CPU (C++): evaluates
 only the words each range touches, so a small cluster costs its own size, not the largest
-cluster's `n_words`; identical (program, ranges) queries run once. Without the extension, and on
-CUDA (after the Triton bloom_filter, a Triton range-mask + popcount kernel), it is the composition
-`bloom_filter_counts_torch`.
+cluster's `n_words`; identical (program, ranges) queries run once. CUDA: the Triton bloom_filter, then a
+Triton range-mask + popcount kernel. `bloom_filter_counts_torch`, the composition of bloom_filter with the
+range masks, is the tests' reference.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from silverrec.kernels.constants import OP_AND, OP_FALSE, OP_NOP, OP_NOT, OP_OR, OP_PUSH, OP_STACK_EFFECT, OP_TRUE
-from silverrec.kernels.cpu_ext import cpu_ext
-
-_DELTA = np.array(OP_STACK_EFFECT, dtype=np.int64)  # stack depth change per opcode
-
+from silverrec.kernels.constants import OP_AND, OP_FALSE, OP_NOT, OP_OR, OP_PUSH, OP_TRUE
 
 def check_program(bits, ops, rows) -> None:
     """ValueError unless bits int64 [R, W], ops int64 [B, L] and rows int64 [B, L, T]."""
@@ -62,111 +54,6 @@ def _check(bits, ops, rows, word_start, n_words) -> None:
         raise ValueError(f"word_start must be int64 [B, P], got {word_start.dtype} {tuple(word_start.shape)}")
     if n_words < 1:
         raise ValueError(f"n_words must be >= 1, got {n_words}")
-
-
-def stack_slots(ops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Stack slots of every instruction: (dst, src_a, src_b) int64 [B, L] each.
-
-    Raises ValueError for a malformed program (stack underflow, or not exactly one result).
-    """
-    if ops.size and (ops.min() < 0 or ops.max() > OP_TRUE):
-        raise ValueError(f"unknown opcode in filter program (valid: 0..{OP_TRUE})")
-    delta = _DELTA[ops]
-    before = np.cumsum(delta, axis=1) - delta
-    binary = (ops == OP_AND) | (ops == OP_OR)
-    need = np.where(binary, 2, np.where(ops == OP_NOT, 1, 0))
-    if (before < need).any():
-        raise ValueError("malformed filter program: stack underflow")
-    final = before[:, -1] + delta[:, -1] if ops.shape[1] else np.zeros(ops.shape[0], np.int64)
-    if (final != 1).any():
-        raise ValueError("malformed filter program: it must leave exactly one result on the stack")
-    dst = np.where(binary, before - 2, np.where(ops == OP_NOT, before - 1, before))
-    src_a = np.where(binary, before - 2, before - 1)
-    src_b = before - 1
-    scratch = ops.shape[1]  # NOPs write to a slot nobody reads
-    dst = np.where(ops == OP_NOP, scratch, dst)
-    return dst, np.maximum(src_a, 0), np.maximum(src_b, 0)
-
-
-def _windows(word_start: np.ndarray, n_words: int, total_words: int) -> tuple[np.ndarray, np.ndarray]:
-    widx = word_start[..., None] + np.arange(n_words, dtype=np.int64)  # [B, P, n]
-    valid = (word_start[..., None] >= 0) & (widx < total_words)
-    return np.clip(widx, 0, max(total_words - 1, 0)), valid
-
-
-def bloom_filter_numpy(bits: np.ndarray, ops: np.ndarray, rows: np.ndarray, word_start: np.ndarray, n_words: int) -> np.ndarray:
-    """The fast CPU path (numpy int64 arrays in, int64 [B, P, n_words] out)."""
-    B, L = ops.shape
-    P = word_start.shape[1]
-    R, W = bits.shape
-    out = np.zeros((B, P, n_words), dtype=np.int64)
-    if B == 0 or P == 0 or W == 0 or L == 0:
-        return out
-    live = np.flatnonzero((word_start >= 0).any(axis=1))
-    if live.size < B:  # queries without any window cost nothing
-        if live.size:
-            out[live] = bloom_filter_numpy(bits, ops[live], rows[live], word_start[live], n_words)
-        return out
-    dst, src_a, src_b = stack_slots(ops)
-    widx, valid = _windows(word_start, n_words, W)
-    flat = bits.reshape(-1)
-
-    # All PUSH values at once: [Np, P, n] = AND over T of (+/-) bits[row, window words].
-    pb, pl = np.nonzero(ops == OP_PUSH)
-    push_val = None
-    if pb.size:
-        r = rows[pb, pl]  # [Np, T]
-        if ((r >= R) | (~r >= R)).any():
-            raise ValueError(f"filter program addresses a row outside the bank of {R} rows")
-        ridx = np.where(r < 0, ~r, r)
-        inv = np.where(r < 0, np.int64(-1), np.int64(0))
-        base = widx[pb]  # [Np, P, n]
-        push_val = np.take(flat, ridx[:, 0, None, None] * W + base) ^ inv[:, 0, None, None]
-        for t in range(1, r.shape[1]):
-            push_val &= np.take(flat, ridx[:, t, None, None] * W + base) ^ inv[:, t, None, None]
-    push_index = np.full((B, L), -1, dtype=np.int64)
-    push_index[pb, pl] = np.arange(pb.size)
-
-    stack = np.zeros((L + 1, B, P, n_words), dtype=np.int64)
-    for l in range(L):
-        o = ops[:, l]
-        for code in np.unique(o):
-            bs = np.nonzero(o == code)[0]
-            d = dst[bs, l]
-            if code == OP_PUSH:
-                stack[d, bs] = push_val[push_index[bs, l]]
-            elif code == OP_AND:
-                stack[d, bs] = stack[src_a[bs, l], bs] & stack[src_b[bs, l], bs]
-            elif code == OP_OR:
-                stack[d, bs] = stack[src_a[bs, l], bs] | stack[src_b[bs, l], bs]
-            elif code == OP_NOT:
-                stack[d, bs] = ~stack[src_a[bs, l], bs]
-            elif code == OP_FALSE:
-                stack[d, bs] = 0
-            elif code == OP_TRUE:
-                stack[d, bs] = -1
-    np.copyto(out, stack[0], where=valid)
-    return out
-
-
-@torch.library.custom_op("silverrec::bloom_filter", mutates_args=())
-def bloom_filter(
-    bits: torch.Tensor, ops: torch.Tensor, rows: torch.Tensor, word_start: torch.Tensor, n_words: int
-) -> torch.Tensor:
-    """CPU (fast path). See the module docstring for the contract."""
-    _check(bits, ops, rows, word_start, n_words)
-    ext = cpu_ext()
-    if ext is not None:  # same validation messages (ValueError) and output as the numpy path
-        return ext.bloom_filter(bits.contiguous(), ops.contiguous(), rows.contiguous(), word_start.contiguous(), n_words)
-    out = bloom_filter_numpy(
-        bits.contiguous().numpy(), ops.numpy(), rows.numpy(), word_start.contiguous().numpy(), n_words
-    )
-    return torch.from_numpy(out)
-
-
-@bloom_filter.register_fake
-def _(bits, ops, rows, word_start, n_words):
-    return bits.new_empty(word_start.shape[0], word_start.shape[1], n_words)
 
 
 @torch.library.register_kernel("silverrec::bloom_filter", "cuda")
@@ -193,24 +80,6 @@ def bloom_filter_counts_torch(bits, ops, rows, lo, hi, n_words: int, bloom=None)
     words = (bloom or torch.ops.silverrec.bloom_filter)(bits, ops, rows, starts, n_words)
     masked = words & range_word_masks(lo, hi, starts, n_words)
     return masked, popcount64(masked).sum(dim=2)
-
-
-@torch.library.custom_op("silverrec::bloom_filter_counts", mutates_args=())
-def bloom_filter_counts(
-    bits: torch.Tensor, ops: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_words: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU (fast path). See the module docstring for the contract."""
-    _check(bits, ops, rows, lo, n_words)
-    _check_ranges(lo, hi)
-    ext = cpu_ext()
-    if ext is not None and hasattr(ext, "bloom_filter_counts"):
-        return ext.bloom_filter_counts(bits.contiguous(), ops.contiguous(), rows.contiguous(), lo.contiguous(), hi.contiguous(), n_words)
-    return bloom_filter_counts_torch(bits, ops, rows, lo, hi, n_words)
-
-
-@bloom_filter_counts.register_fake
-def _(bits, ops, rows, lo, hi, n_words):
-    return bits.new_empty(lo.shape[0], lo.shape[1], n_words), bits.new_empty(lo.shape[0], lo.shape[1])
 
 
 @torch.library.register_kernel("silverrec::bloom_filter_counts", "cuda")

@@ -17,7 +17,7 @@ sort, merge table, cumsum, scatter) over a few hundred rows, whose dispatch cost
 0.65 ms TorchScript forward on the MovieLens snapshot (1 thread) against tens of microseconds of
 arithmetic. CPU: one C++ pass per request (kernels/csrc/candidates.cpp; exclusions and merge
 through small hash tables, so nothing is sized by the pool). The composition below
-(`candidate_rows_torch`) is the reference, the CUDA path and the fallback without the extension.
+(`candidate_rows_torch`) is the CUDA kernel and the tests' reference.
 """
 
 from __future__ import annotations
@@ -120,17 +120,4 @@ def candidate_rows_torch(queries: Tensor, found: Tensor, exclude: Tensor, emb: T
     return merge_tasks(rows_t, intersection, limit, n)
 
 
-# Defined before kernels/filtered_ivf_search.py loads the C++ extension, which registers the CPU kernel.
-torch.library.define("silverrec::candidate_rows", "(Tensor queries, Tensor found, Tensor exclude, Tensor emb, "
-                     "SymInt k0, SymInt limit, bool intersection) -> Tensor")
-torch.library.impl("silverrec::candidate_rows", "CUDA", candidate_rows_torch)
-
-
-def register_cpu_fallback() -> None:
-    """CPU kernel when the extension is not built (kernels/filtered_ivf_search.py calls this)."""
-    torch.library.impl("silverrec::candidate_rows", "CPU", candidate_rows_torch)
-
-
-@torch.library.register_fake("silverrec::candidate_rows")
-def _(queries, found, exclude, emb, k0, limit, intersection):
-    return found.new_empty(exclude.shape[0], limit, dtype=torch.int64)
+torch.library.register_kernel("silverrec::candidate_rows", "cuda", candidate_rows_torch)

@@ -9,7 +9,6 @@ by score (descending) and breaks ties by row (ascending), deterministically on e
 import torch
 
 from silverrec.kernels.constants import BIAS_FLOOR, EMPTY_KEY, NO_ROW, QUERY_CODE_MAX, QUERY_SCALE_FLOOR
-from silverrec.kernels.cpu_ext import cpu_ext
 
 ROW_MASK = (1 << 32) - 1
 
@@ -23,10 +22,6 @@ def quantize_queries(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         codes int8 [B, D] in [-QUERY_CODE_MAX, QUERY_CODE_MAX] and scale float32 [B] with queries ~= scale[:, None] * codes.
     """
     q = queries.float()
-    if q.device.type == "cpu" and q.dim() == 2 and q.shape[0] and q.shape[1]:
-        ext = cpu_ext()
-        if ext is not None and hasattr(ext, "quantize_queries"):  # one call instead of eight ops
-            return ext.quantize_queries(q.contiguous())
     scale = q.abs().amax(dim=1).clamp_min(QUERY_SCALE_FLOOR) / float(QUERY_CODE_MAX)
     codes = torch.round(q / scale[:, None]).clamp_(-QUERY_CODE_MAX, QUERY_CODE_MAX).to(torch.int8)
     return codes, scale

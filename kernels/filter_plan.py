@@ -24,8 +24,8 @@ more rows than the pool's estimated matches x exact_cost_ratio.
 
 CPU: one fused C++ call (kernels/csrc/plan.cpp), same float32 arithmetic; a batch routed to posting
 lists or unprobed by its mode computes no centroid scores (on every path, an unprobed query's
-candidate clusters are not evaluated: its bitmask rows are zero). Without the extension: `filter_plan_torch`, the same
-steps as tensor ops with no host synchronisation (the reference of the other paths). CUDA: `filter_plan_triton.py`, the
+candidate clusters are not evaluated: its bitmask rows are zero). `filter_plan_torch`, the same
+steps as tensor ops with no host synchronisation, is the tests' reference of the other paths. CUDA: `filter_plan_triton.py`, the
 centroid matmul and the candidate sort, then two Triton kernels (one program per query) around the Triton
 `bloom_filter_counts`: 13 launches instead of 74 (benchmarks/cuda_launches.py).
 """
@@ -41,13 +41,13 @@ from silverrec.kernels.constants import (MODE_AUTO, MODE_PROBED, MODE_UNPROBED, 
 # filter_plan_torch reads a route off the posting lists as int(unprobed): one cast (one kernel on a GPU), not a
 # select between two filled tensors
 assert (ROUTE_PROBED, ROUTE_WHOLE_POOL) == (0, 1)
-from silverrec.kernels.cpu_ext import cpu_ext
 from silverrec.kernels.search_args import FilteredIvfParams, FilteredIvfTensors, Program, unpack
 
 
 def filter_plan_torch(queries, index, params, exact_cost_ratio: float, program, mode, k: int, nprobe: int,
                       max_probe: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device-generic path (and the reference of the C++ one); arguments as the op's, checked (`checked_args`)."""
+    """The same steps as tensor ops (the reference of the C++ and Triton paths); arguments as the op's, checked
+    (`checked_args`)."""
     ix, pa, pr = FilteredIvfTensors(*index), FilteredIvfParams(*params), Program(*program)
     lists, post_sizes, offsets = pr.lists, ix.post_sizes, ix.cluster_offsets
     n_lists = post_sizes.shape[0] - 1
@@ -78,28 +78,8 @@ def filter_plan_torch(queries, index, params, exact_cost_ratio: float, program, 
     return probes, bitmask, route
 
 
-@torch.library.custom_op("silverrec::filter_plan", mutates_args=())
-def filter_plan(
-    queries: torch.Tensor,
-    index: list[torch.Tensor],
-    params: list[int],
-    exact_cost_ratio: float,
-    program: list[torch.Tensor],
-    mode: torch.Tensor,
-    k: int,
-    nprobe: int,
-    max_probe: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See the module docstring."""
-    args = checked_args(queries, index, params, exact_cost_ratio, program, mode, k, nprobe, max_probe)
-    ext = cpu_ext() if queries.device.type == "cpu" else None
-    if ext is not None and hasattr(ext, "filter_plan"):
-        return ext.filter_plan(*args)
-    return filter_plan_torch(*args)
-
-
 def checked_args(queries, index, params, exact_cost_ratio, program, mode, k, nprobe, max_probe) -> tuple:
-    """The op's arguments validated and normalised (float32 / int64 contiguous tensors) for every path."""
+    """The op's arguments validated and normalised (float32 / int64 contiguous tensors) for the Python paths."""
     ix = unpack(FilteredIvfTensors, index, "filter_plan", "index")
     unpack(FilteredIvfParams, params, "filter_plan", "params")
     unpack(Program, program, "filter_plan", "program")
@@ -108,13 +88,6 @@ def checked_args(queries, index, params, exact_cost_ratio, program, mode, k, npr
     index = ix._replace(centroids=ix.centroids.float())
     return (queries.float().contiguous(), [t.contiguous() for t in index], [int(p) for p in params], float(exact_cost_ratio),
             [t.contiguous() for t in program], mode.to(torch.int64).contiguous(), k, nprobe, max_probe)
-
-
-@filter_plan.register_fake
-def _(queries, index, params, exact_cost_ratio, program, mode, k, nprobe, max_probe):
-    b, window_words = queries.shape[0], FilteredIvfParams(*params).window_words
-    return (queries.new_empty(b, max_probe, dtype=torch.int64), queries.new_empty(b, max_probe, window_words, dtype=torch.int64),
-            queries.new_empty(b, dtype=torch.int64))
 
 
 def filter_plan_cuda(queries, index, params, exact_cost_ratio, program, mode, k, nprobe, max_probe):

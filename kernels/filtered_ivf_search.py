@@ -34,9 +34,9 @@ merged, re-scored with the float query when asked (`rescore_rows`), and rows map
 search (`compose_ivf_search`) probes each query's nprobe best centroids (`centroid_candidates`) and scans them
 (`ivf_scan`), then the same tail.
 
-Registration: this module defines the ops, their fakes and their CUDA kernels; loading the C++ extension
-registers their CPU kernels with the dispatcher (a call goes straight to C++, no Python in between).
-Without the extension the CPU kernels are the compositions.
+Registration: the ops, their CPU and Meta kernels are C++ (kernels/csrc/library.cpp, search.cpp: a call goes
+straight to C++, no Python in between); this module registers their CUDA kernels. The compositions of the
+registered ops (`filtered_ivf_search_torch`, `ivf_search_torch`) are the tests' references.
 
 Why one op: at small batches the search's arithmetic is tens of microseconds (a posting list of a
 thousand rows), while each eager tensor op costs several microseconds of dispatch. On CPU the C++
@@ -50,13 +50,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from silverrec.kernels import candidate_rows as _candidate_rows
-from silverrec.kernels import mol_score as _mol_score
-from silverrec.kernels import rescore_rows as _rescore_rows
 from silverrec.kernels.constants import (EXACT_FLOAT_ROWS, NO_LISTS, NO_ROW, ROUTE_PROBED, ROUTE_WHOLE_POOL,
                                          VERIFY_MARGIN_DIVISOR, VERIFY_MARGIN_ROWS)
-from silverrec.kernels.cpu_ext import cpu_ext
-from silverrec.kernels.rows_to_items import register_cpu_fallback
 from silverrec.kernels.search_args import FilteredIvfParams, FilteredIvfTensors, IvfParams, IvfTensors, Program, unpack
 
 
@@ -203,37 +198,5 @@ def ivf_search_cuda(*args) -> tuple[torch.Tensor, torch.Tensor]:
     return compose_ivf_search(cuda_steps(), *args)
 
 
-IVF_SEARCH_SCHEMA = ("(Tensor queries, Tensor[] index, int[] params, SymInt k, SymInt nprobe, SymInt rescore_margin=0, "
-                     "int rescore_max_k=0) -> (Tensor, Tensor)")
-FILTERED_IVF_SEARCH_SCHEMA = (
-    "(Tensor queries, Tensor[] index, int[] params, float exact_cost_ratio, Tensor[] program, Tensor mode, SymInt k, "
-    "SymInt nprobe, SymInt max_probe, SymInt rescore_margin=0, int rescore_max_k=0) -> (Tensor, Tensor)"
-)
-
-
-torch.library.define("silverrec::ivf_search", IVF_SEARCH_SCHEMA)
-torch.library.define("silverrec::filtered_ivf_search", FILTERED_IVF_SEARCH_SCHEMA)
-if cpu_ext() is None:  # no extension (whose loading registers the C++ CPU kernels): the torch forms on CPU
-    torch.library.impl("silverrec::filtered_ivf_search", "CPU", filtered_ivf_search_torch)
-    torch.library.impl("silverrec::ivf_search", "CPU", ivf_search_torch)
-    register_cpu_fallback()
-    _candidate_rows.register_cpu_fallback()
-    _mol_score.register_cpu_fallback()
-    _rescore_rows.register_cpu_fallback()
-torch.library.impl("silverrec::filtered_ivf_search", "CUDA", filtered_ivf_search_cuda)
-torch.library.impl("silverrec::ivf_search", "CUDA", ivf_search_cuda)
-
-def _results(queries, k) -> tuple[torch.Tensor, torch.Tensor]:
-    b = queries.shape[0]
-    return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
-
-
-@torch.library.register_fake("silverrec::filtered_ivf_search")
-def _(queries, index, params, exact_cost_ratio, program, mode, k, nprobe, max_probe, rescore_margin=0, rescore_max_k=0):
-    return _results(queries, k)
-
-
-@torch.library.register_fake("silverrec::ivf_search")
-def _(queries, index, params, k, nprobe, rescore_margin=0, rescore_max_k=0):
-    return _results(queries, k)
-
+torch.library.register_kernel("silverrec::filtered_ivf_search", "cuda", filtered_ivf_search_cuda)
+torch.library.register_kernel("silverrec::ivf_search", "cuda", ivf_search_cuda)

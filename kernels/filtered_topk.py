@@ -35,9 +35,8 @@ pool) are scored exactly like `silverrec::ivf_scan` scores rows (int8 dot produc
 With posting lists the cost is proportional to the candidates, not to N.
 
 CPU: kernels/csrc/filter_scan.cpp (queries with the same program and lists are evaluated once; the
-passing rows are scored by the fused scan); without the extension, `filtered_keys_torch` (per group
-on the host: `bloom_filter` on the candidates' words, a gather and one matmul), the reference the
-tests compare the C++ path with. CUDA: the Triton kernel of kernels/filtered_topk_triton.py
+passing rows are scored by the fused scan); `filtered_keys_torch` (per group on the host: `bloom_filter` on
+the candidates' words, a gather and one matmul) is the reference the tests compare the C++ path with. CUDA: the Triton kernel of kernels/filtered_topk_triton.py
 (`filtered_keys_triton`: the program evaluated per tile of rows, exact int8 dots, a radix select
 of the k-th best row and a compaction into [B, k + slack] keys), the same keys with static shapes,
 no host synchronisation and no buffer proportional to N; `max_candidates` bounds the positions
@@ -52,7 +51,6 @@ import torch
 from silverrec.kernels.bloom_filter import check_program
 from silverrec.kernels.common import cluster_bias, cluster_of_rows, dequantize_scores, dot_lanes, make_keys, quantize_queries, split_keys
 from silverrec.kernels.constants import EMPTY_KEY, NO_LISTS
-from silverrec.kernels.cpu_ext import cpu_ext
 
 _SHIFTS = torch.arange(64, dtype=torch.int64)
 
@@ -74,7 +72,7 @@ def row_passes(bits: torch.Tensor, ops: torch.Tensor, prog_rows: torch.Tensor, r
 
 
 def verify_topk_torch(bits, ops, prog_rows, scores_in, rows_in, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device-generic path: verify every entry, stable-move the passing ones first, keep k."""
+    """The reference: verify every entry, stable-move the passing ones first, keep k."""
     ok = row_passes(bits, ops, prog_rows, rows_in)
     order = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices[:, :k]
     keep = torch.gather(ok, 1, order)
@@ -85,24 +83,6 @@ def verify_topk_torch(bits, ops, prog_rows, scores_in, rows_in, k: int) -> tuple
         s = torch.cat([s, s.new_full((s.shape[0], pad), float("-inf"))], dim=1)
         r = torch.cat([r, r.new_full((r.shape[0], pad), -1)], dim=1)
     return s, r
-
-
-@torch.library.custom_op("silverrec::verify_topk", mutates_args=())
-def verify_topk(
-    bits: torch.Tensor, ops: torch.Tensor, prog_rows: torch.Tensor, scores_in: torch.Tensor, rows_in: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring."""
-    _check_verify(bits, ops, prog_rows, scores_in, rows_in, k)
-    ext = cpu_ext() if bits.device.type == "cpu" else None
-    if ext is not None and hasattr(ext, "verify_topk"):
-        return ext.verify_topk(bits.contiguous(), ops.contiguous(), prog_rows.contiguous(), scores_in.float().contiguous(), rows_in.contiguous(), k)
-    return verify_topk_torch(bits, ops, prog_rows, scores_in.float(), rows_in, k)
-
-
-@verify_topk.register_fake
-def _(bits, ops, prog_rows, scores_in, rows_in, k):
-    b = rows_in.shape[0]
-    return scores_in.new_empty(b, k, dtype=torch.float32), rows_in.new_empty(b, k)
 
 
 def verify_topk_cuda(bits, ops, prog_rows, scores_in, rows_in, k):
@@ -160,7 +140,7 @@ def cluster_term(queries, centroids, clusters, unit) -> tuple[torch.Tensor, torc
 
 def filtered_keys_torch(qcodes, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k: int,
                         cluster_offsets=None, centroids=None, centroid_queries=None, unit=None):
-    """Device-generic path: top-k keys int64 [B, k] (descending, EMPTY_KEY padding); with residual codes
+    """The reference: top-k keys int64 [B, k] (descending, EMPTY_KEY padding); with residual codes
     (cluster_offsets, centroids, centroid_queries, unit: see the op) also the shift float32 [B] to add to
     the scores, else None."""
     B = qcodes.shape[0]
@@ -224,46 +204,6 @@ def _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_o
         raise ValueError(f"k must be >= 1, got {k}")
 
 
-@torch.library.custom_op("silverrec::filtered_topk", mutates_args=())
-def filtered_topk(
-    queries: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor,
-    bits: torch.Tensor,
-    program: list[torch.Tensor],
-    postings: list[torch.Tensor],
-    active: torch.Tensor,
-    k: int,
-    max_candidates: int,
-    residual: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring."""
-    ops, prog_rows, post_rows, post_offsets, lists, cluster_offsets, centroids, centroid_queries = _unpacked(
-        program, postings, residual)
-    _check_filtered_topk(queries, codes, bits, ops, prog_rows, post_rows, post_offsets, lists, active, k,
-                         cluster_offsets, centroids, centroid_queries)
-    b = queries.shape[0]
-    if not bool(active.any()):  # the usual case inside the filtered search: nothing to do
-        return (
-            torch.full((b, k), float("-inf"), dtype=torch.float32, device=queries.device),
-            torch.full((b, k), -1, dtype=torch.int64, device=queries.device),
-        )
-    qcodes, qscale = quantize_queries(queries)
-    term = () if centroids is None else (cluster_offsets.contiguous(), centroids.float().contiguous(),
-                                         centroid_queries.float().contiguous(), (scale * qscale).float().contiguous())
-    ext = cpu_ext() if codes.device.type == "cpu" else None
-    args = (bits.contiguous(), ops.contiguous(), prog_rows.contiguous(), post_rows.contiguous(), post_offsets.contiguous(), lists.contiguous(), active.contiguous(), k)
-    if ext is not None and hasattr(ext, "filtered_topk_keys"):
-        keys, shift = ext.filtered_topk_keys(qcodes, codes.contiguous(), *args, *term)
-        scores, rows = ext.keys_to_results(keys, qscale, queries.float().sum(dim=1), scale, offset)
-    else:
-        keys, shift = filtered_keys_torch(qcodes, codes, *args, *term)
-        int_scores, rows = split_keys(keys)
-        scores = dequantize_scores(int_scores, qscale, queries.float().sum(dim=1), scale, offset, valid=rows >= 0)
-    return scores if centroids is None else scores + shift[:, None], rows
-
-
 def _unpacked(program, postings, residual) -> tuple:
     """The op's lists as (ops, prog_rows, post_rows, post_offsets, lists, cluster_offsets, centroids,
     centroid_queries), the last three None for direct codes; a ValueError naming a list of the wrong length."""
@@ -274,12 +214,6 @@ def _unpacked(program, postings, residual) -> tuple:
         raise ValueError(f"filtered_topk: residual is [] or [cluster_offsets, centroids, centroid_queries]: the "
                          f"three go together (residual codes), got {len(residual)} tensors")
     return (*program, *postings, *(residual if residual else (None, None, None)))
-
-
-@filtered_topk.register_fake
-def _(queries, codes, scale, offset, bits, program, postings, active, k, max_candidates, residual):
-    b = queries.shape[0]
-    return queries.new_empty(b, k, dtype=torch.float32), queries.new_empty(b, k, dtype=torch.int64)
 
 
 def filtered_topk_cuda(queries, codes, scale, offset, bits, program, postings, active, k, max_candidates, residual):

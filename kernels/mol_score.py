@@ -12,8 +12,7 @@ module's `score` calls it too; kernels/ import nothing from the runtime). Why on
 op: at batch 1 the torch form is some forty tensor ops over [T, B*K, H] intermediates (0.2 ms of a
 0.65 ms MovieLens forward), at batch 16 half the forward; per (request, candidate) the arithmetic is
 a few thousand multiply-adds. CPU: kernels/csrc/mol.cpp, one pass per pair with every intermediate in
-a few hundred bytes; the torch form (`mol_score_torch`) is the reference, the CUDA path and the
-fallback without the extension. Results agree up to float32 summation order.
+a few hundred bytes; the torch form (`mol_score_torch`) is the CUDA kernel and the tests' reference. Results agree up to float32 summation order.
 """
 
 from collections import namedtuple
@@ -111,18 +110,4 @@ def mol_score_torch(user: Tensor, rows: Tensor, emb: Tensor, ranker: Tensor, wei
     return mol_row_scores(user, rows, emb, ranker, *w, *d, eye)
 
 
-# Defined before kernels/filtered_ivf_search.py loads the C++ extension, which registers the CPU kernel.
-torch.library.define(
-    "silverrec::mol_score",
-    "(Tensor user, Tensor rows, Tensor emb, Tensor ranker, Tensor[] weights, int[] dims) -> Tensor")
-torch.library.impl("silverrec::mol_score", "CUDA", mol_score_torch)
-
-
-def register_cpu_fallback() -> None:
-    """CPU kernel when the extension is not built (kernels/filtered_ivf_search.py calls this)."""
-    torch.library.impl("silverrec::mol_score", "CPU", mol_score_torch)
-
-
-@torch.library.register_fake("silverrec::mol_score")
-def _(user, rows, emb, ranker, weights, dims):
-    return user.new_empty(rows.shape[0], rows.shape[1], user.shape[1], dtype=torch.float32)
+torch.library.register_kernel("silverrec::mol_score", "cuda", mol_score_torch)

@@ -25,7 +25,7 @@ recall that the codes themselves do not: on the 1M x 128 mixture of benchmarks/a
 (benchmarks/residual_codes.py). Faiss IVF-SQ8 scores the float query against its codes. Re-scoring
 the scan's top k + k/16 + 4 rows recovers all of it (a margin of 4 already did at k = 100), for
 B x K x D multiply-adds. CPU: kernels/csrc/rescore.cpp, one pass per query; the composition below
-(`rescore_rows_torch`) is the reference, the CUDA path and the fallback without the extension.
+(`rescore_rows_torch`) is the CUDA kernel and the tests' reference.
 Results agree up to float32 summation order.
 """
 
@@ -75,19 +75,4 @@ def rescore_rows_torch(queries: Tensor, found: Tensor, codes: Tensor, dim_scale:
     return values, torch.where(values > float("-inf"), rows, torch.full_like(rows, -1))
 
 
-# Defined before kernels/filtered_ivf_search.py loads the C++ extension, which registers the CPU kernel.
-torch.library.define("silverrec::rescore_rows", "(Tensor queries, Tensor found, Tensor codes, Tensor dim_scale, "
-                     "Tensor dim_offset, SymInt k, Tensor? cluster_offsets=None, Tensor? centroids=None) "
-                     "-> (Tensor, Tensor)")
-torch.library.impl("silverrec::rescore_rows", "CUDA", rescore_rows_torch)
-
-
-def register_cpu_fallback() -> None:
-    """CPU kernel when the extension is not built (kernels/filtered_ivf_search.py calls this)."""
-    torch.library.impl("silverrec::rescore_rows", "CPU", rescore_rows_torch)
-
-
-@torch.library.register_fake("silverrec::rescore_rows")
-def _(queries, found, codes, dim_scale, dim_offset, k, cluster_offsets=None, centroids=None):
-    b = found.shape[0]
-    return queries.new_empty(b, k, dtype=torch.float32), found.new_empty(b, k, dtype=torch.int64)
+torch.library.register_kernel("silverrec::rescore_rows", "cuda", rescore_rows_torch)

@@ -18,8 +18,8 @@ tokens of its own (the unshared stage). A beam's attention over [history ; own t
     # n_unshared   int   in [0, S]          slots 0..n_unshared-1 are attended
     # -> out float [B, W, H, hd]  (scale 1/sqrt(hd))
 
-CPU: the two stages below (each one call of ATen's fused flash-attention CPU kernel, which
-returns the log-sum-exp) plus the merge op: the reference and the fast path. CUDA: one fused
+CPU: kernels/csrc/attention.cpp, the two stages (each one call of ATen's fused flash-attention CPU
+kernel, which returns the log-sum-exp) and the merge. CUDA: one fused
 Triton kernel (`staged_attention_triton.py`) doing both stages with an online softmax.
 `plain_attention` is the independent reference used by the tests: softmax over the concatenated KV.
 """
@@ -27,8 +27,6 @@ Triton kernel (`staged_attention_triton.py`) doing both stages with an online so
 import math
 
 import torch
-
-import silverrec.kernels.merge_attention_states  # noqa: F401  (registers the merge op)
 
 
 def _check(q, shared_k, shared_v, key_valid, unshared_k, unshared_v, n_unshared):
@@ -55,78 +53,6 @@ def _check(q, shared_k, shared_v, key_valid, unshared_k, unshared_v, n_unshared)
         )
     if not 0 <= n_unshared <= unshared_k.shape[1]:
         raise ValueError(f"n_unshared must be in [0, {unshared_k.shape[1]}], got {n_unshared}")
-
-
-def _attention_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial attention state of one stage, with ATen's fused CPU flash kernel.
-
-    Args:
-        q [N, KV, M, hd], k/v [N, KV, S, hd] (any strides), key_valid bool [N, S].
-    Returns:
-        out [N, KV, M, hd] (softmax-normalised) and lse [N, KV, M] (natural log; -inf when the
-        row has no valid key, out is then 0).
-    """
-    bias = torch.zeros(key_valid.shape, dtype=q.dtype, device=q.device).masked_fill(~key_valid, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, attn_mask=bias[:, None, None, :], scale=1.0 / math.sqrt(q.shape[-1])
-    )
-    empty = ~key_valid.any(dim=1)[:, None, None]
-    return out, lse.to(q.dtype).masked_fill(empty, float("-inf"))
-
-
-def shared_stage(q: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tensor, key_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """All beams vs the shared history: q [B, W, H, hd] -> (out [B*W, H, hd], lse [B*W, H]).
-
-    The W beams x group heads of one KV head are the M query rows of one attention problem, so the
-    history is read once per request and KV head, never copied per beam.
-    """
-    B, W, H, hd = q.shape
-    KV = shared_k.shape[1]
-    g = H // KV
-    qg = q.reshape(B, W, KV, g, hd).permute(0, 2, 1, 3, 4).reshape(B, KV, W * g, hd)
-    out, lse = _attention_states(qg, shared_k, shared_v, key_valid)  # [B, KV, W*g, hd], [B, KV, W*g]
-    out = out.reshape(B, KV, W, g, hd).permute(0, 2, 1, 3, 4).reshape(B * W, H, hd)
-    lse = lse.reshape(B, KV, W, g).permute(0, 2, 1, 3).reshape(B * W, H)
-    return out, lse
-
-
-def unshared_stage(q: torch.Tensor, unshared_k: torch.Tensor, unshared_v: torch.Tensor, n_unshared: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each beam vs its own slots [0, n), n >= 1: q [B, W, H, hd] -> (out [B*W, H, hd], lse [B*W, H])."""
-    B, W, H, hd = q.shape
-    KV = unshared_k.shape[2]
-    g = H // KV
-    qg = q.reshape(B * W, KV, g, hd)
-    k = unshared_k[:, :n_unshared].transpose(1, 2)  # [B*W, KV, n, hd]
-    v = unshared_v[:, :n_unshared].transpose(1, 2)
-    valid = torch.ones(B * W, n_unshared, dtype=torch.bool, device=q.device)
-    out, lse = _attention_states(qg, k, v, valid)
-    return out.reshape(B * W, H, hd), lse.reshape(B * W, H)
-
-
-@torch.library.custom_op("silverrec::staged_attention", mutates_args=())
-def staged_attention(
-    q: torch.Tensor,
-    shared_k: torch.Tensor,
-    shared_v: torch.Tensor,
-    key_valid: torch.Tensor,
-    unshared_k: torch.Tensor,
-    unshared_v: torch.Tensor,
-    n_unshared: int,
-) -> torch.Tensor:
-    """CPU (reference and fast path): shared stage + unshared stage + log-sum-exp merge."""
-    _check(q, shared_k, shared_v, key_valid, unshared_k, unshared_v, n_unshared)
-    B, W, H, hd = q.shape
-    o_a, s_a = shared_stage(q, shared_k, shared_v, key_valid)
-    if n_unshared == 0:
-        return o_a.reshape(B, W, H, hd)
-    o_b, s_b = unshared_stage(q, unshared_k, unshared_v, n_unshared)
-    out, _ = torch.ops.silverrec.merge_attention_states(o_a, s_a, o_b, s_b)
-    return out.reshape(B, W, H, hd)
-
-
-@staged_attention.register_fake
-def _(q, shared_k, shared_v, key_valid, unshared_k, unshared_v, n_unshared):
-    return torch.empty_like(q)
 
 
 @torch.library.register_kernel("silverrec::staged_attention", "cuda")

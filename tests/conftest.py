@@ -28,11 +28,9 @@ def team_mode(request):
     the helper team, each step of several chunks waiting until a helper has taken one, and the test fails unless
     some chunk ran on a helper (the split paths, whatever the wake latency); or torch's OpenMP threads (where
     their workers spin). The same results every way."""
-    from silverrec.kernels.cpu_ext import cpu_ext
+    from silverrec.kernels.library import host
 
-    ext = cpu_ext()
-    if ext is None:
-        pytest.skip("the C++ CPU extension is not built")
+    ext = host()
     if request.param != "alone" and torch.get_num_threads() < 2:
         pytest.skip("one intra-op thread: nothing to split between")
     before = ext.team_helper_chunks()

@@ -107,10 +107,10 @@ def compile_in_clean_process(script: str) -> None:
 
 
 def runs_cpp_kernel(op: str) -> bool:
-    """Whether silverrec::`op`'s CPU kernel is the C++ extension's (registered from kernels/csrc when it loads)."""
+    """Whether silverrec::`op`'s CPU kernel is the operator library's (registered from kernels/csrc when it loads)."""
     import torch
 
-    import silverrec.kernels  # noqa: F401  (defines the ops and loads the extension)
+    import silverrec.kernels  # noqa: F401  (loads the operator library)
 
     cpu = [line for line in torch._C._dispatch_dump(f"silverrec::{op}").splitlines() if line.startswith("CPU:")]
     return bool(cpu) and "kernels/csrc/" in cpu[0]

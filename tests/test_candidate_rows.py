@@ -157,7 +157,7 @@ def test_candidate_rows_equals_the_reference(B, T, K, D, n, E, k0, limit, inters
 
 
 def test_candidate_rows_runs_the_cpp_kernel_and_drops_nan_scores():
-    assert runs_cpp_kernel("candidate_rows"), "the extension registers the C++ kernel"
+    assert runs_cpp_kernel("candidate_rows"), "the operator library registers the C++ kernel"
     q, found, ex, emb = _case(7, 2, 2, 20, 16, 40, 4, torch.float32)
     q[0] = float("nan")  # request 0's task 0 scores NaN everywhere: its rows are dropped, task 1's kept
     got = torch.ops.silverrec.candidate_rows(q, found, ex, emb, 10, 40, False)

@@ -10,11 +10,10 @@ import torch
 import silverrec.kernels  # noqa: F401  (registers the ops)
 from silverrec.kernels.centroid_probe import centroid_candidates_torch
 from silverrec.kernels.common import dot_lanes
-from silverrec.kernels.cpu_ext import cpu_ext
+from silverrec.kernels.library import host
 from tests.helpers import load_ann
 
-EXT = cpu_ext()
-needs_ext = pytest.mark.skipif(EXT is None, reason="the C++ CPU extension is not built")
+EXT = host()
 
 
 def brute_force(queries: torch.Tensor, centroids: torch.Tensor, P: int) -> torch.Tensor:
@@ -43,7 +42,6 @@ def test_reference_equals_brute_force():
     assert torch.equal(centroid_candidates_torch(q, c, 20), brute_force(q, c, 20))
 
 
-@needs_ext
 @pytest.mark.parametrize("C, D, B", [(4000, 128, 16), (3999, 96, 7), (1000, 64, 17), (300, 33, 3), (17, 3, 1),
                                      (257, 200, 40), (64, 1, 2)])
 @pytest.mark.parametrize("P", [1, 4, 16, 17, 128])
@@ -56,7 +54,6 @@ def test_equals_reference_at_every_shape(C, D, B, P):
         both_paths(queries, centroids, p)
 
 
-@needs_ext
 @pytest.mark.parametrize("C, D, B, P", [(4000, 128, 16, 4), (1000, 64, 17, 128)])
 def test_the_same_candidates_on_every_runner(C, D, B, P, team_mode):
     """The screen's tiles and the per-query step split between threads (or not): the same answer."""
@@ -64,7 +61,6 @@ def test_the_same_candidates_on_every_runner(C, D, B, P, team_mode):
     both_paths(torch.randn(B, D, generator=g), torch.randn(C, D, generator=g), P)
 
 
-@needs_ext
 @pytest.mark.parametrize("name", ["bigann10k", "fmnistsmall"])
 def test_real_vectors_with_exact_ties(name):
     """Real vectors as centroids: SIFT's integer components make many dot products equal (exact in float32)."""
@@ -80,7 +76,6 @@ def test_real_vectors_with_exact_ties(name):
             assert all(c < 2000 or c - 2000 in row[:j] for j, c in enumerate(row)), row
 
 
-@needs_ext
 def test_near_ties_the_screen_cannot_separate():
     """Centroids a few ulps apart in score (and -0 beside +0): only the exact scores order them."""
     g = torch.Generator().manual_seed(3)
@@ -97,7 +92,6 @@ def test_near_ties_the_screen_cannot_separate():
         both_paths(q, centroids, P)
 
 
-@needs_ext
 def test_values_outside_the_bound_take_the_exact_path():
     """Huge values (products near float's range), a zero row and a zero query: the same candidates."""
     g = torch.Generator().manual_seed(4)
@@ -110,7 +104,6 @@ def test_values_outside_the_bound_take_the_exact_path():
     both_paths(q * 1e12, centroids, 5)
 
 
-@needs_ext
 @pytest.mark.parametrize("where", ["query", "centroid"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_values_take_the_exact_path(where, bad):
@@ -121,7 +114,6 @@ def test_non_finite_values_take_the_exact_path(where, bad):
     assert torch.equal(EXT.centroid_candidates(q, centroids, 4), EXT.centroid_candidates(q, centroids, 4, False))
 
 
-@needs_ext
 def test_codes_follow_the_centroids():
     """The int8 codes are cached per centroid tensor: changed in place (its version moves) or replaced, the
     candidates follow; inference tensors (no version count) are coded afresh on each call."""

@@ -1,4 +1,4 @@
-"""The C++ CPU fast paths (silverrec.kernels._cpu) equal the torch reference paths bit for bit.
+"""The C++ CPU kernels (libsilverrec_ops.so) equal plain references bit for bit.
 
 Keys are compared, not scores: int64 sort keys `score * 2**32 + 2**32 - 1 - row` carry both the
 int8 dot product and the tie order. Odd dimensions leave the 64-byte SIMD chunks (D = 1, 3, 13,
@@ -6,8 +6,7 @@ int8 dot product and the tie order. Odd dimensions leave the 64-byte SIMD chunks
 of 16, codes -128 / 127 that would saturate int16 pair sums); batches 1, 3 and 19 leave the
 16-query lanes; k runs from 1 past the number of allowed items (padding); codes in {-1, 0, 1} make
 massive ties; segments of > 8192 rows are split across worker threads and merged. Every case is
-also checked against brute force (int64 dot products, full sort): the torch `_int_mm` paths return
-wrong scores for D = 1 (torch 2.13), so they are compared only for D > 1.
+checked against brute force (int64 dot products, full sort).
 """
 
 import os
@@ -15,30 +14,28 @@ import os
 import pytest
 import torch
 
-from silverrec.kernels import cpu_ext as cpu_ext_mod
-from silverrec.kernels.bloom_filter import bloom_filter_numpy, bloom_filter_reference
+from silverrec.kernels import library
+from silverrec.kernels.bloom_filter import bloom_filter_counts_torch, bloom_filter_reference
 from silverrec.kernels.constants import OP_AND, OP_NOT, OP_OR, OP_PUSH
-from silverrec.kernels.common import EMPTY_KEY, quantize_queries
-from silverrec.kernels.ivf_scan import bitmask_words, canonical_probes, scan_keys_cpu
+from silverrec.kernels.common import EMPTY_KEY, dequantize_scores, quantize_queries
+from silverrec.kernels.ivf_scan import bitmask_words, ivf_scan_reference
 from tests.helpers import runs_cpp_kernel
 
-ext = cpu_ext_mod.cpu_ext()  # the package's build, or the one SILVERREC_CPU_EXT_PATH names (make test-portable)
-if ext is None:
-    pytest.skip("C++ extension not built", allow_module_level=True)
+ext = library.host()  # the package's build, or the one SILVERREC_OPS_PATH names (make test-portable)
 
 DIMS = [1, 3, 13, 127, 128, 130, 784]
 
 
 def test_the_build_under_test_is_loaded():
-    """`make test-portable` runs the kernel tests on builds for other instruction sets (SILVERREC_CPU_EXT_PATH,
-    SILVERREC_EXPECT_ISA): the build named is the one every op runs, and it was compiled for that set (its
-    fallback paths, not the machine's native ones)."""
-    path = os.environ.get("SILVERREC_CPU_EXT_PATH")
+    """`make test-portable` runs the kernel tests on builds for other instruction sets (SILVERREC_OPS_PATH,
+    SILVERREC_EXPECT_ISA): the build named is the one every op runs (the only operator library mapped into the
+    process), and it was compiled for that set (its fallback paths, not the machine's native ones)."""
+    with open("/proc/self/maps") as f:
+        mapped = {line.split()[-1] for line in f if line.rstrip().endswith(library.LIBRARY_NAME)}
+    assert len(mapped) == 1 and os.path.samefile(mapped.pop(), library.load())
+    path = os.environ.get("SILVERREC_OPS_PATH")
     if path:
-        assert os.path.samefile(ext.__file__, path)
-        from silverrec.kernels import _cpu
-
-        assert _cpu is ext
+        assert os.path.samefile(library.load(), path)
     want = os.environ.get("SILVERREC_EXPECT_ISA")
     assert ext.isa() == want if want else ext.isa() in ("avx512-vnni", "avx512", "avx2", "sse")
 
@@ -100,12 +97,9 @@ def test_exact_topk_equals_torch(d, b):
     g = torch.Generator().manual_seed(d * 100 + b)
     n = 3000
     codes, q = _codes(n, d, g), _qcodes(b, d, g)
-    one = torch.tensor([0, n])
     for k in (1, 17, 1000, n, n + 5):  # n + 5: padding
         got = _whole_pool_keys(q, codes, k)
         assert torch.equal(got, _brute_keys(q, codes, k)), k
-        if d > 1:
-            assert torch.equal(got, scan_keys_cpu(q, codes, one, torch.zeros(b, 1, dtype=torch.int64), k, None, 512)), k
 
 
 @pytest.mark.parametrize("b", [1, 5, 16])
@@ -201,8 +195,6 @@ def test_ivf_scan_equals_torch(d, b, mask):
     for k in (1, 10, 400, 5000):  # 5000 > probed items: padding
         got = ext.ivf_scan_keys(q, codes, off, probes, bitmask, k)
         assert torch.equal(got, _brute_keys(q, codes, k, allowed)), k
-        if d > 1:
-            assert torch.equal(got, scan_keys_cpu(q, codes, off, canonical_probes(probes), k, bitmask, 256, 16)), k
 
 
 @pytest.mark.parametrize("b", [4, 16, 19, 40])
@@ -218,7 +210,6 @@ def test_ivf_shared_clusters_and_ties(b, with_mask):
     for k in (1, 50, 3000):
         got = ext.ivf_scan_keys(q, codes, off, probes, bitmask, k)
         assert torch.equal(got, _brute_keys(q, codes, k, allowed)), k
-        assert torch.equal(got, scan_keys_cpu(q, codes, off, canonical_probes(probes), k, bitmask)), k
 
 
 def test_ivf_bad_values_raise_value_error():
@@ -257,52 +248,38 @@ def _programs(b, length, width, r, g):
 
 
 @pytest.mark.parametrize("b, p, n_words", [(1, 1, 1), (16, 8, 5), (3, 2, 700), (19, 300, 1)])
-def test_bloom_filter_equals_numpy(b, p, n_words):
+def test_bloom_filter_equals_the_stack_machine(b, p, n_words):
     g = torch.Generator().manual_seed(b + p + n_words)
     r, w = 29, 1000
     bits = torch.randint(-(2**63), 2**63 - 1, (r, w), generator=g)
     ops, rows = _programs(b, 9, 3, r, g)
     starts = torch.randint(-1, w, (b, p), generator=g)  # empty windows and windows past W
-    got = ext.bloom_filter(bits, ops, rows, starts, n_words)
-    want = torch.from_numpy(bloom_filter_numpy(bits.numpy(), ops.numpy(), rows.numpy(), starts.numpy(), n_words))
-    assert torch.equal(got, want)
-    if b * p * n_words < 2000:
-        assert torch.equal(got, bloom_filter_reference(bits, ops, rows, starts, n_words))
+    got = torch.ops.silverrec.bloom_filter(bits, ops, rows, starts, n_words)
+    assert torch.equal(got, bloom_filter_reference(bits, ops, rows, starts, n_words))
 
 
-def test_ops_fall_back_to_torch_with_the_same_results(monkeypatch):
-    """SILVERREC_CPU_EXT=0: the registered ops run the torch paths and agree with the C++ ones."""
-    if os.environ.get("SILVERREC_CPU_EXT") == "0":
-        pytest.skip("the extension is switched off for this whole run: nothing to compare against")
+def test_ops_equal_their_references():
+    """The registered ops' C++ kernels: ivf_scan against the per-query reference (rows bit for bit, scores
+    dequantised from its integer scores), bloom_filter_counts against bloom_filter composed with range masks."""
     g = torch.Generator().manual_seed(5)
     n, d, nlist, b, p = 4000, 24, 17, 5, 4
     codes, off, _, probes, g = _ivf_case(n, d, nlist, b, p, seed=11)
     queries = torch.randn(b, d, generator=g)
     scale, offset = torch.tensor(0.02), torch.tensor(0.1)
     bitmask = torch.randint(-(2**63), 2**63 - 1, (b, p, bitmask_words(off)), generator=g)
+    scores, rows = torch.ops.silverrec.ivf_scan(queries, codes, scale, offset, off, probes, 30, bitmask)
+    int_scores, want_rows = ivf_scan_reference(queries, codes, off, probes, 30, bitmask)
+    assert torch.equal(rows, want_rows)
+    qscale = quantize_queries(queries)[1]
+    assert torch.equal(scores, dequantize_scores(int_scores, qscale, queries.sum(dim=1), scale, offset, rows >= 0))
     bank = torch.randint(-(2**63), 2**63 - 1, (9, (n + 63) // 64), generator=g)
     f_ops = torch.tensor([[1, 1, 2], [1, 4, 0], [1, 1, 2], [6, 0, 0], [1, 1, 3]])
     f_rows = torch.randint(-9, 9, (b, 3, 2), generator=g)
     lo, hi = off[probes.clamp_min(0)], off[probes.clamp_min(0) + 1]
     lo = torch.where(probes >= 0, lo, torch.full_like(lo, -1))
-
-    def run():
-        return (
-            torch.ops.silverrec.ivf_scan(queries, codes, scale, offset, off, probes, 30, bitmask),
-            torch.ops.silverrec.bloom_filter_counts(bank, f_ops, f_rows, lo, hi, bitmask_words(off)),
-        )
-
-    fast = run()
-    assert cpu_ext_mod.cpu_ext() is not None
-    try:
-        cpu_ext_mod.set_enabled(False)
-        assert cpu_ext_mod.cpu_ext() is None
-        slow = run()
-    finally:
-        cpu_ext_mod.set_enabled(True)
-    for (fs, fr), (ss, sr) in zip(fast, slow):
-        assert torch.equal(fr, sr)
-        assert torch.equal(fs, ss)
+    got = torch.ops.silverrec.bloom_filter_counts(bank, f_ops, f_rows, lo, hi, bitmask_words(off))
+    want = bloom_filter_counts_torch(bank, f_ops, f_rows, lo, hi, bitmask_words(off))
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
 
 
 @pytest.mark.parametrize("map_dtype", [torch.int32, torch.int64])
@@ -312,7 +289,7 @@ def test_rows_to_items_equals_indexing(map_dtype, shape):
     against plain Python indexing, and the torch reference the CUDA path runs)."""
     from silverrec.kernels.rows_to_items import rows_to_items_torch
 
-    assert runs_cpp_kernel("rows_to_items"), "the extension registers the C++ kernel"
+    assert runs_cpp_kernel("rows_to_items"), "the operator library registers the C++ kernel"
     g = torch.Generator().manual_seed(11)
     n = 1000
     row_to_item = (torch.randperm(n, generator=g) * 7 + (2**40 if map_dtype == torch.int64 else 3)).to(map_dtype)

@@ -18,7 +18,7 @@ from silverrec.kernels.constants import MODE_AUTO, MODE_PROBED, NO_LISTS, OP_FAL
 from silverrec.kernels.filter_plan import checked_args, filter_plan_torch
 from silverrec.kernels.ivf_scan import bitmask_words
 from tests.test_cpu_scan import _programs
-from tests.test_filtered_topk import _both_paths
+from tests.reference_kernels import cpp_and_reference as _both_paths
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's numpy: target = inf

@@ -158,7 +158,7 @@ def test_one_filter_on_mixed_routes_answers_every_query(rescore):
     from silverrec.publish.ivf import IVFConfig
     from silverrec.publish.pool import Pool
     from silverrec.retrieval.filtered_ivf import MODE_PROBED, MODE_UNPROBED
-    from tests.test_filtered_topk import _both_paths
+    from tests.reference_kernels import cpp_and_reference as _both_paths
 
     rng = np.random.default_rng(3)
     n, d = 3000, 16

@@ -2,8 +2,8 @@
 
 The reference evaluates each program over the whole pool with the independent stack machine
 (`bloom_filter_reference`), intersects with the union of the posting lists, and ranks every
-allowed row by its exact int8 dot product (ties: lower row). Both the C++ path and the torch path
-(extension switched off) must return exactly that.
+allowed row by its exact int8 dot product (ties: lower row). The ops' C++ kernels must return exactly
+that.
 """
 
 from __future__ import annotations
@@ -11,22 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from silverrec.kernels import cpu_ext as cpu_ext_mod
+from silverrec.kernels.library import host
 from silverrec.kernels.bloom_filter import bloom_filter_reference
 from silverrec.kernels.common import EMPTY_KEY, quantize_queries
 from silverrec.kernels.constants import NO_LISTS
 from tests.test_cpu_scan import _programs
-
-
-def _both_paths(fn):
-    """fn() with the C++ extension, then with the torch paths: both results."""
-    fast = fn()
-    try:
-        cpu_ext_mod.set_enabled(False)
-        slow = fn()
-    finally:
-        cpu_ext_mod.set_enabled(True)
-    return fast, slow
 
 
 def _bank(r, n, g):
@@ -105,12 +94,10 @@ def test_filtered_topk_equals_brute_force(n, d, b, k):
     allowed = _allowed_from(bank, ops, prow, n, sel, lists, active)
     want_s, want_r = _expected(queries, codes, allowed, k, scale, offset)
 
-    def run():
-        return torch.ops.silverrec.filtered_topk(queries, codes, scale, offset, bank, [ops, prow], [post_rows, post_off, sel], active, k, n, [])
-
-    for got_s, got_r in _both_paths(run):
-        assert torch.equal(got_r, want_r)
-        assert torch.allclose(got_s, want_s, rtol=1e-6, atol=1e-6)
+    got_s, got_r = torch.ops.silverrec.filtered_topk(queries, codes, scale, offset, bank, [ops, prow],
+                                                     [post_rows, post_off, sel], active, k, n, [])
+    assert torch.equal(got_r, want_r)
+    assert torch.allclose(got_s, want_s, rtol=1e-6, atol=1e-6)
 
 
 def test_filtered_topk_groups_identical_filters():
@@ -130,8 +117,8 @@ def test_filtered_topk_groups_identical_filters():
     cand = torch.zeros(n, dtype=torch.bool)
     cand[lists[1].long()] = cand[lists[2].long()] = True
     want = _expected(queries, codes, allowed & cand, 40, one, zero)
-    for got in _both_paths(lambda: torch.ops.silverrec.filtered_topk(queries, codes, one, zero, bank, [ops, prow], [post_rows, post_off, sel], active, 40, n, [])):
-        assert torch.equal(got[1], want[1])
+    got = torch.ops.silverrec.filtered_topk(queries, codes, one, zero, bank, [ops, prow], [post_rows, post_off, sel], active, 40, n, [])
+    assert torch.equal(got[1], want[1])
 
 
 def test_one_whole_pool_filter_split_between_threads_equals_brute_force(team_mode):
@@ -225,9 +212,9 @@ def test_verify_topk_keeps_first_passing(b, k2, k):
         kept = [j for j in range(k2) if rows_in[i, j] >= 0 and allowed[i, rows_in[i, j]]][:k]
         want_r[i, : len(kept)] = rows_in[i, kept]
         want_s[i, : len(kept)] = scores_in[i, kept]
-    for got_s, got_r in _both_paths(lambda: torch.ops.silverrec.verify_topk(bank, ops, prow, scores_in, rows_in, k)):
-        assert torch.equal(got_r, want_r)
-        assert torch.equal(got_s, want_s)
+    got_s, got_r = torch.ops.silverrec.verify_topk(bank, ops, prow, scores_in, rows_in, k)
+    assert torch.equal(got_r, want_r)
+    assert torch.equal(got_s, want_s)
 
 
 
@@ -237,5 +224,5 @@ def test_cpu_quantize_queries_is_bit_identical_to_torch():
     g = torch.Generator().manual_seed(1)
     q = torch.cat([torch.randn(7, 33, generator=g) * 10, torch.zeros(1, 33), torch.full((1, 33), 0.5)])
     q[0, :5] = torch.tensor([127.0, -127.0, 63.5, -0.5, 1.5]) / 127.0 * q[0].abs().max()  # halfway cases
-    (c1, s1), (c2, s2) = _both_paths(lambda: common.quantize_queries(q))
+    (c1, s1), (c2, s2) = host().quantize_queries(q), common.quantize_queries(q)
     assert torch.equal(c1, c2) and torch.equal(s1, s2)

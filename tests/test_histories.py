@@ -97,17 +97,14 @@ def test_item_rows_equal_a_dict(ids):
 def test_native_lookup_ids_equals_item_rows():
     """kernels/csrc/encode.cpp `lookup_ids` (the predictor's C++ lookup of sent histories) == ItemRows'
     numpy lookup, list by list; the first list with an unknown id is reported."""
-    from silverrec.kernels.cpu_ext import cpu_ext
-
-    ext = cpu_ext()
-    assert ext is not None and hasattr(ext, "lookup_ids")
+    from silverrec.kernels.library import lookup_ids
     rng = np.random.default_rng(2)
     ids = rng.permutation(np.arange(10, 4000, 3)).astype(np.int64)
     lookup = ItemRows(ids)
     lists = [rng.choice(ids, 7).tolist(), [], rng.choice(ids, 30).tolist()]
-    rows, off, bad = ext.lookup_ids(lists, lookup.torch_table)
+    rows, off, bad = lookup_ids(lists, lookup.torch_table)
     assert bad == -1 and off.tolist() == [0, 7, 7, 37]
     assert rows.tolist() == lookup.rows_or_minus_one(np.asarray(sum(lists, []), dtype=np.int64)).tolist()
     for unknown in (11, -1, 3998 + 3, 2**62):
-        _, _, bad = ext.lookup_ids([lists[0], [int(ids[0]), unknown], [unknown]], lookup.torch_table)
+        _, _, bad = lookup_ids([lists[0], [int(ids[0]), unknown], [unknown]], lookup.torch_table)
         assert bad == 1, unknown

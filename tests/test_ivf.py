@@ -10,7 +10,8 @@ from silverrec.errors import QueryError
 from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.kernels.common import quantize_queries, split_keys
 from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin, rescore_rows_torch
-from silverrec.kernels.ivf_scan import bitmask_words, canonical_probes, ivf_scan_reference, scan_keys_cpu
+from silverrec.kernels.ivf_scan import bitmask_words, ivf_scan_reference
+from silverrec.kernels.library import host
 from silverrec.publish.filtered_ivf import publish_index
 from silverrec.publish.ivf import IVFConfig, build_ivf
 from silverrec.publish.pool import Pool, write_pool
@@ -83,23 +84,23 @@ def _index(x, nlist, seed=0):
 
 
 @pytest.mark.parametrize(
-    "n, d, nlist, b, p, k, chunk, gap",
+    "n, d, nlist, b, p, k",
     [
-        (2000, 24, 37, 5, 5, 10, 32768, 512),  # one chunk, gaps merged
-        (2000, 24, 37, 5, 37, 2000, 100, 0),  # every cluster, k = N, tiny chunks, no gap merging
-        (2000, 24, 37, 5, 8, 700, 1, 10**6),  # one cluster per chunk, whole-range runs
-        (999, 19, 16, 3, 3, 50, 64, 30),  # odd dims
-        (600, 16, 5, 1, 1, 1, 32768, 512),  # batch 1, k 1
+        (2000, 24, 37, 5, 5, 10),
+        (2000, 24, 37, 5, 37, 2000),  # every cluster, k = N
+        (2000, 24, 37, 5, 8, 700),
+        (999, 19, 16, 3, 3, 50),  # odd dims
+        (600, 16, 5, 1, 1, 1),  # batch 1, k 1
     ],
 )
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_scan_equals_reference(n, d, nlist, b, p, k, chunk, gap, with_mask):
+def test_scan_equals_reference(n, d, nlist, b, p, k, with_mask):
     codes, off = _random_layout(n, d, nlist)
     queries = torch.randn(b, d)
     probes = _probes(b, p, nlist)
     bitmask = torch.randint(-(2**62), 2**62, (b, p, bitmask_words(off))) if with_mask else None
     ref_scores, ref_rows = ivf_scan_reference(queries, codes, off, probes, k, bitmask)
-    keys = scan_keys_cpu(quantize_queries(queries)[0], codes, off, canonical_probes(probes), k, bitmask, chunk, gap)
+    keys = host().ivf_scan_keys(quantize_queries(queries)[0], codes, off, probes, bitmask, k)
     int_scores, rows = split_keys(keys)
     assert torch.equal(rows, ref_rows)
     assert torch.equal(torch.where(rows >= 0, int_scores, 0), ref_scores)
@@ -342,9 +343,9 @@ def test_predictor_nprobe_validation(tmp_path):
 def test_forward_is_scan_of_probe_bit_for_bit(residual):
     """forward (one fused op, `silverrec::ivf_search`) == scan(probe) (the two public steps), scores and ids, with
     k past the probed items and nprobe = nlist; the op's C++ kernel == its composition (kernels/filtered_ivf_search.py
-    ivf_search_torch), with the extension's steps and with the torch ones, also with the float re-score and as rows."""
+    ivf_search_torch), with the C++ kernels and with the reference kernels (tests/reference_kernels.py), also with the float re-score and as rows."""
     from silverrec.kernels.filtered_ivf_search import ivf_search_torch
-    from tests.test_filtered_topk import _both_paths
+    from tests.reference_kernels import cpp_and_reference as _both_paths
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(3000, 40, generator=g)

@@ -9,8 +9,8 @@ from silverrec.kernels.ivf_scan import (
     bitmask_words,
     canonical_probes,
     ivf_scan_reference,
-    scan_keys_cpu,
 )
+from silverrec.kernels.library import host
 
 triton = pytest.importorskip("triton")
 from silverrec.kernels.ivf_scan_triton import SLOT_GROUP, scan_keys_triton, slots_per_merge  # noqa: E402
@@ -44,7 +44,7 @@ def test_triton_scan_equals_cpu_and_reference(sizes, d, b, p, k, group, with_mas
     qcodes, _ = quantize_queries(queries)
     canon = canonical_probes(probes)
     keys = scan_keys_triton(qcodes, codes, off, canon, k, bitmask, slot_group=group)
-    assert torch.equal(keys, scan_keys_cpu(qcodes, codes, off, canon, k, bitmask))
+    assert torch.equal(keys, host().ivf_scan_keys(qcodes, codes, off, canon, bitmask, k))
     ref_scores, ref_rows = ivf_scan_reference(queries, codes, off, probes, k, bitmask)
     int_scores, rows = split_keys(keys)
     assert torch.equal(rows, ref_rows)

@@ -73,7 +73,7 @@ def _pair_reference(arch, u, v, item) -> list[float]:
 @pytest.mark.parametrize("B,K,T,D,F_,n", [(1, 9, 2, 16, 3, 30), (4, 33, 3, 24, 0, 50), (2, 1, 1, 8, 2, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mol_score_equals_the_module_and_a_python_walk(B, K, T, D, F_, n, dtype):
-    assert runs_cpp_kernel("mol_score"), "the extension registers the C++ kernel"
+    assert runs_cpp_kernel("mol_score"), "the operator library registers the C++ kernel"
     arch, user, rows, emb, ranker = _setup(B * 7 + K, B, K, T, D, F_, n, dtype=dtype)
     with torch.no_grad():
         got = torch.ops.silverrec.mol_score(*_args(arch, user, rows, emb, ranker))

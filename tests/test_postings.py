@@ -118,7 +118,7 @@ def test_build_postings_respects_the_limit():
 @pytest.mark.parametrize("k, nprobe, max_probe", [(20, 4, 16), (100, 1, 100), (5, 8, 8)])
 def test_filter_plan_cpu_equals_torch(built, k, nprobe, max_probe):
     """The fused C++ routing makes exactly the torch reference's decisions (all modes, all routes)."""
-    from tests.test_filtered_topk import _both_paths
+    from tests.reference_kernels import cpp_and_reference as _both_paths
 
     module, _, plan, _, queries = built
     filters = FILTERS * 3
@@ -134,7 +134,7 @@ def test_filter_plan_cpu_equals_torch(built, k, nprobe, max_probe):
 def test_filter_plan_of_unfiltered_probed_queries_equals_torch(built, nprobe, max_probe):
     """A batch of probed queries without a filter: the C++ plan selects only the nprobe best
     centroids (no counts, no mask), the same probes as the reference's first nprobe of max_probe."""
-    from tests.test_filtered_topk import _both_paths
+    from tests.reference_kernels import cpp_and_reference as _both_paths
 
     module, _, plan, _, queries = built
     max_probe = min(max_probe, module.nlist)
@@ -153,7 +153,7 @@ def test_one_program_per_request_of_several_queries(built, per):
     """Programs given once per request of `per` consecutive queries (a request's task queries) ==
     the same programs repeated per query, through the C++ op and the composition alike."""
     from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
-    from tests.test_filtered_topk import _both_paths
+    from tests.reference_kernels import cpp_and_reference as _both_paths
 
     module, _, plan, _, queries = built
     filters = FILTERS
@@ -175,9 +175,9 @@ def test_one_program_per_request_of_several_queries(built, per):
 @pytest.mark.parametrize("k, nprobe, max_probe", [(20, 4, 16), (7, 2, 2), (150, 8, 40)])
 def test_fused_search_equals_the_composition_of_its_ops(built, k, nprobe, max_probe):
     """silverrec::filtered_ivf_search on CPU (one C++ call) == the composition of the per-step ops
-    (with their C++ paths, and with the extension off), bit for bit, over all modes and routes."""
+    (with their C++ kernels, and with the reference kernels in their place), bit for bit, over all modes and routes."""
     from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
-    from tests.test_filtered_topk import _both_paths
+    from tests.reference_kernels import cpp_and_reference as _both_paths
 
     module, _, plan, _, queries = built
     filters = FILTERS * 3

@@ -414,7 +414,7 @@ def test_native_encoding_equals_the_numpy_path(rec):
     lengths and dense features, the same exclusion set per request (stored users, sent histories
     with repeats, an empty one, histories beyond the limit; with and without exclude_history)."""
     handler = rec.snap().rec_handler()
-    assert handler._native is not None, "the extension provides encode_histories"
+    assert handler._native is not None, "the operator library provides encode_histories"
     lengths = {int(u): len(rec.logs.history(int(u))) for u in rec.logs.user_ids}
     long_ = max(lengths, key=lengths.get)
     hist = [int(i) for i in rec.logs.history(long_)]

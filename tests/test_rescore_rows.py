@@ -66,7 +66,7 @@ def test_rescore_rows_equals_the_reference(B, K, D, n, k):
 
 
 def test_rescore_rows_runs_the_cpp_kernel_and_drops_nan_scores():
-    assert runs_cpp_kernel("rescore_rows"), "the extension registers the C++ kernel"
+    assert runs_cpp_kernel("rescore_rows"), "the operator library registers the C++ kernel"
     q, found, codes, scale, offset = _case(7, 3, 20, 16, 40)
     q[0] = float("nan")  # query 0 scores NaN everywhere: nothing returned
     scores, rows = torch.ops.silverrec.rescore_rows(q, found, codes, scale, offset, 10)

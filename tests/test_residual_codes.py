@@ -27,7 +27,8 @@ from silverrec.kernels.common import BIAS_FLOOR, cluster_bias, dot_lanes, quanti
 from silverrec.kernels.constants import NO_LISTS
 from silverrec.kernels.ivf_scan import bitmask_words, ivf_scan_reference
 from tests.helpers import inner_product_topk, load_ann, recall
-from tests.test_filtered_topk import _allowed_from, _bank, _both_paths, _expected, _postings
+from tests.reference_kernels import cpp_and_reference as _both_paths
+from tests.test_filtered_topk import _allowed_from, _bank, _expected, _postings
 from tests.test_cpu_scan import _programs
 
 ONE, ZERO = torch.tensor(1.0), torch.tensor(0.0)

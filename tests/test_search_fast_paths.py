@@ -5,7 +5,7 @@
 - The exact routes hand over unpadded keys, and the output is padded once: with far fewer matches
   than k, every slot after the matches must still be (-inf + constant, -1).
 Each is checked bit for bit against the composition of the per-step ops (with the C++ kernels and
-with the extension off: the torch reference), and the exact routes against brute force.
+with the reference kernels in their place: tests/reference_kernels.py), and the exact routes against brute force.
 """
 
 import pytest
@@ -15,7 +15,7 @@ from silverrec.filtering.filter_program import compile_request
 from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_torch
 from silverrec.retrieval.filtered_ivf import MODE_AUTO, MODE_PROBED, MODE_UNPROBED
 from tests.test_filter_ivf import _exact_filtered
-from tests.test_filtered_topk import _both_paths
+from tests.reference_kernels import cpp_and_reference as _both_paths
 from tests.test_postings import built  # noqa: F401  (the module-scoped pool, index and plan)
 
 

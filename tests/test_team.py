@@ -8,10 +8,9 @@ import threading
 import pytest
 import torch
 
-from silverrec.kernels.cpu_ext import cpu_ext
+from silverrec.kernels.library import host
 
-EXT = cpu_ext()
-pytestmark = pytest.mark.skipif(EXT is None, reason="the C++ CPU extension is not built")
+EXT = host()
 
 
 @pytest.fixture

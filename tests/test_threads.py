@@ -9,8 +9,8 @@ import sys
 import pytest
 
 PROBE = "from silverrec.threads import OMP_PASSIVE; from silverrec.serving.recommend import ONE_THREAD_MAX_BATCH; " \
-        "from silverrec.kernels.cpu_ext import cpu_ext; " \
-        "import os; print(os.environ.get('OMP_WAIT_POLICY'), OMP_PASSIVE, ONE_THREAD_MAX_BATCH, cpu_ext().parallel_runner())"
+        "from silverrec.kernels.library import host; " \
+        "import os; print(os.environ.get('OMP_WAIT_POLICY'), OMP_PASSIVE, ONE_THREAD_MAX_BATCH, host().parallel_runner())"
 
 
 @pytest.mark.parametrize("first, env, want", [

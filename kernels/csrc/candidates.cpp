@@ -3,9 +3,7 @@
 // position in the search's list), tasks merged rank by rank (union or intersection), first `limit`.
 // The same results as the composition `candidate_rows_torch` (up to float rounding of the dot
 // products, whose summation order differs from the batched matmul's).
-#include <torch/library.h>
-
-#include "tensor.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -115,7 +113,3 @@ at::Tensor candidate_rows(const at::Tensor& queries_in, const at::Tensor& found_
 }
 
 }  // namespace silverrec
-
-// The CPU kernel of silverrec::candidate_rows, registered with the dispatcher (the op, its fake and
-// CUDA kernel are defined in kernels/candidate_rows.py, imported before this library loads).
-TORCH_LIBRARY_IMPL(silverrec, CPU, m) { m.impl("candidate_rows", &silverrec::candidate_rows); }

@@ -6,7 +6,7 @@
 // Why in C++: at batch 1 the numpy path is some forty small calls (~0.2 ms after a forward has
 // evicted the interpreter's caches), a fifth of a MovieLens recommend; the work itself is a few
 // hundred rows.
-#include "tensor.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -26,8 +26,7 @@ namespace silverrec {
 //   lengths int32 [(2 + F) * B] (key-major, as FeatureEncoder.encode).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
     const at::Tensor& rows_in, const at::Tensor& offsets_in, int64_t exclude_limit, int64_t history_len,
-    int64_t recent_len, const std::vector<at::Tensor>& feature_offsets, const std::vector<at::Tensor>& feature_codes,
-    int64_t num_items) {
+    int64_t recent_len, at::TensorList feature_offsets, at::TensorList feature_codes, int64_t num_items) {
   const at::Tensor rows = rows_in.contiguous(), offsets = offsets_in.contiguous();
   TORCH_CHECK(rows.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
                   offsets.size(0) >= 1,
@@ -102,27 +101,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
 }
 
 // Item ids of sent histories -> canonical rows by the predictor's dense id table (ItemRows.table:
-// int32, one slot per id up to the largest, a -1 sentinel in the last slot) in one call: (rows int64
-// [sum of sizes], offsets int64 [L + 1], the first list holding an unknown id or -1). Replaces a
-// numpy conversion, concatenation, lookup and check per batch (~50 us at batch 1 after a forward).
-std::tuple<at::Tensor, at::Tensor, int64_t> lookup_ids(const std::vector<std::vector<int64_t>>& lists,
-                                                       const at::Tensor& table_in) {
+// int32, one slot per id up to the largest, a -1 sentinel in the last slot) in one call: ids int64 (every
+// list's ids, list after list) and sizes int64 [L] -> (rows int64 [sum of sizes], offsets int64 [L + 1], the
+// first list holding an unknown id or -1). Replaces a numpy conversion, concatenation, lookup and check per
+// batch (~50 us at batch 1 after a forward).
+std::tuple<at::Tensor, at::Tensor, int64_t> lookup_ids(at::IntArrayRef ids, at::IntArrayRef sizes, const at::Tensor& table_in) {
   const at::Tensor table = table_in.contiguous();
   TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 1 && table.numel() >= 1,
               "lookup_ids: table must be int32 [M] with a -1 sentinel last");
   const int32_t* t = table.data_ptr<int32_t>();
   const int64_t last = table.numel() - 1;
-  const int64_t L = int64_t(lists.size());
+  const int64_t L = int64_t(sizes.size());
   at::Tensor offsets = at::empty({L + 1}, at::kLong);
   int64_t* off = offsets.data_ptr<int64_t>();
   off[0] = 0;
-  for (int64_t j = 0; j < L; ++j) off[j + 1] = off[j] + int64_t(lists[j].size());
+  for (int64_t j = 0; j < L; ++j) {
+    TORCH_CHECK_VALUE(sizes[j] >= 0, "lookup_ids: sizes must be >= 0");
+    off[j + 1] = off[j] + sizes[j];
+  }
+  TORCH_CHECK_VALUE(off[L] == int64_t(ids.size()), "lookup_ids: sizes add up to ", off[L], ", ids holds ", ids.size());
   at::Tensor rows = at::empty({off[L]}, at::kLong);
   int64_t* r = rows.data_ptr<int64_t>();
   int64_t bad = -1;
   for (int64_t j = 0; j < L; ++j)
-    for (const int64_t id : lists[j]) {
-      const int64_t row = t[id < 0 || id > last ? last : id];  // outside the table: the sentinel
+    for (int64_t i = off[j]; i < off[j + 1]; ++i) {
+      const int64_t id = ids[i], row = t[id < 0 || id > last ? last : id];  // outside the table: the sentinel
       if (row < 0 && bad < 0) bad = j;
       *r++ = row;
     }

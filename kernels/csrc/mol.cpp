@@ -7,9 +7,7 @@
 // with its reference only up to rounding anyway, so its multiply-adds may fuse.
 #pragma GCC optimize("fp-contract=fast")
 
-#include <torch/library.h>
-
-#include "tensor.h"
+#include "ops.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -338,6 +336,3 @@ at::Tensor mol_score(const at::Tensor& user_in, const at::Tensor& rows_in, const
 }
 
 }  // namespace silverrec
-
-// The CPU kernel of silverrec::mol_score (the op, its fake and CUDA kernel: kernels/mol_score.py).
-TORCH_LIBRARY_IMPL(silverrec, CPU, m) { m.impl("mol_score", &silverrec::mol_score); }

@@ -1,12 +1,8 @@
-// Python bindings of the CPU fast paths (module silverrec.kernels._cpu).
-//
-// Each function turns one op's arguments into scan segments (scan.h) and returns int64 sort keys;
-// the Python custom ops (kernels/*.py) quantise queries and dequantise scores around them. Bad
-// values raise ValueError (std::invalid_argument) with the same messages as the torch paths.
-#include <torch/library.h>
-#include <torch/python.h>
-
-#include "tensor.h"
+// The operators' entry points that check their arguments as kernels/*.py documents them and call the kernels
+// (scan.cpp, bloom.cpp, filter_scan.cpp, plan.cpp, centroid_probe.cpp), the query quantisation and key
+// decoding they share, and rows_to_items. library.cpp registers them. Bad values raise ValueError with the
+// messages the contracts name.
+#include "ops.h"
 
 #include <algorithm>
 #include <cstring>
@@ -18,6 +14,7 @@
 #include <immintrin.h>
 #endif
 #include <optional>
+#include <sstream>
 #include <tuple>
 #include <stdexcept>
 #include <string>
@@ -33,13 +30,6 @@
 #include "widen.h"
 
 namespace silverrec {
-
-// kernels/csrc/encode.cpp
-std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_histories(
-    const at::Tensor& rows, const at::Tensor& offsets, int64_t exclude_limit, int64_t history_len, int64_t recent_len,
-    const std::vector<at::Tensor>& feature_offsets, const std::vector<at::Tensor>& feature_codes, int64_t num_items);
-std::tuple<at::Tensor, at::Tensor, int64_t> lookup_ids(const std::vector<std::vector<int64_t>>& lists,
-                                                       const at::Tensor& table);
 
 namespace {
 
@@ -226,96 +216,219 @@ at::Tensor rows_to_items(const at::Tensor& row_to_item_in, const at::Tensor& row
   return out;
 }
 
-}  // namespace silverrec
+namespace {
 
-// The CPU kernel of silverrec::rows_to_items, registered with the dispatcher (the op, its fake and CUDA kernel
-// are defined in kernels/rows_to_items.py, imported before this library is loaded).
-TORCH_LIBRARY_IMPL(silverrec, CPU, m) { m.impl("rows_to_items", &silverrec::rows_to_items); }
-
-// The instruction set this build's kernels use: "avx512-vnni", "avx512" (AVX-512F without VNNI: the dot products
-// take the AVX2 path, dot.h), "avx2" or "sse" (make test-portable checks each build is the one it claims).
-std::string isa() {
-#if SILVERREC_VNNI
-  return "avx512-vnni";
-#elif defined(__AVX512F__)
-  return "avx512";
-#elif SILVERREC_AVX2
-  return "avx2";
-#else
-  return "sse";
-#endif
+// "Long [2, 3]": a tensor's dtype and shape, for messages.
+std::string describe(const at::Tensor& t) {
+  std::ostringstream out;
+  out << t.scalar_type() << " " << t.sizes();
+  return out.str();
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  namespace py = pybind11;
-  using namespace silverrec;
-  m.doc() = "silverrec CPU fast paths: fused int8 scan + bitmask + top-k, bloom filter programs";
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("ivf_scan_keys", [](const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& cluster_offsets,
+bool is(const at::Tensor& t, at::ScalarType dtype, int64_t dim) { return t.scalar_type() == dtype && t.dim() == dim; }
+
+// kernels/bloom_filter.py check_program
+void check_program(const at::Tensor& bits, const at::Tensor& ops, const at::Tensor& rows) {
+  TORCH_CHECK_VALUE(is(bits, at::kLong, 2), "bits must be int64 [R, W], got ", describe(bits));
+  TORCH_CHECK_VALUE(is(ops, at::kLong, 2), "ops must be int64 [B, L], got ", describe(ops));
+  TORCH_CHECK_VALUE(is(rows, at::kLong, 3) && rows.size(0) == ops.size(0) && rows.size(1) == ops.size(1),
+                    "rows must be int64 [B, L, T] with [B, L] = ", ops.sizes(), ", got ", describe(rows));
+}
+
+// The windows' first words (bloom_filter) or row ranges' starts (bloom_filter_counts): int64 [B, P].
+void check_windows(const at::Tensor& ops, const at::Tensor& starts, int64_t n_words, const char* name) {
+  TORCH_CHECK_VALUE(is(starts, at::kLong, 2) && starts.size(0) == ops.size(0), name, " must be int64 [B, P], got ",
+                    describe(starts));
+  TORCH_CHECK_VALUE(n_words >= 1, "n_words must be >= 1, got ", n_words);
+}
+
+at::Tensor as_float(const at::Tensor& x) { return (x.scalar_type() == at::kFloat ? x : x.to(at::kFloat)).contiguous(); }
+
+// scores [B, k] += shift[b] (residual codes: the best visited cluster term, added back)
+void add_shift(at::Tensor& scores, const float* shift) {
+  float* sp = scores.data_ptr<float>();
+  const int64_t k = scores.size(1);
+  for (int64_t i = 0; i < scores.numel(); ++i) sp[i] += shift[i / k];
+}
+
+// Padding results [B, k]: scores -inf, rows -1.
+Pair empty_results(int64_t B, int64_t k) {
+  return {at::full({B, k}, -std::numeric_limits<float>::infinity(), at::kFloat), at::full({B, k}, -1, at::kLong)};
+}
+
+}  // namespace
+
+at::Tensor bloom_filter_op(const at::Tensor& bits, const at::Tensor& ops, const at::Tensor& rows,
+                           const at::Tensor& word_start, int64_t n_words) {
+  check_program(bits, ops, rows);
+  check_windows(ops, word_start, n_words, "word_start");
+  return bloom_filter(bits.contiguous(), ops.contiguous(), rows.contiguous(), word_start.contiguous(), n_words);
+}
+
+Pair bloom_filter_counts_op(const at::Tensor& bits, const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& lo,
+                            const at::Tensor& hi, int64_t n_words) {
+  check_program(bits, ops, rows);
+  check_windows(ops, lo, n_words, "lo");
+  TORCH_CHECK_VALUE(is(hi, at::kLong, 2) && hi.sizes() == lo.sizes(), "lo / hi must be int64 [B, P] of equal shape, got ",
+                    describe(lo), ", ", describe(hi));
+  return bloom_filter_counts(bits.contiguous(), ops.contiguous(), rows.contiguous(), lo.contiguous(), hi.contiguous(),
+                             n_words);
+}
+
+Pair verify_topk_op(const at::Tensor& bits, const at::Tensor& ops, const at::Tensor& rows, const at::Tensor& scores,
+                    const at::Tensor& result_rows, int64_t k) {
+  check_program(bits, ops, rows);
+  TORCH_CHECK_VALUE(is(result_rows, at::kLong, 2) && result_rows.size(0) == ops.size(0) &&
+                        scores.sizes() == result_rows.sizes(),
+                    "scores / rows must be [B, K2] (float32 / int64) with B = ", ops.size(0), ", got ", scores.sizes(),
+                    ", ", result_rows.sizes());
+  TORCH_CHECK_VALUE(k >= 1, "k must be >= 1, got ", k);
+  return verify_topk(bits.contiguous(), ops.contiguous(), rows.contiguous(), as_float(scores), result_rows.contiguous(), k);
+}
+
+at::Tensor centroid_candidates_op(const at::Tensor& queries, const at::Tensor& centroids, int64_t P, bool screen) {
+  TORCH_CHECK_VALUE(centroids.dim() == 2 && 1 <= P && P <= centroids.size(0), "need 1 <= P (", P,
+                    ") <= the number of centroids (", centroids.dim() == 2 ? centroids.size(0) : 0, ")");
+  TORCH_CHECK_VALUE(queries.dim() == 2 && queries.size(1) == centroids.size(1),
+                    "queries [B, D] and centroids [C, D] expected, got ", queries.sizes(), " and ", centroids.sizes());
+  TeamCall team;  // the helpers wake once for the call's steps
+  const at::Tensor c = as_float(centroids), q = as_float(queries);
+  at::Tensor out = at::empty({q.size(0), P}, at::kLong);
+  std::vector<int64_t> all(q.size(0));
+  std::iota(all.begin(), all.end(), int64_t{0});
+  centroid_candidates(c, q, P, all, out.data_ptr<int64_t>(), screen);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_plan_op(const at::Tensor& queries, at::TensorList index,
+                                                              at::IntArrayRef params, double exact_cost_ratio,
+                                                              at::TensorList program, const at::Tensor& mode, int64_t k,
+                                                              int64_t nprobe, int64_t max_probe) {
+  const char* op = "filter_plan";
+  const FilterIndex fx = filter_index(op, index, params, exact_cost_ratio);
+  const IvfIndex ix = ivf_index(index, params);
+  const Program given = request_program(op, program);
+  const int64_t nlist = ix.centroids.size(0);
+  TORCH_CHECK_VALUE(1 <= nprobe && nprobe <= max_probe && max_probe <= nlist, "need 1 <= nprobe (", nprobe,
+                    ") <= max_probe (", max_probe, ") <= nlist (", nlist, ")");
+  const Program pr{given.ops.contiguous(), given.rows.contiguous(), given.vops.contiguous(), given.vrows.contiguous(),
+                   given.lists.contiguous()};
+  TeamCall team;
+  return filter_plan(as_float(queries), ix, fx, pr, mode.to(at::kLong).contiguous(), k, nprobe, max_probe);
+}
+
+Pair ivf_scan(const at::Tensor& queries, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+              const at::Tensor& cluster_offsets, const at::Tensor& probes, int64_t k,
+              const std::optional<at::Tensor>& bitmask, int64_t /*window_words: the CUDA scan's*/,
+              const std::optional<at::Tensor>& centroids, const std::optional<at::Tensor>& centroid_queries) {
+  // kernels/ivf_scan.py check_inputs (shapes and dtypes; ivf_scan_keys checks the values)
+  TORCH_CHECK_VALUE(centroids.has_value() == centroid_queries.has_value(),
+                    "centroids and centroid_queries go together (residual codes)");
+  TORCH_CHECK_VALUE(is(codes, at::kChar, 2), "codes must be int8 [N, D], got ", describe(codes));
+  TORCH_CHECK_VALUE(queries.dim() == 2 && queries.size(1) == codes.size(1), "queries must be [B, ", codes.size(1),
+                    "], got ", queries.sizes());
+  TORCH_CHECK_VALUE(scale.numel() == 1 && offset.numel() == 1, "scale and offset must be scalars");
+  TORCH_CHECK_VALUE(is(cluster_offsets, at::kLong, 1) && cluster_offsets.numel() >= 2,
+                    "cluster_offsets must be int64 [nlist + 1], got ", describe(cluster_offsets));
+  TORCH_CHECK_VALUE(is(probes, at::kLong, 2) && probes.size(0) == queries.size(0), "probes must be int64 [",
+                    queries.size(0), ", P], got ", describe(probes));
+  TORCH_CHECK_VALUE(k >= 1, "k must be >= 1, got ", k);
+  if (bitmask)
+    TORCH_CHECK_VALUE(is(*bitmask, at::kLong, 3) && bitmask->size(0) == probes.size(0) && bitmask->size(1) == probes.size(1),
+                      "bitmask must be int64 [", probes.size(0), ", ", probes.size(1), ", Wc], got ", describe(*bitmask));
+  const int64_t nlist = cluster_offsets.numel() - 1, B = queries.size(0);
+  if (centroids)
+    TORCH_CHECK_VALUE(centroids->dim() == 2 && centroids->size(0) == nlist && centroids->size(1) == queries.size(1) &&
+                          centroid_queries->sizes() == queries.sizes(),
+                      "centroids must be [nlist, D] = [", nlist, ", ", queries.size(1), "] and centroid_queries [B, D] = ",
+                      queries.sizes(), ", got ", centroids->sizes(), " and ", centroid_queries->sizes());
+  TeamCall team;
+  const at::Tensor q = as_float(queries), off = cluster_offsets.contiguous();
+  at::Tensor qcodes, qscale;
+  std::tie(qcodes, qscale) = quantize_queries(q);
+  // residual codes: the cluster term of each query's probed clusters, as an int32 bias (ClusterTerm)
+  ClusterTerm term;
+  std::vector<float> unit, shift;
+  at::Tensor cen, cq;
+  if (centroids) {
+    cen = as_float(*centroids);
+    cq = as_float(*centroid_queries);
+    const float sc = scale.item<float>(), *qs = qscale.data_ptr<float>();
+    unit.resize(B);
+    shift.assign(B, 0.0f);
+    for (int64_t b = 0; b < B; ++b) unit[b] = sc * qs[b];
+    term = {&off, cen.data_ptr<float>(), cq.data_ptr<float>(), unit.data(), shift.data(), nullptr};
+  }
+  const std::optional<at::Tensor> mask = bitmask ? std::optional<at::Tensor>(bitmask->contiguous()) : std::nullopt;
+  const at::Tensor keys = ivf_scan_keys(qcodes, codes.contiguous(), off, probes.contiguous(), mask, k, BiasTable{}, term);
+  Pair out = keys_to_results(keys, qscale, q.sum(1), scale, offset);
+  if (centroids) add_shift(std::get<0>(out), shift.data());
+  return out;
+}
+
+Pair filtered_topk(const at::Tensor& queries, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                   const at::Tensor& bits, at::TensorList program, at::TensorList postings, const at::Tensor& active,
+                   int64_t k, int64_t /*max_candidates: the CUDA path's buffer*/, at::TensorList residual) {
+  TORCH_CHECK_VALUE(program.size() == 2 && postings.size() == 3,
+                    "filtered_topk: program must hold [ops, prog_rows] and postings [post_rows, post_offsets, lists], got ",
+                    program.size(), " and ", postings.size(), " tensors");
+  TORCH_CHECK_VALUE(residual.size() == 0 || residual.size() == 3,
+                    "filtered_topk: residual is [] or [cluster_offsets, centroids, centroid_queries]: the three go "
+                    "together (residual codes), got ", residual.size(), " tensors");
+  const at::Tensor &ops = program[0], &prog_rows = program[1];
+  const at::Tensor &post_rows = postings[0], &post_offsets = postings[1], &lists = postings[2];
+  const int64_t B = queries.dim() == 2 ? queries.size(0) : -1;
+  if (!residual.empty()) {
+    const at::Tensor &co = residual[0], &cen = residual[1], &cq = residual[2];
+    TORCH_CHECK_VALUE(is(co, at::kLong, 1) && cen.dim() == 2 && cen.size(0) == co.size(0) - 1 &&
+                          queries.dim() == 2 && cen.size(1) == queries.size(1) && cq.sizes() == queries.sizes(),
+                      "cluster_offsets int64 [nlist + 1], centroids [nlist, D] and centroid_queries [B, D] expected, got ",
+                      describe(co), ", ", cen.sizes(), " and ", cq.sizes());
+  }
+  check_program(bits, ops, prog_rows);
+  TORCH_CHECK_VALUE(is(post_rows, at::kInt, 1), "post_rows must be int32 [E], got ", describe(post_rows));
+  TORCH_CHECK_VALUE(is(post_offsets, at::kLong, 1) && post_offsets.numel() >= 1, "post_offsets must be int64 [V + 1], got ",
+                    describe(post_offsets));
+  TORCH_CHECK_VALUE(is(lists, at::kLong, 2) && lists.size(0) == B, "lists must be int64 [", B, ", T2], got ",
+                    describe(lists));
+  TORCH_CHECK_VALUE(is(active, at::kBool, 1) && active.size(0) == B, "active must be bool [", B, "], got ", describe(active));
+  TORCH_CHECK_VALUE(is(codes, at::kChar, 2) && queries.dim() == 2 && queries.size(1) == codes.size(1),
+                    "queries [B, D] / codes int8 [N, D] expected, got ", queries.sizes(), " / ", describe(codes));
+  TORCH_CHECK_VALUE(bits.size(1) == (codes.size(0) + 63) / 64, "bits must have ceil(N / 64) = ", (codes.size(0) + 63) / 64,
+                    " words per row, got ", bits.size(1));
+  TORCH_CHECK_VALUE(k >= 1, "k must be >= 1, got ", k);
+  const at::Tensor act = active.contiguous();
+  const bool* ap = act.data_ptr<bool>();
+  if (std::none_of(ap, ap + B, [](bool a) { return a; })) return empty_results(B, k);  // inside a search: the usual case
+  TeamCall team;
+  const at::Tensor q = as_float(queries);
+  at::Tensor qcodes, qscale;
+  std::tie(qcodes, qscale) = quantize_queries(q);
+  std::optional<at::Tensor> co, cen, cq, unit;
+  if (!residual.empty()) {
+    co = residual[0].contiguous();
+    cen = as_float(residual[1]);
+    cq = as_float(residual[2]);
+    unit = as_float(at::mul(scale, qscale));
+  }
+  at::Tensor keys, shift;
+  std::tie(keys, shift) = filtered_topk_keys(qcodes, codes.contiguous(), bits.contiguous(), ops.contiguous(),
+                                             prog_rows.contiguous(), post_rows.contiguous(), post_offsets.contiguous(),
+                                             lists.contiguous(), act, k, co, cen, cq, unit);
+  Pair out = keys_to_results(keys, qscale, q.sum(1), scale, offset);
+  if (!residual.empty()) add_shift(std::get<0>(out), shift.data_ptr<float>());
+  return out;
+}
+
+// silverrec_host::ivf_scan_keys: the scan's sort keys for int8 queries, biases given as a table (tests compare
+// them with the plain references bit for bit).
+at::Tensor ivf_scan_keys_op(const at::Tensor& qcodes, const at::Tensor& codes, const at::Tensor& cluster_offsets,
                             const at::Tensor& probes, const std::optional<at::Tensor>& bitmask, int64_t k,
                             const std::optional<at::Tensor>& bias) {
-          return ivf_scan_keys(qcodes, codes, cluster_offsets, probes, bitmask, k,
-                               bias_table(bias, qcodes.size(0), cluster_offsets.size(0) - 1), ClusterTerm{});
-        }, "top-k keys over probed clusters", py::arg("qcodes"), py::arg("codes"),
-        py::arg("cluster_offsets"), py::arg("probes"), py::arg("bitmask"), py::arg("k"), py::arg("bias") = py::none(),
-        nogil);
-  m.def("quantize_queries", &quantize_queries, "per-query symmetric int8 codes and scales (common.py, bit for bit)",
-        py::arg("queries"), nogil);
-  m.def("set_team_pin", &silverrec::set_team_pin,
-        "tests: -1 the team under OMP_WAIT_POLICY=PASSIVE, else OpenMP; 0 every step on the calling thread; "
-        "1 the team, each step of several chunks waiting for a helper to take one; 2 OpenMP (team.h)", py::arg("pin"));
-  m.def("parallel_runner", &silverrec::parallel_runner, "who runs the ops' parallel steps: team, openmp or alone");
-  m.def("team_helper_chunks", &silverrec::team_helper_chunks, "chunks of the ops' steps run on helper threads so far");
-  m.def("centroid_candidates", [](const at::Tensor& queries, const at::Tensor& centroids, int64_t P, bool screen) {
-          TeamCall team;  // the helpers wake once for the call's steps
-          const at::Tensor c = centroids.contiguous(), q = queries.contiguous();
-          at::Tensor out = at::empty({q.size(0), P}, at::kLong);
-          std::vector<int64_t> all(q.size(0));
-          std::iota(all.begin(), all.end(), int64_t{0});
-          centroid_candidates(c, q, P, all, out.data_ptr<int64_t>(), screen);
-          return out;
-        }, "each query's best P centroids int64 [B, P] as filter_plan picks them (centroid_probe.cpp); screen "
-        "false: every score computed", py::arg("queries"), py::arg("centroids"), py::arg("P"), py::arg("screen") = true, nogil);
-  m.def("team_probe", &silverrec::team_probe, "tests: the thread that ran each index of a team_for (team.h)",
-        py::arg("n"), py::arg("grain"), py::arg("throw_at") = -1, nogil);
-  m.def("isa", &isa, "the instruction set of this build's kernels (avx512-vnni, avx512, avx2, sse)");
-  m.def("keys_to_results", &keys_to_results, "keys -> (scores float32, rows int64), -inf / -1 padding",
-        py::arg("keys"), py::arg("qscale"), py::arg("qsum"), py::arg("scale"), py::arg("offset"), nogil);
-  m.def("bloom_filter", &silverrec::bloom_filter, "filter programs over word windows -> int64 [B, P, n_words]",
-        py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("word_start"), py::arg("n_words"), nogil);
-  m.def("bloom_filter_counts", &silverrec::bloom_filter_counts,
-        "filter programs over row ranges [lo, hi) -> (int64 [B, P, n_words] mask, int64 [B, P] counts)",
-        py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("lo"), py::arg("hi"), py::arg("n_words"), nogil);
-  m.def("verify_topk", &silverrec::verify_topk, "first k ranked entries whose row passes the program",
-        py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("scores"), py::arg("result_rows"), py::arg("k"), nogil);
-  m.def("filtered_topk_keys", &silverrec::filtered_topk_keys,
-        "top-k keys over rows passing the program, from posting lists or the whole pool", py::arg("qcodes"),
-        py::arg("codes"), py::arg("bits"), py::arg("ops"), py::arg("rows"), py::arg("post_rows"),
-        py::arg("post_offsets"), py::arg("lists"), py::arg("active"), py::arg("k"),
-        py::arg("cluster_offsets") = py::none(), py::arg("centroids") = py::none(),
-        py::arg("centroid_queries") = py::none(), py::arg("unit") = py::none(), nogil);
-  m.def("filter_plan", [](const at::Tensor& queries, const std::vector<at::Tensor>& index,
-                          const std::vector<int64_t>& params, double exact_cost_ratio,
-                          const std::vector<at::Tensor>& program, const at::Tensor& mode, int64_t k, int64_t nprobe,
-                          int64_t max_probe) {
-          const char* op = "filter_plan";
-          const FilterIndex fx = filter_index(op, index, params, exact_cost_ratio);
-          return silverrec::filter_plan(queries, ivf_index(index, params), fx, request_program(op, program), mode, k,
-                                        nprobe, max_probe);
-        }, "filtered IVF routing: (probes, bitmask, route); the op's arguments (kernels/filter_plan.py)",
-        py::arg("queries"), py::arg("index"), py::arg("params"), py::arg("exact_cost_ratio"), py::arg("program"),
-        py::arg("mode"), py::arg("k"), py::arg("nprobe"), py::arg("max_probe"), nogil);
-  m.def("lookup_ids", &silverrec::lookup_ids, "id lists -> (rows int64, offsets int64, first list with an unknown id or -1)",
-        py::arg("lists"), py::arg("table"));
-  m.def("encode_histories", &silverrec::encode_histories,
-        "history rows -> (exclusions [B, E], the user tower's item-key values, lengths)", py::arg("rows"),
-        py::arg("offsets"), py::arg("exclude_limit"), py::arg("history_len"), py::arg("recent_len"),
-        py::arg("feature_offsets"), py::arg("feature_codes"), py::arg("num_items"), nogil);
-  m.attr("vnni") = py::bool_(
-#if defined(__AVX512VNNI__)
-      true
-#else
-      false
-#endif
-  );
+  TeamCall team;
+  const std::optional<at::Tensor> mask = bitmask ? std::optional<at::Tensor>(bitmask->contiguous()) : std::nullopt;
+  return ivf_scan_keys(qcodes.contiguous(), codes.contiguous(), cluster_offsets.contiguous(), probes.contiguous(), mask, k,
+                       bias_table(bias, qcodes.size(0), cluster_offsets.size(0) - 1));
 }
+
+}  // namespace silverrec

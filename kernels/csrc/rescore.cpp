@@ -3,9 +3,7 @@
 // the query folded by the per-dimension scales, each row's codes widened and dotted in float32 lanes
 // (AVX-512, or widen.h's portable lanes), a partial sort. The same results as the composition `rescore_rows_torch` up to float
 // rounding of the dot products, whose summation order differs from the batched matmul's.
-#include <torch/library.h>
-
-#include "tensor.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -181,7 +179,3 @@ std::tuple<at::Tensor, at::Tensor> rescore_rows(const at::Tensor& queries_in, co
 }
 
 }  // namespace silverrec
-
-// The CPU kernel of silverrec::rescore_rows, registered with the dispatcher (the op, its fake and CUDA
-// kernel are defined in kernels/rescore_rows.py, imported before this library loads).
-TORCH_LIBRARY_IMPL(silverrec, CPU, m) { m.impl("rescore_rows", &silverrec::rescore_rows); }

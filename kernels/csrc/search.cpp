@@ -11,9 +11,7 @@
 //   rescore  the float re-score when asked (rescore.cpp), then rows to item ids (`rescore_results`)
 // The request's small tensors are made with plain loops, not ATen calls: after other work has evicted
 // libtorch's code, an ATen call on a few hundred bytes costs more than the loop it replaces.
-#include <torch/library.h>
-
-#include "tensor.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cstring>
@@ -363,12 +361,3 @@ std::tuple<at::Tensor, at::Tensor> ivf_search(const at::Tensor& queries_in, at::
 }
 
 }  // namespace silverrec
-
-// The CPU kernels of the searches, registered with the dispatcher so that a call goes straight to C++ (no
-// Python between the predictor and the search). The ops themselves (schemas, fakes, CUDA kernels, and CPU
-// kernels when this extension is not built) are defined in kernels/filtered_ivf_search.py, which is imported
-// before this library is loaded.
-TORCH_LIBRARY_IMPL(silverrec, CPU, m) {
-  m.impl("filtered_ivf_search", &silverrec::filtered_ivf_search);
-  m.impl("ivf_search", &silverrec::ivf_search);
-}

@@ -31,7 +31,7 @@ from silverrec.filtering.filter_program import FilterPlan, compile_request
 from silverrec.filtering.template import check_request_features
 from silverrec.generative.source import request_tensors
 from silverrec.spec import ModelSpec
-from silverrec.kernels.cpu_ext import cpu_ext
+from silverrec.kernels import library
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.item_ids import ItemRows
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
@@ -157,9 +157,9 @@ class RecHandler:
         self.encoder = FeatureEncoder.from_arrays(self.spec, item_csr)
         self.item_rows = ItemRows(self.row_to_item)
         # the C++ request encoding (encode_rows) and the item-feature CSRs it reads, in the tower's key order
-        self._native = getattr(cpu_ext(), "encode_histories", None)  # None: the numpy path
+        self._native = library.host().encode_histories
         self._probed_modes: dict[int, torch.Tensor] = {}  # batch size -> its all-probed mode tensor
-        self._lookup_ids = getattr(cpu_ext(), "lookup_ids", None) if self.item_rows.table is not None else None
+        self._lookup_ids = library.lookup_ids if self.item_rows.table is not None else None
         csr = [self.encoder.item_csr[f] for f in self.spec.item_vocabs]
         self._native_csr = ([torch.from_numpy(np.ascontiguousarray(o, dtype=np.int64)) for o, _ in csr],
                             [torch.from_numpy(np.ascontiguousarray(c, dtype=np.int64)) for _, c in csr])
@@ -242,9 +242,8 @@ class RecHandler:
 
         A stored user's rows come from `UserHistories` (computed once); the ids a request sends
         (histories, exclude ids) are looked up in one vectorised search. A batch without exclude ids
-        (the common one) is then encoded by one C++ call (`_encode_native`: exclusions and item keys)
-        where the extension is built; otherwise stored users take their precomputed newest-first
-        rows, and with exclude ids the exclusions are built as sorted (request, row) keys. Any bad id
+        (the common one) is then encoded by one C++ call (`_encode_native`: exclusions and item keys);
+        with exclude ids, stored users take their precomputed newest-first rows, and the exclusions are built as sorted (request, row) keys. Any bad id
         or too many exclusions re-runs the lookups request by request (`_raise_first_error`) for the
         error that names them.
         """
@@ -261,7 +260,7 @@ class RecHandler:
             else:
                 sent.append(b)
             excludes = excludes or not _is_empty(r.exclude)
-        native = self._native is not None and not excludes
+        native = not excludes
         ex_rows, ex_counts = np.zeros(0, dtype=np.int64), np.zeros(B, dtype=np.int64)
         flat = None  # with every history sent and looked up in C++: their rows int64 and offsets [B + 1]
         if sent or excludes:  # the sent histories (into histories, newest) and exclude ids, looked up at once
