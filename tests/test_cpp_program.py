@@ -39,16 +39,15 @@ class AllOps(torch.nn.Module):
         d, t, p_q, p_x, c, f, h = 8, 2, 2, 2, 3, 2, 5
         self.mol = [torch.randn(t, p_q * c, d, generator=g), torch.randn(t, p_q * c, generator=g),
                     torch.randn(h, 2 * d + f + p_q * p_x, generator=g), torch.randn(t, p_q * p_x, h, generator=g),
-                    torch.randn(t, p_q * p_x, generator=g), torch.tensor(0.5), torch.tensor(0.1)]
+                    torch.randn(t, p_q * p_x, generator=g), torch.full((t,), 0.5), torch.full((t,), 0.1)]
         self.mol_dims = [p_q, p_x, c, f]
 
-    def forward(self, queries: Tensor, program: List[Tensor], user: Tensor, attn: List[Tensor],
+    def forward(self, queries: Tensor, program: List[Tensor], mode: Tensor, user: Tensor, attn: List[Tensor],
                 beams: List[Tensor]) -> List[Tensor]:
         ops = torch.ops.silverrec
         B = queries.shape[0]
         codes, cluster_offsets, centroids, bits = self.tensors[0], self.tensors[3], self.tensors[4], self.tensors[6]
         one, zero = torch.ones(()), torch.zeros(())
-        mode = torch.full([B], MODE_AUTO, dtype=torch.int64)
         out: List[Tensor] = []
         a, b = ops.ivf_search(queries, self.tensors[:6], self.params[:2], 7, 2)
         out += [a, b]
@@ -92,7 +91,7 @@ def _inputs(B=3):
             torch.randn(B * W, S, KV, D, generator=g)]
     attn[1][0, 0] = float("-inf")  # an empty stage
     beams = [torch.randn(B, 3, generator=g), torch.log_softmax(torch.randn(B, 3, 6, generator=g), dim=-1)]
-    return queries, program, user, attn, beams
+    return queries, program, torch.full((B,), MODE_AUTO), user, attn, beams
 
 
 def _build() -> Path:
@@ -116,7 +115,7 @@ def test_every_op_runs_in_a_cpp_process_without_python(tmp_path):
     run = subprocess.run([str(program), library.load(), str(tmp_path / "model.ts"), str(tmp_path / "inputs.pt"),
                           str(tmp_path / "out.pt")], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    got = torch.load(tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt", weights_only=False)  # a Tensor[] pickled by the test's own program
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype and torch.equal(a, b), i

@@ -20,6 +20,17 @@ std::vector<char> read_file(const char* path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
+// A pickled list arrives as List[Any]: a list of tensors becomes Tensor[], as the program's signature wants.
+c10::IValue typed(const c10::IValue& v) {
+  if (!v.isList()) return v;
+  c10::List<at::Tensor> tensors;
+  for (const c10::IValue& x : v.toListRef()) {
+    if (!x.isTensor()) return v;
+    tensors.push_back(x.toTensor());
+  }
+  return tensors;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -35,7 +46,8 @@ int main(int argc, char** argv) {
     torch::jit::Module model = torch::jit::load(argv[2]);
     model.eval();
     const c10::IValue inputs = torch::pickle_load(read_file(argv[3]));
-    std::vector<c10::IValue> args = inputs.toTupleRef().elements().vec();
+    std::vector<c10::IValue> args;
+    for (const c10::IValue& v : inputs.toTupleRef().elements()) args.push_back(typed(v));
     c10::InferenceMode guard;
     const c10::IValue out = model.forward(args);
     const std::vector<char> bytes = torch::pickle_save(out);
