@@ -334,8 +334,8 @@ def write_index(
             backend = export_module(model, search_example(model), SEARCH_DYNAMIC, tmp, torchscript=torchscript,
                                     tensors_apart=True, time_backends=time_backends,
                                     timing_args=search_timing_example(model))
-        if backend is not None:
-            manifest["backend"] = backend  # load(backend="auto") runs the faster program
+        if backend is not None:  # load(backend="auto") runs the fastest program; a parent's timing kept without one
+            manifest["backend"] = {**manifest.get("backend", {}), **backend}
         if fwd is not None:
             save_forward(fwd, tmp)  # for incremental updates (publish/update.py)
         (report or (lambda r: manifest.__setitem__("build_report", r)))(clock.report())

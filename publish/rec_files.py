@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.export import Dim
 
+from silverrec import aoti
 from silverrec.compose import ModelParts
 from silverrec.publish.filtered_ivf import DYNAMIC as FILTER_DYNAMIC, example_programs
 from silverrec.publish.progress import step
@@ -122,11 +123,20 @@ def write_rec_files(built: Built, tmp: Path, torchscript: bool = True) -> None:
         rank_dynamic["rows"] = {0: rank_dynamic["dense"][0], 1: Dim.DYNAMIC}
         with step("exporting the ranking entry point (torch.export)"):
             torch.export.save(export_program(RankEntry(model), rank_example, rank_dynamic), tmp / RANK_FILE)
+    programs = {"export": program.module()}
     if torchscript:
         with step("TorchScript"):
-            scripted = scriptable(model)
-            torch.jit.save(scripted, str(tmp / SCRIPT_FILE))
-        built.manifest["backend"] = preferred_backend({"export": program.module(), "torchscript": scripted}, example)
+            programs["torchscript"] = scriptable(model)
+            torch.jit.save(programs["torchscript"], str(tmp / SCRIPT_FILE))
+    packages = {}
+    if aoti.enabled():
+        with step("AOTInductor packages"):
+            packages = aoti.compile_packages(model, example, shapes, tmp)
+        programs["aoti"] = aoti.AotiProgram(tmp / packages["cpu"]["file"], packages["cpu"]["int_args"])
+    if len(programs) > 1:
+        built.manifest["backend"] = preferred_backend(programs, example)
+    if packages:
+        built.manifest.setdefault("backend", {})["aoti"] = packages
     arrays = {"row_to_item": built.row_to_item}
     for i, (f, (off, codes)) in enumerate(built.item_csr.items()):
         arrays[f"offsets_{i}"], arrays[f"codes_{i}"] = off, codes

@@ -17,7 +17,9 @@ package is called like the module.
 
 from __future__ import annotations
 
+import copy
 import inspect
+import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -25,6 +27,12 @@ from typing import Any, Sequence
 import torch
 
 PACKAGE_FILES = {"cpu": "model.cpu.pt2", "cuda": "model.cuda.pt2"}
+
+
+def enabled() -> bool:
+    """Whether publishing compiles the packages by default: yes, unless SILVERREC_AOTI=0 (a compile takes
+    minutes on a small machine; the test suite turns it off except where a test asks for it)."""
+    return os.environ.get("SILVERREC_AOTI", "1") != "0"
 
 
 def int_arg(value: int) -> torch.Tensor:
@@ -67,8 +75,28 @@ def compile_package(module: torch.nn.Module, example_args: tuple, dynamic_shapes
     program = export_program(TensorEntry(module, positions), args, dynamic)
     path = directory / PACKAGE_FILES[device]
     torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+    if not path.is_file():
+        raise RuntimeError(f"AOTInductor wrote no package at {path}")
     return {"file": path.name, "torch": torch.__version__, "int_args": positions,
             "compile_s": round(time.perf_counter() - t0, 1)}
+
+
+def compile_packages(module: torch.nn.Module, example_args: tuple, dynamic_shapes: dict[str, Any],
+                     directory: Path) -> dict[str, dict[str, Any]]:
+    """The CPU package and, where CUDA is available, the CUDA one (a copy of the module and the example moved
+    there), by device: their manifest entries (`compile_package`)."""
+    packages = {"cpu": compile_package(module, example_args, dynamic_shapes, directory, "cpu")}
+    if torch.cuda.is_available():
+        on_gpu = copy.deepcopy(module).to("cuda")
+        args = tuple(a.to("cuda") if isinstance(a, torch.Tensor) else a for a in example_args)
+        packages["cuda"] = compile_package(on_gpu, args, dynamic_shapes, directory, "cuda")
+    return packages
+
+
+def package_entry(manifest: dict[str, Any], device: torch.device | str) -> dict[str, Any] | None:
+    """The manifest's entry of the package for `device`'s type, or None (config.backend.aoti)."""
+    packages = manifest.get("config", {}).get("backend", {}).get("aoti") or {}
+    return packages.get(torch.device(device).type)
 
 
 class AotiProgram:

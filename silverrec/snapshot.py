@@ -5,6 +5,8 @@
                         time, and {file: {sha256, bytes}} for every other file
     DIR/model.pt2       torch.export program (dynamic batch dimension)
     DIR/model.ts        TorchScript of the same module (optional)
+    DIR/model.cpu.pt2   the same program compiled by AOTInductor for the CPU (and model.cuda.pt2 for CUDA, on a
+                        GPU machine): config.backend.aoti names each with the torch that built it (silverrec/aoti.py)
     DIR/tensors.pt      (pure-ANN snapshots) the programs' state tensors, stored once (torch.save,
                         loaded by mmap); the two programs then hold placeholders of the same shapes
     DIR/...             kind-specific files (a "rec" snapshot: rank.pt2, items.npz, users.npz)
@@ -274,15 +276,19 @@ def export_module(
     tensors_apart: bool = False,
     time_backends: bool = True,
     timing_args: Optional[tuple] = None,
+    aoti: Optional[bool] = None,
 ) -> Optional[dict[str, Any]]:
-    """Save `module` as model.pt2 (torch.export, non-strict) and, optionally, model.ts; with both and
-    `time_backends`, return `preferred_backend` of the two on `timing_args` (default: the example), for
-    config.backend.
+    """Save `module` as model.pt2 (torch.export, non-strict), optionally model.ts, and AOTInductor packages
+    (`aoti`; None: `silverrec.aoti.enabled()`); with two programs or more and `time_backends`, return
+    `preferred_backend` of them on `timing_args` (default: the example), for config.backend, with the packages'
+    entries under "aoti" (without timing: {"aoti": ...} alone, or None when there is nothing to record).
 
     tensors_apart: the module's state (buffers, parameters) goes once into tensors.pt and the
     programs hold stride-0 placeholders of the same shapes and dtypes (`load_program` puts the
     tensors back). A 1M x 96 pool's 100 MB were written twice (model.pt2 and model.ts) and
     torch.export.save alone took 0.46 s of them; the loader maps the file instead of reading it."""
+    from silverrec import aoti as aot
+
     program = export_program(module, example_args, dynamic_shapes)
     state = dict(program.state_dict) if tensors_apart else {}
     if tensors_apart:
@@ -291,14 +297,20 @@ def export_module(
         # torch.export.save looks for a tensor covering each storage: a placeholder's covers one element
         warnings.filterwarnings("ignore", message="No complete tensor found in the group")
         torch.export.save(program, directory / EXPORT_FILE)
-    if not torchscript:
-        return None
-    scripted = torch.jit.script(module.eval())
-    with _swapped(lambda name, t: _set_path(scripted, name, t), state):
-        torch.jit.save(scripted, str(directory / SCRIPT_FILE))
-    if not time_backends:
-        return None
-    return preferred_backend({"export": program.module(), "torchscript": scripted}, timing_args or example_args)
+    programs: dict[str, Any] = {"export": program.module()}
+    if torchscript:
+        scripted = torch.jit.script(module.eval())
+        with _swapped(lambda name, t: _set_path(scripted, name, t), state):
+            torch.jit.save(scripted, str(directory / SCRIPT_FILE))
+        programs["torchscript"] = scripted
+    packages = aot.compile_packages(module, example_args, dynamic_shapes, directory) if (
+        aot.enabled() if aoti is None else aoti) else {}
+    if "cpu" in packages:
+        programs["aoti"] = aot.AotiProgram(directory / packages["cpu"]["file"], packages["cpu"]["int_args"])
+    if not time_backends or len(programs) < 2:
+        return {"aoti": packages} if packages else None
+    backend = preferred_backend(programs, timing_args or example_args)
+    return {**backend, "aoti": packages} if packages else backend
 
 
 def _placeholder(t: torch.Tensor) -> torch.Tensor:
@@ -365,7 +377,8 @@ def load_scripted(root: Path, manifest: dict[str, Any], map_location=None):
 
 
 def preferred_backend(programs: dict[str, Any], example: tuple, repeat: int = 20) -> dict[str, Any]:
-    """Time each program on `example` (best of `repeat`): `load(backend="auto")` runs the faster one.
+    """Time each program on `example` (best of `repeat`, the programs interleaved): `load(backend="auto")` runs
+    the fastest.
     The programs differ by a fixed cost per call, so a light call shows it best (a pure-ANN index's
     export example filters the whole pool: 13.6 vs 14.0 ms at 1M x 96 picked the exported program,
     whose wrapper then cost 0.19 ms more on each selective search, 0.40 against 0.21 ms). TorchScript
@@ -373,16 +386,15 @@ def preferred_backend(programs: dict[str, Any], example: tuple, repeat: int = 20
     7.9 ms), and 1.5-2.3x on a 100k-item pure-ANN index (0.2 vs 0.5 ms)."""
     import time
 
-    best = {}
+    best = {name: float("inf") for name in programs}
     with torch.inference_mode():
-        for name, fn in programs.items():
+        for fn in programs.values():
             fn(*example)
-            times = []
-            for _ in range(repeat):
+        for _ in range(repeat):  # interleaved: a slow spell of the machine costs every program alike
+            for name, fn in programs.items():
                 t0 = time.perf_counter()
                 fn(*example)
-                times.append(time.perf_counter() - t0)
-            best[name] = min(times)
+                best[name] = min(best[name], time.perf_counter() - t0)
     preferred = min(best, key=best.get)
     return {"preferred": preferred, **{f"{k}_ms": round(v * 1e3, 3) for k, v in best.items()}}
 

@@ -1,4 +1,5 @@
-"""Shared test setup: Triton runs in its interpreter on CPU tensors, publish is quiet, seeds fixed."""
+"""Shared test setup: Triton runs in its interpreter on CPU tensors, publish is quiet and compiles no AOTInductor
+package (minutes each on a small machine; tests/test_aoti.py asks for them), seeds fixed."""
 
 import os
 
@@ -7,6 +8,7 @@ import os
 if os.environ.get("SILVERREC_GPU_TESTS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("SILVERREC_QUIET", "1")
+os.environ.setdefault("SILVERREC_AOTI", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

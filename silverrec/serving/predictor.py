@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 import silverrec.kernels  # noqa: F401  (ops must be registered before deserialising)
+from silverrec.aoti import AotiProgram, package_entry
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
 from silverrec.retrieval.filtered_search import search_index
 from silverrec.serving.device import CPU, exported_on, moves, resolve_device, serving_module
@@ -119,9 +120,10 @@ def load_snapshot(path: str | os.PathLike, backend: str = "auto", verify: bool =
 
     Args:
         path: snapshot directory.
-        backend: "export" (model.pt2), "torchscript" (model.ts), or "auto" (default): the one the
-            publisher measured faster on this snapshot (manifest `config.backend.preferred`; a
-            snapshot that records none loads model.pt2).
+        backend: "export" (model.pt2), "torchscript" (model.ts), "aoti" (the AOTInductor package for the
+            device, model.cpu.pt2 / model.cuda.pt2: silverrec/aoti.py), or "auto" (default): the one the
+            publisher measured fastest on this snapshot (manifest `config.backend.preferred`; a snapshot
+            that records none loads model.pt2).
         verify: check sizes and sha256 of every file against the manifest (default on).
         device: where the program runs: "cpu" (default), "cuda", "cuda:N" or a torch.device. The
             API takes and returns CPU tensors on every device (silverrec/serving/device.py).
@@ -137,6 +139,8 @@ def load_snapshot(path: str | os.PathLike, backend: str = "auto", verify: bool =
     check_build(manifest, root)  # the versions that built it against this process's, before deserialising
     if backend == "auto":
         backend = manifest.get("config", {}).get("backend", {}).get("preferred", "export")
+        if backend == "aoti" and package_entry(manifest, device) is None:  # measured on another device
+            backend = "export"
     if needs_torchrec(manifest):  # the trained user tower's program holds fbgemm / torchrec ops
         import fbgemm_gpu  # noqa: F401
         import torchrec  # noqa: F401
@@ -160,12 +164,18 @@ def load_snapshot(path: str | os.PathLike, backend: str = "auto", verify: bool =
             if SCRIPT_FILE not in manifest["files"]:
                 raise SnapshotError(f"snapshot {root} has no TorchScript file ({SCRIPT_FILE})")
             module = load_scripted(root, manifest, map_location=device if moves(device) else None)
+        elif backend == "aoti":
+            entry = package_entry(manifest, device)
+            if entry is None or entry["file"] not in manifest["files"]:
+                raise SnapshotError(f"snapshot {root} has no AOTInductor package for {device.type} (published with "
+                                    "SILVERREC_AOTI=0, or on a machine without that device)")
+            module = AotiProgram(root / entry["file"], entry["int_args"], device)
         else:
-            raise SnapshotError(f"unknown backend {backend!r}: use 'export' or 'torchscript'")
+            raise SnapshotError(f"unknown backend {backend!r}: use 'export', 'torchscript' or 'aoti'")
     except SnapshotError:
         raise
     except Exception as e:  # deserialisation failures become one clear error
         raise SnapshotError(f"cannot load {backend} program from {root}: {type(e).__name__}: {e}") from e
-    if moves(device):
+    if moves(device) and backend != "aoti":  # a package is compiled for its device
         module = serving_module(module, manifest, device)
     return Snapshot(root, manifest, module, backend, device)
