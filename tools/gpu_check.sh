@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh            # on the GPU machine (its python3 has torch and triton)
 #   BENCHES="generative exact" QUICK= TESTS_S=120 BENCH_S=90 tools/gpu_check.sh   # full runs of two
 #   BENCHES=recommend tools/gpu_check.sh   # the recommendation model (examples/byo) on the GPU vs the CPU
-# EXT=0 skips building the C++ CPU kernels first (then the CPU side runs the torch implementations).
+# EXT=0 skips building the operator library first (`make test-gpu` builds its own under build/gpu).
 set -o pipefail
 export PYTHONUNBUFFERED=1 SILVERREC_QUIET=1
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
@@ -14,10 +14,10 @@ TESTS_S=${TESTS_S:-240}; BENCH_S=${BENCH_S:-90}; QUICK=${QUICK---quick}  # QUICK
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   uptime
 } 2>&1 | tee "$OUT/machine.txt"
-if [ "${EXT:-1}" = 1 ]; then  # the C++ CPU kernels for this machine's torch: the CPU side is the product's CPU path
-  echo "== C++ CPU extension (cap 180s)"
+if [ "${EXT:-1}" = 1 ]; then  # the operator library for this machine's torch (every op's schema and CPU kernel)
+  echo "== operator library (cap 180s)"
   MAX_JOBS=16 timeout 180 python3 setup.py -q build_ext --inplace > "$OUT/ext_build.log" 2>&1
-  echo "ext build rc=$?"; python3 -c "import sys; sys.path.insert(0, 'tools'); import repo_import; repo_import.install(); from silverrec.kernels.cpu_ext import cpu_ext; print('C++ CPU kernels:', cpu_ext() is not None)"
+  echo "ext build rc=$?"; python3 -c "import sys; sys.path.insert(0, 'tools'); import repo_import; repo_import.install(); from silverrec.kernels import library; print('operators:', library.load(), library.host().isa())"
 fi
 echo "== make test-gpu (cap ${TESTS_S}s)"
 timeout -s INT "$TESTS_S" make test-gpu PY=python3 2>&1 | tee "$OUT/test_gpu.log"

@@ -260,7 +260,7 @@ class RecHandler:
             else:
                 sent.append(b)
             excludes = excludes or not _is_empty(r.exclude)
-        native = not excludes
+        native = self._native is not None and not excludes  # None: the numpy path (tests' reference)
         ex_rows, ex_counts = np.zeros(0, dtype=np.int64), np.zeros(B, dtype=np.int64)
         flat = None  # with every history sent and looked up in C++: their rows int64 and offsets [B + 1]
         if sent or excludes:  # the sent histories (into histories, newest) and exclude ids, looked up at once
