@@ -131,7 +131,7 @@ def write_rec_files(built: Built, tmp: Path, torchscript: bool = True) -> None:
     packages = {}
     if aoti.enabled():
         with step("AOTInductor packages"):
-            packages = aoti.compile_packages(model, example, shapes, tmp)
+            packages = aoti.compile_packages(model, example, shapes, tmp, export_program)
         programs["aoti"] = aoti.AotiProgram(tmp / packages["cpu"]["file"], packages["cpu"]["int_args"])
     if len(programs) > 1:
         built.manifest["backend"] = preferred_backend(programs, example)

@@ -22,7 +22,7 @@ import inspect
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -63,13 +63,14 @@ def entry_arguments(module: torch.nn.Module, example_args: tuple, dynamic_shapes
     return positions, args, {"args": specs}
 
 
-def compile_package(module: torch.nn.Module, example_args: tuple, dynamic_shapes: dict[str, Any], directory: Path,
-                    device: str = "cpu") -> dict[str, Any]:
-    """Export `module` through `TensorEntry` and compile it with AOTInductor for `device` into
-    directory / PACKAGE_FILES[device]; returns its manifest entry (file, torch version, int argument positions,
-    compile seconds). `module` and the example on `device`."""
-    from silverrec.snapshot import export_program
+Export = Callable[[torch.nn.Module, tuple, dict], Any]  # (module, example args, dynamic shapes) -> ExportedProgram
 
+
+def compile_package(module: torch.nn.Module, example_args: tuple, dynamic_shapes: dict[str, Any], directory: Path,
+                    export_program: Export, device: str = "cpu") -> dict[str, Any]:
+    """Export `module` through `TensorEntry` with `export_program` (the snapshot's, silverrec/snapshot.py) and
+    compile it with AOTInductor for `device` into directory / PACKAGE_FILES[device]; returns its manifest entry
+    (file, torch version, int argument positions, compile seconds). `module` and the example on `device`."""
     positions, args, dynamic = entry_arguments(module, example_args, dynamic_shapes)
     t0 = time.perf_counter()
     program = export_program(TensorEntry(module, positions), args, dynamic)
@@ -82,14 +83,14 @@ def compile_package(module: torch.nn.Module, example_args: tuple, dynamic_shapes
 
 
 def compile_packages(module: torch.nn.Module, example_args: tuple, dynamic_shapes: dict[str, Any],
-                     directory: Path) -> dict[str, dict[str, Any]]:
+                     directory: Path, export_program: Export) -> dict[str, dict[str, Any]]:
     """The CPU package and, where CUDA is available, the CUDA one (a copy of the module and the example moved
     there), by device: their manifest entries (`compile_package`)."""
-    packages = {"cpu": compile_package(module, example_args, dynamic_shapes, directory, "cpu")}
+    packages = {"cpu": compile_package(module, example_args, dynamic_shapes, directory, export_program, "cpu")}
     if torch.cuda.is_available():
         on_gpu = copy.deepcopy(module).to("cuda")
         args = tuple(a.to("cuda") if isinstance(a, torch.Tensor) else a for a in example_args)
-        packages["cuda"] = compile_package(on_gpu, args, dynamic_shapes, directory, "cuda")
+        packages["cuda"] = compile_package(on_gpu, args, dynamic_shapes, directory, export_program, "cuda")
     return packages
 
 

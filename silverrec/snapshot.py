@@ -303,7 +303,7 @@ def export_module(
         with _swapped(lambda name, t: _set_path(scripted, name, t), state):
             torch.jit.save(scripted, str(directory / SCRIPT_FILE))
         programs["torchscript"] = scripted
-    packages = aot.compile_packages(module, example_args, dynamic_shapes, directory) if (
+    packages = aot.compile_packages(module, example_args, dynamic_shapes, directory, export_program) if (
         aot.enabled() if aoti is None else aoti) else {}
     if "cpu" in packages:
         programs["aoti"] = aot.AotiProgram(directory / packages["cpu"]["file"], packages["cpu"]["int_args"])
