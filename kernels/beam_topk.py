@@ -12,69 +12,21 @@ the result is the W best admissible candidates, ties broken by lower (i, c). Few
 admissible candidates: the remaining slots get score -inf, parent 0, code 0 (never a real
 candidate). top_k >= C (or >= W) means "no per-beam cut", i.e. ordinary beam search.
 
-CPU (kernels/csrc/beam.cpp; host logic is fine inside the op) uses early termination: beams are
-ranked by their best candidate; the top_k candidates of the first ceil(W / top_k) of them give a lower
-bound on the final W-th score, and every beam whose best candidate is below it is skipped (never
-sorted). CUDA: the same selection on every beam (`_select`), without the data-dependent cut (no host sync).
+Both kernels are ATen calls in C++ (kernels/csrc/beam.cpp). CPU (host logic is fine inside the op) uses early
+termination: beams are ranked by their best candidate; the top_k candidates of the first ceil(W / top_k) of them
+give a lower bound on the final W-th score, and every beam whose best candidate is below it is skipped (never
+sorted). CUDA: the same selection on every beam, without the data-dependent cut (no host sync);
+`torch.ops.silverrec_host.beam_topk_every_beam` runs it on any device, for the tests.
 `beam_topk_reference` is the independent full-sort reference used by the tests.
 """
 
 import torch
 
 
-def _check(beam_scores: torch.Tensor, logprobs: torch.Tensor, top_k: int, beam_width: int) -> None:
-    if logprobs.dim() != 3 or beam_scores.shape != logprobs.shape[:2]:
-        raise ValueError(
-            f"beam_scores must be [B, Wi] and logprobs [B, Wi, C], got {tuple(beam_scores.shape)} "
-            f"and {tuple(logprobs.shape)}"
-        )
-    if top_k <= 0 or beam_width <= 0:
-        raise ValueError(f"top_k and beam_width must be positive, got {top_k} and {beam_width}")
-
-
-def _select(total: torch.Tensor, top_k: int, beam_width: int, beams: torch.Tensor | None):
-    """Per-beam top_k of total [B, Wi, C] restricted to `beams` int64 [B, n] (ascending), then top W."""
-    B, Wi, C = total.shape
-    k = min(top_k, C)
-    if beams is not None:
-        total = total.gather(1, beams[:, :, None].expand(B, beams.shape[1], C))
-    else:
-        beams = torch.arange(Wi, device=total.device)[None, :].expand(B, Wi)
-    n = total.shape[1]
-    # stable descending sorts: equal scores keep index order, i.e. lower code / lower (beam, code)
-    per_beam = torch.sort(total, dim=2, descending=True, stable=True)
-    vals = per_beam.values[:, :, :k].reshape(B, n * k)
-    codes = per_beam.indices[:, :, :k].reshape(B, n * k)
-    top = torch.sort(vals, dim=1, descending=True, stable=True)
-    w = min(beam_width, n * k)
-    scores = top.values[:, :w]
-    flat = top.indices[:, :w]
-    parent = beams.gather(1, torch.div(flat, k, rounding_mode="floor"))
-    code = codes.gather(1, flat)
-    if w < beam_width:
-        pad = beam_width - w
-        scores = torch.cat([scores, scores.new_full((B, pad), float("-inf"))], dim=1)
-        parent = torch.cat([parent, parent.new_zeros(B, pad)], dim=1)
-        code = torch.cat([code, code.new_zeros(B, pad)], dim=1)
-    dead = scores == float("-inf")
-    return scores, parent.masked_fill(dead, 0), code.masked_fill(dead, 0)
-
-
-def _candidates(beam_scores: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    # + 0.0 turns -0.0 into +0.0 so that equal scores compare equal everywhere
-    return beam_scores[:, :, None] + logprobs + 0.0
-
-
-@torch.library.register_kernel("silverrec::beam_topk", "cuda")
-def _(beam_scores, logprobs, top_k, beam_width):
-    _check(beam_scores, logprobs, top_k, beam_width)
-    return _select(_candidates(beam_scores, logprobs), top_k, beam_width, None)
-
-
 def beam_topk_reference(beam_scores: torch.Tensor, logprobs: torch.Tensor, top_k: int, beam_width: int):
     """Independent reference: rank every candidate, mask the non-admissible, one full stable sort
     over all Wi * C candidates (flat index i * C + c breaks ties). Same outputs as the op."""
-    total = _candidates(beam_scores, logprobs)
+    total = beam_scores[:, :, None] + logprobs + 0.0  # + 0.0: -0.0 becomes +0.0, equal scores compare equal
     B, Wi, C = total.shape
     order = torch.sort(total, dim=2, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(2, order, torch.arange(C).expand(B, Wi, C).contiguous())

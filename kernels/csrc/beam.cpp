@@ -1,7 +1,8 @@
 // silverrec::beam_topk on the CPU (kernels/beam_topk.py): one beam-search selection step as ATen calls, with
 // early termination: beams are ranked by their best candidate; the top_k candidates of the first
 // ceil(W / top_k) of them bound the final W-th score from below, and every beam whose best candidate is below
-// that bound is never sorted.
+// that bound is never sorted (a host read of the bound: CPU only). On CUDA (`beam_topk_every_beam`) the same ATen
+// selection runs on every beam: no data-dependent cut, no host synchronisation.
 #include "ops.h"
 
 #include <ATen/ops/arange.h>
@@ -42,16 +43,22 @@ Triple select(const at::Tensor& total_in, int64_t top_k, int64_t W, at::Tensor b
   return {scores, parent.masked_fill(dead, 0), code.masked_fill(dead, 0)};
 }
 
-}  // namespace
-
-Triple beam_topk(const at::Tensor& beam_scores, const at::Tensor& logprobs, int64_t top_k, int64_t beam_width) {
+// Checks the arguments and returns every candidate's score beam_scores + logprobs [B, Wi, C].
+at::Tensor candidate_scores(const at::Tensor& beam_scores, const at::Tensor& logprobs, int64_t top_k,
+                            int64_t beam_width) {
   TORCH_CHECK_VALUE(logprobs.dim() == 3 && beam_scores.sizes() == logprobs.sizes().slice(0, 2),
                     "beam_scores must be [B, Wi] and logprobs [B, Wi, C], got ", beam_scores.sizes(), " and ",
                     logprobs.sizes());
   TORCH_CHECK_VALUE(top_k > 0 && beam_width > 0, "top_k and beam_width must be positive, got ", top_k, " and ",
                     beam_width);
   // + 0.0 turns -0.0 into +0.0 so that equal scores compare equal everywhere
-  const at::Tensor total = beam_scores.unsqueeze(2).add(logprobs).add(0.0);
+  return beam_scores.unsqueeze(2).add(logprobs).add(0.0);
+}
+
+}  // namespace
+
+Triple beam_topk(const at::Tensor& beam_scores, const at::Tensor& logprobs, int64_t top_k, int64_t beam_width) {
+  const at::Tensor total = candidate_scores(beam_scores, logprobs, top_k, beam_width);
   const int64_t B = total.size(0), Wi = total.size(1), C = total.size(2), k = std::min(top_k, C);
   const int64_t m = (beam_width + k - 1) / k;  // beams whose top_k candidates alone can fill the W slots
   if (m >= Wi) return select(total, top_k, beam_width, at::Tensor());
@@ -65,6 +72,11 @@ Triple beam_topk(const at::Tensor& beam_scores, const at::Tensor& logprobs, int6
   const int64_t n = std::max(need.sum(1).max().item<int64_t>(), m);  // the needed beams are a prefix of `rank`
   if (n >= Wi) return select(total, top_k, beam_width, at::Tensor());
   return select(total, top_k, beam_width, std::get<0>(rank.slice(1, 0, n).sort(1)));
+}
+
+Triple beam_topk_every_beam(const at::Tensor& beam_scores, const at::Tensor& logprobs, int64_t top_k,
+                            int64_t beam_width) {
+  return select(candidate_scores(beam_scores, logprobs, top_k, beam_width), top_k, beam_width, at::Tensor());
 }
 
 }  // namespace silverrec

@@ -231,6 +231,12 @@ TORCH_LIBRARY_IMPL(silverrec, Meta, m) {
   m.impl("beam_topk", TORCH_FN(beam_topk_meta));
 }
 
+// The CUDA kernels written as ATen calls (the Triton ones are registered from Python: kernels/*.py).
+TORCH_LIBRARY_IMPL(silverrec, CUDA, m) {
+  using namespace silverrec;
+  m.impl("beam_topk", CHECKED(beam_topk_every_beam));
+}
+
 // Host functions: not model ops (no program calls them), plain C++ that Python reaches through the dispatcher.
 TORCH_LIBRARY(silverrec_host, m) {
   using namespace silverrec;
@@ -247,6 +253,8 @@ TORCH_LIBRARY(silverrec_host, m) {
         CHECKED(keys_to_results));
   m.def("centroid_candidates(Tensor queries, Tensor centroids, int P, bool screen=True) -> Tensor",
         CHECKED(centroid_candidates_op));
+  m.def("beam_topk_every_beam(Tensor beam_scores, Tensor logprobs, int top_k, int beam_width) -> "
+        "(Tensor, Tensor, Tensor)", CHECKED(beam_topk_every_beam));
   // the build and its parallel steps' runner (team.h)
   m.def("isa() -> str", &isa);
   m.def("set_team_pin(int pin) -> ()", &set_team_pin_op);

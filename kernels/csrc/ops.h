@@ -59,6 +59,10 @@ at::Tensor staged_attention(const at::Tensor& q, const at::Tensor& shared_k, con
 // beam.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> beam_topk(const at::Tensor& beam_scores, const at::Tensor& logprobs,
                                                          int64_t top_k, int64_t beam_width);
+// the same selection on every beam (no early exit, no host read): the CUDA kernel
+std::tuple<at::Tensor, at::Tensor, at::Tensor> beam_topk_every_beam(const at::Tensor& beam_scores,
+                                                                    const at::Tensor& logprobs, int64_t top_k,
+                                                                    int64_t beam_width);
 
 // ---- host functions (silverrec_host::): the predictor's request encoding, the kernels' parts for tests
 // ops.cpp
