@@ -462,3 +462,37 @@ def test_int8_user_tower_calls_the_tbe_directly_with_torchrecs_answers(rec):
         assert torch.equal(exported(values, lengths, dense), want)
     assert isinstance(rec.built.model.user_tower, DirectTBEUserTower) == (
         rec.snap().config["quantization_user_tower"]["tables"] == "int8")
+
+
+def test_int8_user_tower_bounds_indices_as_fbgemms_check_does(rec):
+    """Indices outside their key's table (negative, or past its rows) pool as row 0 of that table: what fbgemm's own
+    bounds check (WARNING mode, which DirectTBEUserTower replaces by a pure function) makes of them."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+    from torchrec.inference.modules import quantize_embeddings
+
+    from silverrec.publish.rec import rebuild_user_tower
+    from silverrec.retrieval.user_tower import direct_tower
+
+    direct = direct_tower(quantize_embeddings(rebuild_user_tower(rec.ckpt), dtype=torch.qint8, inplace=False).eval())
+    handler = rec.snap().rec_handler()
+    values, lengths, dense, _ = handler.encode([RecRequest(history=rec.logs.history(u)) for u in users(rec, 3)],
+                                               exclude_history=False, exclude_limit=1)
+    rows = direct.rows_per_key.repeat_interleave(lengths.shape[0] // direct.rows_per_key.shape[0])
+    bad = values.clone()
+    starts = torch.cumsum(lengths.long(), 0) - lengths.long()
+    firsts = starts[lengths > 0]
+    bad[firsts[0::2]] = -3  # the first index of every other non-empty (key, request) list
+    bad[firsts[1::2]] = rows[lengths > 0][1::2] + 5
+    tbe = direct.ebc._emb_modules[0]
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths).to(values.dtype)
+    with torch.inference_mode():
+        tbe.bounds_check_mode_int = BoundsCheckMode.WARNING.value
+        try:
+            want = tbe(indices=bad.clone(), offsets=offsets.clone())
+        finally:
+            tbe.bounds_check_mode_int = BoundsCheckMode.NONE.value
+        got = tbe(indices=direct.in_bounds(bad, lengths), offsets=offsets)
+    assert torch.equal(got, want)
+    fixed = direct.in_bounds(bad, lengths)
+    assert torch.equal(fixed[firsts], torch.zeros_like(fixed[firsts])) and torch.equal(
+        fixed[values == bad], values[values == bad])

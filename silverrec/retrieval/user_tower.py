@@ -224,10 +224,26 @@ class DirectTBEUserTower(nn.Module):
         self.mlp, self.heads = tower.mlp, tower.heads
         self.keys: list[str] = list(tower.keys)
         self.tasks, self.dim = tower.tasks, tower.dim
+        # The bounds check as a pure function of the request (`in_bounds`) instead of fbgemm's, which writes the
+        # indices and a warning counter in place: AOTInductor cannot compile a write into a tensor the program
+        # holds as a constant. The TBE then checks nothing itself.
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+        tbe = self.ebc._emb_modules[0]
+        self.register_buffer("rows_per_key", tbe.rows_per_table.clone())  # int64 [F]
+        tbe.bounds_check_mode_int = BoundsCheckMode.NONE.value
+
+    def in_bounds(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """values with each index outside its key's table [0, rows) replaced by 0, as fbgemm's WARNING bounds check
+        does (values [nnz], lengths [F * B] key-major)."""
+        rows = torch.repeat_interleave(self.rows_per_key.repeat_interleave(lengths.shape[0] // self.rows_per_key.shape[0]),
+                                       lengths.long(), output_size=values.shape[0])
+        return torch.where((values >= 0) & (values < rows), values, torch.zeros_like(values))
 
     def forward(self, values: torch.Tensor, lengths: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """values int64 [nnz], lengths int32 [F * B] (key-major), dense float32 [B, Fd] -> float32 [B, T, D]."""
-        indices, offsets = _tbe_inputs(values, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths))
+        indices, offsets = _tbe_inputs(self.in_bounds(values, lengths),
+                                       torch.ops.fbgemm.asynchronous_complete_cumsum(lengths))
         pooled = self.ebc._emb_modules[0].forward(indices=indices, offsets=offsets)
         return tower_head(self.mlp, self.heads, self.tasks, self.dim, pooled, dense)
 
