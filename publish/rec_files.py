@@ -132,7 +132,8 @@ def write_rec_files(built: Built, tmp: Path, torchscript: bool = True) -> None:
     if aoti.enabled():
         with step("AOTInductor packages"):
             packages = aoti.compile_packages(model, example, shapes, tmp, export_program)
-        programs["aoti"] = aoti.AotiProgram(tmp / packages["cpu"]["file"], packages["cpu"]["int_args"])
+        if (package := aoti.loaded_cpu_package(packages, tmp)) is not None:
+            programs["aoti"] = package
     if len(programs) > 1:
         built.manifest["backend"] = preferred_backend(programs, example)
     if packages:

@@ -21,10 +21,12 @@ import copy
 import inspect
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 PACKAGE_FILES = {"cpu": "model.cpu.pt2", "cuda": "model.cuda.pt2"}
 
@@ -85,19 +87,37 @@ def compile_package(module: torch.nn.Module, example_args: tuple, dynamic_shapes
 def compile_packages(module: torch.nn.Module, example_args: tuple, dynamic_shapes: dict[str, Any],
                      directory: Path, export_program: Export) -> dict[str, dict[str, Any]]:
     """The CPU package and, where CUDA is available, the CUDA one (a copy of the module and the example moved
-    there), by device: their manifest entries (`compile_package`)."""
-    packages = {"cpu": compile_package(module, example_args, dynamic_shapes, directory, export_program, "cpu")}
+    there), by device: their manifest entries (`compile_package`). A package is an extra program beside model.pt2:
+    one that does not compile (a module Inductor cannot lower) is recorded as {"error": why, "torch"} instead, with
+    a warning, and the snapshot publishes without it."""
+    devices = {"cpu": (module, example_args)}
     if torch.cuda.is_available():
-        on_gpu = copy.deepcopy(module).to("cuda")
-        args = tuple(a.to("cuda") if isinstance(a, torch.Tensor) else a for a in example_args)
-        packages["cuda"] = compile_package(on_gpu, args, dynamic_shapes, directory, export_program, "cuda")
+        devices["cuda"] = (copy.deepcopy(module).to("cuda"),
+                           tuple(a.to("cuda") if isinstance(a, torch.Tensor) else a for a in example_args))
+    packages = {}
+    for device, (m, args) in devices.items():
+        try:
+            packages[device] = compile_package(m, args, dynamic_shapes, directory, export_program, device)
+        except Exception as e:  # noqa: BLE001  (any compiler failure: the reason goes into the manifest)
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+            warnings.warn(f"no AOTInductor {device} package: {why}")
+            (directory / PACKAGE_FILES[device]).unlink(missing_ok=True)
+            packages[device] = {"error": why, "torch": torch.__version__}
     return packages
 
 
 def package_entry(manifest: dict[str, Any], device: torch.device | str) -> dict[str, Any] | None:
-    """The manifest's entry of the package for `device`'s type, or None (config.backend.aoti)."""
+    """The manifest's entry of the compiled package for `device`'s type, or None (none, or its compile failed:
+    config.backend.aoti)."""
     packages = manifest.get("config", {}).get("backend", {}).get("aoti") or {}
-    return packages.get(torch.device(device).type)
+    entry = packages.get(torch.device(device).type)
+    return entry if entry is not None and "file" in entry else None
+
+
+def loaded_cpu_package(packages: dict[str, dict[str, Any]], directory: Path) -> "AotiProgram | None":
+    """The CPU package `compile_packages` wrote into `directory`, loaded (None when it did not compile)."""
+    entry = packages.get("cpu", {})
+    return AotiProgram(directory / entry["file"], entry["int_args"]) if "file" in entry else None
 
 
 class AotiProgram:
@@ -110,9 +130,17 @@ class AotiProgram:
         index = device.index if device.index is not None else (0 if device.type == "cuda" else -1)
         self.runner = torch._inductor.aoti_load_package(str(path), device_index=index)
         self.int_positions = tuple(int_positions)
+        # The runner's own __call__ parses its input and output tree specs from JSON on every call; the entry
+        # point takes a flat tuple, so they are read once here and the tensors go straight to `boxed_run`.
+        in_spec, self._out_spec = (pytree.treespec_loads(s) for s in self.runner.loader.get_call_spec())
+        self._num_args = in_spec.num_leaves  # (args, {}): the entry point's arguments, flat
 
     def __call__(self, *args):
-        return self.runner(*[int_arg(a) if i in self.int_positions else a for i, a in enumerate(args)])
+        if len(args) != self._num_args:
+            raise TypeError(f"the AOTInductor program takes {self._num_args} arguments, got {len(args)}")
+        flat = [int_arg(a) if i in self.int_positions else a for i, a in enumerate(args)]
+        flat = [a for a in flat if isinstance(a, torch.Tensor)]  # a bool or None was a constant of the program
+        return pytree.tree_unflatten(self.runner.loader.boxed_run(flat), self._out_spec)
 
     def eval(self) -> "AotiProgram":
         return self

@@ -305,8 +305,8 @@ def export_module(
         programs["torchscript"] = scripted
     packages = aot.compile_packages(module, example_args, dynamic_shapes, directory, export_program) if (
         aot.enabled() if aoti is None else aoti) else {}
-    if "cpu" in packages:
-        programs["aoti"] = aot.AotiProgram(directory / packages["cpu"]["file"], packages["cpu"]["int_args"])
+    if (package := aot.loaded_cpu_package(packages, directory)) is not None:
+        programs["aoti"] = package
     if not time_backends or len(programs) < 2:
         return {"aoti": packages} if packages else None
     backend = preferred_backend(programs, timing_args or example_args)

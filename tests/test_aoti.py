@@ -102,3 +102,20 @@ def test_the_entry_point_takes_ints_as_lengths():
     assert len(dynamic["args"]) == 4
     assert torch.equal(TensorEntry(Echo(), positions)(*args), Echo()(x, 4, True, 3))
     assert int_arg(0).shape == (0, 0)
+
+
+def test_a_package_that_does_not_compile_is_recorded_not_fatal(tmp_path, monkeypatch):
+    """A compiler failure leaves no package file and a manifest entry that says why; the loader reports it."""
+    from silverrec import aoti
+    from silverrec.aoti import compile_packages, package_entry
+
+    def fails(module, args, dynamic, directory, export_program, device):
+        (directory / PACKAGE_FILES[device]).write_bytes(b"partial")
+        raise RuntimeError("cannot lower op X\nlong trace")
+
+    monkeypatch.setattr(aoti, "compile_package", fails)
+    with pytest.warns(UserWarning, match="no AOTInductor cpu package: RuntimeError: cannot lower op X"):
+        packages = compile_packages(torch.nn.Identity(), (torch.ones(1),), {}, tmp_path, lambda *a: None)
+    assert packages["cpu"] == {"error": "RuntimeError: cannot lower op X", "torch": torch.__version__}
+    assert not (tmp_path / PACKAGE_FILES["cpu"]).exists()
+    assert package_entry({"config": {"backend": {"aoti": packages}}}, "cpu") is None

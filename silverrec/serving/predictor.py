@@ -167,8 +167,10 @@ def load_snapshot(path: str | os.PathLike, backend: str = "auto", verify: bool =
         elif backend == "aoti":
             entry = package_entry(manifest, device)
             if entry is None or entry["file"] not in manifest["files"]:
-                raise SnapshotError(f"snapshot {root} has no AOTInductor package for {device.type} (published with "
-                                    "SILVERREC_AOTI=0, or on a machine without that device)")
+                failed = (manifest.get("config", {}).get("backend", {}).get("aoti") or {}).get(device.type, {})
+                why = (f"its compile failed: {failed['error']}" if "error" in failed else
+                       "published with SILVERREC_AOTI=0, or on a machine without that device")
+                raise SnapshotError(f"snapshot {root} has no AOTInductor package for {device.type} ({why})")
             module = AotiProgram(root / entry["file"], entry["int_args"], device)
         else:
             raise SnapshotError(f"unknown backend {backend!r}: use 'export', 'torchscript' or 'aoti'")
