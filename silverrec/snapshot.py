@@ -40,7 +40,8 @@ from silverrec.errors import SnapshotError
 # 7: one composition (silverrec/compose.py): the root module's stages are modules, its forward takes the
 #    history rows and source flags, config.spec is the spec it was built from; the kind "generative"
 #    became a RecModel whose only source is the decode
-FORMAT_VERSION = 7
+# 8: an AOTInductor package may be the preferred program (config.backend: "aoti"; an older reader cannot load it)
+FORMAT_VERSION = 8
 MIN_FORMAT_VERSION = 7  # older programs call ops, or take inputs, or hold modules, this silverrec no longer has
 MANIFEST = "manifest.json"
 EXPORT_FILE = "model.pt2"
