@@ -37,12 +37,14 @@ class IVFConfig:
     max_points_per_centroid: int | None = None  # None: kmeans' default for its method (256 flat, 64 two-level)
     seed_points_per_centroid: int = 32
     residual: bool | str = "auto"  # codes of item - its centroid (`cluster_major_layout`); "auto": `residual_helps`
+    spherical: bool | str = "auto"  # unit-length centroids (kmeans); "auto": when `constant_norm` (the pool's rows)
 
     def __post_init__(self):
         if self.nlist is not None and (isinstance(self.nlist, bool) or int(self.nlist) < 1):
             raise PoolError(f"nlist must be a positive int, got {self.nlist!r}")
-        if self.residual not in (True, False, "auto"):
-            raise PoolError(f"residual must be true, false or 'auto', got {self.residual!r}")
+        for name in ("residual", "spherical"):
+            if getattr(self, name) not in (True, False, "auto"):
+                raise PoolError(f"{name} must be true, false or 'auto', got {getattr(self, name)!r}")
         if self.niter < 0:
             raise PoolError(f"niter must be >= 0, got {self.niter}")
 
@@ -122,6 +124,27 @@ def residual_helps(embeddings: torch.Tensor, centroids: torch.Tensor, assignment
     return error(x - centroids.float()[assignment[rows]]) < error(x)
 
 
+NORM_SPREAD = 0.01  # `constant_norm`: (largest - smallest row norm) / largest at most this
+
+
+def constant_norm(embeddings: torch.Tensor) -> bool:
+    """Whether every row has (nearly) the same length: normalised embeddings, searched by cosine.
+
+    Then publish clusters spherically (`IVFConfig.spherical` "auto"): unit centroids, so that the probe's
+    inner-product ranking of the clusters is the ranking the L2 assignment placed the items by, as Faiss
+    trains an inner-product IVF. Mean centroids of such a pool have lengths from ~0.3 (diffuse clusters)
+    to ~1 (tight ones) and the probe over-ranks the tight ones: on benchmarks/noisy_pool.py's pool (100k
+    x 96) recall@100 at nprobe 8 / 32 / 128 was 0.627 / 0.857 / 0.964 with mean centroids and 0.699 /
+    0.879 / 0.970 with unit ones, at about the same rows scanned (benchmarks/recall_gap.py). Not for
+    pools whose norms carry meaning (MovieLens factors: popular items are long; there unit centroids
+    cost recall at every probe depth)."""
+    lo, hi = float("inf"), 0.0
+    for start in range(0, embeddings.shape[0], LAYOUT_CHUNK):
+        norms = torch.linalg.vector_norm(embeddings[start : start + LAYOUT_CHUNK].float(), dim=1)
+        lo, hi = min(lo, float(norms.min())), max(hi, float(norms.max()))
+    return hi > 0 and (hi - lo) <= NORM_SPREAD * hi
+
+
 def quantize_over(x: torch.Tensor, dim_scale: torch.Tensor, dim_offset: torch.Tensor, base=None) -> torch.Tensor:
     """Codes int8 [N, D] of x (contiguous float32 [N, D], pool order) written over x's own first N x D
     bytes, a chunk at a time; the other 3 N x D bytes are then handed back to the OS
@@ -186,7 +209,8 @@ def build_ivf(
     if nlist > pool.size:
         raise PoolError(f"nlist={nlist} exceeds the {pool.size} items in the pool")
     release_freed_memory()  # the Parquet reader's freed batches
-    with clock(f"k-means: {pool.size} items into {nlist} clusters"):
+    spherical = constant_norm(x) if config.spherical == "auto" else bool(config.spherical)
+    with clock(f"k-means: {pool.size} items into {nlist} clusters{' (spherical)' if spherical else ''}"):
         km = kmeans(
             x,
             nlist,
@@ -194,6 +218,7 @@ def build_ivf(
             seed=config.seed,
             max_points_per_centroid=config.max_points_per_centroid,
             seed_points_per_centroid=config.seed_points_per_centroid,
+            spherical=spherical,
         )
     release_freed_memory()
     residual = residual_helps(x, km.centroids, km.assignment) if config.residual == "auto" else bool(config.residual)
@@ -217,7 +242,7 @@ def ivf_manifest_config(pool: Pool, index: Int8IVFIndex, config: IVFConfig, km: 
         "default_nprobe": default_nprobe(index.nlist),
         "bitmask_words": bitmask_words(index.cluster_offsets),
         "quantization": {"kind": "per_dim_minmax", "folded_into_query": True, "residual": index.residual},
-        "build": asdict(config) | {"nlist": index.nlist},
+        "build": asdict(config) | {"nlist": index.nlist, "spherical": km.spherical, "residual": index.residual},
         "clusters": {
             "min_size": int(sizes.min()),
             "max_size": int(sizes.max()),

@@ -1,8 +1,11 @@
 """k-means for the IVF coarse quantiser: k-means++ seeding, then batched Lloyd iterations in torch.
 
 Runs on the device of the input (CPU or CUDA), deterministically for a given seed. Clustering is
-on the raw (or, with `spherical=True`, normalised) embeddings with squared-L2 assignment; the
-runtime probes clusters by inner product with the centroids (docs/architecture.md, "Int8 IVF ANN index").
+on the raw embeddings with squared-L2 assignment; with `spherical=True` every centroid update is
+normalised to unit length (both methods, every step). The runtime probes clusters by inner product
+with the centroids (docs/architecture.md, "Int8 IVF ANN index"): for unit-length items, unit centroids make that
+probe rank clusters exactly as the L2 assignment placed the items (|x - c|^2 = 2 - 2 <x, c>), which is
+why publish clusters a pool of constant-norm embeddings spherically (publish/ivf.py `IVFConfig`).
 
     >>> result = kmeans(embeddings, nlist=default_nlist(len(embeddings)), seed=0)
     >>> result.centroids      # float32 [nlist, D]
@@ -72,11 +75,12 @@ class IterationStats:
 
 @dataclass
 class KMeansResult:
-    """centroids float32 [nlist, D]; assignment int64 [N]; stats per Lloyd iteration."""
+    """centroids float32 [nlist, D]; assignment int64 [N]; stats per Lloyd iteration; spherical: unit centroids."""
 
     centroids: torch.Tensor
     assignment: torch.Tensor
     stats: list[IterationStats] = field(default_factory=list)
+    spherical: bool = False
 
 
 def assign(x: torch.Tensor, centroids: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,7 +336,7 @@ def kmeans(
         seed_points_per_centroid: k-means++ seeding runs on at most this many points per cluster.
         spherical: normalise centroids to unit norm after each update.
         method: "flat" (Lloyd over all nlist centroids), "two_level" (module docstring), or "auto"
-            (two_level from nlist >= TWO_LEVEL_MIN_NLIST unless spherical, else flat).
+            (two_level from nlist >= TWO_LEVEL_MIN_NLIST, else flat).
         refine, reach: two_level only: global Lloyd steps after the per-group build; groups an
             item is compared with in `assign_grouped` (None: a quarter of them, `Groups.build`).
     Returns:
@@ -351,7 +355,7 @@ def kmeans(
     if not 0 < nlist <= n:
         raise PoolError(f"nlist must be in [1, {n}] (the item count), got {nlist}")
     if method == "auto":
-        method = "two_level" if nlist >= TWO_LEVEL_MIN_NLIST and not spherical else "flat"
+        method = "two_level" if nlist >= TWO_LEVEL_MIN_NLIST else "flat"
     g = torch.Generator(device=x.device).manual_seed(int(seed))
 
     if max_points_per_centroid is None:
@@ -362,7 +366,7 @@ def kmeans(
         with bar(niter, f"k-means nlist={nlist}") as pbar:
             centroids = _lloyd(train, nlist, niter, g, seed_points_per_centroid, spherical, stats, pbar)
         assignment, _ = assign(x, centroids)
-        return KMeansResult(centroids=centroids, assignment=assignment, stats=stats)
+        return KMeansResult(centroids=centroids, assignment=assignment, stats=stats, spherical=spherical)
 
     groups, centroids = _two_level(train, nlist, niter, g, seed_points_per_centroid, spherical, stats, reach)
     m = train.shape[0]
@@ -373,13 +377,15 @@ def kmeans(
             counts = torch.bincount(labels, minlength=nlist)
             sums = cluster_sums(train, labels, nlist)
             new = sums / counts.clamp_min(1).to(sums.dtype)[:, None]
+            if spherical:
+                new = torch.nn.functional.normalize(new, dim=1)
             empty = counts == 0
             centroids = torch.where(empty[:, None], centroids, new)  # an emptied cluster keeps its centroid
             stats.append(_stats(len(stats), dist, counts, nlist, m, 0, t0))
             pbar.update(1)
     del train
     assignment, _ = assign_grouped(x, centroids, groups)
-    return KMeansResult(centroids=centroids, assignment=assignment, stats=stats)
+    return KMeansResult(centroids=centroids, assignment=assignment, stats=stats, spherical=spherical)
 
 
 def _two_level(
