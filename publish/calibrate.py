@@ -1,4 +1,5 @@
-"""Calibration at publish: the probe depth that reaches a target recall on the pool being published.
+"""Calibration at publish: the probe depth (and the filtered widening) that reach a target recall on
+the pool being published.
 
 A fixed default probe (about nlist / 16, at most 128 clusters) gives recall@100 0.99 on one pool and
 0.88 on another (a noisy, long-tailed one); the publisher holds the pool, so it measures instead:
@@ -8,18 +9,18 @@ A fixed default probe (about nlist / 16, at most 128 clusters) gives recall@100 
    but not on an item, whose nearest neighbour would be itself), or the user's own queries
    (`silverrec publish --calibration-queries Q.npy`: user-tower outputs, for instance).
 2. Truth (`prepare`, before the layout may consume the float pool): their exact top-k in float32 over
-   the pool, unfiltered, and for filters sampled from the pool's own feature values at several
-   selectivities (`sample_filters`), the exact top-k of the matching items.
-3. Curve (`calibrate`): the snapshot's own search (`EagerSearch`: the root module and the predictor's
-   request path, eager) at nprobe on a geometric grid, recall@k and the time per batch of 16 at each
-   point, until the recall passes CURVE_TOP; then the smallest nprobe reaching the target, bisected
-   between grid points. That nprobe becomes the manifest's `default_nprobe`; the curve is recorded
-   (`calibration` in the manifest, printed by `silverrec inspect`) and maps a request's
-   `target_recall` to an nprobe (`nprobe_for_recall`).
-4. Filtered search (`calibrate_filters`): see its docstring.
+   the pool, and for filters sampled from the pool's own feature values at FILTER_SELECTIVITIES
+   (`sample_filters`), the exact top-k of the matching items, all in one pass over the pool.
+3. Curve (`probe_curve`): the snapshot's own search (`EagerSearch`: the root module behind the
+   predictor's request path, eager) at nprobe 1, 2, 4, ..., recall@k and the time per batch of 16 at
+   each point; the smallest nprobe reaching the target becomes the manifest's `default_nprobe`, and
+   the curve (`calibration` in the manifest, printed by `silverrec inspect`) maps a request's
+   `target_recall` to an nprobe (silverrec/retrieval/filtered_search.py `nprobe_for_recall`).
+4. Filtered search (`widening`): the probe exponent and the max-probe factor with which every sampled
+   filter reaches the target in the default (auto) search.
 
-Bounded cost: every search runs on the pool's own index, batch 16; the deepest probe scanned is the
-first grid point past CURVE_TOP. The stage is timed in the manifest's build report.
+The cost is one float pass over the pool for the truth, and searches at the probe depths the curve
+visits (its tail with fewer queries); both stages are timed in the manifest's build report.
 """
 
 from __future__ import annotations
@@ -35,16 +36,18 @@ import torch
 from silverrec.errors import PoolError
 from silverrec.filtering.filter_lang import And, Not, Term, to_string
 from silverrec.filtering.forward_index import ForwardIndex
+from silverrec.retrieval.filtered_search import nprobe_for_recall
 
 TARGET_RECALL = 0.95  # publish's default target: recall@CALIBRATION_K of the default search
 CALIBRATION_K = 100
-CALIBRATION_QUERIES = 512
+CALIBRATION_QUERIES = 384
+CURVE_TAIL_QUERIES = 128  # queries measured past the default (the curve's tail, for target_recall)
 NOISE_SHARE = 0.25  # calibration query = item + N(0, (NOISE_SHARE x the pool's per-dimension std)^2)
-CURVE_TOP = 0.995  # the curve is measured up to the first nprobe past this recall (or nlist)
-GRID_STEP = 2.0  # nprobe grid: 1, 2, 4, ... (then bisection between the two points around the target)
-PLATEAU = 0.002  # the curve stops once a grid step gains less recall than this (past the target)
+GRID_STEP = 2.0  # nprobe grid: 1, 2, 4, ... (then the bracket around the target, `probe_curve`)
+PLATEAU = 0.002  # the curve's tail stops once a step gains less recall than this
 BATCH = 16  # queries per search call, as a served batch
-TIMING_CALLS = 3  # timed calls per curve point (median)
+FILTER_SELECTIVITIES = (1e-4, 1e-3, 1e-2, 0.05, 0.2, 0.5, 0.8)  # shares of the pool the sampled filters pass
+FILTER_QUERIES = 64  # calibration queries each sampled filter is asked with
 FILTER_VALUES = 8  # values per term of a sampled filter (a request's IN list, not a thousand-value one)
 EXACT_BLOCK = 1 << 25  # scores (queries x pool rows) per exact matmul: 128 MiB
 
@@ -61,33 +64,35 @@ def calibration_queries(embeddings: np.ndarray, n: int = CALIBRATION_QUERIES, se
     return (embeddings[rows].astype(np.float64) + noise).astype(np.float32)
 
 
-def exact_top(embeddings: np.ndarray, queries: torch.Tensor, k: int, allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Exact float32 top-k pool rows by inner product: embeddings float32 [N, D] (pool order), queries
-    float32 [Q, D], allowed bool [N] or None -> int64 [Q, k], best first, -1 past the allowed rows.
-    Blocks of at most EXACT_BLOCK scores (queries x rows)."""
+def exact_top(embeddings: np.ndarray, queries: torch.Tensor, k: int,
+              filters: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Exact float32 top-k pool rows by inner product, in one pass over the pool: embeddings float32
+    [N, D] (pool order), queries float32 [Q, D]; filters: (query indices int64 [Qf], allowed bool [N])
+    -> (int64 [Q, k] of every query, and per filter int64 [Qf, k] among its allowed rows), best first,
+    -1 past the allowed rows. The pool is read once, EXACT_BLOCK scores at a time (all queries against
+    a block of rows: each row is read once, whatever Q)."""
     q = queries.float()
     n = embeddings.shape[0]
-    rows_per = min(n, EXACT_BLOCK)
-    queries_per = max(1, EXACT_BLOCK // rows_per)
-    out = []
-    for qs in range(0, q.shape[0], queries_per):
-        qb = q[qs : qs + queries_per]
-        best_s = torch.full((qb.shape[0], 0), float("-inf"))
-        best_r = torch.full((qb.shape[0], 0), -1, dtype=torch.int64)
-        for start in range(0, n, rows_per):
-            s = qb @ torch.from_numpy(embeddings[start : start + rows_per]).float().T
-            if allowed is not None:
-                s.masked_fill_(~allowed[start : start + s.shape[1]], float("-inf"))
+    rows_per = max(1024, EXACT_BLOCK // max(1, q.shape[0]))
+    parts = [(None, None)] + list(filters)
+    best = [(torch.full((q.shape[0] if i is None else i.numel(), 0), float("-inf")),
+             torch.zeros((q.shape[0] if i is None else i.numel(), 0), dtype=torch.int64)) for i, _ in parts]
+    for start in range(0, n, rows_per):
+        s_all = q @ torch.from_numpy(embeddings[start : start + rows_per]).float().T
+        for j, (pick, allowed) in enumerate(parts):
+            s = s_all if pick is None else s_all[pick].masked_fill_(~allowed[start : start + s_all.shape[1]], float("-inf"))
             top_s, top_r = torch.topk(s, min(k, s.shape[1]), dim=1)
-            best_s, best_r = torch.cat([best_s, top_s], 1), torch.cat([best_r, top_r + start], 1)
-            best_s, top = torch.topk(best_s, min(k, best_s.shape[1]), dim=1)
-            best_r = best_r.gather(1, top)
-        if best_s.shape[1] < k:  # fewer rows than k
-            pad = k - best_s.shape[1]
-            best_s = torch.cat([best_s, torch.full((qb.shape[0], pad), float("-inf"))], 1)
-            best_r = torch.cat([best_r, torch.full((qb.shape[0], pad), -1, dtype=torch.int64)], 1)
-        out.append(torch.where(best_s > float("-inf"), best_r, -1))
-    return torch.cat(out)
+            cand_s, cand_r = torch.cat([best[j][0], top_s], 1), torch.cat([best[j][1], top_r + start], 1)
+            keep_s, keep = torch.topk(cand_s, min(k, cand_s.shape[1]), dim=1)
+            best[j] = (keep_s, cand_r.gather(1, keep))
+    out = []
+    for s, r in best:
+        if s.shape[1] < k:  # fewer rows than k
+            pad = k - s.shape[1]
+            s = torch.cat([s, torch.full((s.shape[0], pad), float("-inf"))], 1)
+            r = torch.cat([r, torch.full((r.shape[0], pad), -1, dtype=torch.int64)], 1)
+        out.append(torch.where(s > float("-inf"), r, -1))
+    return out[0], out[1:]
 
 
 def recall(found: torch.Tensor, truth: torch.Tensor) -> float:
@@ -123,7 +128,7 @@ class Truth:
 
 def prepare(embeddings: np.ndarray, item_ids: np.ndarray, k: int = CALIBRATION_K,
             queries: Optional[np.ndarray] = None, fwd: Optional[ForwardIndex] = None, seed: int = 0,
-            selectivities: Sequence[float] = (), filter_queries: int = 64) -> Truth:
+            selectivities: Sequence[float] = (), filter_queries: int = FILTER_QUERIES) -> Truth:
     """The calibration truth for a pool: embeddings float32 [N, D] and item_ids int64 [N] in pool order;
     queries float32 [Q, D] (None: `calibration_queries`); fwd: the pool's forward index in pool order
     (None: no filters), from which `sample_filters` draws one filter per selectivity, each asked with
@@ -144,14 +149,13 @@ def prepare(embeddings: np.ndarray, item_ids: np.ndarray, k: int = CALIBRATION_K
     def to_ids(rows: torch.Tensor) -> torch.Tensor:
         return torch.where(rows >= 0, ids[rows.clamp_min(0)], -1)
 
-    truth = Truth(qt, to_ids(exact_top(embeddings, qt, k)), k, source)
-    if fwd is not None and selectivities:
-        g = torch.Generator().manual_seed(seed)
-        for text, mask in sample_filters(fwd, selectivities, seed):
-            pick = torch.randperm(qt.shape[0], generator=g)[:filter_queries].sort().values
-            truth.filters.append(FilterSample(text, float(mask.double().mean()), pick,
-                                              to_ids(exact_top(embeddings, qt[pick], k, mask))))
-    return truth
+    sampled = sample_filters(fwd, selectivities, seed) if fwd is not None and selectivities else []
+    g = torch.Generator().manual_seed(seed)
+    picks = [torch.randperm(qt.shape[0], generator=g)[:filter_queries].sort().values for _ in sampled]
+    top, filtered = exact_top(embeddings, qt, k, [(pick, mask) for pick, (_, mask) in zip(picks, sampled)])
+    return Truth(qt, to_ids(top), k, source,
+                 [FilterSample(text, float(mask.double().mean()), pick, to_ids(rows))
+                  for (text, mask), pick, rows in zip(sampled, picks, filtered)])
 
 
 def sample_filters(fwd: ForwardIndex, selectivities: Sequence[float], seed: int = 0,
@@ -244,40 +248,48 @@ def measure(search: Callable[..., torch.Tensor], queries: torch.Tensor, truth: t
 
 def probe_curve(search: Callable[..., torch.Tensor], queries: torch.Tensor, truth: torch.Tensor, k: int, nlist: int,
                 target: float, **options: Any) -> tuple[list[dict], int]:
-    """recall@k and ms per batch at nprobe 1, 2, 4, ... (GRID_STEP) until the recall passes max(CURVE_TOP,
-    target) or stops growing (less than PLATEAU over a step) or nprobe reaches nlist; then the
-    smallest nprobe reaching `target`, bisected between the grid points around it to within 1/8.
-    -> (points sorted by nprobe: {"nprobe", "recall", "ms"}, that nprobe; the last point's when the
-    target is out of reach)."""
+    """The recall curve of `search` over nprobe and the smallest nprobe reaching `target`:
+
+    1. nprobe 1, 2, 4, ... (GRID_STEP) with every query, up to the first point reaching the target;
+    2. between that point and the one before: their geometric mean, then the nprobe that the measured
+       points interpolate for the target (`nprobe_for_recall`), both measured; the default is the
+       smallest measured nprobe reaching the target (the interpolation, or the next point up);
+    3. past it, with the first CURVE_TAIL_QUERIES queries (for `target_recall` requests): doubling
+       until the recall passes half-way from the target to 1, or gains less than PLATEAU, or nlist.
+
+    -> (points sorted by nprobe: {"nprobe", "recall", "ms" (median per batch), "queries"}, the default
+    nprobe; the best point's when the target is out of reach)."""
     points: dict[int, dict] = {}
 
-    def at(p: int) -> float:
+    def at(p: int, n: int = queries.shape[0]) -> float:
         if p not in points:
-            r, ms = measure(search, queries, truth, k, nprobe=p, **options)
-            points[p] = {"nprobe": p, "recall": round(r, 5), "ms": round(ms, 3)}
+            r, ms = measure(search, queries[:n], truth[:n], k, nprobe=p, **options)
+            points[p] = {"nprobe": p, "recall": round(r, 5), "ms": round(ms, 3), "queries": int(min(n, queries.shape[0]))}
         return points[p]["recall"]
 
-    p, last = 1, -1.0
-    while True:
-        r = at(p)
-        if r >= max(CURVE_TOP, target) or p >= nlist or (r - last < PLATEAU and r >= target):
+    p, lo = 1, 0
+    while at(p) < target and p < nlist:
+        lo, p = p, min(nlist, int(math.ceil(p * GRID_STEP)))
+    if points[p]["recall"] < target:
+        best = max(points.values(), key=lambda c: (c["recall"], -c["nprobe"]))
+        return [points[q] for q in sorted(points)], int(best["nprobe"])
+    if lo:
+        mid = int(round(math.sqrt(lo * p)))
+        if lo < mid < p:
+            at(mid)
+        at(nprobe_for_recall(list(points.values()), target, nlist))
+    default = min(q for q, c in points.items() if c["recall"] >= target)
+    tail, last = max(points), points[max(points)]["recall"]
+    while tail < nlist and last < (1.0 + target) / 2:
+        tail = min(nlist, int(math.ceil(tail * GRID_STEP)))
+        r = at(tail, CURVE_TAIL_QUERIES)
+        if r - last < PLATEAU:
             break
-        last, p = r, min(nlist, int(math.ceil(p * GRID_STEP)))
-    reached = [q for q in sorted(points) if points[q]["recall"] >= target]
-    if not reached:
-        return [points[q] for q in sorted(points)], max(points)
-    hi = reached[0]
-    lo = max([q for q in points if q < hi], default=0)
-    while hi - lo > max(1, lo // 8):
-        mid = (lo + hi) // 2
-        if at(mid) >= target:
-            hi = mid
-        else:
-            lo = mid
-    return [points[q] for q in sorted(points)], hi
+        last = r
+    return [points[q] for q in sorted(points)], default
 
 
-@dataclass
+@dataclass(frozen=True)
 class CalibrationConfig:
     """What publish calibrates to: recall@k `target_recall` of the default search, measured with
     `queries` (float [Q, D], the user's) or None (`calibration_queries`, from the pool)."""
@@ -318,33 +330,43 @@ def calibrate(search: EagerSearch, truth: Truth, target: float = TARGET_RECALL) 
     return cfg["calibration"]
 
 
-EXPONENTS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5)  # probe_exponent candidates, tried in order
-MAX_PROBE_FACTORS = (1.5, 2.0, 4.0, 8.0)  # max_probe_factor candidates, tried in order for each exponent
+EXPONENTS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5)  # probe_exponent candidates, ascending
+MAX_PROBE_FACTORS = (1.25, 1.5, 2.0, 4.0, 8.0)  # max_probe_factor candidates, ascending
+FIRST_FACTOR = 2.0  # the factor the exponent is searched with
 
 
 def widening(search: EagerSearch, truth: Truth, target: float) -> tuple[float, float, list[dict]]:
-    """The filtered search's defaults: the first (probe_exponent, max_probe_factor) of EXPONENTS x
-    MAX_PROBE_FACTORS (exponent first, then factor, ascending) with which every sampled filter's default
-    search reaches `target`. The exponent deepens the probe of a filter of estimated share d by
-    max(1, k / (k_cal x d)) ** exponent (`probe_depth`); the factor bounds how far past that depth the
+    """The filtered search's defaults, (probe_exponent, max_probe_factor): the exponent deepens the probe
+    of a filter of estimated share d by max(1, k / (k_cal x d)) ** exponent (`probe_depth`: its k nearest
+    matches are about the pool's k / d nearest items); the factor bounds how far past that depth the
     in-op widening may look (`default_max_probe`: the filter is evaluated on that many candidate
-    clusters, most of a broad filter's cost). The broadest filters are measured first (they fail
-    first). The last pair when none reaches. -> (exponent, factor, per filter {"filter",
-    "selectivity", "recall", "ms"} at that pair, filter strings cut at 120 characters)."""
+    clusters, most of a broad filter's cost). The smallest of EXPONENTS with which every sampled
+    filter's default search reaches `target` at FIRST_FACTOR, then the smallest factor that still does
+    at that exponent (larger factors when none did at FIRST_FACTOR); the largest pair when nothing
+    reaches. Each trial measures the broadest filters first and stops at the first miss. -> (exponent,
+    factor, per filter {"filter", "selectivity", "recall", "ms"} at the pair, strings cut at 120
+    characters, most selective first)."""
     cfg = search.config["search"]
     filters = sorted(truth.filters, key=lambda f: -f.selectivity)
-    rows: list[dict] = []
-    for exponent in EXPONENTS:
-        for factor in MAX_PROBE_FACTORS:
-            cfg["probe_exponent"], cfg["max_probe_factor"] = exponent, factor
-            search.reconfigure()
-            rows = []
-            for f in filters:
-                r, ms = measure(search.search, truth.queries[f.queries], f.truth, truth.k, filter=f.text)
-                rows.append({"filter": f.text if len(f.text) <= 120 else f.text[:117] + "...",
-                             "selectivity": round(f.selectivity, 6), "recall": round(r, 5), "ms": round(ms, 3)})
-                if r < target:
-                    break
-            else:
-                return exponent, factor, rows[::-1]
-    return EXPONENTS[-1], MAX_PROBE_FACTORS[-1], rows[::-1]
+    tried: dict[tuple[float, float], list[dict]] = {}
+
+    def reaches(exponent: float, factor: float) -> bool:
+        cfg["probe_exponent"], cfg["max_probe_factor"] = exponent, factor
+        search.reconfigure()
+        rows = tried.setdefault((exponent, factor), [])
+        for f in filters:
+            r, ms = measure(search.search, truth.queries[f.queries], f.truth, truth.k, filter=f.text)
+            rows.append({"filter": f.text if len(f.text) <= 120 else f.text[:117] + "...",
+                         "selectivity": round(f.selectivity, 6), "recall": round(r, 5), "ms": round(ms, 3)})
+            if r < target:
+                return False
+        return True
+
+    exponent = next((e for e in EXPONENTS if reaches(e, FIRST_FACTOR)), None)
+    if exponent is None:  # wider widening at the deepest exponent
+        exponent = EXPONENTS[-1]
+        factor = next((f for f in MAX_PROBE_FACTORS if f > FIRST_FACTOR and reaches(exponent, f)), MAX_PROBE_FACTORS[-1])
+    else:
+        factor = next((f for f in MAX_PROBE_FACTORS if f >= FIRST_FACTOR or reaches(exponent, f)), FIRST_FACTOR)
+    cfg["probe_exponent"], cfg["max_probe_factor"] = exponent, factor
+    return exponent, factor, tried[(exponent, factor)][::-1]

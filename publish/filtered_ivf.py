@@ -26,6 +26,7 @@ from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.kernels.constants import NO_LISTS, OP_PUSH, OP_TRUE
 from silverrec.retrieval.ivf_index import Int8IVFIndex
 from silverrec.publish.bloom import BloomConfig, build_filter_bank, choose_config
+from silverrec.publish.calibrate import FILTER_SELECTIVITIES, CalibrationConfig, EagerSearch, calibrate, prepare
 from silverrec.publish.ivf import TORCHSCRIPT_MAX_BYTES, IVFConfig, build_ivf, ivf_manifest_config, tensor_bytes
 from silverrec.publish.stages import StageClock
 from silverrec.publish.pool import Pool
@@ -148,17 +149,26 @@ def build_filtered_ivf_forward(
     bloom_hashes: Optional[int] = None,
     clock: Optional[StageClock] = None,
     consume: bool = False,
+    calibration: Optional[CalibrationConfig] = None,
 ) -> tuple[FilteredIVFIndex, dict, Optional[ForwardIndex]]:
     """`build_filtered_ivf`, also returning the forward index in the module's row order (None for a
     pool without categorical features: its filter bank is empty and any filter names an unknown
-    feature); stages timed on `clock`; consume: `build_ivf`'s (pool.embeddings used up)."""
+    feature); stages timed on `clock`; consume: `build_ivf`'s (pool.embeddings used up); calibration:
+    measure the default probe depth and the filtered widening on the pool (publish/calibrate.py) and
+    set them in the manifest (None: the fixed defaults, `default_nprobe`)."""
     config = config or IVFConfig()
     clock = clock or StageClock()
+    fwd_pool = ForwardIndex.from_lists(pool.features) if pool.features else None
+    truth = None
+    if calibration is not None and config.nlist != 1:  # (an exact index has no probe depth to choose)
+        with clock(f"calibration truth: exact top-{calibration.k} of the calibration queries and sampled filters"):
+            truth = prepare(pool.embeddings, pool.item_ids, calibration.k, calibration.queries, fwd_pool,
+                            calibration.seed, FILTER_SELECTIVITIES)
     ivf, km = build_ivf(pool, config, clock, consume=consume)
     fwd = None
     if pool.features:
         with clock("Bloom signatures, exact value planes and posting lists"):
-            fwd = ForwardIndex.from_lists(pool.features).permute(pool_rows(pool, ivf.row_to_item))
+            fwd = fwd_pool.permute(pool_rows(pool, ivf.row_to_item))
             module, filter_config = filter_index(ivf, fwd, choose_config(fwd, bloom_bits, bloom_hashes))
     else:
         module = FilteredIVFIndex.from_ivf(ivf, torch.zeros(0, (pool.size + 63) // 64, dtype=torch.int64))
@@ -168,6 +178,9 @@ def build_filtered_ivf_forward(
     manifest["index"] = "filtered_ivf_int8"
     manifest["filter"] = filter_config
     manifest["search"] = search_section(module, nprobe)
+    if truth is not None and module.nlist > 1:
+        with clock(f"calibration: recall curve to {calibration.target_recall} at k {truth.k}, filtered widening"):
+            calibrate(EagerSearch(search_model(module), manifest), truth, calibration.target_recall)
     return module, manifest, fwd
 
 
@@ -278,10 +291,13 @@ def publish_index(
     torchscript: Optional[bool] = None,
     overwrite: bool = False,
     release_embeddings: bool = False,
+    calibration: Optional[CalibrationConfig] = CalibrationConfig(),
 ) -> Path:
     """Publish `pool` as a pure-ANN snapshot at `out`: the root module (`RecModel`, kind "rec") in its
     retrieval-only configuration over the int8 IVF + filter bank of the pool's categorical features.
 
+    calibration: the default probe depth and filtered widening measured on the pool to its target
+    recall (publish/calibrate.py; the manifest's "calibration"), or None: the fixed defaults.
     exact: one cluster (nlist 1), so every search scans every row (exact int8 top-k).
     torchscript: also write model.ts; None = only up to TORCHSCRIPT_MAX_BYTES of tensors.
     release_embeddings: the layout quantises over pool.embeddings, which is then replaced by an empty
@@ -292,7 +308,8 @@ def publish_index(
     if exact:
         config = IVFConfig(**{**(asdict(config) if config else {}), "nlist": 1})
     clock = StageClock()
-    index, manifest, fwd = build_filtered_ivf_forward(pool, config, bloom_bits, bloom_hashes, clock, consume=release_embeddings)
+    index, manifest, fwd = build_filtered_ivf_forward(pool, config, bloom_bits, bloom_hashes, clock, consume=release_embeddings,
+                                                      calibration=calibration)
     if fwd is not None:
         bloom, stats = manifest["filter"]["bloom"], manifest["filter"]["stats"]
         with step(
