@@ -40,16 +40,20 @@ from silverrec.retrieval.filtered_search import nprobe_for_recall
 
 TARGET_RECALL = 0.95  # publish's default target: recall@CALIBRATION_K of the default search
 CALIBRATION_K = 100
-CALIBRATION_QUERIES = 384
+CALIBRATION_QUERIES = 192
 CURVE_TAIL_QUERIES = 128  # queries measured past the default (the curve's tail, for target_recall)
 NOISE_SHARE = 0.25  # calibration query = item + N(0, (NOISE_SHARE x the pool's per-dimension std)^2)
 GRID_STEP = 2.0  # nprobe grid: 1, 2, 4, ... (then the bracket around the target, `probe_curve`)
+BRACKET_STEPS = 2  # interpolations measured between the grid points around the target
+BRACKET_CLOSE = 0.97  # ... unless within 3% of the smallest measured nprobe reaching it
 PLATEAU = 0.002  # the curve's tail stops once a step gains less recall than this
 BATCH = 16  # queries per search call, as a served batch
 FILTER_SELECTIVITIES = (1e-4, 1e-3, 1e-2, 0.05, 0.2, 0.5, 0.8)  # shares of the pool the sampled filters pass
-FILTER_QUERIES = 64  # calibration queries each sampled filter is asked with
+FILTER_QUERIES = CALIBRATION_QUERIES  # calibration queries each sampled filter is asked with
 FILTER_VALUES = 8  # values per term of a sampled filter (a request's IN list, not a thousand-value one)
 EXACT_BLOCK = 1 << 25  # scores (queries x pool rows) per exact matmul: 128 MiB
+BROAD, BROAD_SPARE = 0.25, 4  # `exact_top`: filters passing >= BROAD of the pool, from the top BROAD_SPARE x k
+WIDE, WIDE_QUERIES = 4, 96  # `k_exponent` measures the probe depth for WIDE x k neighbours on this many queries
 
 
 def calibration_queries(embeddings: np.ndarray, n: int = CALIBRATION_QUERIES, seed: int = 0) -> np.ndarray:
@@ -65,42 +69,87 @@ def calibration_queries(embeddings: np.ndarray, n: int = CALIBRATION_QUERIES, se
 
 
 def exact_top(embeddings: np.ndarray, queries: torch.Tensor, k: int,
-              filters: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Exact float32 top-k pool rows by inner product, in one pass over the pool: embeddings float32
-    [N, D] (pool order), queries float32 [Q, D]; filters: (query indices int64 [Qf], allowed bool [N])
-    -> (int64 [Q, k] of every query, and per filter int64 [Qf, k] among its allowed rows), best first,
-    -1 past the allowed rows. The pool is read once, EXACT_BLOCK scores at a time (all queries against
-    a block of rows: each row is read once, whatever Q)."""
+              filters: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), wide: int = 0
+              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Exact float32 top-k pool rows by inner product: embeddings float32 [N, D] (pool order), queries
+    float32 [Q, D]; filters: (query indices int64 [Qf], allowed bool [N]) -> (int64 [Q, max(k, wide)]
+    of every query, and per filter int64 [Qf, k] among its allowed rows), best first, -1 past the
+    allowed rows.
+
+    One pass over the pool, EXACT_BLOCK scores at a time (all queries against a block of rows: each
+    row is read once, whatever Q). A filter passing at least BROAD of the pool is answered from the
+    queries' unfiltered top BROAD_SPARE x k: exactly, since every row outside it scores below all rows
+    inside, when at least k of them pass (about BROAD x BROAD_SPARE x k = k expected); a query with
+    fewer, and every narrower filter, is ranked on its allowed rows."""
+    broad = [bool(allowed.double().mean() >= BROAD) for _, allowed in filters]
+    spare = max(k, wide, min(embeddings.shape[0], BROAD_SPARE * k) if any(broad) else k)
+    narrow = [(pick, allowed) for (pick, allowed), b in zip(filters, broad) if not b]
+    top, narrow_top = _exact_pass(embeddings, queries, spare, k, narrow)
+    out, it = [], iter(narrow_top)
+    for (pick, allowed), b in zip(filters, broad):
+        if not b:
+            out.append(next(it))
+            continue
+        cand = top[pick]
+        ok = allowed[cand.clamp_min(0)] & (cand >= 0)
+        order = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices[:, :k]  # passing rows first, in rank order
+        rows = torch.where(ok.gather(1, order), cand.gather(1, order), -1)
+        short = (ok.sum(1) < k).nonzero().reshape(-1)
+        if short.numel():  # too few passing rows among the spare: rank those queries on the allowed rows
+            rows[short] = _exact_pass(embeddings, queries[pick[short]], 0, k, [(torch.arange(short.numel()), allowed)])[1][0]
+        out.append(rows)
+    return top[:, : max(k, wide)], out
+
+
+def _exact_pass(embeddings: np.ndarray, queries: torch.Tensor, k_all: int, k: int,
+                filters: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`exact_top`'s pass: the top k_all of every query (k_all 0: none, an empty [Q, 0]) and the top k of
+    each filter's queries among its allowed rows, -1 padded."""
     q = queries.float()
     n = embeddings.shape[0]
     rows_per = max(1024, EXACT_BLOCK // max(1, q.shape[0]))
-    parts = [(None, None)] + list(filters)
-    best = [(torch.full((q.shape[0] if i is None else i.numel(), 0), float("-inf")),
-             torch.zeros((q.shape[0] if i is None else i.numel(), 0), dtype=torch.int64)) for i, _ in parts]
+    parts = ([(None, None, k_all)] if k_all else []) + [(pick, allowed, k) for pick, allowed in filters]
+    best = [(torch.full((q.shape[0] if pick is None else pick.numel(), 0), float("-inf")),
+             torch.zeros((q.shape[0] if pick is None else pick.numel(), 0), dtype=torch.int64)) for pick, _, _ in parts]
     for start in range(0, n, rows_per):
-        s_all = q @ torch.from_numpy(embeddings[start : start + rows_per]).float().T
-        for j, (pick, allowed) in enumerate(parts):
-            s = s_all if pick is None else s_all[pick].masked_fill_(~allowed[start : start + s_all.shape[1]], float("-inf"))
-            top_s, top_r = torch.topk(s, min(k, s.shape[1]), dim=1)
-            cand_s, cand_r = torch.cat([best[j][0], top_s], 1), torch.cat([best[j][1], top_r + start], 1)
-            keep_s, keep = torch.topk(cand_s, min(k, cand_s.shape[1]), dim=1)
+        x = torch.from_numpy(embeddings[start : start + rows_per]).float()
+        s_all = q @ x.T if k_all else None
+        for j, (pick, allowed, kk) in enumerate(parts):
+            if pick is None:
+                s, rows = s_all, None
+            else:  # the filter's queries against its allowed rows of the block
+                rows = allowed[start : start + x.shape[0]].nonzero().reshape(-1)
+                s = q.index_select(0, pick) @ x.index_select(0, rows).T
+            top_s, top_r = torch.topk(s, min(kk, s.shape[1]), dim=1)
+            top_r = (top_r if rows is None else rows[top_r]) + start
+            cand_s, cand_r = torch.cat([best[j][0], top_s], 1), torch.cat([best[j][1], top_r], 1)
+            keep_s, keep = torch.topk(cand_s, min(kk, cand_s.shape[1]), dim=1)
             best[j] = (keep_s, cand_r.gather(1, keep))
     out = []
-    for s, r in best:
-        if s.shape[1] < k:  # fewer rows than k
-            pad = k - s.shape[1]
+    for (s, r), (_, _, kk) in zip(best, parts):
+        if s.shape[1] < kk:  # fewer rows than k
+            pad = kk - s.shape[1]
             s = torch.cat([s, torch.full((s.shape[0], pad), float("-inf"))], 1)
             r = torch.cat([r, torch.full((r.shape[0], pad), -1, dtype=torch.int64)], 1)
         out.append(torch.where(s > float("-inf"), r, -1))
+    if not k_all:
+        return torch.zeros(q.shape[0], 0, dtype=torch.int64), out
     return out[0], out[1:]
 
 
-def recall(found: torch.Tensor, truth: torch.Tensor) -> float:
-    """Mean over queries of |found & truth| / |truth| (ids; -1 in truth = fewer matches than k, not counted)."""
+def query_recalls(found: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+    """float64 [Q']: |found & truth| / |truth| per query (ids; -1 in truth = fewer matches than k, not
+    counted; queries without any match left out)."""
     hits = ((found[:, :, None] == truth[:, None, :]) & (truth[:, None, :] >= 0)).any(1).sum(1)
     size = (truth >= 0).sum(1)
     keep = size > 0
-    return float((hits[keep].double() / size[keep].double()).mean()) if bool(keep.any()) else 1.0
+    return hits[keep].double() / size[keep].double()
+
+
+def recall(found: torch.Tensor, truth: torch.Tensor) -> float:
+    """Mean `query_recalls` (1 when no query has a match)."""
+    per = query_recalls(found, truth)
+    return float(per.mean()) if per.numel() else 1.0
 
 
 @dataclass
@@ -117,13 +166,15 @@ class FilterSample:
 @dataclass
 class Truth:
     """What `calibrate` measures against, computed while the float pool exists: queries float32 [Q, D],
-    the item ids int64 [Q, k] of their exact top-k, and the sampled filters'."""
+    the item ids int64 [Q, k] of their exact top-k and [Q, WIDE x k] of their exact top WIDE x k (for
+    `k_exponent`), and the sampled filters'."""
 
     queries: torch.Tensor
     truth: torch.Tensor
     k: int
     source: str  # "pool" (items + noise) or "user" (given queries)
     filters: list[FilterSample] = field(default_factory=list)
+    wide: Optional[torch.Tensor] = None
 
 
 def prepare(embeddings: np.ndarray, item_ids: np.ndarray, k: int = CALIBRATION_K,
@@ -152,21 +203,22 @@ def prepare(embeddings: np.ndarray, item_ids: np.ndarray, k: int = CALIBRATION_K
     sampled = sample_filters(fwd, selectivities, seed) if fwd is not None and selectivities else []
     g = torch.Generator().manual_seed(seed)
     picks = [torch.randperm(qt.shape[0], generator=g)[:filter_queries].sort().values for _ in sampled]
-    top, filtered = exact_top(embeddings, qt, k, [(pick, mask) for pick, (_, mask) in zip(picks, sampled)])
-    return Truth(qt, to_ids(top), k, source,
+    top, filtered = exact_top(embeddings, qt, k, [(pick, mask) for pick, (_, mask) in zip(picks, sampled)],
+                              wide=min(n, WIDE * k))
+    return Truth(qt, to_ids(top[:, :k]), k, source,
                  [FilterSample(text, float(mask.double().mean()), pick, to_ids(rows))
-                  for (text, mask), pick, rows in zip(sampled, picks, filtered)])
+                  for (text, mask), pick, rows in zip(sampled, picks, filtered)], to_ids(top))
 
 
 def sample_filters(fwd: ForwardIndex, selectivities: Sequence[float], seed: int = 0,
-                   candidates: int = 192) -> list[tuple[str, torch.Tensor]]:
-    """Filters built from the pool's own feature values, one per reachable selectivity: random
-    candidates (a feature's values in random order, as many as reach a random share of the pool, at
-    most FILTER_VALUES; the complement of such a set; or the AND of two such sets of different
-    features), their exact masks,
-    and for each wanted selectivity the candidate closest to it in log scale (within a factor of 2).
-    -> [(filter string, bool [N] mask in fwd's row order)], in the order of `selectivities`, fewer
-    where none is close."""
+                   candidates: int = 256) -> list[tuple[str, torch.Tensor]]:
+    """Filters built from the pool's own feature values, one per reachable selectivity. Random
+    candidates: a feature's values in random order, as many as reach a random share of the pool (at
+    most FILTER_VALUES); the complement of such a set; or the AND of two such sets of different
+    features. Each has a share estimated from the value counts (independent features); for each wanted
+    selectivity the candidates nearest in log scale are evaluated exactly, nearest first, and the first
+    within a factor of 2 of it is taken. -> [(filter string, bool [N] mask in fwd's row order)], in the
+    order of `selectivities`, fewer where none is close."""
     rng = np.random.default_rng(seed)
     counts = _value_counts(fwd)
     n = fwd.size
@@ -174,36 +226,37 @@ def sample_filters(fwd: ForwardIndex, selectivities: Sequence[float], seed: int 
     if not feats:
         return []
 
-    def value_set(f: str, share: float):
+    def value_set(f: str, share: float) -> tuple[Term, float]:
         vocab, c = fwd.vocabs[fwd.features.index(f)], counts[f]
         order = rng.permutation(len(vocab))
         order = order[c[order] > 0]
-        total = np.cumsum(c[order])
-        j = min(FILTER_VALUES, int(np.searchsorted(total, share * n)) + 1)
-        return Term(f, tuple(vocab[i] for i in order[:j]))
+        j = min(FILTER_VALUES, int(np.searchsorted(np.cumsum(c[order]), share * n)) + 1)
+        return Term(f, tuple(vocab[i] for i in order[:j])), min(1.0, float(c[order[:j]].sum()) / n)
 
-    found: list[tuple[str, torch.Tensor, float]] = []
+    found: list[tuple[object, float]] = []
     for _ in range(candidates):
         share = float(10 ** rng.uniform(-4.5, 0))
         f = feats[rng.integers(len(feats))]
         kind = rng.integers(3 if len(feats) > 1 else 2)
         if kind == 0:
-            node = value_set(f, share)
+            found.append(value_set(f, share))
         elif kind == 1:
-            node = Not(value_set(f, 1.0 - share))
+            term, est = value_set(f, 1.0 - share)
+            found.append((Not(term), 1.0 - est))
         else:  # f's share a >= share, the other feature's share / a: about `share` when independent
             g = [h for h in feats if h != f][rng.integers(len(feats) - 1)]
             a = float(10 ** rng.uniform(math.log10(share), 0))
-            node = And((value_set(f, a), value_set(g, share / a)))
-        mask = fwd.evaluate(node)
-        frac = float(mask.double().mean())
-        if frac > 0:
-            found.append((to_string(node), mask, frac))
+            (ta, ea), (tb, eb) = value_set(f, a), value_set(g, share / a)
+            found.append((And((ta, tb)), ea * eb))
+    found = [(node, est) for node, est in found if est > 0]
     out = []
-    for s in selectivities:
-        best = min(found, key=lambda c: abs(math.log(c[2] / s)))
-        if abs(math.log(best[2] / s)) <= math.log(2.0):
-            out.append((best[0], best[1]))
+    for want in selectivities:
+        for node, est in sorted(found, key=lambda c: abs(math.log(c[1] / want)))[:4]:
+            mask = fwd.evaluate(node)
+            share = float(mask.double().mean())
+            if share > 0 and abs(math.log(share / want)) <= math.log(2.0):
+                out.append((to_string(node), mask))
+                break
     return out
 
 
@@ -236,57 +289,82 @@ class EagerSearch:
 
 
 def measure(search: Callable[..., torch.Tensor], queries: torch.Tensor, truth: torch.Tensor, k: int,
-            **options: Any) -> tuple[float, float]:
-    """(recall@k of `search` over the queries in batches of BATCH, median ms per batch)."""
+            **options: Any) -> tuple[float, float, float]:
+    """(recall@k of `search` over the queries in batches of BATCH, median ms per batch, the recall's
+    standard error: the per-query recalls' standard deviation / sqrt(queries))."""
     found, ms = [], []
     for start in range(0, queries.shape[0], BATCH):
         t0 = time.perf_counter()
         found.append(search(queries[start : start + BATCH], k, **options))
         ms.append((time.perf_counter() - t0) * 1e3)
-    return recall(torch.cat(found), truth), float(np.median(ms))
+    per = query_recalls(torch.cat(found), truth)
+    se = float(per.std() / math.sqrt(per.numel())) if per.numel() > 1 else 0.0
+    return (float(per.mean()) if per.numel() else 1.0), float(np.median(ms)), se
+
+
+class Sweep:
+    """One search setting's recall over nprobe, each nprobe measured once (`measure`): the points
+    {"nprobe", "recall", "se", "ms", "queries"}. An nprobe *reaches* a target when its recall does by one
+    standard error (recall - se >= target): the default must hold on other queries than these."""
+
+    def __init__(self, search: Callable[..., torch.Tensor], queries: torch.Tensor, truth: torch.Tensor, k: int,
+                 **options: Any):
+        self.search, self.queries, self.truth, self.k, self.options = search, queries, truth, k, options
+        self.points: dict[int, dict] = {}
+
+    def at(self, p: int, n: Optional[int] = None) -> float:
+        """recall - se at nprobe p, over the first n queries (None: all)."""
+        if p not in self.points:
+            n = self.queries.shape[0] if n is None else min(n, self.queries.shape[0])
+            r, ms, se = measure(self.search, self.queries[:n], self.truth[:n], self.k, nprobe=p, **self.options)
+            self.points[p] = {"nprobe": p, "recall": round(r, 5), "se": round(se, 5), "ms": round(ms, 3), "queries": n}
+        return self.points[p]["recall"] - self.points[p]["se"]
+
+    def climb(self, p: int, step: float, target: float, nlist: int) -> Optional[int]:
+        """nprobe p, p x step, ... up to the first that reaches `target` (None: not even nlist), then up to
+        BRACKET_STEPS nprobes interpolated between the points around it (`nprobe_for_recall` on the
+        lower bounds, linear in log nprobe: at or above the true one where the curve is concave),
+        measured. -> the smallest measured nprobe reaching the target."""
+        while self.at(p) < target and p < nlist:
+            p = min(nlist, int(math.ceil(p * step)))
+        if self.at(p) < target:
+            return None
+        for _ in range(BRACKET_STEPS if len(self.points) > 1 else 0):
+            lower = [{"nprobe": c["nprobe"], "recall": c["recall"] - c["se"]} for c in self.points.values()]
+            guess = nprobe_for_recall(lower, target, nlist)
+            best = min(q for q in self.points if self.at(q) >= target)
+            if guess in self.points or guess >= best * BRACKET_CLOSE:  # measured, or too close to matter
+                break
+            self.at(guess)
+        return min(q for q in self.points if self.at(q) >= target)
+
+    def curve(self) -> list[dict]:
+        return [self.points[q] for q in sorted(self.points)]
 
 
 def probe_curve(search: Callable[..., torch.Tensor], queries: torch.Tensor, truth: torch.Tensor, k: int, nlist: int,
                 target: float, **options: Any) -> tuple[list[dict], int]:
-    """The recall curve of `search` over nprobe and the smallest nprobe reaching `target`:
-
-    1. nprobe 1, 2, 4, ... (GRID_STEP) with every query, up to the first point reaching the target;
-    2. between that point and the one before: their geometric mean, then the nprobe that the measured
-       points interpolate for the target (`nprobe_for_recall`), both measured; the default is the
-       smallest measured nprobe reaching the target (the interpolation, or the next point up);
-    3. past it, with the first CURVE_TAIL_QUERIES queries (for `target_recall` requests): doubling
-       until the recall passes half-way from the target to 1, or gains less than PLATEAU, or nlist.
-
-    -> (points sorted by nprobe: {"nprobe", "recall", "ms" (median per batch), "queries"}, the default
-    nprobe; the best point's when the target is out of reach)."""
-    points: dict[int, dict] = {}
-
-    def at(p: int, n: int = queries.shape[0]) -> float:
-        if p not in points:
-            r, ms = measure(search, queries[:n], truth[:n], k, nprobe=p, **options)
-            points[p] = {"nprobe": p, "recall": round(r, 5), "ms": round(ms, 3), "queries": int(min(n, queries.shape[0]))}
-        return points[p]["recall"]
-
-    p, lo = 1, 0
-    while at(p) < target and p < nlist:
-        lo, p = p, min(nlist, int(math.ceil(p * GRID_STEP)))
-    if points[p]["recall"] < target:
-        best = max(points.values(), key=lambda c: (c["recall"], -c["nprobe"]))
-        return [points[q] for q in sorted(points)], int(best["nprobe"])
-    if lo:
-        mid = int(round(math.sqrt(lo * p)))
-        if lo < mid < p:
-            at(mid)
-        at(nprobe_for_recall(list(points.values()), target, nlist))
-    default = min(q for q, c in points.items() if c["recall"] >= target)
-    tail, last = max(points), points[max(points)]["recall"]
+    """The recall curve of `search` over nprobe and the smallest nprobe reaching `target` (`Sweep`):
+    nprobe 1, 2, 4, ... (GRID_STEP) with every query up to the first that reaches it, then the
+    interpolations between it and the point before (`Sweep.climb`); past the default, with the first
+    CURVE_TAIL_QUERIES queries (for `target_recall` requests), doubling until the recall passes half-way
+    from the target to 1, or gains less than PLATEAU, or nlist.
+    -> (points sorted by nprobe: {"nprobe", "recall", "se", "ms" (median per batch), "queries"}, the
+    default nprobe; the best point's when the target is out of reach)."""
+    sweep = Sweep(search, queries, truth, k, **options)
+    default = sweep.climb(1, GRID_STEP, target, nlist)
+    if default is None:
+        best = max(sweep.points.values(), key=lambda c: (c["recall"], -c["nprobe"]))
+        return sweep.curve(), int(best["nprobe"])
+    tail = max(sweep.points)
+    last = sweep.points[tail]["recall"]
     while tail < nlist and last < (1.0 + target) / 2:
         tail = min(nlist, int(math.ceil(tail * GRID_STEP)))
-        r = at(tail, CURVE_TAIL_QUERIES)
-        if r - last < PLATEAU:
+        sweep.at(tail, CURVE_TAIL_QUERIES)
+        if sweep.points[tail]["recall"] - last < PLATEAU:
             break
-        last = r
-    return [points[q] for q in sorted(points)], default
+        last = sweep.points[tail]["recall"]
+    return sweep.curve(), default
 
 
 @dataclass(frozen=True)
@@ -319,54 +397,65 @@ def calibrate(search: EagerSearch, truth: Truth, target: float = TARGET_RECALL) 
     cfg["search"]["default_max_probe"] = max(int(nprobe), int(cfg["search"].get("default_max_probe", 0)))
     cfg["search"]["probe_k"] = int(truth.k)
     search.reconfigure()
-    exponent, factor, filters = widening(search, truth, target)
+    start, wide_points = k_exponent(search, truth, int(nprobe), target, nlist)
+    exponent, factor, filters = widening(search, truth, target, start)
     cfg["search"]["probe_exponent"], cfg["search"]["max_probe_factor"] = exponent, factor
     search.reconfigure()
     reached = max(c["recall"] for c in curve) >= target
     cfg["calibration"] = {"target_recall": float(target), "k": int(truth.k), "queries": int(truth.queries.shape[0]),
                           "source": truth.source, "default_nprobe": int(nprobe), "reached": bool(reached),
-                          "curve": curve, "probe_exponent": exponent, "max_probe_factor": factor, "filters": filters,
+                          "curve": curve, "probe_exponent": exponent, "max_probe_factor": factor,
+                          "k_exponent": start, "wide_curve": wide_points, "filters": filters,
                           "seconds": round(time.perf_counter() - t0, 3)}
     return cfg["calibration"]
 
 
-EXPONENTS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5)  # probe_exponent candidates, ascending
-MAX_PROBE_FACTORS = (1.25, 1.5, 2.0, 4.0, 8.0)  # max_probe_factor candidates, ascending
-FIRST_FACTOR = 2.0  # the factor the exponent is searched with
+EXPONENT_STEP, MAX_EXPONENT = 0.25, 1.5  # `widening` raises the exponent by this step, up to this
+MAX_PROBE_FACTORS = (1.25, 4.0)  # max_probe_factor candidates, ascending
 
 
-def widening(search: EagerSearch, truth: Truth, target: float) -> tuple[float, float, list[dict]]:
+def k_exponent(search: EagerSearch, truth: Truth, nprobe: int, target: float, nlist: int) -> tuple[float, list[dict]]:
+    """How fast the probe must deepen with the neighbours wanted: the smallest nprobe P' whose
+    recall@(WIDE x k) reaches `target` on the first WIDE_QUERIES queries (`Sweep.climb` from P by
+    sqrt(2)) against the calibrated nprobe P at k: log(P' / P) / log(WIDE), rounded up to 0.05, at least 0. A filter passing a share d
+    of the pool asks for the pool's k / d nearest items, so this is where `widening` starts.
+    -> (exponent, the points measured at k' = WIDE x k)."""
+    kw = int(truth.wide.shape[1])
+    if kw <= truth.k:
+        return 0.0, []
+    n = WIDE_QUERIES
+    sweep = Sweep(search.search, truth.queries[:n], truth.wide[:n], kw)
+    wide_p = sweep.climb(nprobe, math.sqrt(2.0), target, nlist) or nlist
+    exponent = max(0.0, math.ceil(20 * math.log(wide_p / nprobe) / math.log(kw / truth.k) - 1e-9) / 20)
+    return min(MAX_EXPONENT, exponent), sweep.curve()
+
+
+def widening(search: EagerSearch, truth: Truth, target: float, start: float = 0.0) -> tuple[float, float, list[dict]]:
     """The filtered search's defaults, (probe_exponent, max_probe_factor): the exponent deepens the probe
     of a filter of estimated share d by max(1, k / (k_cal x d)) ** exponent (`probe_depth`: its k nearest
     matches are about the pool's k / d nearest items); the factor bounds how far past that depth the
     in-op widening may look (`default_max_probe`: the filter is evaluated on that many candidate
-    clusters, most of a broad filter's cost). The smallest of EXPONENTS with which every sampled
-    filter's default search reaches `target` at FIRST_FACTOR, then the smallest factor that still does
-    at that exponent (larger factors when none did at FIRST_FACTOR); the largest pair when nothing
-    reaches. Each trial measures the broadest filters first and stops at the first miss. -> (exponent,
-    factor, per filter {"filter", "selectivity", "recall", "ms"} at the pair, strings cut at 120
-    characters, most selective first)."""
+    clusters, most of a broad filter's cost). From exponent `start` (`k_exponent`) up in steps of
+    EXPONENT_STEP, for each the factors of MAX_PROBE_FACTORS in order, the first pair with which every
+    sampled filter's default search reaches `target` (by one standard error, as `Sweep`); the last pair
+    when none does. Each trial measures the broadest filters first and stops at the first miss. -> (exponent, factor, per filter {"filter", "selectivity", "recall", "se", "ms"}
+    at the pair, strings cut at 120 characters, most selective first)."""
     cfg = search.config["search"]
     filters = sorted(truth.filters, key=lambda f: -f.selectivity)
-    tried: dict[tuple[float, float], list[dict]] = {}
-
-    def reaches(exponent: float, factor: float) -> bool:
-        cfg["probe_exponent"], cfg["max_probe_factor"] = exponent, factor
-        search.reconfigure()
-        rows = tried.setdefault((exponent, factor), [])
-        for f in filters:
-            r, ms = measure(search.search, truth.queries[f.queries], f.truth, truth.k, filter=f.text)
-            rows.append({"filter": f.text if len(f.text) <= 120 else f.text[:117] + "...",
-                         "selectivity": round(f.selectivity, 6), "recall": round(r, 5), "ms": round(ms, 3)})
-            if r < target:
-                return False
-        return True
-
-    exponent = next((e for e in EXPONENTS if reaches(e, FIRST_FACTOR)), None)
-    if exponent is None:  # wider widening at the deepest exponent
-        exponent = EXPONENTS[-1]
-        factor = next((f for f in MAX_PROBE_FACTORS if f > FIRST_FACTOR and reaches(exponent, f)), MAX_PROBE_FACTORS[-1])
-    else:
-        factor = next((f for f in MAX_PROBE_FACTORS if f >= FIRST_FACTOR or reaches(exponent, f)), FIRST_FACTOR)
-    cfg["probe_exponent"], cfg["max_probe_factor"] = exponent, factor
-    return exponent, factor, tried[(exponent, factor)][::-1]
+    rows: list[dict] = []
+    exponents = [start + EXPONENT_STEP * i for i in range(int((MAX_EXPONENT - start) / EXPONENT_STEP + 1e-9) + 1)]
+    for exponent in exponents or [start]:
+        for factor in MAX_PROBE_FACTORS:
+            cfg["probe_exponent"], cfg["max_probe_factor"] = exponent, factor
+            search.reconfigure()
+            rows = []
+            for f in filters:
+                r, ms, se = measure(search.search, truth.queries[f.queries], f.truth, truth.k, filter=f.text)
+                rows.append({"filter": f.text if len(f.text) <= 120 else f.text[:117] + "...",
+                             "selectivity": round(f.selectivity, 6), "recall": round(r, 5), "se": round(se, 5),
+                             "ms": round(ms, 3)})
+                if r - se < target:
+                    break
+            else:
+                return exponent, factor, rows[::-1]
+    return cfg["probe_exponent"], cfg["max_probe_factor"], rows[::-1]

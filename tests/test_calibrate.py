@@ -102,8 +102,12 @@ def test_exact_top_is_brute_force_with_and_without_a_mask():
         assert np.array_equal(got.numpy(), np.argsort(-s, axis=1, kind="stable")[:, :7])
         assert (few[:, 4:] == -1).all()
         assert all(set(r[:4].tolist()) == set(np.flatnonzero(allowed).tolist()) for r in few.numpy())
-        masked = np.where(half, s[[1, 2, 4]], -np.inf)
+        masked = np.where(half, s[[1, 2, 4]], -np.inf)  # a broad filter: answered from the spare top rows
         assert np.array_equal(some.numpy(), np.argsort(-masked, axis=1, kind="stable")[:, :7])
+    sparse = np.zeros(3000, dtype=bool)  # a broad share, but not among query 0's best rows: the fallback
+    sparse[np.argsort(-s[0], kind="stable")[2000:]] = True
+    _, (far,) = exact_top(x, q, 7, [(torch.tensor([0, 1]), torch.from_numpy(sparse))])
+    assert np.array_equal(far.numpy(), np.argsort(-np.where(sparse, s[[0, 1]], -np.inf), axis=1, kind="stable")[:, :7])
 
 
 def test_recall_counts_only_real_neighbours():
