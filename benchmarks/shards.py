@@ -143,7 +143,8 @@ def main() -> None:
                    "publish_s": publish_s}
             if by == "clusters":  # shards a batch-16 request reaches / a single query reaches
                 from silverrec.serving.sharded import routed_rows
-                reach = torch.stack([routed_rows(snap.centroids, snap.owned_clusters(i), torch.from_numpy(queries), {}, nprobe)
+                reach = torch.stack([routed_rows(snap.centroids, snap.owned_clusters(i), torch.from_numpy(queries), K,
+                                                 {"nprobe": nprobe}, snap.shards[i].config)
                                      for i in range(shards)])  # [S, B]
                 row["shards_per_query"] = float(reach.sum(0).float().mean())
                 row["shards_per_batch"] = int(reach.any(1).sum())

@@ -15,7 +15,35 @@ from silverrec.commands import add_program_args, print_stages, print_update_advi
 from silverrec.errors import SilverrecError
 
 
-RESIDUAL = {"auto": "auto", "on": True, "off": False}  # --residual -> IVFConfig.residual
+RESIDUAL = {"auto": "auto", "on": True, "off": False}  # --residual / --spherical -> IVFConfig.residual / spherical
+
+
+def _ivf_config(args: argparse.Namespace, nlist=None):
+    from silverrec.publish.ivf import IVFConfig
+
+    return IVFConfig(nlist=args.nlist if nlist is None else nlist, seed=args.seed, residual=RESIDUAL[args.residual],
+                     spherical=RESIDUAL[args.spherical])
+
+
+def _calibration(args: argparse.Namespace):
+    """--target-recall / --calibration-queries / --no-calibration -> CalibrationConfig or None."""
+    import numpy as np
+
+    from silverrec.publish.calibrate import CalibrationConfig
+
+    if args.no_calibration:
+        if args.calibration_queries is not None or args.target_recall is not None:
+            raise SilverrecError("--no-calibration takes neither --target-recall nor --calibration-queries")
+        return None
+    queries = None
+    if args.calibration_queries is not None:
+        try:
+            queries = np.load(args.calibration_queries)
+        except (OSError, ValueError) as e:
+            raise SilverrecError(f"cannot read calibration queries from {args.calibration_queries}: {e}") from None
+        if queries.dtype != np.float32:
+            raise SilverrecError(f"calibration queries in {args.calibration_queries} must be float32 [Q, D], got {queries.dtype}")
+    return CalibrationConfig(**({} if args.target_recall is None else {"target_recall": args.target_recall}), queries=queries)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -78,12 +106,10 @@ def _publish_index(pool, args) -> Path:
     """A pure-ANN snapshot: int8 IVF (one cluster with --exact) + the filter bank of the pool's
     categorical columns, in the root module's retrieval-only configuration."""
     from silverrec.publish.filtered_ivf import publish_index
-    from silverrec.publish.ivf import IVFConfig
 
-    return publish_index(pool, args.out, config=IVFConfig(nlist=args.nlist, seed=args.seed, residual=RESIDUAL[args.residual]),
-                         exact=args.exact,
-                         bloom_bits=args.bloom_bits, bloom_hashes=args.bloom_hashes, overwrite=args.overwrite,
-                         release_embeddings=True)
+    return publish_index(pool, args.out, config=_ivf_config(args), exact=args.exact, bloom_bits=args.bloom_bits,
+                         bloom_hashes=args.bloom_hashes, overwrite=args.overwrite, release_embeddings=True,
+                         calibration=_calibration(args))
 
 
 def _publish_generative(pool, args) -> Path:
@@ -96,11 +122,10 @@ def _publish_generative(pool, args) -> Path:
 
 
 def _publish_sharded(pool, args) -> Path:
-    from silverrec.publish.ivf import IVFConfig
     from silverrec.publish.shards import DEFAULT_SHARD_BY, ShardSpec, publish_sharded
 
     spec = ShardSpec(args.shards, args.shard_by or DEFAULT_SHARD_BY)
-    config = IVFConfig(nlist=1 if args.exact else args.nlist, seed=args.seed, residual=RESIDUAL[args.residual])
+    config = _ivf_config(args, 1 if args.exact else None)
     return publish_sharded(pool, args.out, spec=spec, config=config, bloom_bits=args.bloom_bits,
                            bloom_hashes=args.bloom_hashes, overwrite=args.overwrite)
 
@@ -155,7 +180,15 @@ def add_build_parsers(sub) -> None:
     pub.add_argument("--nlist", type=int, default=None, help="IVF clusters (default about 4*sqrt(N))")
     pub.add_argument("--residual", choices=sorted(RESIDUAL), default="auto",
                      help="int8 codes of item - centroid: on, off, or auto (whichever reconstructs a sample closer)")
+    pub.add_argument("--spherical", choices=sorted(RESIDUAL), default="auto",
+                     help="unit-length k-means centroids: on, off, or auto (when every embedding has the same length)")
     pub.add_argument("--seed", type=int, default=0, help="IVF k-means seed")
+    pub.add_argument("--target-recall", dest="target_recall", type=float, default=None,
+                     help="--pool: the recall@100 the default search is calibrated to on the pool (default 0.95)")
+    pub.add_argument("--calibration-queries", dest="calibration_queries", default=None,
+                     help="--pool: .npy float32 [Q, D] queries to calibrate with (default: pool items plus noise)")
+    pub.add_argument("--no-calibration", dest="no_calibration", action="store_true",
+                     help="--pool: keep the fixed probe defaults (no recall measured at publish)")
     pub.add_argument("--bloom-bits", type=int, default=None, help="Bloom bits M per item (default: sizing rule, max tokens x K x 1.5)")
     pub.add_argument("--bloom-hashes", type=int, default=None, help="Bloom hash functions K per token (default 7)")
     pub.add_argument("--shards", type=int, default=None, help="split the index into S shard snapshots + a top manifest")

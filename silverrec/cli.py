@@ -1,6 +1,6 @@
 """The `silverrec` command: what a serving host runs, with the build commands dispatched to silverrec.publish.
 
-    silverrec query DIR --queries Q.npy --k K [--nprobe P] [--filter "..."] [--json]
+    silverrec query DIR --queries Q.npy --k K [--nprobe P | --target-recall R] [--filter "..."] [--json]
     silverrec query DIR --history "id1,id2,..." [--history-file F] --k K      (snapshots that recommend)
     silverrec recommend DIR --user U | --history "id1,id2,..." [--filter "..."] [--k K] [--json]
     silverrec rank DIR --user U | --history IDS --items FILE [--json]      (early-stage ranking)
@@ -16,6 +16,7 @@ Build commands (silverrec/publish/cli.py, imported only when one of them runs, o
     silverrec train --generative --config generative.toml --out gen.ckpt [--minutes M] [--seed S] [--stage S]
     silverrec publish --config publish.toml --out DIR                     (recommendation model)
     silverrec publish --pool POOL.parquet --out DIR [--exact] [--nlist N] [--seed S] [--residual auto|on|off]
+                      [--spherical auto|on|off] [--target-recall R] [--calibration-queries Q.npy | --no-calibration]
                       [--shards S --shard-by items|clusters]
     silverrec publish --generative --pool POOL --out DIR --model CKPT [--beam-width W] [--top-k K]
     silverrec evaluate DIR --interactions I.parquet --items ITEMS.parquet [--users U.parquet]

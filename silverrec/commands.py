@@ -38,7 +38,8 @@ def _query(args: argparse.Namespace) -> int:
         raise QueryError(f"cannot read queries from {args.queries}: {e}") from None
     if queries.dtype != np.float32:
         raise QueryError(f"queries in {args.queries} must be float32 [B, D], got {queries.dtype}")
-    options = {name: getattr(args, name) for name in ("nprobe", "filter", "max_probe", "mode") if getattr(args, name, None) is not None}
+    options = {name: getattr(args, name) for name in ("nprobe", "target_recall", "filter", "max_probe", "mode")
+               if getattr(args, name, None) is not None}
     result = snap.search(queries, args.k, **options)
     _print_result(result, args)
     return 0
@@ -184,6 +185,26 @@ def _print_generative_dtypes(config: dict) -> None:
     print(f"generative    weights {config['weights_dtype']}, compute {config.get('compute_dtype', config['weights_dtype'])}{where}")
 
 
+def print_calibration(config: dict) -> None:
+    """The probe defaults publish measured (publish/calibrate.py): target, default nprobe, the curve
+    (recall and ms per batch of 16 at each nprobe), the filtered widening and each sampled filter's recall."""
+    c = config.get("calibration")
+    if not c:
+        return
+    reached = "reached" if c["reached"] else "NOT reached (the curve's best)"
+    seconds = c["seconds"] + c.get("truth_seconds", 0.0)
+    build = sum(st["seconds"] for st in (config.get("build_report") or {}).get("stages", []))
+    share = f", {seconds / build:.1%} of the build" if build else ""
+    print(f"calibration   recall@{c['k']} {c['target_recall']} {reached} at nprobe {c['default_nprobe']} of "
+          f"{config['nlist']} ({c['queries']} {'pool' if c['source'] == 'pool' else 'given'} queries, "
+          f"{seconds:.1f} s{share})")
+    print("  curve       " + ", ".join(f"{p['nprobe']}: {p['recall']:.3f} ({p['ms']:.1f} ms)" for p in c["curve"]))
+    print(f"  filtered    depth x max(1, k / ({c['k']} x share)) ** {c['probe_exponent']:g}, "
+          f"widening up to {c['max_probe_factor']:g} x that depth")
+    for f in c.get("filters", []):
+        print(f"  {f['selectivity']:>9.4%}   recall {f['recall']:.3f} ({f['ms']:.1f} ms)  {f['filter']}")
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from silverrec.snapshot import read_manifest
 
@@ -201,6 +222,7 @@ def _inspect(args: argparse.Namespace) -> int:
     for key, value in sorted(m["config"].items()):
         text = json.dumps(value)
         print(f"  {key:<12}{text if len(text) < 200 else text[:197] + '...'}")
+    print_calibration(m["config"])
     print_update_advice(m["config"])
     _print_generative_dtypes(m["config"])
     print_stages(m["config"].get("build_report") or m["config"].get("update", {}).get("timings"))
@@ -286,7 +308,9 @@ def add_runtime_parsers(sub) -> None:
     q.add_argument("--k", type=int, required=True)
     q.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or stdout)")
     add_program_args(q)
-    q.add_argument("--nprobe", type=int, default=None, help="IVF clusters to probe (default: the snapshot's)")
+    q.add_argument("--nprobe", type=int, default=None, help="IVF clusters to probe (default: the snapshot's calibrated depth)")
+    q.add_argument("--target-recall", dest="target_recall", type=float, default=None,
+                   help="instead of --nprobe: the recall@k wanted (mapped through the snapshot's calibration curve)")
     q.add_argument("--filter", default=None, help="attribute filter, e.g. \"genre = Drama AND NOT decade = 1990s\"")
     q.add_argument("--max-probe", dest="max_probe", type=int, default=None, help="filtered search: widest probe (default: the snapshot's)")
     q.add_argument("--mode", choices=("auto", "probed", "unprobed"), default=None, help="filtered search mode (default auto)")

@@ -5,6 +5,7 @@ recall computed from those, and the documented depth rule."""
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -242,3 +243,32 @@ def test_constant_norm_pools_cluster_spherically_and_probe_their_own_cluster_fir
     assert ((x @ mean.centroids.T).argmax(1) != mean.assignment).any()  # mean centroids: not so
     two = kmeans(x, 40, seed=0, method="two_level", spherical=True)  # the two-level build normalises too
     assert torch.allclose(two.centroids.norm(dim=1), torch.ones(40), atol=1e-5)
+
+
+def test_cli_publish_calibrates_inspect_prints_it_and_query_takes_a_target(world, tmp_path):
+    from silverrec.publish.pool import write_pool
+    from tests.helpers import run_cli
+
+    pool, _ = world
+    write_pool(tmp_path / "pool.parquet", pool.item_ids, pool.embeddings, {f: v for f, v in pool.features.items()})
+    given = pool.embeddings[:50] + 0.01
+    np.save(tmp_path / "cq.npy", given.astype(np.float32))
+    run_cli("publish", "--pool", str(tmp_path / "pool.parquet"), "--out", str(tmp_path / "s"), "--nlist", str(NLIST),
+            "--target-recall", "0.85", "--calibration-queries", str(tmp_path / "cq.npy"))
+    snap = silverrec.load(tmp_path / "s")
+    cal = snap.config["calibration"]
+    assert cal["source"] == "user" and cal["queries"] == 50 and cal["target_recall"] == 0.85
+    out = run_cli("inspect", str(tmp_path / "s")).stdout
+    assert re.search(rf"calibration +recall@100 0.85 (NOT )?reached at nprobe {snap.config['default_nprobe']} of {NLIST}", out)
+    assert f"{cal['curve'][0]['nprobe']}: {cal['curve'][0]['recall']:.3f}" in out and "filtered" in out
+    np.save(tmp_path / "q.npy", pool.embeddings[100:104])
+    got = json.loads(run_cli("query", str(tmp_path / "s"), "--queries", str(tmp_path / "q.npy"), "--k", "10",
+                             "--target-recall", "0.8", "--json").stdout)
+    assert got["item_ids"] == snap.search(pool.embeddings[100:104], 10, target_recall=0.8).item_ids.tolist()
+    run_cli("publish", "--pool", str(tmp_path / "pool.parquet"), "--out", str(tmp_path / "plain"), "--nlist", str(NLIST),
+            "--no-calibration")
+    plain = silverrec.load(tmp_path / "plain")
+    assert "calibration" not in plain.config and "probe_exponent" not in plain.config["search"]
+    bad = run_cli("publish", "--pool", str(tmp_path / "pool.parquet"), "--out", str(tmp_path / "bad"), "--no-calibration",
+                  "--target-recall", "0.9", check=False)
+    assert bad.returncode == 2 and "--no-calibration takes neither" in bad.stderr and not (tmp_path / "bad").exists()

@@ -105,20 +105,19 @@ def parallel(fn, args, threads=16):
 
 def test_each_request_gets_its_own_rows_inside_a_batch(snaps, ivf_server):
     snap, q = silverrec.load(snaps["v1"]), snaps["queries"]
-    cases = [(i, 1 + i % 3, 1 + (7 * i) % 20, None if i % 4 else 1 + i % 8) for i in range(32)]  # rows, k, nprobe
+    # rows, k, and nprobe, a target recall (mapped through the snapshot's calibration curve) or neither
+    cases = [(i, 1 + i % 3, 1 + (7 * i) % 20, None if i % 4 else {"nprobe": 1 + i % 8} if i % 8 else
+              {"target_recall": 0.5 + 0.05 * (i % 9)}) for i in range(32)]
 
     def one(case):
-        i, rows, k, nprobe = case
-        body = {"queries": q[i:i + rows].tolist(), "k": k}
-        if nprobe is not None:
-            body["nprobe"] = nprobe
-        return post(ivf_server.url, "/v1/search", body)
+        i, rows, k, opts = case
+        return post(ivf_server.url, "/v1/search", {"queries": q[i:i + rows].tolist(), "k": k, **(opts or {})})
 
     answers = parallel(one, cases)
-    for (i, rows, k, nprobe), r in zip(cases, answers):
+    for (i, rows, k, opts), r in zip(cases, answers):
         assert r.status_code == 200, r.text
         got = r.json()
-        opts = {} if nprobe is None else {"nprobe": nprobe}
+        opts = opts or {}
         ref = snap.search(q[i:i + rows], k, **opts)
         assert got["item_ids"] == ref.item_ids.tolist()
         np.testing.assert_allclose(np.array(got["scores"], dtype=np.float32), ref.scores.numpy(), rtol=1e-5)
@@ -168,6 +167,8 @@ BAD = [  # body, status, message pattern
     ({"queries": [[0.5] * D], "k": N + 1}, 400, rf"k={N + 1} exceeds the {N} items"),
     ({"queries": [[0.5] * D], "k": 2.5}, 422, r"k: Input should be a valid integer"),
     ({"queries": [[0.5] * D], "k": 5, "nprobe": 99}, 400, r"nprobe must be an int in \[1, 8\], got 99"),
+    ({"queries": [[0.5] * D], "k": 5, "nprobe": 2, "target_recall": 0.9}, 400, r"give nprobe or target_recall, not both"),
+    ({"queries": [[0.5] * D], "k": 5, "target_recall": 1.5}, 400, r"target_recall must be a number in \(0, 1\], got 1.5"),
     ({"queries": [[0.5] * D], "k": 5, "filter": "a = b"}, 400, r"unknown feature .a. in filter at position 0; this snapshot can filter on no features"),
     ({"queries": [[0.5] * D], "k": 5, "colour": 1}, 422, r"colour: Extra inputs are not permitted"),
     ({"queries": [], "k": 5}, 400, r"at least one row"),

@@ -384,8 +384,7 @@ class ShardedRuntime:
             cfg = g.manifest["config"]
             parts_s, parts_i = [], []
             for i, snap in zip(g.shard_ids, g.shards):
-                rows = routed_rows(g.centroids, cfg["shards"][i]["clusters"], queries, options,
-                                   int(cfg.get("default_nprobe", 1)))
+                rows = routed_rows(g.centroids, cfg["shards"][i]["clusters"], queries, k, options, snap.config)
                 s, ids = shard_topk(snap, queries, k, options, rows)
                 parts_s.append(s)
                 parts_i.append(ids)

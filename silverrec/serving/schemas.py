@@ -1,6 +1,7 @@
 """The HTTP request bodies of `silverrec serve` (pydantic models, strict types, unknown fields refused).
 
-    POST /v1/search          SearchBody      queries [B, D], k, filter, nprobe, max_probe, mode, deadline_ms
+    POST /v1/search          SearchBody      queries [B, D], k, filter, nprobe or target_recall, max_probe, mode,
+                                             deadline_ms
     POST /v1/recommend       RecommendBody   one user (UserBody fields) or requests: [UserBody, ...], k, k0, ...
     POST /v1/rank            RankBody        one user and items
     POST /v1/admin/reload    ReloadBody      path
@@ -34,6 +35,8 @@ def request_models() -> RequestModels:
         filter: Union[StrictStr, list[Optional[StrictStr]], None] = Field(
             None, description="one filter string for every row, or one string (or null) per row")
         nprobe: Optional[StrictInt] = None
+        target_recall: Optional[StrictFloat] = Field(
+            None, description="instead of nprobe: the recall@k wanted, mapped through the snapshot's calibration curve")
         max_probe: Optional[StrictInt] = None
         mode: Union[StrictStr, list[StrictStr], None] = None
         deadline_ms: Optional[float] = Field(None, gt=0, description="budget in ms from arrival; 504 after")

@@ -25,7 +25,7 @@ import torch
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
 from silverrec.filtering.filter_program import compile_request, normalize_filters
 from silverrec.retrieval.filtered_ivf import MODES
-from silverrec.retrieval.filtered_search import _modes, filter_plan
+from silverrec.retrieval.filtered_search import _modes, filter_plan, probe_depth
 from silverrec.serving.loader import load
 from silverrec.serving.recommend import DEFAULT_EXCLUDE_LIMIT, MAX_RANK_ITEMS, RecRequest
 
@@ -38,13 +38,15 @@ class GroupKey(NamedTuple):
 
     served: "Served"  # the version the requests were validated on
     op: str  # "search", "rec" (every snapshot but a pure-ANN index) or "rank"
-    nprobe: Optional[int] = None
-    max_probe: Optional[int] = None  # search: set only for a filtered request
+    nprobe: Optional[int] = None  # search: None = the snapshot's calibrated depth (probe_depth)
+    max_probe: Optional[int] = None  # search: the request's, for a filtered request
     k: Optional[int] = None  # filtered search: the widening step reads k (match_factor * k)
     k0: Optional[int] = None
     mode: Optional[str] = None
     exclude_history: Optional[bool] = None
     alone: Optional[object] = None  # a fresh object(): the request runs in a group of its own
+    target_recall: Optional[float] = None  # search: instead of nprobe
+    filtered: bool = False  # search: the requests carry filters
 
 
 def snapshot_version(snap) -> str:
@@ -102,15 +104,20 @@ class Served:
         k = check_k(body.k, snap.manifest["item_count"])
         B = queries.shape[0]
         nlist = int(cfg["nlist"])
-        nprobe = _check_int("nprobe", int(cfg["default_nprobe"]) if body.nprobe is None else body.nprobe, 1, nlist)
+        nprobe, target = body.nprobe, body.target_recall
+        if nprobe is not None:
+            if target is not None:
+                raise QueryError("give nprobe or target_recall, not both")
+            nprobe = _check_int("nprobe", nprobe, 1, nlist)
+        else:  # the calibrated depth, computed per batch by snap.search; a bad target is refused here
+            probe_depth(cfg, k, 1.0, target)
         filters = normalize_filters(body.filter, B)
-        if filters is None:  # unfiltered: exactly nprobe clusters; max_probe and mode unused, as in snap.search
-            return GroupKey(self, "search", nprobe), {"queries": queries, "k": k}
+        if filters is None:  # unfiltered: max_probe and mode unused, as in snap.search
+            return GroupKey(self, "search", nprobe, target_recall=target), {"queries": queries, "k": k}
         _modes("auto" if body.mode is None else body.mode, B)  # validates names and count
         max_probe = body.max_probe
-        if max_probe is None:
-            max_probe = max(nprobe, min(nlist, int(cfg["search"]["default_max_probe"])))
-        max_probe = _check_int("max_probe", max_probe, nprobe, nlist)
+        if max_probe is not None:
+            max_probe = _check_int("max_probe", max_probe, nprobe or 1, nlist)
         plan = filter_plan(self.template)
         for b, f in enumerate(filters):  # syntax errors (with position) and unknown features, per row
             if f is not None:
@@ -118,14 +125,14 @@ class Served:
         # the widening step reads k (match_factor * k), so only equal k share a forward
         mode_names = [body.mode] * B if isinstance(body.mode, str) or body.mode is None else list(body.mode)
         mode_names = ["auto" if m is None else m for m in mode_names]
-        return GroupKey(self, "search", nprobe, max_probe, k), {"queries": queries, "k": k, "filters": filters,
-                                                                "modes": mode_names}
+        return GroupKey(self, "search", nprobe, max_probe, k, target_recall=target, filtered=True), {
+            "queries": queries, "k": k, "filters": filters, "modes": mode_names}
 
     def run_search(self, key: GroupKey, payloads: list[dict]) -> list[dict]:
         queries = torch.cat([p["queries"] for p in payloads]) if len(payloads) > 1 else payloads[0]["queries"]
         k = max(p["k"] for p in payloads)  # the largest request's k; the others take their prefix
-        options: dict[str, Any] = {"nprobe": key.nprobe}
-        if key.max_probe is not None:  # filtered
+        options: dict[str, Any] = {"nprobe": key.nprobe, "target_recall": key.target_recall}
+        if key.filtered:
             options["max_probe"] = key.max_probe
             options["filter"] = [f for p in payloads for f in p["filters"]]
             options["mode"] = [m for p in payloads for m in p["modes"]]

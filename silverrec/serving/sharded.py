@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from silverrec.errors import QueryError, SnapshotError, check_k, check_queries
-from silverrec.retrieval.filtered_search import search_index
+from silverrec.retrieval.filtered_search import probe_depth, search_index
 from silverrec.serving.predictor import SearchResult, Snapshot, load_snapshot
 from silverrec.snapshot import read_manifest
 
@@ -82,15 +82,21 @@ def load_shard(path: str | Path, manifest: dict[str, Any], i: int, backend: str 
     return snap
 
 
-def routed_rows(centroids: Optional[torch.Tensor], owned: Optional[Sequence[int]], queries: torch.Tensor,
-                options: dict[str, Any], default_nprobe: int) -> Optional[torch.Tensor]:
+def routed_rows(centroids: Optional[torch.Tensor], owned: Optional[Sequence[int]], queries: torch.Tensor, k: int,
+                options: dict[str, Any], cfg: dict[str, Any]) -> Optional[torch.Tensor]:
     """bool [B]: the query rows whose probed clusters include one the shard owns (clusters split),
-    or None = every row (items split, or a filtered request that may widen its probe)."""
+    or None = every row (items split, or a filtered request that may widen its probe). cfg: a shard's
+    config (its probe defaults: the depth a request without nprobe gets, `probe_depth`)."""
     if owned is None or centroids is None:
         return None
     if options.get("filter") is not None:
         return None
-    nprobe = options.get("nprobe") or default_nprobe
+    nprobe = options.get("nprobe")
+    if nprobe is None:
+        try:
+            nprobe = int(probe_depth(cfg, k, 1.0, options.get("target_recall")))
+        except QueryError:
+            return None  # the shard's handler names the bad value
     if isinstance(nprobe, bool) or not isinstance(nprobe, int) or not 1 <= nprobe <= centroids.shape[0]:
         return None  # the shard's handler names the bad value
     probes = torch.ops.silverrec.centroid_candidates(queries, centroids, nprobe)  # [B, nprobe]: the shards' probes
@@ -177,8 +183,7 @@ class ShardedSnapshot:
         check_k(k, self.manifest["item_count"])
         parts_s, parts_i = [], []
         for i, shard in enumerate(self.shards):
-            rows = routed_rows(self.centroids, self.owned_clusters(i), queries, options,
-                               int(self.config.get("default_nprobe", 1)))
+            rows = routed_rows(self.centroids, self.owned_clusters(i), queries, k, options, shard.config)
             s, ids = shard_topk(shard, queries, k, options, rows)
             parts_s.append(s)
             parts_i.append(ids)
