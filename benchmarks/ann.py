@@ -13,6 +13,7 @@ product with those centroids exactly like silverrec. hnswlib (ip space) builds i
 
     .venv/bin/python benchmarks/ann.py            # 1M x 128 Gaussian mixture + MovieLens (~10 min)
     .venv/bin/python benchmarks/ann.py --quick    # 100k items, fewer points (~2 min)
+    .venv/bin/python benchmarks/ann.py --datasets noisy [--quick]   # calibrated defaults (run_noisy): ann_noisy.json
 
 Prints one table per dataset and writes benchmarks/results/ann.json (ann_quick.json for --quick):
 recall@k against float brute force, latency per batch of 16 (warm-up excluded; median, p20, p80; the
@@ -322,6 +323,89 @@ def targets(results: list[dict]) -> list[dict]:
     return out
 
 
+NOISY_TARGETS = (0.9, 0.95, 0.98)  # target_recall requests measured on the noisy pool
+FAISS_NPROBES = tuple(int(round(8 * 2 ** (i / 4))) for i in range(37))  # Faiss's sweep there: 8 .. 4096, 2^(1/4) apart
+
+
+def run_noisy(args) -> dict:
+    """The pool whose default probe is too shallow (benchmarks/noisy_pool.py), published with the
+    defaults: recall@100 of the default search before calibration (the fixed default nprobe, as with
+    `silverrec publish --no-calibration`) and after (the calibrated default), of `target_recall`
+    requests, each on held-out queries from the pool's mixture; beside Faiss IVF-SQ8 as a Faiss user
+    builds it (`index_factory`, same nlist) at the smallest nprobe reaching each of our recalls, timed
+    alternated with ours in blocks (`timed_alternating`)."""
+    import tempfile
+
+    import faiss
+    from noisy_pool import faiss_ivf_sq8, noisy_pool, publish_noisy, smallest_reaching
+    from silverrec.publish.calibrate import exact_top
+    from silverrec.publish.ivf import default_nprobe
+
+    k = 100
+    n = args.n or (200_000 if args.quick else 1_000_000)
+    pool = noisy_pool(n)
+    q = torch.from_numpy(pool.queries(max(TIMED_QUERIES, args.recall_queries)))
+    truth = exact_top(pool.x, q, k)[0].numpy()  # item ids = pool rows
+    work = tempfile.TemporaryDirectory(prefix="ann-noisy-")
+    snap, publish_s = publish_noisy(pool, Path(work.name) / "snap")
+    cfg = snap.config
+    nlist, before = int(cfg["nlist"]), default_nprobe(int(cfg["nlist"]))
+    stages = {st["name"]: st["seconds"] for st in cfg["build_report"]["stages"]}
+    cal_s = sum(v for name, v in stages.items() if name.startswith("calibration"))
+    print(f"\n== noisy pool: N={n:,} D={pool.x.shape[1]} nlist={nlist}: published in {publish_s:.1f} s, calibration "
+          f"{cal_s:.1f} s ({cal_s / publish_s:.1%}); default nprobe {before} -> {cfg['default_nprobe']} ==", flush=True)
+    sq8, faiss_s = faiss_ivf_sq8(pool.x, nlist)
+    qn = q.numpy()
+    batches = [q[i : i + BATCH] for i in range(0, TIMED_QUERIES, BATCH)]
+
+    def ours(**opts):
+        return recall(np.concatenate([snap.search(q[i : i + BATCH], k, **opts).item_ids.numpy()
+                                      for i in range(0, q.shape[0], BATCH)]), truth)
+
+    def faiss_recall(p):
+        sq8.nprobe = p
+        return recall(sq8.search(qn, k)[1], truth)
+
+    points = {"before": ours(nprobe=before), "after": ours()}
+    targets = {t: ours(target_recall=t) for t in NOISY_TARGETS}
+    grid = [p for p in FAISS_NPROBES if p <= nlist]
+    faiss_for = {name: smallest_reaching(faiss_recall, grid, r) for name, r in points.items()}
+    ours_name = {"after": "silverrec defaults (calibrated)", "before": "silverrec before calibration"}
+    fns = {ours_name["after"]: lambda b: snap.search(b, k), ours_name["before"]: lambda b: snap.search(b, k, nprobe=before)}
+    faiss_name = {name: f"faiss IVF-SQ8 at nprobe {p}" for name, (p, _, _) in faiss_for.items()}
+    for name, (p, _, _) in faiss_for.items():
+        fns[faiss_name[name]] = lambda b, p=p: (setattr(sq8, "nprobe", p), sq8.search(b.numpy(), k))[1]
+    with torch.inference_mode():
+        _, lat = timed_alternating(fns, batches, args.reps)
+    rows = []
+    for name in ("after", "before"):
+        sys_name, p, (_, r, seen) = ours_name[name], faiss_for[name][0], faiss_for[name]
+        faiss_name_ = faiss_name[name]
+        rows.append({"defaults": name, "silverrec_nprobe": int(cfg["default_nprobe"]) if name == "after" else before,
+                     "silverrec_recall": points[name], "silverrec_ms": lat[sys_name],
+                     "faiss_nprobe": p, "faiss_recall": r, "faiss_ms": lat[faiss_name_], "faiss_sweep": seen,
+                     "latency_ratio": lat[sys_name]["median"] / lat[faiss_name_]["median"]})
+        print(f"{name:>6}: silverrec recall@100 {points[name]:.4f} {lat[sys_name]['median']:.2f} ms | Faiss IVF-SQ8 "
+              f"nprobe {p} recall {r:.4f} {lat[faiss_name_]['median']:.2f} ms | ratio {rows[-1]['latency_ratio']:.2f}", flush=True)
+    for t, r in targets.items():
+        print(f"target_recall {t}: recall@100 {r:.4f} (error {r - t:+.4f})", flush=True)
+    after = rows[0]
+    tg = [{"target": "defaults only: recall@100 >= 0.95", "value": after["silverrec_recall"], "limit": 0.95,
+           "met": after["silverrec_recall"] >= 0.95},
+          {"target": "defaults / Faiss IVF-SQ8 at the same recall (latency)", "value": after["latency_ratio"], "limit": 1.0,
+           "met": after["latency_ratio"] <= 1.0},
+          {"target": "calibration <= 10% of the publish time", "value": cal_s / publish_s, "limit": 0.1,
+           "met": cal_s / publish_s <= 0.1}]
+    tg += [{"target": f"target_recall {t}: within 0.02 on held-out queries", "value": abs(r - t), "limit": 0.02,
+            "met": abs(r - t) <= 0.02} for t, r in targets.items()]
+    for t in tg:
+        print(f"[{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']:.4g} (limit {t['limit']:.4g})")
+    return {"dataset": f"noisy{n // 1000}k", "n": n, "dim": int(pool.x.shape[1]), "nlist": nlist, "k": k,
+            "queries": int(q.shape[0]), "publish_s": publish_s, "calibration_s": cal_s, "faiss_build_s": faiss_s,
+            "calibration": cfg["calibration"], "rows": rows,
+            "target_recall": [{"target": t, "recall": r} for t, r in targets.items()], "targets": tg}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="100k items, fewer sweep points")
@@ -356,7 +440,21 @@ def main(argv=None):
     if args.ks:
         ks = [int(v) for v in args.ks.split(",")]
     results = []
+    if "noisy" in args.datasets.split(","):  # its own results file (run_noisy)
+        noisy = run_noisy(args)
+        meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": args.threads,
+                "torch": torch.__version__, "faiss": faiss.__version__, "load_avg_at_end": os.getloadavg(),
+                "batch": BATCH, "args": vars(args), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        out = RESULTS / f"{args.name or ('ann_noisy_quick' if args.quick else 'ann_noisy')}.json"
+        out.write_text(json.dumps({"meta": meta, "noisy": noisy}, indent=1))
+        print(f"wrote {out}")
+        replot(out.stem, plot)
+        if args.datasets == "noisy":
+            return
     for name in args.datasets.split(","):
+        if name == "noisy":
+            continue
         if name == "gmm":
             x, q = gmm(n, 128, max(10, n // 1000), max(TIMED_QUERIES, args.recall_queries))
             results.append(run_dataset(f"gmm{n // 1000}k", x, q, args, nprobes, ks))
@@ -465,7 +563,23 @@ def run_cuda(args, dev: torch.device) -> None:
 def plot(payload: dict, path: Path) -> None:
     """CPU results: recall@k against latency per batch for every system, one panel per (dataset, k).
     --device cuda results: latency per batch against nprobe, one panel per k."""
-    if "results" in payload:
+    if "noisy" in payload:
+        ds = payload["noisy"]
+        series = {"silverrec: target_recall and defaults": ([], []), "Faiss IVF-SQ8 sweep": ([], [])}
+        faiss = {int(p): r for row in ds["rows"] for p, r in row["faiss_sweep"].items()}
+        series["Faiss IVF-SQ8 sweep"] = (sorted(faiss), [faiss[p] for p in sorted(faiss)])
+        curve = ds["calibration"]["curve"]
+        panels = [Panel(f"{ds['dataset']} ({ds['n']:,} x {ds['dim']}, nlist {ds['nlist']}): recall@100 by nprobe",
+                        "nprobe", "recall@100 (held-out queries; calibration curve: the pool's)",
+                        {"silverrec calibration curve": ([c["nprobe"] for c in curve], [c["recall"] for c in curve]),
+                         "Faiss IVF-SQ8 (own k-means)": series["Faiss IVF-SQ8 sweep"]}, logx=True, ref=0.95),
+                  Panel("defaults before / after calibration vs Faiss IVF-SQ8 at the same recall", "",
+                        "latency per batch of 16, ms (median)",
+                        {"silverrec": ([r["defaults"] for r in ds["rows"]], [r["silverrec_ms"]["median"] for r in ds["rows"]]),
+                         "Faiss IVF-SQ8": ([r["defaults"] for r in ds["rows"]], [r["faiss_ms"]["median"] for r in ds["rows"]])},
+                        kind="bar")]
+        title = "Calibrated defaults on a noisy long-tailed pool (CPU)"
+    elif "results" in payload:
         panels = [Panel(f"{ds['dataset']} ({ds['n']:,} x {ds['dim']}), k {row['k']}", "latency per batch of 16, ms (median)",
                         f"recall@{row['k']}", {system: ([pt["latency_ms"]["median"] for pt in pts], [pt["recall"] for pt in pts])
                                                for system, pts in row["systems"].items() if pts}, logx=True)

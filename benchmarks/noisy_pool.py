@@ -100,3 +100,44 @@ def noisy_pool(n: int, d: int = DIM, seed: int = 0) -> NoisyPool:
                 "region": ([f"r{i}" for i in range(REGIONS)], region.astype(np.int32)),
                 "brand": ([f"b{i}" for i in range(BRANDS)], brand.astype(np.int32))}
     return NoisyPool(x, features, centres, weights, spread, seed)
+
+
+def publish_noisy(pool: NoisyPool, out, features: bool = False):
+    """Publish the pool as `silverrec publish --pool` does, with the defaults (calibration included):
+    -> (loaded snapshot, publish seconds). Item ids are the pool rows."""
+    import time
+
+    import silverrec
+    from silverrec.publish.filtered_ivf import publish_index
+    from silverrec.publish.pool import Pool
+
+    n = pool.x.shape[0]
+    feats = {name: [[v] for v in vals] for name, vals in pool.feature_strings().items()} if features else {}
+    t0 = time.perf_counter()
+    publish_index(Pool(np.arange(n, dtype=np.int64), pool.x.copy(), feats), out, overwrite=True, release_embeddings=True)
+    return silverrec.load(out), time.perf_counter() - t0
+
+
+def faiss_ivf_sq8(x: np.ndarray, nlist: int):
+    """Faiss IVF-SQ8 for inner product as a Faiss user builds it (`index_factory`: its own k-means, spherical
+    for inner product, its defaults) on the same nlist: -> (index, build seconds). Ids are the pool rows."""
+    import time
+
+    import faiss
+
+    t0 = time.perf_counter()
+    index = faiss.index_factory(x.shape[1], f"IVF{nlist},SQ8", faiss.METRIC_INNER_PRODUCT)
+    index.train(x)
+    index.add(x)
+    return index, time.perf_counter() - t0
+
+
+def smallest_reaching(recall_at, nprobes, target: float):
+    """(the smallest of `nprobes` (ascending) whose recall_at(nprobe) reaches `target`, or the last, its
+    recall, {nprobe: recall} of every one measured)."""
+    seen = {}
+    for p in nprobes:
+        seen[p] = recall_at(p)
+        if seen[p] >= target:
+            return p, seen[p], seen
+    return p, seen[p], seen

@@ -42,7 +42,7 @@ TARGET_RECALL = 0.95  # publish's default target: recall@CALIBRATION_K of the de
 CALIBRATION_K = 100
 CALIBRATION_QUERIES = 192
 CURVE_TAIL_QUERIES = 128  # queries measured past the default (the curve's tail, for target_recall)
-NOISE_SHARE = 0.25  # calibration query = item + N(0, (NOISE_SHARE x the pool's per-dimension std)^2)
+NOISE_SHARE = 0.5  # calibration query = item + N(0, (NOISE_SHARE x the pool's per-dimension std)^2)
 GRID_STEP = 2.0  # nprobe grid: 1, 2, 4, ... (then the bracket around the target, `probe_curve`)
 BRACKET_STEPS = 2  # interpolations measured between the grid points around the target
 BRACKET_CLOSE = 0.97  # ... unless within 3% of the smallest measured nprobe reaching it
