@@ -73,8 +73,9 @@ from silverrec.publish.ivf import IVFConfig
 from silverrec.publish.logs import Logs, read_logs
 from silverrec.publish.pool import Pool, pool_from_table
 from silverrec.publish.progress import bar, step
-from silverrec.publish.rec import (PublishConfig, _bytes_per_item, choose_nprobe, compose_checked, record_composition,
-                                   serving_config, value_formula)
+from silverrec.publish.calibrate import choose_nprobe
+from silverrec.publish.rec import (PublishConfig, _bytes_per_item, compose_checked, record_composition, serving_config,
+                                   value_formula)
 from silverrec.publish.rec_files import Built, write_rec_files
 from silverrec.compose import ModelParts
 from silverrec.ranking.cache import EmbeddingCache
@@ -497,7 +498,7 @@ def build_byo_model(cfg: ByoConfig) -> Built:
     if cfg.nprobe is not None:
         manifest["default_nprobe"] = int(cfg.nprobe)
     else:
-        manifest["default_nprobe"], manifest["nprobe_recall_at_k0"] = choose_nprobe(
+        manifest["default_nprobe"], manifest["calibration"] = choose_nprobe(
             index, u.reshape(-1, dim), cache.emb.float(), cfg.k0, cfg.min_recall)
     manifest["search"]["default_max_probe"] = max(int(manifest["default_nprobe"]), manifest["search"]["default_max_probe"])
     parts = ModelParts(user_tower=user, index=index, cache=cache, overarch=arch)

@@ -304,21 +304,22 @@ def measure(search: Callable[..., torch.Tensor], queries: torch.Tensor, truth: t
 
 class Sweep:
     """One search setting's recall over nprobe, each nprobe measured once (`measure`): the points
-    {"nprobe", "recall", "se", "ms", "queries"}. An nprobe *reaches* a target when its recall does by one
-    standard error (recall - se >= target): the default must hold on other queries than these."""
+    {"nprobe", "recall", "se", "ms", "queries"}. An nprobe *reaches* a target when its recall does by z
+    standard errors (recall - z se >= target; z = 1 by default: the default must hold on other queries
+    than these)."""
 
     def __init__(self, search: Callable[..., torch.Tensor], queries: torch.Tensor, truth: torch.Tensor, k: int,
-                 **options: Any):
-        self.search, self.queries, self.truth, self.k, self.options = search, queries, truth, k, options
+                 z: float = 1.0, **options: Any):
+        self.search, self.queries, self.truth, self.k, self.z, self.options = search, queries, truth, k, z, options
         self.points: dict[int, dict] = {}
 
     def at(self, p: int, n: Optional[int] = None) -> float:
-        """recall - se at nprobe p, over the first n queries (None: all)."""
+        """recall - z se at nprobe p, over the first n queries (None: all)."""
         if p not in self.points:
             n = self.queries.shape[0] if n is None else min(n, self.queries.shape[0])
             r, ms, se = measure(self.search, self.queries[:n], self.truth[:n], self.k, nprobe=p, **self.options)
             self.points[p] = {"nprobe": p, "recall": round(r, 5), "se": round(se, 5), "ms": round(ms, 3), "queries": n}
-        return self.points[p]["recall"] - self.points[p]["se"]
+        return self.points[p]["recall"] - self.z * self.points[p]["se"]
 
     def climb(self, p: int, step: float, target: float, nlist: int) -> Optional[int]:
         """nprobe p, p x step, ... up to the first that reaches `target` (None: not even nlist), then up to
@@ -330,7 +331,7 @@ class Sweep:
         if self.at(p) < target:
             return None
         for _ in range(BRACKET_STEPS if len(self.points) > 1 else 0):
-            lower = [{"nprobe": c["nprobe"], "recall": c["recall"] - c["se"]} for c in self.points.values()]
+            lower = [{"nprobe": c["nprobe"], "recall": c["recall"] - self.z * c["se"]} for c in self.points.values()]
             guess = nprobe_for_recall(lower, target, nlist)
             best = min(q for q in self.points if self.at(q) >= target)
             if guess in self.points or guess >= best * BRACKET_CLOSE:  # measured, or too close to matter
@@ -459,3 +460,27 @@ def widening(search: EagerSearch, truth: Truth, target: float, start: float = 0.
             else:
                 return exponent, factor, rows[::-1]
     return cfg["probe_exponent"], cfg["max_probe_factor"], rows[::-1]
+
+
+@torch.no_grad()
+def choose_nprobe(index, users: torch.Tensor, cache_emb: torch.Tensor, k0: int, min_recall: float) -> tuple[int, dict]:
+    """A recommendation model's probe default (publish/rec.py, byo.py): the smallest nprobe of nlist/16,
+    /8, /4, /2, nlist whose IVF top-k0 (`Int8IVFIndex.scan` of its probe) holds `min_recall` of the exact
+    top-k0 over the cache embeddings float [N, D] (rows in the index's order) for the sampled user
+    embeddings `users` float [U, D]. -> (nprobe, the manifest's "calibration" section: the points
+    measured as its curve, through which a request's `target_recall` maps to an nprobe)."""
+    t0 = time.perf_counter()
+    nlist = index.nlist
+    k0 = min(k0, index.num_items)
+    truth = index.row_to_item[(users @ cache_emb.T).topk(k0, dim=1).indices].to(torch.int64)
+    sweep = Sweep(lambda q, k, nprobe: index.scan(q, index.probe(q, nprobe), k)[1], users, truth, k0, z=0.0)
+    chosen = nlist
+    for p in sorted({max(1, nlist // d) for d in (16, 8, 4, 2, 1)}):
+        if sweep.at(p) >= min_recall:
+            chosen = p
+            break
+    curve = sweep.curve()
+    return chosen, {"target_recall": float(min_recall), "k": int(k0), "queries": int(users.shape[0]),
+                    "source": "user tower", "default_nprobe": int(chosen),
+                    "reached": bool(max(c["recall"] for c in curve) >= min_recall), "curve": curve,
+                    "seconds": round(time.perf_counter() - t0, 3)}

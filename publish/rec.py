@@ -29,6 +29,7 @@ import torch
 
 from silverrec.candidates import SOURCES
 from silverrec.compose import CompositionError, ModelParts, compose
+from silverrec.publish.calibrate import choose_nprobe
 from silverrec.publish.config import ConfigError, read_toml
 from silverrec.publish.filtered_ivf import build_filtered_ivf, pool_rows
 from silverrec.publish.ivf import IVFConfig
@@ -197,23 +198,6 @@ def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor,
     return direct_tower(tower), report  # int8 tables: the TBE called without torchrec's KJT bookkeeping
 
 
-@torch.no_grad()
-def choose_nprobe(index, users: torch.Tensor, cache_emb: torch.Tensor, k0: int, min_recall: float) -> tuple[int, dict]:
-    """The smallest nprobe of nlist/16, /8, /4, /2, nlist whose IVF top-k0 holds `min_recall` of the
-    exact top-k0 (cache embeddings) for the sampled user embeddings `users` [U, D]: (nprobe, recalls)."""
-    nlist = index.nlist
-    k0 = min(k0, index.num_items)
-    exact = index.row_to_item[(users @ cache_emb.T).topk(k0, dim=1).indices].to(torch.int64)
-    recalls = {}
-    for p in sorted({max(1, nlist // d) for d in (16, 8, 4, 2, 1)}):
-        _, found = index.scan(users, index.probe(users, p), k0)
-        hits = (found[:, :, None] == exact[:, None, :]).any(dim=2).sum(dim=1)
-        recalls[p] = round(float(hits.double().mean()) / k0, 4)
-        if recalls[p] >= min_recall:
-            return p, recalls
-    return nlist, recalls
-
-
 def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: Optional[str] = None,
                     value_model: Any = "config") -> Built:
     """Compose the RecModel a config describes (overarch / value_model override the config's:
@@ -246,7 +230,7 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     else:
         with torch.no_grad():
             queries = user(*encoder.encode(sample)).reshape(-1, cache.dim)
-        manifest["default_nprobe"], manifest["nprobe_recall_at_k0"] = choose_nprobe(
+        manifest["default_nprobe"], manifest["calibration"] = choose_nprobe(
             index, queries, cache.emb.float(), cfg.k0, cfg.min_recall)
     manifest["search"]["default_max_probe"] = max(int(manifest["default_nprobe"]), manifest["search"]["default_max_probe"])
     kind = cfg.overarch if overarch is None else overarch

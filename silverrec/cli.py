@@ -2,7 +2,7 @@
 
     silverrec query DIR --queries Q.npy --k K [--nprobe P | --target-recall R] [--filter "..."] [--json]
     silverrec query DIR --history "id1,id2,..." [--history-file F] --k K      (snapshots that recommend)
-    silverrec recommend DIR --user U | --history "id1,id2,..." [--filter "..."] [--k K] [--json]
+    silverrec recommend DIR --user U | --history "id1,id2,..." [--filter "..."] [--k K] [--target-recall R] [--json]
     silverrec rank DIR --user U | --history IDS --items FILE [--json]      (early-stage ranking)
     silverrec inspect DIR
     silverrec serve DIR [--host H] [--port P] [--workers N] [--max-batch B] [--max-wait-ms MS] [--batch-workers W]

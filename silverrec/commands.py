@@ -118,7 +118,7 @@ def rec_snapshot(args: argparse.Namespace):
 
 def _recommend(args: argparse.Namespace) -> int:
     snap = rec_snapshot(args)
-    options = {name: getattr(args, name) for name in ("nprobe", "k0") if getattr(args, name) is not None}
+    options = {name: getattr(args, name) for name in ("nprobe", "target_recall", "k0") if getattr(args, name) is not None}
     result = snap.recommend(_rec_requests(args), k=args.k, exclude_history=not args.include_history, **options)
     _print_rec(result, args)
     return 0
@@ -196,11 +196,12 @@ def print_calibration(config: dict) -> None:
     build = sum(st["seconds"] for st in (config.get("build_report") or {}).get("stages", []))
     share = f", {seconds / build:.1%} of the build" if build else ""
     print(f"calibration   recall@{c['k']} {c['target_recall']} {reached} at nprobe {c['default_nprobe']} of "
-          f"{config['nlist']} ({c['queries']} {'pool' if c['source'] == 'pool' else 'given'} queries, "
+          f"{config['nlist']} ({c['queries']} {c['source'] if c['source'] != 'user' else 'given'} queries, "
           f"{seconds:.1f} s{share})")
     print("  curve       " + ", ".join(f"{p['nprobe']}: {p['recall']:.3f} ({p['ms']:.1f} ms)" for p in c["curve"]))
-    print(f"  filtered    depth x max(1, k / ({c['k']} x share)) ** {c['probe_exponent']:g}, "
-          f"widening up to {c['max_probe_factor']:g} x that depth")
+    if "probe_exponent" in c:
+        print(f"  filtered    depth x max(1, k / ({c['k']} x share)) ** {c['probe_exponent']:g}, "
+              f"widening up to {c['max_probe_factor']:g} x that depth")
     for f in c.get("filters", []):
         print(f"  {f['selectivity']:>9.4%}   recall {f['recall']:.3f} ({f['ms']:.1f} ms)  {f['filter']}")
 
@@ -329,6 +330,8 @@ def add_runtime_parsers(sub) -> None:
             r.add_argument("--k", type=int, default=10)
             r.add_argument("--k0", type=int, default=None, help="candidates per task (default: the snapshot's)")
             r.add_argument("--nprobe", type=int, default=None)
+            r.add_argument("--target-recall", dest="target_recall", type=float, default=None,
+                           help="instead of --nprobe: the retrieval's recall@k0 wanted (the snapshot's calibration curve)")
             r.add_argument("--include-history", dest="include_history", action="store_true",
                            help="may return items of the user's history (excluded by default)")
         else:

@@ -272,3 +272,25 @@ def test_cli_publish_calibrates_inspect_prints_it_and_query_takes_a_target(world
     bad = run_cli("publish", "--pool", str(tmp_path / "pool.parquet"), "--out", str(tmp_path / "bad"), "--no-calibration",
                   "--target-recall", "0.9", check=False)
     assert bad.returncode == 2 and "--no-calibration takes neither" in bad.stderr and not (tmp_path / "bad").exists()
+
+
+def test_recommendation_model_records_its_curve_and_maps_target_recall(tmp_path_factory):
+    from tests.rec_fixtures import rec_setup
+
+    rec = rec_setup(tmp_path_factory)
+    snap = silverrec.load(rec.snap_dir)
+    cal, nlist = snap.config["calibration"], int(snap.config["nlist"])
+    assert cal["source"] == "user tower" and cal["k"] == snap.config["default_k0"]
+    # the default: the first of nlist/16, /8, /4, /2, nlist whose measured recall reaches the target
+    grid = sorted({max(1, nlist // d) for d in (16, 8, 4, 2, 1)})
+    at = {c["nprobe"]: c["recall"] for c in cal["curve"]}
+    assert [c["nprobe"] for c in cal["curve"]] == grid[:len(at)]
+    first = next((p for p in grid if p in at and at[p] >= cal["target_recall"]), nlist)
+    assert snap.config["default_nprobe"] == first
+    users = [{"user_id": u} for u in rec.logs.user_ids[:6].tolist()]
+    for target in (0.3, 0.9, 1.0):
+        p = nprobe_for_recall(cal["curve"], target, nlist)
+        assert snap.recommend(users, k=5, target_recall=target).item_ids.tolist() == \
+            snap.recommend(users, k=5, nprobe=p).item_ids.tolist()
+    with pytest.raises(QueryError, match="nprobe or target_recall"):
+        snap.recommend(users, k=5, nprobe=1, target_recall=0.9)

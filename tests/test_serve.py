@@ -613,12 +613,13 @@ def rec_server(rec):
 def test_recommend_and_rank_answer_like_the_snapshot(rec, rec_server):
     snap = silverrec.load(rec.snap_dir)
     users = rec.logs.user_ids[:12].tolist()
-    cases = [{"user_id": u, "k": 3 + i % 5, **({"filter": "cat = c1"} if i % 3 == 0 else {})} for i, u in enumerate(users)]
+    cases = [{"user_id": u, "k": 3 + i % 5, **({"filter": "cat = c1"} if i % 3 == 0 else {}),
+              **({"target_recall": 0.5 + 0.1 * (i % 5)} if i % 4 == 1 else {})} for i, u in enumerate(users)]
     answers = parallel(lambda body: post(rec_server.url, "/v1/recommend", body), cases)
     for body, r in zip(cases, answers):
         assert r.status_code == 200, r.text
-        k = body.pop("k")
-        ref = snap.recommend([body], k=k).to_json()
+        k, target = body.pop("k"), body.pop("target_recall", None)
+        ref = snap.recommend([body], k=k, **({} if target is None else {"target_recall": target})).to_json()
         assert r.json()["item_ids"] == ref["item_ids"]
         np.testing.assert_allclose(np.array(r.json()["scores"], dtype=np.float32), np.array(ref["scores"]), rtol=1e-4)
     many = post(rec_server.url, "/v1/recommend", {"requests": [{"user_id": users[0]}, {"history": rec.logs.history(users[1])}],
@@ -640,6 +641,7 @@ REC_BAD = [
     ("/v1/recommend", {"history": [1000], "filter": "cat = = c1"}, r"filter syntax error at position \d+"),
     ("/v1/recommend", {"history": [1000], "k": 0}, r"k must be an int in \[1, 300\], got 0"),
     ("/v1/recommend", {"history": [1000], "mode": "fast"}, r"unknown search mode 'fast'"),
+    ("/v1/recommend", {"history": [1000], "nprobe": 2, "target_recall": 0.9}, r"give nprobe or target_recall, not both"),
     ("/v1/recommend", {"requests": [{"history": [1000]}], "user_id": 503}, r"either 'requests' or the top-level"),
     ("/v1/rank", {"user_id": 503, "items": [1]}, r"unknown item id 1"),
     ("/v1/search", {"queries": [[0.0] * 16]}, r"does not answer /v1/search"),

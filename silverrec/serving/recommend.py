@@ -33,6 +33,7 @@ from silverrec.generative.source import request_tensors
 from silverrec.spec import ModelSpec
 from silverrec.kernels import library
 from silverrec.retrieval.filtered_ivf import MODES
+from silverrec.retrieval.filtered_search import probe_depth
 from silverrec.retrieval.item_ids import ItemRows
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 from silverrec.serving.device import exported_module
@@ -139,6 +140,16 @@ def _is_empty(ids) -> bool:
         return len(ids) == 0
     except TypeError:
         return False
+
+
+def resolve_nprobe(cfg: dict, nprobe: Optional[int], target_recall: Optional[float], k0: int) -> int:
+    """A recommend request's nprobe: its own, or the one its `target_recall` maps to through the
+    snapshot's calibration curve (`probe_depth`), or the snapshot's default."""
+    if nprobe is not None:
+        if target_recall is not None:
+            raise QueryError("give nprobe or target_recall, not both")
+        return nprobe
+    return int(cfg["default_nprobe"]) if target_recall is None else int(probe_depth(cfg, k0, 1.0, target_recall))
 
 
 class RecHandler:
@@ -389,8 +400,11 @@ class RecHandler:
 
     def recommend(self, requests, k: int = 10, k0: Optional[int] = None, nprobe: Optional[int] = None,
                   max_probe: Optional[int] = None, mode: str = "auto", exclude_history: bool = True,
-                  exclude_limit: Optional[int] = None, threads: Union[str, int, None] = "auto") -> Recommendations:
-        """Top-k items per request, one forward call (module docstring). `exclude_limit` (default:
+                  exclude_limit: Optional[int] = None, threads: Union[str, int, None] = "auto",
+                  target_recall: Optional[float] = None) -> Recommendations:
+        """Top-k items per request, one forward call (module docstring). `target_recall` (instead of
+        nprobe): the recall@k0 of the retrieval wanted, mapped to an nprobe through the curve publish
+        measured (`calibration` in the manifest). `exclude_limit` (default:
         the snapshot's) is the number of exclusion slots every request gets (`encode`). `threads`:
         the forward's intra-op threads: "auto" (one thread for at most ONE_THREAD_MAX_BATCH
         requests, else the process's setting), an int, or None (the process's setting); the
@@ -406,7 +420,7 @@ class RecHandler:
         ranked = (spec.candidates or n) if "ann" in spec.sources else 0
         _check_int("k", k, 1, min(n, ranked + beams))  # at most the candidates ranked
         k0 = max(k, int(cfg["default_k0"]) if k0 is None else _check_int("k0", k0, 1, n))
-        nprobe, max_probe = self.probes(nprobe, max_probe)
+        nprobe, max_probe = self.probes(nprobe, max_probe, target_recall, k0)
         if mode not in MODES:
             raise QueryError(f"unknown search mode {mode!r}: use one of {sorted(MODES)}")
         limit = int(cfg.get("exclude_limit", DEFAULT_EXCLUDE_LIMIT)) if exclude_limit is None else \
@@ -437,13 +451,15 @@ class RecHandler:
         found_by, source_scores = (out[4], out[5]) if out[4].shape[1] else (None, None)  # width 0: one source
         return Recommendations(out[0], out[1], tasks, self.tasks, found_by, source_scores)
 
-    def probes(self, nprobe: Optional[int], max_probe: Optional[int]) -> tuple[int, int]:
-        """The request's (nprobe, max_probe), checked against the index (1, 1 without one: unread)."""
+    def probes(self, nprobe: Optional[int], max_probe: Optional[int], target_recall: Optional[float] = None,
+               k0: int = 1) -> tuple[int, int]:
+        """The request's (nprobe, max_probe), checked against the index (1, 1 without one: unread); nprobe
+        its own, or its target_recall's for k0 candidates (`resolve_nprobe`), or the snapshot's default."""
         cfg = self.config
         if "ann" not in self.model_spec.sources:
             return 1, 1
         nlist = self.model_spec.nlist
-        nprobe = _check_int("nprobe", int(cfg["default_nprobe"]) if nprobe is None else nprobe, 1, nlist)
+        nprobe = _check_int("nprobe", resolve_nprobe(cfg, nprobe, target_recall, k0), 1, nlist)
         max_probe = _check_int("max_probe", max(nprobe, int(cfg["search"]["default_max_probe"])) if max_probe is None
                                else max_probe, nprobe, nlist)
         return nprobe, max_probe

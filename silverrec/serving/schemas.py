@@ -55,6 +55,7 @@ def request_models() -> RequestModels:
         k: StrictInt = 10
         k0: Optional[StrictInt] = None
         nprobe: Optional[StrictInt] = None
+        target_recall: Optional[StrictFloat] = Field(None, description="instead of nprobe: the retrieval's recall wanted")
         max_probe: Optional[StrictInt] = None
         mode: StrictStr = "auto"
         exclude_history: Optional[StrictBool] = None

@@ -172,7 +172,7 @@ class Served:
         n = len(h.row_to_item)
         k = _check_int("k", body.k, 1, n)
         k0 = max(k, int(cfg["default_k0"]) if body.k0 is None else _check_int("k0", body.k0, 1, n))
-        nprobe, max_probe = h.probes(body.nprobe, body.max_probe)
+        nprobe, max_probe = h.probes(body.nprobe, body.max_probe, body.target_recall, k0)
         if body.mode not in MODES:
             raise QueryError(f"unknown search mode {body.mode!r}: use one of {sorted(MODES)}")
         exclude_history = True if body.exclude_history is None else body.exclude_history
