@@ -42,7 +42,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_results  # noqa: E402
+from common import Panel, plot_only, replot, save_plot, write_results  # noqa: E402
 from noisy_pool import noisy_pool  # noqa: E402
 
 from silverrec.kernels.common import cluster_of_rows, quantize_queries  # noqa: E402
@@ -181,6 +181,10 @@ def main() -> int:
     ipa = faiss.IndexIVFScalarQuantizer(quant, d, nlist, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
     ipa.train(xn[: min(n, 200_000)])
     ipa.add(xn)
+    own_ivf = faiss.extract_index_ivf(own)
+    own_quant = own_ivf.quantizer
+    own_sizes = np.array([own_ivf.invlists.list_size(i) for i in range(nlist)])
+    sizes = index.cluster_offsets[1:] - index.cluster_offsets[:-1]
     exact_assign = assign(x, km.centroids)[0]
     moved = float((exact_assign != km.assignment).double().mean())
     exact_index = FilteredIVFIndex.from_ivf(cluster_major_layout(x, torch.arange(n), km.centroids, exact_assign,
@@ -216,13 +220,36 @@ def main() -> int:
         row["probe_sets_identical"] = float(same.double().mean())
         row["probe_coverage_ours"] = float((truth_cluster[:, :, None] == ours_p[:, None, :]).any(2).double().mean())
         row["probe_coverage_faiss"] = float((truth_cluster[:, :, None] == their_p[:, None, :]).any(2).double().mean())
+        row["rows_scanned_ours"] = float(sizes[ours_p].sum(1).double().mean())
+        row["rows_scanned_faiss_own_kmeans"] = float(own_sizes[own_quant.search(qn, pr)[1]].sum(1).mean())
         out_rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     write_results(args.name, vars(args) | {"nlist": nlist, "residual": index.residual, "spherical": km.spherical, "range_width": range_width,
                                            "default_margin": rescore_margin(K),
-                                           "off_nearest_centroid": moved}, out_rows)
+                                           "off_nearest_centroid": moved, "n": n}, out_rows)
+    replot(args.name, plot)
     return 0
 
 
-if __name__ == "__main__":
+def plot(payload: dict, path: Path) -> None:
+    """recall@100 by nprobe: Faiss IVF-SQ8 on our centroids and with its own k-means, ours as served, on
+    its centroids with exact assignment, and with the other k-means; and recall by rows scanned."""
+    rows, cfg = payload["rows"], payload["config"]
+    p = [r["nprobe"] for r in rows]
+    other = next(k for k in rows[0] if k.startswith("ours_served_") and k.endswith("_centroids"))
+    names = {"faiss_sq8": "Faiss IVF-SQ8, our centroids", "faiss_sq8_own_kmeans": "Faiss IVF-SQ8, its own k-means",
+             f"ours_served_margin_{cfg['default_margin']}": "silverrec as served",
+             "ours_served_exact_assignment": "silverrec, exact assignment", other: "silverrec, " + other[12:].replace("_", " "),
+             "faiss_flat": "float scan of our probe (ceiling)"}
+    panels = [Panel(f"noisy pool {cfg['n']:,} x 96, nlist {cfg['nlist']}: recall@100 by nprobe", "nprobe", "recall@100",
+                    {label: (p, [r[key] for r in rows]) for key, label in names.items()}, logx=True),
+              Panel("by rows scanned per query", "rows scanned per query", "recall@100",
+                    {"silverrec as served": ([r["rows_scanned_ours"] for r in rows],
+                                             [r[f"ours_served_margin_{cfg['default_margin']}"] for r in rows]),
+                     "Faiss IVF-SQ8, its own k-means": ([r["rows_scanned_faiss_own_kmeans"] for r in rows],
+                                                        [r["faiss_sq8_own_kmeans"] for r in rows])}, logx=True)]
+    save_plot(path, panels, "Where the recall gap to Faiss IVF-SQ8 comes from")
+
+
+if __name__ == "__main__" and not plot_only(plot, "recall_gap"):
     raise SystemExit(main())
