@@ -16,8 +16,10 @@ A fixed default probe (about nlist / 16, at most 128 clusters) gives recall@100 
    each point; the smallest nprobe reaching the target becomes the manifest's `default_nprobe`, and
    the curve (`calibration` in the manifest, printed by `silverrec inspect`) maps a request's
    `target_recall` to an nprobe (silverrec/retrieval/filtered_search.py `nprobe_for_recall`).
-4. Filtered search (`widening`): the probe exponent and the max-probe factor with which every sampled
-   filter reaches the target in the default (auto) search.
+4. Depth for more neighbours and for filters (`k_exponent`, `widening`): the exponent by which the
+   probe deepens for k' > k or a filter's share d of the pool (`probe_depth`: max(1, k' / (k d)) **
+   exponent), from where recall@4k puts it up to where every sampled filter reaches the target in the
+   default (auto) search, and how far past that depth the filtered search may widen.
 
 The cost is one float pass over the pool for the truth, and searches at the probe depths the curve
 visits (its tail with fewer queries); both stages are timed in the manifest's build report.
@@ -421,7 +423,7 @@ def k_exponent(search: EagerSearch, truth: Truth, nprobe: int, target: float, nl
     sqrt(2)) against the calibrated nprobe P at k: log(P' / P) / log(WIDE), rounded up to 0.05, at least 0. A filter passing a share d
     of the pool asks for the pool's k / d nearest items, so this is where `widening` starts.
     -> (exponent, the points measured at k' = WIDE x k)."""
-    kw = int(truth.wide.shape[1])
+    kw = 0 if truth.wide is None else int(truth.wide.shape[1])
     if kw <= truth.k:
         return 0.0, []
     n = WIDE_QUERIES

@@ -124,6 +124,8 @@ def _publish_generative(pool, args) -> Path:
 def _publish_sharded(pool, args) -> Path:
     from silverrec.publish.shards import DEFAULT_SHARD_BY, ShardSpec, publish_sharded
 
+    if args.target_recall is not None or args.calibration_queries is not None:
+        raise SilverrecError("--target-recall / --calibration-queries: a sharded publish keeps the fixed probe defaults")
     spec = ShardSpec(args.shards, args.shard_by or DEFAULT_SHARD_BY)
     config = _ivf_config(args, 1 if args.exact else None)
     return publish_sharded(pool, args.out, spec=spec, config=config, bloom_bits=args.bloom_bits,
