@@ -60,19 +60,10 @@ def recall(found: np.ndarray, truth: np.ndarray) -> float:
 
 
 def served(index: FilteredIVFIndex, q: torch.Tensor, k: int, nprobe: int, margin: int) -> np.ndarray:
-    """The pure-ANN search op as RecModel.search_rows calls it, with re-score margin `margin` (0 = none):
-    rows int64 [Q, k]."""
-    out = []
-    for i in range(0, q.shape[0], 16):
-        b = q[i : i + 16]
-        _, rows = torch.ops.silverrec.filtered_ivf_search(
-            b, index.codes, index.dim_scale, index.dim_offset, index.cluster_offsets, index.centroids,
-            torch.zeros(0, dtype=torch.int32), index.bits, index.post_rows, index.post_offsets, index.post_sizes,
-            index.true_ops, index.true_rows, index.true_ops, index.true_rows, index.no_lists, index.probed,
-            k, nprobe, nprobe, index.window_words, index.match_factor, index.avg_cluster, index.num_items,
-            index.exact_cost_ratio, index.posting_limit, margin, 1 << 20, index.residual)
-        out.append(rows)
-    return torch.cat(out).numpy()
+    """The pure-ANN search op as a snapshot runs it (`Int8IVFIndex.search`), with re-score margin `margin`
+    (0 = none): rows int64 [Q, k]."""
+    return torch.cat([index.search(q[i : i + 16], k, nprobe, rescore_margin=margin, rescore_max_k=1 << 20,
+                                   item_ids=False)[1] for i in range(0, q.shape[0], 16)]).numpy()
 
 
 def exact_in_probes(score_fn, probes: dict[int, torch.Tensor], cluster: torch.Tensor, n_queries: int,
