@@ -324,6 +324,7 @@ def targets(results: list[dict]) -> list[dict]:
 
 
 NOISY_TARGETS = (0.9, 0.95, 0.98)  # target_recall requests measured on the noisy pool
+EQUAL_NPROBES = (4, 16, 64, 128, 256, 512)  # recall at equal nprobe beside Faiss IVF-SQ8 (same nlist)
 FAISS_NPROBES = tuple(int(round(8 * 2 ** (i / 4))) for i in range(37))  # Faiss's sweep there: 8 .. 4096, 2^(1/4) apart
 
 
@@ -367,6 +368,12 @@ def run_noisy(args) -> dict:
         return recall(sq8.search(qn, k)[1], truth)
 
     points = {"before": ours(nprobe=before), "after": ours()}
+    equal = [{"nprobe": p, "silverrec_recall": ours(nprobe=p), "faiss_recall": faiss_recall(p)}
+             for p in sorted({*EQUAL_NPROBES, int(cfg["default_nprobe"])}) if p <= nlist]
+    for row in equal:
+        row["gap"] = row["faiss_recall"] - row["silverrec_recall"]
+        print(f"nprobe {row['nprobe']:>5}: recall@100 silverrec {row['silverrec_recall']:.4f}, Faiss IVF-SQ8 "
+              f"{row['faiss_recall']:.4f} (Faiss - ours {row['gap']:+.4f})", flush=True)
     targets = {t: ours(target_recall=t) for t in NOISY_TARGETS}
     grid = [p for p in FAISS_NPROBES if p <= nlist]
     faiss_for = {name: smallest_reaching(faiss_recall, grid, r) for name, r in points.items()}
@@ -396,13 +403,16 @@ def run_noisy(args) -> dict:
            "met": after["latency_ratio"] <= 1.0},
           {"target": "calibration <= 10% of the publish time", "value": cal_s / publish_s, "limit": 0.1,
            "met": cal_s / publish_s <= 0.1}]
+    worst = max(equal, key=lambda r: r["gap"])
+    tg.append({"target": f"recall at equal nprobe within 0.005 of Faiss IVF-SQ8 (worst: nprobe {worst['nprobe']})",
+               "value": worst["gap"], "limit": 0.005, "met": worst["gap"] <= 0.005})
     tg += [{"target": f"target_recall {t}: within 0.02 on held-out queries", "value": abs(r - t), "limit": 0.02,
             "met": abs(r - t) <= 0.02} for t, r in targets.items()]
     for t in tg:
         print(f"[{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']:.4g} (limit {t['limit']:.4g})")
     return {"dataset": f"noisy{n // 1000}k", "n": n, "dim": int(pool.x.shape[1]), "nlist": nlist, "k": k,
             "queries": int(q.shape[0]), "publish_s": publish_s, "calibration_s": cal_s, "faiss_build_s": faiss_s,
-            "calibration": cfg["calibration"], "rows": rows,
+            "calibration": cfg["calibration"], "rows": rows, "equal_nprobe": equal,
             "target_recall": [{"target": t, "recall": r} for t, r in targets.items()], "targets": tg}
 
 
@@ -567,11 +577,14 @@ def plot(payload: dict, path: Path) -> None:
         ds = payload["noisy"]
         series = {"silverrec: target_recall and defaults": ([], []), "Faiss IVF-SQ8 sweep": ([], [])}
         faiss = {int(p): r for row in ds["rows"] for p, r in row["faiss_sweep"].items()}
+        faiss.update({r["nprobe"]: r["faiss_recall"] for r in ds.get("equal_nprobe", [])})
+        held = sorted((r["nprobe"], r["silverrec_recall"]) for r in ds.get("equal_nprobe", []))
         series["Faiss IVF-SQ8 sweep"] = (sorted(faiss), [faiss[p] for p in sorted(faiss)])
         curve = ds["calibration"]["curve"]
         panels = [Panel(f"{ds['dataset']} ({ds['n']:,} x {ds['dim']}, nlist {ds['nlist']}): recall@100 by nprobe",
                         "nprobe", "recall@100 (held-out queries; calibration curve: the pool's)",
                         {"silverrec calibration curve": ([c["nprobe"] for c in curve], [c["recall"] for c in curve]),
+                         "silverrec (held-out queries)": ([p for p, _ in held], [r for _, r in held]),
                          "Faiss IVF-SQ8 (own k-means)": series["Faiss IVF-SQ8 sweep"]}, logx=True, ref=0.95),
                   Panel("defaults before / after calibration vs Faiss IVF-SQ8 at the same recall", "",
                         "latency per batch of 16, ms (median)",

@@ -21,15 +21,19 @@ flat Lloyd costs sample x nlist x D per iteration (10M x 96 at nlist 12,649: 3.2
 7.8 TFLOP an iteration, minutes on this 2-core CPU) and k-means++ seeding loops nlist times. The
 two-level build trains on TWO_LEVEL_POINTS_PER_CENTROID (64) points per cluster: it clusters the
 sample into G ~ sqrt(nlist) groups, then each group's members into a share of nlist proportional to
-its size (one thread: small matrices), then runs `refine` global Lloyd steps; every assignment
-(the refine steps and the final one over all N rows) is `assign_grouped`, an IVF search over the
+its size (one thread: small matrices), then runs `refine` global Lloyd steps; their assignments
+(and the final one over all N rows of a large pool) are `assign_grouped`, an IVF search over the
 centroids: a row is compared only with the centroids of its `reach` nearest group centres (default
 a quarter of the groups). Measured on the 1M x 96 pool of benchmarks/update.py after its ten
 drifting updates (nlist 4000, G 63, load 5-8), recall@100 at nprobe 16 / 32 / 64: flat k-means
 0.935 / 0.945 / 0.966 (1132 s); two-level with reach 8 and 256 points per centroid (the previous
 default) 0.906 / 0.917 / 0.931 (273 s), its centroids with an exact final assignment 0.945 / 0.954 /
 0.965: the grouped assignment (95% of rows on their nearest centroid) was the loss; the default
-(reach 16, 99% of rows; 64 points per centroid) 0.936 / 0.950 / 0.957 (120 s).
+(reach 16, 99% of rows; 64 points per centroid) 0.936 / 0.950 / 0.957 (120 s). On a noisy pool whose
+clusters overlap (benchmarks/noisy_pool.py) the grouped assignment still left 6.5% of 1M rows off
+their nearest centroid, a loss of recall at equal nprobe against Faiss IVF-SQ8 (benchmarks/recall_gap.py),
+so the final assignment over all N rows is exact (`assign`) while N x nlist is at most
+EXACT_ASSIGN_PAIRS (one N x nlist x D matmul in chunks), and grouped above (10M x 12,649: 30x the work).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ TWO_LEVEL_MIN_NLIST = 1024  # method="auto" switches to two_level from this many
 GROUPS_PER_SQRT = 1.0  # two_level: G = GROUPS_PER_SQRT * sqrt(nlist) groups
 REACH_SHARE = 4  # assign_grouped compares a row with the centroids of its ceil(G / REACH_SHARE) nearest groups
 TWO_LEVEL_POINTS_PER_CENTROID = 64  # two_level trains on at most this many points per cluster (flat: 256)
+EXACT_ASSIGN_PAIRS = 1 << 32  # two_level: exact final assignment up to N x nlist = this (1M x 4,000), grouped above
 
 
 def default_nlist(n: int) -> int:
@@ -384,7 +389,7 @@ def kmeans(
             stats.append(_stats(len(stats), dist, counts, nlist, m, 0, t0))
             pbar.update(1)
     del train
-    assignment, _ = assign_grouped(x, centroids, groups)
+    assignment, _ = assign(x, centroids) if n * nlist <= EXACT_ASSIGN_PAIRS else assign_grouped(x, centroids, groups)
     return KMeansResult(centroids=centroids, assignment=assignment, stats=stats, spherical=spherical)
 
 

@@ -179,3 +179,19 @@ def test_two_level_matches_flat_kmeans_on_blobs():
         assert purity >= 0.97 * len(x)
     assert two.stats[-1].objective <= 1.05 * flat.stats[-1].objective
     assert torch.equal(two.assignment, assign(x, two.centroids)[0])
+
+
+def test_two_level_final_assignment_is_the_nearest_centroid_on_overlapping_data(monkeypatch):
+    # uniform data (no blobs: the grouped assignment misses some nearest centroids): up to
+    # EXACT_ASSIGN_PAIRS every item ends on its nearest centroid (float64 distances), above it not all
+    import silverrec.publish.kmeans as km
+
+    x = torch.rand(6000, 6, generator=torch.Generator().manual_seed(3))
+    exact = km.kmeans(x, 1024, niter=2, seed=0, method="two_level", refine=1)
+    d = torch.cdist(x.double(), exact.centroids.double())
+    torch.testing.assert_close(d.gather(1, exact.assignment[:, None])[:, 0], d.min(1).values, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(km, "EXACT_ASSIGN_PAIRS", 0)
+    grouped = km.kmeans(x, 1024, niter=2, seed=0, method="two_level", refine=1)
+    assert torch.equal(grouped.centroids, exact.centroids)
+    d = torch.cdist(x.double(), grouped.centroids.double())
+    assert (d.gather(1, grouped.assignment[:, None])[:, 0] > d.min(1).values + 1e-9).any()
