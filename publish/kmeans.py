@@ -3,9 +3,10 @@
 Runs on the device of the input (CPU or CUDA), deterministically for a given seed. Clustering is
 on the raw embeddings with squared-L2 assignment; with `spherical=True` every centroid update is
 normalised to unit length (both methods, every step). The runtime probes clusters by inner product
-with the centroids (docs/architecture.md, "Int8 IVF ANN index"): for unit-length items, unit centroids make that
-probe rank clusters exactly as the L2 assignment placed the items (|x - c|^2 = 2 - 2 <x, c>), which is
-why publish clusters a pool of constant-norm embeddings spherically (publish/ivf.py `IVFConfig`).
+with the centroids (docs/architecture.md, "Int8 IVF ANN index"): for unit-length items, unit
+centroids make that probe rank clusters exactly as the L2 assignment placed the items
+(|x - c|^2 = 2 - 2 <x, c>), which is why publish clusters a pool of constant-norm embeddings
+spherically (publish/ivf.py `IVFConfig`).
 
     >>> result = kmeans(embeddings, nlist=default_nlist(len(embeddings)), seed=0)
     >>> result.centroids      # float32 [nlist, D]
