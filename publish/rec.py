@@ -125,7 +125,11 @@ class PublishConfig:
 
 
 def permute_item_table(user_tower: torch.nn.Module, perm: torch.Tensor) -> None:
-    """Reorder the user tower's item table so that row r holds pool row perm[r] (canonical order)."""
+    """Reorder the user tower's item table so that row r holds pool row perm[r] (canonical order);
+    a tower with per-item tables of its own (the sequential one) reorders them itself."""
+    if hasattr(user_tower, "permute_items"):
+        user_tower.permute_items(perm)
+        return
     table = user_tower.ebc.embedding_bags["item"]
     with torch.no_grad():
         table.weight.copy_(table.weight[perm])
@@ -152,7 +156,7 @@ def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor,
         return int(sum(t.numel() * t.element_size() for t in m.state_dict().values()))
 
     report: dict[str, Any] = {"tables": "fp32", "mlp": "fp32", "fp32_bytes": table_bytes(user_tower)}
-    if mode == "none":
+    if mode == "none" or not hasattr(user_tower, "ebc"):  # int8 tables are TorchRec's: the bag tower's
         return user_tower, report
     q = quantize_embeddings(user_tower, dtype=torch.qint8, inplace=False)
     top = min(100, cache_emb.shape[0])
@@ -218,6 +222,8 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     cache = EmbeddingCache(emb[perm], ckpt["item_dense"][perm], ckpt["item_feature_names"])
     user = rebuild_user_tower(ckpt)
     permute_item_table(user, perm)
+    if hasattr(user, "fold_item_features"):  # the sequential tower: item features summed into its item table once
+        user.fold_item_features()
     item_csr = {f: _csr([ckpt["item_features"][f][p] for p in perm.tolist()], spec.item_vocabs[f]) for f in spec.item_vocabs}
     from silverrec.retrieval.user_tower import FeatureEncoder
 

@@ -8,9 +8,13 @@ Training follows the evaluation protocol (publish/logs.py, publish/evaluate.py):
 interaction is held out; at stage "test" (default) the model is fitted on train + validation
 items, at stage "valid" on the train items only (for choosing hyper-parameters).
 
-1. Two-tower: user tower (silverrec/retrieval/user_tower.py, TorchRec EBC over the history) and item tower
-   (publish/two_tower.py), sampled softmax over in-batch + uniform negatives with logQ correction,
-   one loss per task over that task's positives.
+1. Two-tower: user tower and item tower (publish/two_tower.py), sampled softmax over in-batch +
+   uniform negatives with logQ correction, one loss per task over that task's positives. The user
+   tower is `user_tower = "bag"` (silverrec/retrieval/user_tower.py, TorchRec EBC over the history:
+   one example per step and history) or `"sequence"` (silverrec/retrieval/sequence_tower.py, a
+   causal transformer: every position of a window of the history predicts the next item; its
+   targets are the train part only, and it stops early when NDCG@10 on the validation items (the
+   valid-stage histories) has not improved for `patience` evaluations, keeping the best state).
 2. OverArch rankers (MLP and/or mixture-of-logits): trained on the frozen two-tower's own top-K0
    candidates of training examples whose target is among them (hard negatives), softmax
    cross-entropy over the candidate list, one loss per task.
@@ -34,7 +38,10 @@ from silverrec.publish.config import ConfigError, read_toml
 from silverrec.publish.logs import Logs, Split, leave_one_out, read_logs
 from silverrec.publish.progress import bar, step
 from silverrec.publish.two_tower import ItemTower, sampled_softmax_loss, target_log_q
+from silverrec.retrieval.sequence_tower import SequenceConfig, SequenceUserTower
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec, UserTower
+
+USER_TOWERS = ("bag", "sequence")
 
 
 @dataclass
@@ -79,8 +86,24 @@ class TrainConfig:
     max_dense_values: int = 32  # dense multi-hot columns per item feature (most frequent values)
     seed: int = 0
     stage: str = "test"
+    user_tower: str = "bag"  # "bag" (pooled history, TorchRec) or "sequence" (causal transformer)
+    sequence: Any = None  # the [sequence] table: SequenceConfig's fields
+    valid_every: int = 100  # sequential tower: steps between early-stopping evaluations
+    patience: int = 5  # sequential tower: evaluations without a better validation NDCG@10 before stopping
 
     def __post_init__(self):
+        if self.user_tower not in USER_TOWERS:
+            raise ConfigError(f"user_tower must be one of {USER_TOWERS}, got {self.user_tower!r}")
+        if not isinstance(self.sequence, SequenceConfig):
+            table = self.sequence if self.sequence is not None else {}
+            if not isinstance(table, dict):
+                raise ConfigError(f"[sequence] must be a table, got {table!r}")
+            try:
+                self.sequence = SequenceConfig(**table)
+            except TypeError as e:
+                raise ConfigError(f"[sequence]: {e}") from None
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.tasks = [t if isinstance(t, TaskSpec) else TaskSpec(**t) for t in self.tasks]
         if not self.tasks:
             raise ConfigError("config has no [[tasks]]")
@@ -94,7 +117,7 @@ class TrainConfig:
             raise ConfigError(f"unknown overarch kind {bad[0]!r}: use one of {', '.join(OVERARCHES)}")
         if self.stage not in ("test", "valid"):
             raise ConfigError(f"stage must be 'test' or 'valid', got {self.stage!r}")
-        for name in ("dim", "history_len", "recent_len", "batch", "negatives", "k0"):
+        for name in ("dim", "history_len", "recent_len", "batch", "negatives", "k0", "valid_every", "patience"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -318,7 +341,15 @@ def train(cfg: TrainConfig, out: str | Path | None = None, max_steps: int | None
     encoder = FeatureEncoder(spec, logs.item_features)
     print(f"[silverrec] {logs.item_ids.shape[0]:,} items, {logs.user_ids.shape[0]:,} users, {len(ex):,} training "
           f"examples (stage {cfg.stage}), tasks {[t.name for t in cfg.tasks]}", file=sys.stderr)
-    user, item, tt_stats = train_two_tower(cfg, split, ex, spec, encoder, max_steps)
+    if cfg.user_tower == "sequence":
+        from silverrec.publish.train_sequence import train_sequence_tower
+
+        positives = np.stack([t.positives(logs) for t in cfg.tasks], axis=1)
+        user, item, tt_stats = train_sequence_tower(cfg, split, spec, encoder, positives, user_side, max_steps)
+        tower_args = {"dim": cfg.dim, "tasks": len(cfg.tasks), "config": cfg.sequence.to_json()}
+    else:
+        user, item, tt_stats = train_two_tower(cfg, split, ex, spec, encoder, max_steps)
+        tower_args = {"dim": cfg.dim, "tasks": len(cfg.tasks)}
     item_emb = item.embed_all(spec.num_items)
     names, dense = item_dense_features(logs, ex.history_rows, cfg.max_dense_values)
     feats = torch.from_numpy(dense)
@@ -326,8 +357,9 @@ def train(cfg: TrainConfig, out: str | Path | None = None, max_steps: int | None
         "config": asdict(cfg),
         "spec": spec.to_json(),
         "tasks": [asdict(t) for t in cfg.tasks],
+        "user_tower_kind": cfg.user_tower,
         "user_tower": user.state_dict(),
-        "user_tower_args": {"dim": cfg.dim, "tasks": len(cfg.tasks)},
+        "user_tower_args": tower_args,
         "item_ids": torch.from_numpy(logs.item_ids),
         "item_features": logs.item_features,
         "item_tower": item.state_dict(),
@@ -373,9 +405,14 @@ def load_checkpoint(path: str | Path) -> dict:
         raise ConfigError(f"cannot read checkpoint {path}: {e}") from None
 
 
-def rebuild_user_tower(ckpt: dict) -> UserTower:
+def rebuild_user_tower(ckpt: dict) -> UserTower | SequenceUserTower:
+    """The checkpoint's user tower, in eval mode: the bag tower or (user_tower_kind "sequence") the sequential one."""
     spec = UserFeatureSpec.from_json(ckpt["spec"])
-    user = UserTower(spec, **ckpt["user_tower_args"])
+    if ckpt.get("user_tower_kind", "bag") == "sequence":
+        args = dict(ckpt["user_tower_args"])
+        user = SequenceUserTower(spec, args["dim"], args["tasks"], ckpt["item_features"], SequenceConfig(**args["config"]))
+    else:
+        user = UserTower(spec, **ckpt["user_tower_args"])
     user.load_state_dict(ckpt["user_tower"])
     return user.eval()
 

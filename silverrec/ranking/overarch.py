@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from silverrec.attention import SDPA_BATCH_IN_HEADS, masked_attention
+from silverrec.attention import PreLNBlock
 from silverrec.kernels.mol_score import mol_pair_scores, mol_row_scores
 
 
@@ -277,7 +277,7 @@ class ListwiseOverArch(nn.Module):
         self.item_in = nn.Linear(dim + feat_dim, model_dim)
         self.user_in = nn.Linear(dim, model_dim)
         self.task_token = nn.Parameter(torch.randn(tasks, model_dim) * 0.02)
-        self.blocks = nn.ModuleList(_Block(model_dim, heads, ffn) for _ in range(layers))
+        self.blocks = nn.ModuleList(PreLNBlock(model_dim, heads, ffn) for _ in range(layers))
         self.out_norm = nn.LayerNorm(model_dim)
         self.head_weight = nn.Parameter(torch.empty(tasks, model_dim).uniform_(-1.0 / math.sqrt(model_dim),
                                                                                1.0 / math.sqrt(model_dim)))
@@ -320,28 +320,6 @@ class ListwiseOverArch(nn.Module):
         """user float32 [B, T, D], cand float32 [B, K, D], feats float32 [B, K, F] -> float32 [B, K, T]
         (every candidate valid)."""
         return self.score(user, cand, self.item_side(cand, feats), _all_valid(cand))
-
-
-class _Block(nn.Module):
-    """Pre-LN transformer block: x += MHA(LN x) over the allowed keys; x += FFN(LN x)."""
-
-    def __init__(self, model_dim: int, heads: int, ffn: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.batch_in_heads: bool = SDPA_BATCH_IN_HEADS  # torch < 2.13 exports a dynamic batch only so
-        self.norm1 = nn.LayerNorm(model_dim)
-        self.qkv = nn.Linear(model_dim, 3 * model_dim)
-        self.proj = nn.Linear(model_dim, model_dim)
-        self.norm2 = nn.LayerNorm(model_dim)
-        self.ffn_in = nn.Linear(model_dim, ffn)
-        self.ffn_out = nn.Linear(ffn, model_dim)
-
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        """x [B, S, M], mask bool [B, 1, 1, S] (True = may attend) -> [B, S, M]."""
-        qkv = self.qkv(self.norm1(x)).unflatten(-1, [3, self.heads, -1]).permute(2, 0, 3, 1, 4).unbind(0)
-        a = masked_attention(qkv[0], qkv[1], qkv[2], mask, self.batch_in_heads)  # [B, H, S, M/H]
-        x = x + self.proj(a.transpose(1, 2).flatten(2))
-        return x + self.ffn_out(F.gelu(self.ffn_in(self.norm2(x))))
 
 
 def _all_valid(cand: Tensor) -> Tensor:
