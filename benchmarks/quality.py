@@ -1,14 +1,21 @@
-"""Quality of the recommendation model on MovieLens ml-latest-small, mean and spread over seeds.
+"""Quality of the recommendation model on a leave-one-out data set, mean and spread over seeds.
 
-    .venv/bin/python benchmarks/quality.py [--seeds 0 1 2] [--steps 1500] [--overarch-steps 150]
+    .venv/bin/python benchmarks/quality.py [--data movielens | video_games] [--tower sequence | bag]
+        [--seeds 0 1 2] [--steps N] [--overarch-steps 150]
 
+Data sets: "movielens" (the bundled ml-latest-small: tasks "interacted" and "liked" = rating >= 4,
+value model 1.0 * interacted + 0.5 * liked) and "video_games" (the Amazon Video Games sequences,
+data/video_games/SOURCE.md: one task, no value model; its files are converted locally).
 For each seed: the logs' timestamp ties are shuffled with that seed (so the held-out items differ),
-the model is trained with that seed (two-tower + MLP, MoL and list-wise OverArch,
-`silverrec.publish.train`),
-composed as it would be published (MoL OverArch, value model 1.0 * interacted + 0.5 * liked), and
-every row of `publish.quality.quality_table` is measured under the leave-one-out protocol (test
-stage, full ranking, history masked). Writes benchmarks/results/quality.json with each seed's rows
-and the mean / sample standard deviation per row and metric, and prints the table of means.
+the model is trained with that seed (two-tower with the `--tower` user tower + MLP, MoL and
+list-wise OverArch, `silverrec.publish.train`), composed as it would be published (MoL OverArch,
+the data set's value model), and every row of `publish.quality.quality_table` is measured under
+the leave-one-out protocol (test stage, full ranking, history masked). Writes
+benchmarks/results/quality_<data>_<tower>.json with each seed's rows and the mean / sample standard
+deviation per row and metric, and prints the table of means.
+
+Steps: the bag tower trains a fixed 1,500 steps; the sequential tower at most --steps (default
+3,000), stopping early on the validation split (publish/train_sequence.py).
 """
 
 from __future__ import annotations
@@ -34,27 +41,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, Panel, plot_only, save_plot  # noqa: E402
 
 VALUE_MODEL = {"weights": {"interacted": 1.0, "liked": 0.5}}
+DATA = Path(__file__).resolve().parents[1] / "data"
+STEPS = {"bag": 1500, "sequence": 3000}
+
+
+def data_set(name: str, work: Path) -> tuple[Path, Path, list[TaskSpec], dict | None]:
+    """(interactions, items, tasks, value model) of a data set by name."""
+    if name == "movielens":
+        inter, items = write_logs(work)
+        return inter, items, [TaskSpec("interacted"), TaskSpec("liked", "rating", 4.0)], VALUE_MODEL
+    inter, items = DATA / name / "interactions.parquet", DATA / name / "items.parquet"
+    if not inter.is_file():
+        raise SystemExit(f"{inter} is missing: see {DATA / name / 'SOURCE.md'} for how to obtain and convert it")
+    return inter, items, [TaskSpec("interacted")], None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default="movielens", help="movielens, or a folder name under data/ (video_games)")
+    p.add_argument("--tower", default="sequence", choices=["sequence", "bag"], help="the user tower")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=1500, help="two-tower steps (fixed, so load does not change the model)")
+    p.add_argument("--steps", type=int, default=None, help="two-tower steps (fixed, so load does not change the model; "
+                   "the sequential tower's most, it stops early): default 1,500 bag, 3,000 sequence")
     p.add_argument("--overarch-steps", dest="overarch_steps", type=int, default=150)
-    p.add_argument("--out", default=str(RESULTS / "quality.json"))
+    p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="TrainConfig overrides, e.g. batch=128 sequence.layers=2 (values as TOML)")
+    p.add_argument("--out", default=None, help="default benchmarks/results/quality_<data>_<tower>.json")
     args = p.parse_args(argv)
+    args.steps = args.steps or STEPS[args.tower]
+    out = args.out or str(RESULTS / f"quality_{args.data}_{args.tower}.json")
     work = Path(tempfile.mkdtemp(prefix="silverrec-quality-"))
-    inter, items = write_logs(work)
+    inter, items, tasks, value_model = data_set(args.data, work)
+    overrides = parse_overrides(args.overrides)
     runs = []
     for seed in args.seeds:
         t0 = time.perf_counter()
         cfg = TrainConfig(interactions=str(inter), items=str(items), steps=args.steps,
                           overarch_steps=args.overarch_steps, seed=seed, overarch=["mlp", "mol", "listwise"],
-                          tasks=[TaskSpec("interacted"), TaskSpec("liked", "rating", 4.0)])
+                          tasks=tasks, user_tower=args.tower, **overrides)
         ckpt = train(cfg, work / f"seed{seed}.ckpt", quiet_eval=True)
         split = leave_one_out(read_logs(inter, items, seed=seed))
         built = build_rec_model(PublishConfig(checkpoint=str(work / f"seed{seed}.ckpt"), overarch="mol",
-                                              value_model=VALUE_MODEL, seed=seed), ckpt)
+                                              value_model=value_model, seed=seed), ckpt)
         rows = quality_table(ckpt, built, split)
         runs.append({"seed": seed, "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
                      "training": ckpt["stats"]})
@@ -66,24 +94,26 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
         "protocol": "leave-one-out by time, test stage (fit on train + validation), full ranking, history masked",
-        "config": {"steps": args.steps, "overarch_steps": args.overarch_steps, "seeds": args.seeds,
-                   "value_model": VALUE_MODEL, "overarch": "mol"},
+        "data": args.data,
+        "command": "benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "config": {"user_tower": args.tower, "steps": args.steps, "overarch_steps": args.overarch_steps,
+                   "seeds": args.seeds, "value_model": value_model, "overarch": "mol", "overrides": overrides},
         "summary": summary,
         "runs": runs,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2, default=float))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2, default=float))
     cols = ["HR@10", "HR@50", "HR@100", "NDCG@10", "NDCG@100"]
     print(f"{'model (mean ± std over ' + str(len(runs)) + ' seeds)':<40}" + "".join(f"{c:>16}" for c in cols))
     for name in names:
         print(f"{name:<40}" + "".join(f"{summary[name][c]['mean']:>9.4f} ±{summary[name][c]['std']:.4f}" for c in cols))
     exact = summary["two-tower exact"]["NDCG@10"]["mean"]
-    final = [n for n in names if n.startswith("multi-task")]
-    if final:
+    final = [n for n in names if n.startswith("multi-task")] or ["+ MoL"]
+    if final[0] in summary:
         print(f"\nfinal NDCG@10 / two-tower exact: {summary[final[0]]['NDCG@10']['mean'] / exact:.2f}x; "
               f"IVF + re-score HR@100 / exact: {summary['IVF + re-score']['HR@100']['mean'] / summary['two-tower exact']['HR@100']['mean']:.3f}")
-    print(f"wrote {args.out}")
-    plot(result, Path(args.out).with_suffix(".png"))
+    print(f"wrote {out}")
+    plot(result, Path(out).with_suffix(".png"))
     return 0
 
 
@@ -96,7 +126,24 @@ def plot(payload: dict, path: Path) -> None:
         panels.append(Panel(f"{family}@K, mean +- std over seeds {payload['config']['seeds']}", "model", family,
                             {m: (list(summary), [summary[s][m]["mean"] for s in summary], [summary[s][m]["std"] for s in summary])
                              for m in metrics}, kind="barh"))
-    save_plot(path, panels, "MovieLens ml-latest-small, leave-one-out, full ranking over every item", height=5.5)
+    title = {"movielens": "MovieLens ml-latest-small"}.get(payload.get("data", "movielens"), payload.get("data"))
+    tower = payload["config"].get("user_tower", "bag")
+    save_plot(path, panels, f"{title}, {tower} user tower, leave-one-out, full ranking over every item", height=5.5)
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """KEY=VALUE strings (values in TOML syntax; "sequence.KEY" goes into the [sequence] table) -> a dict."""
+    import tomllib
+
+    out: dict = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        parsed = tomllib.loads(f"v = {value}")["v"] if value else None
+        if key.startswith("sequence."):
+            out.setdefault("sequence", {})[key.split(".", 1)[1]] = parsed
+        else:
+            out[key] = parsed
+    return out
 
 
 if __name__ == "__main__" and not plot_only(plot, "quality"):

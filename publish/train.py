@@ -78,7 +78,8 @@ class TrainConfig:
     steps: Optional[int] = None  # fixed step counts instead of the time budgets (reproducible runs)
     overarch_steps: Optional[int] = None
     batch: int = 256
-    negatives: int = 1024
+    negatives: int = 1024  # uniform negatives per step
+    in_batch_negatives: int = 1024  # most of a step's targets that join the negatives (the bag tower's 256: all)
     lr: float = 2e-3
     temperature: float = 0.05
     k0: int = 200
@@ -117,7 +118,8 @@ class TrainConfig:
             raise ConfigError(f"unknown overarch kind {bad[0]!r}: use one of {', '.join(OVERARCHES)}")
         if self.stage not in ("test", "valid"):
             raise ConfigError(f"stage must be 'test' or 'valid', got {self.stage!r}")
-        for name in ("dim", "history_len", "recent_len", "batch", "negatives", "k0", "valid_every", "patience"):
+        for name in ("dim", "history_len", "recent_len", "batch", "negatives", "in_batch_negatives", "k0", "valid_every",
+                     "patience"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -237,7 +239,7 @@ def train_two_tower(cfg: TrainConfig, split: Split, ex: Examples, spec: UserFeat
         idx = rng.integers(0, len(ex), cfg.batch)
         u = user(*ex.user_inputs(encoder, idx))
         loss = sampled_softmax_loss(u, torch.from_numpy(ex.targets[idx]), item, log_q, cfg.negatives,
-                                    cfg.temperature, torch.from_numpy(ex.weights[idx]), gen)
+                                    cfg.temperature, torch.from_numpy(ex.weights[idx]), gen, cfg.in_batch_negatives)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

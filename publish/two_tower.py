@@ -7,7 +7,7 @@ same vocabularies the user tower reads), as CSR buffers indexed by pool row.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -81,30 +81,34 @@ def sampled_softmax_loss(
     temperature: float,
     weights: torch.Tensor,
     generator: torch.Generator,
+    in_batch: Optional[int] = None,
 ) -> torch.Tensor:
     """Sampled softmax over in-batch + uniform negatives with logQ correction (Yi et al., RecSys 2019).
 
-    user float32 [B, T, D]; targets int64 [B] pool rows; log_q float32 [N]: log of each item's
-    probability of appearing as an in-batch negative (its share of training targets);
-    weights float32 [B, T]: 1 where the example is a positive of task t. The logits of every
-    candidate j are <u, v_j> / temperature - log Q(j), where Q is the mixture of the in-batch
-    (target frequency) and uniform samplers; candidates equal to the example's own target are
-    masked except at its own position. Returns the mean loss over (example, task) positives.
+    user float32 [B, T, D]; targets int64 [B] pool rows; log_q float32 [N]: log of each item's share
+    of the training targets; weights float32 [B, T]: 1 where the example is a positive of task t.
+    The negatives, shared by every example: the targets of `in_batch` examples drawn without
+    replacement (None or >= B: all of them) and `num_uniform` uniform draws. Every logit is
+    <u, v_j> / temperature - log Q(j), Q(j) = K * share(j) + R / N the expected count of item j in
+    the negatives (K in-batch draws by target frequency, R uniform); a negative equal to the
+    example's own target is masked. The item tower runs once per distinct row. Returns the mean
+    cross-entropy of the target against the negatives over (example, task) positives.
     """
     n = log_q.shape[0]
     B = targets.shape[0]
-    uniform = torch.randint(0, n, (num_uniform,), generator=generator)
-    cands = torch.cat([targets, uniform])
-    v = item_tower(cands)  # [B + R, D]
-    logits = torch.einsum("btd,cd->btc", user, v) / temperature
-    # mixture sampler: B in-batch draws by frequency, R uniform draws
-    q = B * log_q[cands].exp() + num_uniform / n
-    logits = logits - torch.log(q)[None, None, :]
-    same = cands[None, :] == targets[:, None]  # [B, B + R]
-    same[torch.arange(B), torch.arange(B)] = False
-    logits = logits.masked_fill(same[:, None, :], float("-inf"))
-    labels = torch.arange(B)[:, None].expand(B, user.shape[1])
-    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    K = B if in_batch is None else min(int(in_batch), B)
+    shared = targets if K == B else targets[torch.randperm(B, generator=generator)[:K]]
+    cands = torch.cat([shared, torch.randint(0, n, (num_uniform,), generator=generator)])
+    rows, where = torch.unique(torch.cat([targets, cands]), return_inverse=True)
+    v = item_tower(rows)  # [distinct rows, D]
+    log_count = torch.log(K * log_q.exp() + num_uniform / n)  # log Q [N]
+    pos = torch.einsum("btd,bd->bt", user, v[where[:B]]) / temperature - log_count[targets][:, None]  # [B, T]
+    neg = torch.einsum("btd,cd->btc", user, v[where[B:]]) / temperature - log_count[cands][None, None, :]
+    neg = neg.masked_fill((cands[None, :] == targets[:, None])[:, None, :], float("-inf"))
+    logits = torch.cat([pos[:, :, None], neg], dim=2)  # the target at 0
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           torch.zeros(logits.shape[0] * logits.shape[1], dtype=torch.int64),
+                                           reduction="none")
     w = weights.reshape(-1)
     return (ce * w).sum() / w.sum().clamp_min(1.0)
 
