@@ -41,6 +41,12 @@ embedding cache vs recomputing the item tower; snapshot bytes per item.
    on the synthetic pool, both for the whole rank and for the embedding step alone.
 3. Bytes per item by part (manifest `bytes_per_item`) and the int8 user tower against fp32
    (manifest `quantization_user_tower`), beside the pipeline's own stores.
+4. With --other-checkpoint (a checkpoint of the other user tower, `user_tower = "sequence"` or
+   `"bag"`): both snapshots' `recommend` end to end at batch 1 and 16, unfiltered, alternated call
+   by call on the same requests (`towers` rows: `ratio` = this checkpoint's tower / the other's).
+
+The two-tower model trains with `--tower` (default "sequence"; `silverrec train`'s user_tower): the
+pipeline runs the same user tower, eager.
 
 Timing: the two sides alternate call by call (A B B A ...) so that the load of this shared
 machine falls on both alike (benchmarks/common.py's `alternate`); warm-up
@@ -364,6 +370,31 @@ def end_to_end(snap, pipe: Pipeline, users: list[list[int]], repeats: dict[int, 
                   f"pipeline on 1 thread {row['pipeline_one_thread_ms']:.2f} ms: ratio to the "
                   f"pipeline's best {row['ratio_vs_pipeline_best']:.2f})  top-10 overlap {row['top10_overlap']:.3f} (vs exact: silverrec "
                   f"{row['silverrec_vs_exact']:.3f}, pipeline {row['pipeline_vs_exact']:.3f})", flush=True)
+    return rows
+
+
+def towers_part(snap, other, users: list[list[int]], repeats: dict[int, int], kinds: tuple[str, str]) -> list[dict]:
+    """`recommend` of two snapshots (two user towers) on the same requests, alternated: batch 1 and 16."""
+    rows = []
+    for B in BATCHES[:2]:
+        nb = repeats[B]
+        batches = [[{"history": users[(i * B + j) % len(users)]} for j in range(B)] for i in range(nb)]
+        state = [0, 0]
+
+        def call(which, s):
+            def fn():
+                batch = batches[state[which] % nb]
+                state[which] += 1
+                return s.recommend(batch, k=K)
+            return fn
+
+        t_a, t_b = alternate([call(0, snap), call(1, other)], nb, warmup=2)
+        row = {"part": "towers", "batch": B, "tower": kinds[0], "other_tower": kinds[1], "silverrec": t_a, "other": t_b,
+               "silverrec_ms": t_a["median_ms"], "other_ms": t_b["median_ms"], "ratio": t_a["median_ms"] / t_b["median_ms"],
+               "paired_ratio": 1.0 / t_b["paired_ratio_median"]}
+        rows.append(row)
+        print(f"  B={B:2d}: {kinds[0]} tower {row['silverrec_ms']:.3f} ms, {kinds[1]} tower {row['other_ms']:.3f} ms, "
+              f"ratio {row['ratio']:.2f} (paired {row['paired_ratio']:.2f})", flush=True)
     return rows
 
 
@@ -738,6 +769,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sources-quality", metavar="LOGS", help="with --sources: also HR / NDCG of each source on the "
                     "interactions.parquet / items.parquet in LOGS (the logs both checkpoints were trained on)")
     ap.add_argument("--end-to-end-only", action="store_true", help="only part 1 (results in recommend[_quick]_e2e.*)")
+    ap.add_argument("--tower", default="sequence", choices=["sequence", "bag"], help="the user tower trained (no --checkpoint)")
+    ap.add_argument("--other-checkpoint", dest="other_checkpoint", help="part 4: a checkpoint with the other user tower, "
+                    "published and timed against this one")
     args = ap.parse_args(argv)
     if args.sources:
         return sources_main(args)
@@ -747,7 +781,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     load_start = os.getloadavg()
     name = ("recommend_quick" if args.quick else "recommend") + ("_omp_default" if OMP_DEFAULT else "") + \
-        ("_e2e" if args.end_to_end_only else "")
+        ("_e2e" if args.end_to_end_only else "") + ("_towers" if args.other_checkpoint else "")
     minutes = args.minutes if args.minutes is not None else (0.3 if args.quick else 1.0)
     overarch_minutes = 0.15 if args.quick else 0.5
     repeats = {1: 10, 16: 5, 64: 3} if args.quick else {1: 60, 16: 20, 64: 8}  # more rounds: a shared, loaded machine
@@ -762,7 +796,7 @@ def main(argv=None) -> int:
         else:
             inter, items = write_logs(tmp / "logs")
             cfg = TrainConfig(interactions=str(inter), items=str(items), tasks=TASKS, minutes=minutes,
-                              overarch_minutes=overarch_minutes, overarch=[OVERARCH], seed=args.seed)
+                              overarch_minutes=overarch_minutes, overarch=[OVERARCH], seed=args.seed, user_tower=args.tower)
             CHECKPOINTS.mkdir(parents=True, exist_ok=True)
             ckpt_path = CHECKPOINTS / f"{name}.ckpt"
             t = time.perf_counter()
@@ -801,6 +835,13 @@ def main(argv=None) -> int:
             rows += early_stage(snap, pipe, ckpt, request, rank_sizes, rank_repeats, rng)
             print("\n3. bytes per item:", flush=True)
             rows += sizes_part(manifest, pipe)
+        if args.other_checkpoint:
+            other_cfg = PublishConfig(checkpoint=args.other_checkpoint, overarch=OVERARCH, value_model=VALUE_MODEL, k0=K0,
+                                      candidates=CANDIDATES, seed=args.seed)
+            other = silverrec.load(publish_rec(other_cfg, tmp / "other_snapshot"))
+            kinds = (manifest.get("user_tower", "bag"), other.config.get("user_tower", "bag"))
+            print(f"\n4. recommend with the {kinds[0]} tower against the {kinds[1]} tower ({args.other_checkpoint}):", flush=True)
+            rows += towers_part(snap, other, users, repeats, kinds)
 
     print("\nend to end (pipeline / silverrec latency ratio; > 1 = silverrec faster):")
     e2e = [r for r in rows if r["part"] == "end_to_end"]
@@ -825,13 +866,17 @@ def main(argv=None) -> int:
         print(f"target cache >= 10x faster than recomputing the item tower at 10k items, {r['what']}: "
               f"{r['ratio']:.1f}x -> {'met' if r['ratio'] >= 10 else 'NOT met'}")
 
+    towers = [r for r in rows if r["part"] == "towers"]
+    if towers:
+        print("\nrecommend, one tower against the other (ratio > 1: the first is slower):")
+        print_table(towers, ["tower", "other_tower", "batch", "silverrec_ms", "other_ms", "ratio", "paired_ratio"])
     config = {
         "versions": {"silverrec": silverrec.__version__, "faiss": faiss.__version__, "pyroaring": pyroaring.__version__,
                      "numpy": np.__version__, "torch": torch.__version__},
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "threads": 2, "quick": args.quick,
-        "training": train_cfg, "publish_seconds": round(publish_seconds, 1),
+        "training": train_cfg, "publish_seconds": round(publish_seconds, 1), "other_checkpoint": args.other_checkpoint,
         "snapshot": {**{k: manifest.get(k) for k in ("nlist", "default_nprobe", "default_k0")},
-                     **{k: manifest["spec"].get(k) for k in ("overarch", "value_model", "merge", "tasks")}}
+                     **{k: manifest["spec"].get(k) for k in ("tower", "overarch", "value_model", "merge", "tasks")}}
         | {"max_probe": pipe.max_probe, "quantization_user_tower": manifest.get("quantization_user_tower"),
            "training_stats": manifest.get("training")},
         "k": K, "k0": K0, "filter": FILTER, "filter_fraction": len(bm) / pipe.n, "batches": list(BATCHES),

@@ -78,7 +78,7 @@ class TrainConfig:
     steps: Optional[int] = None  # fixed step counts instead of the time budgets (reproducible runs)
     overarch_steps: Optional[int] = None
     batch: int = 256
-    negatives: int = 1024  # uniform negatives per step
+    negatives: Any = 1024  # uniform negatives per step, or "all": every item once (with in_batch_negatives 0, the full softmax)
     in_batch_negatives: int = 1024  # most of a step's targets that join the negatives (the bag tower's 256: all)
     lr: float = 2e-3
     temperature: float = 0.05
@@ -118,10 +118,19 @@ class TrainConfig:
             raise ConfigError(f"unknown overarch kind {bad[0]!r}: use one of {', '.join(OVERARCHES)}")
         if self.stage not in ("test", "valid"):
             raise ConfigError(f"stage must be 'test' or 'valid', got {self.stage!r}")
-        for name in ("dim", "history_len", "recent_len", "batch", "negatives", "in_batch_negatives", "k0", "valid_every",
-                     "patience"):
+        for name in ("dim", "history_len", "recent_len", "batch", "k0", "valid_every", "patience"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.negatives != "all" and (isinstance(self.negatives, bool) or not isinstance(self.negatives, int)
+                                        or self.negatives < 0):
+            raise ConfigError(f"negatives must be an int >= 0 or \"all\", got {self.negatives!r}")
+        if int(self.in_batch_negatives) < 0:
+            raise ConfigError(f"in_batch_negatives must be >= 0, got {self.in_batch_negatives}")
+
+    @property
+    def uniform_negatives(self) -> Optional[int]:
+        """`sampled_softmax_loss`'s num_uniform: None for "all"."""
+        return None if self.negatives == "all" else int(self.negatives)
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
@@ -238,7 +247,7 @@ def train_two_tower(cfg: TrainConfig, split: Split, ex: Examples, spec: UserFeat
     def one_step() -> float:
         idx = rng.integers(0, len(ex), cfg.batch)
         u = user(*ex.user_inputs(encoder, idx))
-        loss = sampled_softmax_loss(u, torch.from_numpy(ex.targets[idx]), item, log_q, cfg.negatives,
+        loss = sampled_softmax_loss(u, torch.from_numpy(ex.targets[idx]), item, log_q, cfg.uniform_negatives,
                                     cfg.temperature, torch.from_numpy(ex.weights[idx]), gen, cfg.in_batch_negatives)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -172,7 +172,7 @@ def train_sequence_tower(cfg, split: Split, spec: UserFeatureSpec, encoder: Feat
             users_pooled = user.user_features(x["user_values"], x["user_lengths"], x["rows"].shape[0], 0)
             u = user.position_embeddings(x["rows"], x["valid"], users_pooled, x["dense"])  # [B, W, T, D]
             sel = x["valid"]
-            loss = sampled_softmax_loss(u[sel], x["targets"][sel], item, log_q, cfg.negatives, cfg.temperature,
+            loss = sampled_softmax_loss(u[sel], x["targets"][sel], item, log_q, cfg.uniform_negatives, cfg.temperature,
                                         x["weights"][sel], gen, cfg.in_batch_negatives)
             opt.zero_grad(set_to_none=True)
             loss.backward()

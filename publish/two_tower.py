@@ -77,7 +77,7 @@ def sampled_softmax_loss(
     targets: torch.Tensor,
     item_tower: ItemTower,
     log_q: torch.Tensor,
-    num_uniform: int,
+    num_uniform: Optional[int],
     temperature: float,
     weights: torch.Tensor,
     generator: torch.Generator,
@@ -88,20 +88,25 @@ def sampled_softmax_loss(
     user float32 [B, T, D]; targets int64 [B] pool rows; log_q float32 [N]: log of each item's share
     of the training targets; weights float32 [B, T]: 1 where the example is a positive of task t.
     The negatives, shared by every example: the targets of `in_batch` examples drawn without
-    replacement (None or >= B: all of them) and `num_uniform` uniform draws. Every logit is
+    replacement (None or >= B: all of them) and `num_uniform` uniform draws, or with `num_uniform`
+    None every item once (with in_batch 0: the full softmax). Every logit is
     <u, v_j> / temperature - log Q(j), Q(j) = K * share(j) + R / N the expected count of item j in
-    the negatives (K in-batch draws by target frequency, R uniform); a negative equal to the
-    example's own target is masked. The item tower runs once per distinct row. Returns the mean
-    cross-entropy of the target against the negatives over (example, task) positives.
+    the negatives (K in-batch draws by target frequency, R uniform; every item once: R / N = 1); a
+    negative equal to the example's own target is masked. The item tower runs once per distinct row.
+    Returns the mean cross-entropy of the target against the negatives over (example, task) positives.
     """
     n = log_q.shape[0]
     B = targets.shape[0]
     K = B if in_batch is None else min(int(in_batch), B)
     shared = targets if K == B else targets[torch.randperm(B, generator=generator)[:K]]
-    cands = torch.cat([shared, torch.randint(0, n, (num_uniform,), generator=generator)])
+    if num_uniform is None:
+        uniform, per_item = torch.arange(n), 1.0
+    else:
+        uniform, per_item = torch.randint(0, n, (num_uniform,), generator=generator), num_uniform / n
+    cands = torch.cat([shared, uniform])
     rows, where = torch.unique(torch.cat([targets, cands]), return_inverse=True)
     v = item_tower(rows)  # [distinct rows, D]
-    log_count = torch.log(K * log_q.exp() + num_uniform / n)  # log Q [N]
+    log_count = torch.log(K * log_q.exp() + per_item)  # log Q [N]
     pos = torch.einsum("btd,bd->bt", user, v[where[:B]]) / temperature - log_count[targets][:, None]  # [B, T]
     neg = torch.einsum("btd,cd->btc", user, v[where[B:]]) / temperature - log_count[cands][None, None, :]
     neg = neg.masked_fill((cands[None, :] == targets[:, None])[:, None, :], float("-inf"))

@@ -37,9 +37,10 @@ class _Table(torch.nn.Module):
         return self.weight[rows]
 
 
-@pytest.mark.parametrize("in_batch", [None, 3])
-def test_sampled_softmax_loss_against_a_plain_loop(in_batch):
-    n, B, T, D, R, tau = 30, 7, 2, 5, 6, 0.3
+@pytest.mark.parametrize("in_batch, uniform", [(None, 6), (3, 6), (0, None), (2, None)])
+def test_sampled_softmax_loss_against_a_plain_loop(in_batch, uniform):
+    """In-batch (all or K drawn) + uniform negatives, or every item once (in_batch 0: the full softmax)."""
+    n, B, T, D, tau = 30, 7, 2, 5, 0.3
     g = torch.Generator().manual_seed(0)
     user = torch.randn(B, T, D, generator=g)
     targets = torch.tensor([3, 3, 8, 0, 29, 8, 12])
@@ -47,12 +48,13 @@ def test_sampled_softmax_loss_against_a_plain_loop(in_batch):
     share = torch.rand(n, generator=g) + 0.1
     log_q = torch.log(share / share.sum())
     table = _Table(n, D)
-    got = sampled_softmax_loss(user, targets, table, log_q, R, tau, weights, torch.Generator().manual_seed(5), in_batch)
-    # the same draws, replayed: K in-batch targets (a permutation's first K unless all), R uniform
+    got = sampled_softmax_loss(user, targets, table, log_q, uniform, tau, weights, torch.Generator().manual_seed(5), in_batch)
+    # the same draws, replayed: K in-batch targets (a permutation's first K unless all), R uniform or every item
     replay = torch.Generator().manual_seed(5)
     K = B if in_batch is None else in_batch
     shared = targets.tolist() if K == B else targets[torch.randperm(B, generator=replay)[:K]].tolist()
-    negatives = shared + torch.randint(0, n, (R,), generator=replay).tolist()
+    R = n if uniform is None else uniform
+    negatives = shared + (list(range(n)) if uniform is None else torch.randint(0, n, (R,), generator=replay).tolist())
     total, count = 0.0, 0.0
     for b in range(B):
         for t in range(T):
