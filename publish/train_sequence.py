@@ -26,6 +26,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from silverrec.publish.config import ConfigError
 from silverrec.publish.evaluate import evaluate_scores
 from silverrec.publish.logs import Split
 from silverrec.publish.progress import bar
@@ -96,13 +97,16 @@ class Windows:
 
 
 def validation_ndcg(user: SequenceUserTower, item: ItemTower, encoder: FeatureEncoder, split: Split, users: np.ndarray,
-                    user_side) -> float:
-    """NDCG@10 of the validation items of `users` (eval-user positions) from the valid-stage histories."""
+                    user_side, tower_inputs: bool = False) -> float:
+    """NDCG@10 of the validation items of `users` (eval-user positions) from the valid-stage histories
+    (item_table "tower": the tower's item table set to the item tower's outputs first, as served)."""
     from silverrec.publish.train import user_embeddings
 
     user.eval(), item.eval()
     with torch.no_grad():
         emb = item.embed_all(split.logs.num_items)
+        if tower_inputs:
+            user.items.weight.copy_(emb)
         u = user_embeddings(user, encoder, split.logs, split.eval_users[users], split.histories(split.eval_users[users], "valid"))
     pos = {int(x): i for i, x in enumerate(split.eval_users[users])}
     sub = _SubSplit(split, users)
@@ -134,7 +138,18 @@ def train_sequence_tower(cfg, split: Split, spec: UserFeatureSpec, encoder: Feat
     T = len(cfg.tasks)
     user = SequenceUserTower(spec, cfg.dim, T, logs.item_features, cfg.sequence)
     item = ItemTower(spec, logs.item_features, cfg.dim)
-    opt = torch.optim.Adam(list(user.parameters()) + list(item.parameters()), lr=cfg.lr)
+    table = cfg.sequence.item_table
+    if table == "shared":  # one item-id table for both towers
+        shared = item.ebc.embedding_bags["item_id"].weight
+        if shared.shape != user.items.weight.shape:
+            raise ConfigError(f"sequence.item_table = 'shared' needs the item tower's id width {shared.shape[1]} "
+                              f"as sequence.model_dim, got {user.items.weight.shape[1]}")
+        user.items.weight = shared
+    if table == "tower" and cfg.dim != cfg.sequence.model_dim:
+        raise ConfigError(f"sequence.item_table = 'tower' needs dim = sequence.model_dim, got {cfg.dim} and "
+                          f"{cfg.sequence.model_dim}")
+    params = {id(q): q for q in [*user.parameters(), *item.parameters()]}
+    opt = torch.optim.Adam(list(params.values()), lr=cfg.lr)
     rng = np.random.default_rng(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     end = split.history_end("valid")
@@ -151,7 +166,7 @@ def train_sequence_tower(cfg, split: Split, spec: UserFeatureSpec, encoder: Feat
 
     def evaluate(steps: int) -> bool:
         """Early-stopping check after `steps` steps: False when training should stop."""
-        score = validation_ndcg(user, item, encoder, split, valid_users, user_side)
+        score = validation_ndcg(user, item, encoder, split, valid_users, user_side, table == "tower")
         state["evals"].append([steps, round(score, 5)])
         if score > state["best"]:
             state.update(best=score, best_step=steps, since=0,
@@ -170,7 +185,11 @@ def train_sequence_tower(cfg, split: Split, spec: UserFeatureSpec, encoder: Feat
                 batches = windows.epoch(cfg.batch)
             x = windows.inputs(*batches.pop())
             users_pooled = user.user_features(x["user_values"], x["user_lengths"], x["rows"].shape[0], 0)
-            u = user.position_embeddings(x["rows"], x["valid"], users_pooled, x["dense"])  # [B, W, T, D]
+            inputs = None
+            if table == "tower":  # the input vectors are the item tower's outputs, once per distinct row
+                rows, where = torch.unique(x["rows"], return_inverse=True)
+                inputs = item(rows)[where]
+            u = user.position_embeddings(x["rows"], x["valid"], users_pooled, x["dense"], inputs)  # [B, W, T, D]
             sel = x["valid"]
             loss = sampled_softmax_loss(u[sel], x["targets"][sel], item, log_q, cfg.uniform_negatives, cfg.temperature,
                                         x["weights"][sel], gen, cfg.in_batch_negatives)
@@ -193,6 +212,9 @@ def train_sequence_tower(cfg, split: Split, spec: UserFeatureSpec, encoder: Feat
     user.load_state_dict(state["saved"][0])
     item.load_state_dict(state["saved"][1])
     user.eval(), item.eval()
+    if table == "tower":  # the tower's item table: the inputs it was trained with, the item tower's outputs
+        with torch.no_grad():
+            user.items.weight.copy_(item.embed_all(spec.num_items))
     return user, item, {"steps": steps, "seconds": round(time.perf_counter() - t0, 1), "positions": positions,
                         "targets": windows.targets, "best_step": state["best_step"],
                         "valid_NDCG@10": round(state["best"], 5), "valid_users": int(len(valid_users)),

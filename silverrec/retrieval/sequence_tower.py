@@ -40,13 +40,22 @@ from silverrec.attention import PreLNBlock
 from silverrec.retrieval.user_tower import UserFeatureSpec, _csr
 
 
+ITEM_TABLES = ("own", "shared", "tower")
+
+
 @dataclass
 class SequenceConfig:
     """The sequential tower's shape (train.toml's [sequence] table).
 
     model_dim: transformer width M; layers, heads: pre-LN blocks and attention heads; ffn: the
     blocks' hidden width (0 = 4 * model_dim); dropout: on the inputs and residual branches, in
-    training only; feature_dim: width of each user-feature embedding.
+    training only; feature_dim: width of each user-feature embedding; item_table: where a history
+    item's input vector comes from: "own" (the tower's item-id table + its feature embeddings),
+    "shared" (the same, the id table trained as one with the item tower's, whose width must then be
+    model_dim) or "tower" (the item tower's output, the candidate side's own vector, so that an item
+    trained only as a target is a known input; the item tower's output width must then be
+    model_dim, and its features come with it). The snapshot holds one input vector per item
+    either way (`fold_item_features`; "tower": the item tower's outputs, written at training's end).
     """
 
     model_dim: int = 64
@@ -55,6 +64,7 @@ class SequenceConfig:
     ffn: int = 0
     dropout: float = 0.2
     feature_dim: int = 16
+    item_table: str = "own"
 
     def __post_init__(self):
         for name in ("model_dim", "layers", "heads", "feature_dim"):
@@ -67,6 +77,8 @@ class SequenceConfig:
             raise ValueError(f"sequence.model_dim {self.model_dim} is not divisible by sequence.heads {self.heads}")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"sequence.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.item_table not in ITEM_TABLES:
+            raise ValueError(f"sequence.item_table must be one of {ITEM_TABLES}, got {self.item_table!r}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,6 +139,8 @@ class SequenceUserTower(nn.Module):
         if missing:
             raise ValueError(f"item feature {missing[0]!r} of the user tower is missing from the item table")
         codes, weights, _ = item_feature_codes(spec, item_features or {})
+        if cfg.item_table == "tower":  # the item tower's outputs carry the features
+            codes, weights = codes[:, :0], weights[:, :0]
         self.has_features: bool = codes.shape[1] > 0
         self.features = nn.Embedding(max(1, sum(len(v) + 1 for v in spec.item_vocabs.values())), m)
         self.register_buffer("feature_codes", torch.from_numpy(codes))
@@ -170,14 +184,17 @@ class SequenceUserTower(nn.Module):
             x = x + (self.features(self.feature_codes[rows]) * w).sum(-2)
         return x
 
-    def states(self, rows: Tensor, valid: Tensor, last: bool = False) -> Tensor:
+    def states(self, rows: Tensor, valid: Tensor, last: bool = False, inputs: Optional[Tensor] = None) -> Tensor:
         """rows int64 [B, W], valid bool [B, W], left-padded windows of W <= L positions -> the final
         LayerNorm's states float [B, W, M] ([B, 1, M], the last position alone, with `last`). Positions
         count from the window's oldest item (0), so that a training window that starts at a history's
-        first item gives position j the forward's answer for the history's first j + 1 items."""
+        first item gives position j the forward's answer for the history's first j + 1 items. `inputs`
+        float [B, W, M]: the items' input vectors in place of `item_inputs(rows)` (training with
+        item_table "tower")."""
         w = rows.shape[1]
         order = (torch.cumsum(valid.to(torch.int64), 1) - 1).clamp_min(0)  # 0 = the window's oldest item
-        x = (self.item_inputs(rows) + self.positions[order]) * valid.unsqueeze(-1).to(self.positions.dtype)
+        items = self.item_inputs(rows) if inputs is None else inputs
+        x = (items + self.positions[order]) * valid.unsqueeze(-1).to(self.positions.dtype)
         x = self.dropout(x)
         mask = (self.causal[:w, :w] & (valid[:, None, :] | self.diagonal[:w, :w])).unsqueeze(1)  # [B, 1, W, W]
         final = len(self.blocks) - 1
@@ -205,11 +222,13 @@ class SequenceUserTower(nn.Module):
         u = self.out(x).unflatten(-1, [self.tasks, self.dim]).float()
         return F.normalize(u, dim=-1)
 
-    def position_embeddings(self, rows: Tensor, valid: Tensor, user: Tensor, dense: Tensor) -> Tensor:
+    def position_embeddings(self, rows: Tensor, valid: Tensor, user: Tensor, dense: Tensor,
+                            inputs: Optional[Tensor] = None) -> Tensor:
         """Every position's user embeddings (training): rows int64 [B, L], valid bool [B, L], user
-        features [B, P] (`user_features`), dense float32 [B, L, Fd] (each position's own) -> float32
-        [B, L, T, D]; position j's embedding is the forward's answer for the history ending at j."""
-        h = self.states(rows, valid)
+        features [B, P] (`user_features`), dense float32 [B, L, Fd] (each position's own), `inputs` as
+        `states` -> float32 [B, L, T, D]; position j's embedding is the forward's answer for the history
+        ending at j."""
+        h = self.states(rows, valid, inputs=inputs)
         return self.head(h, user[:, None, :].expand(-1, h.shape[1], -1), dense)
 
     @torch.no_grad()
