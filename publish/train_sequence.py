@@ -155,7 +155,7 @@ def train_sequence_tower(cfg, split: Split, spec: UserFeatureSpec, encoder: Feat
     end = split.history_end("valid")
     windows = Windows(split, end, spec.history_len, positives, encoder, user_side, rng)
     owner = np.repeat(np.arange(logs.num_users), np.diff(logs.offsets))
-    at = np.arange(logs.num_interactions)
+    at = np.arange(logs.items.shape[0])
     log_q = target_log_q(logs.items[(at > logs.offsets[owner]) & (at < end[owner])], spec.num_items)
     valid_users = np.sort(rng.permutation(len(split.eval_users))[:VALID_USERS])
     cap = [int(x) for x in (cfg.steps, max_steps) if x is not None]
