@@ -23,6 +23,7 @@ w * P(j | last) to EASE's score, with w chosen on validation.
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -53,7 +54,7 @@ class _Interactions:
         self.dtype = torch.float32 if self.sparse else torch.float64
         if self.sparse:  # duplicates (a repeated item) coalesce to one
             ind = torch.from_numpy(np.unique(np.stack([users, self.col[rows]]), axis=1))
-            self.X = torch.sparse_coo_tensor(ind, torch.ones(ind.shape[1]), shape).coalesce()
+            self.X = torch.sparse_coo_tensor(ind, torch.ones(ind.shape[1]), shape, check_invariants=False).coalesce()
         else:
             self.X = torch.zeros(shape, dtype=torch.float64)  # [U, n]
             self.X[torch.from_numpy(users), torch.from_numpy(self.col[rows])] = 1.0
@@ -66,7 +67,8 @@ class _Interactions:
         flat = np.concatenate(cols) if cols else np.zeros(0, dtype=np.int64)
         if self.sparse:
             ind = torch.from_numpy(np.stack([owner, flat]).astype(np.int64))
-            return torch.sparse_coo_tensor(ind, torch.ones(ind.shape[1]), (len(histories), len(self.active)))
+            shape = (len(histories), len(self.active))
+            return torch.sparse_coo_tensor(ind, torch.ones(ind.shape[1]), shape, check_invariants=False)
         x = torch.zeros(len(histories), len(self.active), dtype=torch.float64)
         x[torch.from_numpy(owner), torch.from_numpy(flat)] = 1.0
         return x
@@ -146,7 +148,9 @@ class EASE:
         X = self.data.X
         if self.data.sparse:  # the item Gram matrix, factored per lam (`score_fn`)
             self.dual = False
-            self.gram = torch.sparse.mm(X.t().coalesce(), X).to_dense()
+            with warnings.catch_warnings():  # torch calls its sparse CSR product "beta"
+                warnings.simplefilter("ignore", UserWarning)
+                self.gram = torch.sparse.mm(X.t().coalesce(), X).to_dense()
             return
         self.dual = X.shape[0] < X.shape[1]
         gram = X @ X.T if self.dual else X.T @ X

@@ -196,10 +196,58 @@ def test_ease_and_pure_svd_against_numpy(n_users):
         np.testing.assert_array_equal(pop, np.broadcast_to(X.sum(axis=0), pop.shape))
 
 
+@pytest.mark.parametrize("n_users", [25, 120])
+def test_sparse_ease_and_pure_svd_against_numpy(n_users):
+    """The large-logs path (sparse float32 X, Cholesky per lam, randomised SVD) on the same toy logs;
+    the SVD keeps 50 of the ~55 active items' factors, so its randomised range is the whole space."""
+    n_items = 60
+    split, seqs = _toy_split(n_users=n_users, n_items=n_items, seed=n_users)
+    for stage in ("valid", "test"):
+        X = _numpy_matrix(seqs, stage, n_items)
+        active = X.sum(axis=0) > 0
+        model = baselines.EASE(split, stage, sparse=True)
+        for lam in (3.0, 50.0):
+            got = _model_scores(model.score_fn(lam), split, stage)
+            np.testing.assert_allclose(got[:, active], _numpy_ease(X, lam)[:, active], rtol=1e-3, atol=1e-4)
+            assert np.isneginf(got[:, ~active]).all()
+        got = _model_scores(baselines.PureSVD(split, stage, max_dim=50, sparse=True).score_fn(50), split, stage)
+        np.testing.assert_allclose(got[:, active], _numpy_svd(X, 50)[:, active], rtol=1e-3, atol=1e-3)
+
+
+def test_markov_against_counted_transitions():
+    split, seqs = _toy_split(n_users=50, n_items=30, seed=4)
+    n = split.logs.num_items
+    for stage in ("valid", "test"):
+        counts: dict[int, dict[int, int]] = {}
+        pop = np.zeros(n)
+        for u, seq in seqs.items():
+            hist = seq if len(seq) < 3 else seq[:-2] if stage == "valid" else seq[:-1]
+            pop[hist] += 1
+            for a, b in zip(hist[:-1], hist[1:]):
+                counts.setdefault(a, {}).setdefault(b, 0)
+                counts[a][b] += 1
+        users = np.arange(split.logs.num_users)
+        hists = split.histories(users, stage)
+        got = baselines.markov(split, stage)(users, hists).numpy()
+        for b, h in enumerate(hists):
+            want = baselines.POPULARITY_TIE * pop / pop.max()
+            row = counts.get(int(h[-1]), {}) if len(h) else {}
+            for j, c in row.items():
+                want[j] += c / sum(row.values())
+            np.testing.assert_allclose(got[b], want, rtol=1e-12, atol=1e-15)
+
+
 def test_run_baselines_picks_on_validation():
     split, _ = _toy_split(n_users=30)
-    out = baselines.run_baselines(split, dims=(2, 4), lams=(1.0, 10.0))
-    assert set(out) == {"popularity", "PureSVD", "EASE"}
+    out = baselines.run_baselines(split, dims=(2, 4), lams=(1.0, 10.0), weights=(0.0, 1.0, 5.0))
+    assert set(out) == {"popularity", "PureSVD", "EASE", "Markov", "Markov + EASE"}
+    w, lam = out["Markov + EASE"]["weight"], out["Markov + EASE"]["lam"]
+    assert w in (0.0, 1.0, 5.0) and lam == out["EASE"]["lam"]
+    blend = baselines.markov_ease(baselines.EASE(split, "valid"), baselines.Markov(split, "valid"), lam, w)
+    assert out["Markov + EASE"]["valid_NDCG@100"] == pytest.approx(evaluate_scores(blend, split, "valid")["NDCG@100"])
+    for other in (0.0, 1.0, 5.0):
+        fn = baselines.markov_ease(baselines.EASE(split, "valid"), baselines.Markov(split, "valid"), lam, other)
+        assert evaluate_scores(fn, split, "valid")["NDCG@100"] <= out["Markov + EASE"]["valid_NDCG@100"] + 1e-12
     assert out["PureSVD"]["dim"] in (2, 4) and out["EASE"]["lam"] in (1.0, 10.0)
     for name in ("PureSVD", "EASE"):
         key = "dim" if name == "PureSVD" else "lam"
