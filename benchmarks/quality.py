@@ -1,18 +1,19 @@
 """Quality of the recommendation model on a leave-one-out data set, mean and spread over seeds.
 
-    .venv/bin/python benchmarks/quality.py [--data movielens | video_games] [--tower sequence | bag]
-        [--seeds 0 1 2] [--steps N] [--overarch-steps 150]
+    .venv/bin/python benchmarks/quality.py [--data movielens | video_games] [--towers sequence bag]
+        [--seeds 0 1 2] [--steps N] [--overarch-steps 150] [--set KEY=VALUE ...]
 
 Data sets: "movielens" (the bundled ml-latest-small: tasks "interacted" and "liked" = rating >= 4,
 value model 1.0 * interacted + 0.5 * liked) and "video_games" (the Amazon Video Games sequences,
 data/video_games/SOURCE.md: one task, no value model; its files are converted locally).
 For each seed: the logs' timestamp ties are shuffled with that seed (so the held-out items differ),
-the model is trained with that seed (two-tower with the `--tower` user tower + MLP, MoL and
-list-wise OverArch, `silverrec.publish.train`), composed as it would be published (MoL OverArch,
-the data set's value model), and every row of `publish.quality.quality_table` is measured under
-the leave-one-out protocol (test stage, full ranking, history masked). Writes
-benchmarks/results/quality_<data>_<tower>.json with each seed's rows and the mean / sample standard
-deviation per row and metric, and prints the table of means.
+the peers (publish/baselines.py) are measured once, and each of the `--towers` is trained with
+that seed (two-tower with that user tower + MLP, MoL and list-wise OverArch,
+`silverrec.publish.train`), composed as it would be published (MoL OverArch, the data set's value
+model), and every row of `publish.quality.quality_table` is measured under the leave-one-out
+protocol (test stage, full ranking, history masked). Writes benchmarks/results/quality_<data>_<tower>.json
+(and .png) after every seed, with each seed's rows and the mean / sample standard deviation per row
+and metric, and prints the table of means.
 
 Steps: the bag tower trains a fixed 1,500 steps; the sequential tower at most --steps (default
 3,000), stopping early on the validation split (publish/train_sequence.py).
@@ -33,6 +34,7 @@ import torch
 from silverrec.publish.evaluate import mean_and_spread
 from silverrec.publish.logs import leave_one_out, read_logs
 from silverrec.publish.movielens import write_logs
+from silverrec.publish.baselines import run_baselines
 from silverrec.publish.quality import quality_table
 from silverrec.publish.rec import PublishConfig, build_rec_model
 from silverrec.publish.train import TaskSpec, TrainConfig, train
@@ -59,33 +61,46 @@ def data_set(name: str, work: Path) -> tuple[Path, Path, list[TaskSpec], dict | 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default="movielens", help="movielens, or a folder name under data/ (video_games)")
-    p.add_argument("--tower", default="sequence", choices=["sequence", "bag"], help="the user tower")
+    p.add_argument("--towers", nargs="+", default=["sequence", "bag"], choices=["sequence", "bag"],
+                   help="the user towers, each trained and measured per seed (the peers once per seed)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=None, help="two-tower steps (fixed, so load does not change the model; "
                    "the sequential tower's most, it stops early): default 1,500 bag, 3,000 sequence")
     p.add_argument("--overarch-steps", dest="overarch_steps", type=int, default=150)
     p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="TrainConfig overrides, e.g. batch=128 sequence.layers=2 (values as TOML)")
-    p.add_argument("--out", default=None, help="default benchmarks/results/quality_<data>_<tower>.json")
+                   help="TrainConfig overrides for the sequential tower, e.g. batch=128 sequence.layers=2 (values as TOML)")
+    p.add_argument("--name", default=None, help="results name prefix (default quality_<data>): <name>_<tower>.json")
     args = p.parse_args(argv)
-    args.steps = args.steps or STEPS[args.tower]
-    out = args.out or str(RESULTS / f"quality_{args.data}_{args.tower}.json")
+    name = args.name or f"quality_{args.data}"
     work = Path(tempfile.mkdtemp(prefix="silverrec-quality-"))
     inter, items, tasks, value_model = data_set(args.data, work)
     overrides = parse_overrides(args.overrides)
-    runs = []
+    command = "benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    runs: dict[str, list] = {tower: [] for tower in args.towers}
     for seed in args.seeds:
-        t0 = time.perf_counter()
-        cfg = TrainConfig(interactions=str(inter), items=str(items), steps=args.steps,
-                          overarch_steps=args.overarch_steps, seed=seed, overarch=["mlp", "mol", "listwise"],
-                          tasks=tasks, user_tower=args.tower, **overrides)
-        ckpt = train(cfg, work / f"seed{seed}.ckpt", quiet_eval=True)
         split = leave_one_out(read_logs(inter, items, seed=seed))
-        built = build_rec_model(PublishConfig(checkpoint=str(work / f"seed{seed}.ckpt"), overarch="mol",
-                                              value_model=value_model, seed=seed), ckpt)
-        rows = quality_table(ckpt, built, split)
-        runs.append({"seed": seed, "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
-                     "training": ckpt["stats"]})
+        peers = run_baselines(split, log=lambda n: print(f"[silverrec] quality: {n} (seed {seed})", file=sys.stderr))
+        for tower in args.towers:
+            t0 = time.perf_counter()
+            steps = args.steps or STEPS[tower]
+            cfg = TrainConfig(interactions=str(inter), items=str(items), steps=steps,
+                              overarch_steps=args.overarch_steps, seed=seed, overarch=["mlp", "mol", "listwise"],
+                              tasks=tasks, user_tower=tower, **(overrides if tower == "sequence" else {}))
+            ckpt_path = work / f"{tower}_seed{seed}.ckpt"
+            ckpt = train(cfg, ckpt_path, quiet_eval=True)
+            built = build_rec_model(PublishConfig(checkpoint=str(ckpt_path), overarch="mol", value_model=value_model,
+                                                  seed=seed), ckpt)
+            rows = {**peers, **quality_table(ckpt, built, split, baselines=False)}
+            runs[tower].append({"seed": seed, "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
+                                "training": ckpt["stats"]})
+            config = {"user_tower": tower, "steps": steps, "overarch_steps": args.overarch_steps, "seeds": args.seeds,
+                      "value_model": value_model, "overarch": "mol", "overrides": overrides if tower == "sequence" else {}}
+            write(RESULTS / f"{name}_{tower}.json", runs[tower], args.data, command, config)  # after every seed
+    return 0
+
+
+def write(out: Path, runs: list[dict], data: str, command: str, config: dict) -> None:
+    """The runs so far, their mean and spread per row and metric: JSON, plot, and the table printed."""
     names = list(runs[0]["rows"])
     summary = {}
     for name in names:
@@ -93,28 +108,23 @@ def main(argv: list[str] | None = None) -> int:
         summary[name] = {k: {"mean": m, "std": s} for k, (m, s) in mean_and_spread(metrics).items()}
     result = {
         "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
-        "protocol": "leave-one-out by time, test stage (fit on train + validation), full ranking, history masked",
-        "data": args.data,
-        "command": "benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "config": {"user_tower": args.tower, "steps": args.steps, "overarch_steps": args.overarch_steps,
-                   "seeds": args.seeds, "value_model": value_model, "overarch": "mol", "overrides": overrides},
-        "summary": summary,
-        "runs": runs,
+        "protocol": "leave-one-out by time, test stage, full ranking, history masked",
+        "data": data, "command": command, "config": config | {"seeds_done": [r["seed"] for r in runs]},
+        "summary": summary, "runs": runs,
     }
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=2, default=float))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=float))
     cols = ["HR@10", "HR@50", "HR@100", "NDCG@10", "NDCG@100"]
+    print(f"\n{config['user_tower']} tower, {data}")
     print(f"{'model (mean ± std over ' + str(len(runs)) + ' seeds)':<40}" + "".join(f"{c:>16}" for c in cols))
     for name in names:
         print(f"{name:<40}" + "".join(f"{summary[name][c]['mean']:>9.4f} ±{summary[name][c]['std']:.4f}" for c in cols))
     exact = summary["two-tower exact"]["NDCG@10"]["mean"]
     final = [n for n in names if n.startswith("multi-task")] or ["+ MoL"]
-    if final[0] in summary:
-        print(f"\nfinal NDCG@10 / two-tower exact: {summary[final[0]]['NDCG@10']['mean'] / exact:.2f}x; "
-              f"IVF + re-score HR@100 / exact: {summary['IVF + re-score']['HR@100']['mean'] / summary['two-tower exact']['HR@100']['mean']:.3f}")
-    print(f"wrote {out}")
-    plot(result, Path(out).with_suffix(".png"))
-    return 0
+    print(f"final NDCG@10 / two-tower exact: {summary[final[0]]['NDCG@10']['mean'] / exact:.2f}x; "
+          f"IVF + re-score HR@100 / exact: {summary['IVF + re-score']['HR@100']['mean'] / summary['two-tower exact']['HR@100']['mean']:.3f}")
+    print(f"wrote {out}", flush=True)
+    plot(result, out.with_suffix(".png"))
 
 
 def plot(payload: dict, path: Path) -> None:

@@ -131,15 +131,19 @@ def metrics_from_ranks(ranks: torch.Tensor) -> dict[str, float]:
     return out
 
 
-def evaluate_ranks(score_fn: ScoreFn, split: Split, stage: str = "test", batch: int = 256) -> torch.Tensor:
+def evaluate_ranks(score_fn: ScoreFn, split: Split, stage: str = "test", batch: int = 256,
+                   sample: np.ndarray | None = None) -> torch.Tensor:
     """Tie-aware rank float64 [U'] of each eval user's target (``split.eval_users`` order).
 
     ``score_fn(user_indices int64 np [b], histories list[np.ndarray]) -> float [b, N]`` scores every
     pool row for a batch of eval users given their histories at ``stage``; known items are masked
-    here. Keep the ranks of each seed to report a mean and spread (:func:`mean_and_spread`).
+    here. ``sample``: positions into ``split.eval_users``, to rank only those users' targets (in that
+    order). Keep the ranks of each seed to report a mean and spread (:func:`mean_and_spread`).
     """
     users = split.eval_users
     targets = split.targets(stage)
+    if sample is not None:
+        users, targets = users[sample], targets[sample]
     n = split.logs.num_items
     out = []
     for start in range(0, len(users), batch):
@@ -153,9 +157,10 @@ def evaluate_ranks(score_fn: ScoreFn, split: Split, stage: str = "test", batch: 
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
-def evaluate_scores(score_fn: ScoreFn, split: Split, stage: str = "test", batch: int = 256) -> dict[str, float]:
+def evaluate_scores(score_fn: ScoreFn, split: Split, stage: str = "test", batch: int = 256,
+                    sample: np.ndarray | None = None) -> dict[str, float]:
     """Metrics of :func:`evaluate_ranks` plus ``"users"`` (the number of eval users)."""
-    ranks = evaluate_ranks(score_fn, split, stage, batch)
+    ranks = evaluate_ranks(score_fn, split, stage, batch, sample)
     return {**metrics_from_ranks(ranks), "users": float(ranks.numel())}
 
 

@@ -5,7 +5,8 @@ one request per eval user with its history at the stage, the history excluded, t
 and ranks the held-out item in that list (`ranks_from_topk`: absent = a miss).
 `quality_table` gives the rows of the demo's table, each stage of the model added in turn:
 
-    popularity, PureSVD, EASE                 non-neural peers (publish/baselines.py)
+    popularity, PureSVD, EASE, Markov,
+    Markov + EASE                             non-neural peers (publish/baselines.py)
     two-tower exact                           float user tower . float item embeddings, full ranking
     IVF                                       int8 IVF scan of task 0, its top-100
     IVF + re-score                            candidates re-scored exactly from the embedding cache

@@ -109,25 +109,9 @@ def validation_ndcg(user: SequenceUserTower, item: ItemTower, encoder: FeatureEn
             user.items.weight.copy_(emb)
         u = user_embeddings(user, encoder, split.logs, split.eval_users[users], split.histories(split.eval_users[users], "valid"))
     pos = {int(x): i for i, x in enumerate(split.eval_users[users])}
-    sub = _SubSplit(split, users)
-    m = evaluate_scores(lambda us, _: u[[pos[int(x)] for x in us], 0] @ emb.T, sub, "valid")
+    m = evaluate_scores(lambda us, _: u[[pos[int(x)] for x in us], 0] @ emb.T, split, "valid", sample=users)
     user.train(), item.train()
     return m["NDCG@10"]
-
-
-class _SubSplit:
-    """A Split restricted to some eval users (positions `users` of split.eval_users), for evaluate_scores."""
-
-    def __init__(self, split: Split, users: np.ndarray):
-        self._split, self.logs = split, split.logs
-        self.eval_users = split.eval_users[users]
-        self._targets = {"valid": split.valid_items[users], "test": split.test_items[users]}
-
-    def targets(self, stage: str) -> np.ndarray:
-        return self._targets[stage]
-
-    def histories(self, users: np.ndarray, stage: str) -> list[np.ndarray]:
-        return self._split.histories(users, stage)
 
 
 def train_sequence_tower(cfg, split: Split, spec: UserFeatureSpec, encoder: FeatureEncoder, positives: np.ndarray,
