@@ -1,22 +1,24 @@
 """Quality of the recommendation model on a leave-one-out data set, mean and spread over seeds.
 
     .venv/bin/python benchmarks/quality.py [--data movielens | video_games] [--towers sequence bag]
-        [--seeds 0 1 2] [--steps N] [--overarch-steps 150] [--set KEY=VALUE ...]
+        [--seeds 0 1 2] [--steps N] [--overarch-steps 150] [--overarch mlp mol listwise] [--set KEY=VALUE ...]
 
 Data sets: "movielens" (the bundled ml-latest-small: tasks "interacted" and "liked" = rating >= 4,
 value model 1.0 * interacted + 0.5 * liked) and "video_games" (the Amazon Video Games sequences,
 data/video_games/SOURCE.md: one task, no value model; its files are converted locally).
 For each seed: the logs' timestamp ties are shuffled with that seed (so the held-out items differ),
-the peers (publish/baselines.py) are measured once, and each of the `--towers` is trained with
-that seed (two-tower with that user tower + MLP, MoL and list-wise OverArch,
+the peers (publish/baselines.py) are measured once per distinct split (a log without ties, as the
+Video Games sequences, gives every seed the same split: its peers are measured once), and each of the `--towers` is trained with
+that seed (two-tower with that user tower + the --overarch rankers, default MLP, MoL and list-wise,
 `silverrec.publish.train`), composed as it would be published (MoL OverArch, the data set's value
 model), and every row of `publish.quality.quality_table` is measured under the leave-one-out
 protocol (test stage, full ranking, history masked). Writes benchmarks/results/quality_<data>_<tower>.json
 (and .png) after every seed, with each seed's rows and the mean / sample standard deviation per row
 and metric, and prints the table of means.
 
-Steps: the bag tower trains a fixed 1,500 steps; the sequential tower at most --steps (default
-3,000), stopping early on the validation split (publish/train_sequence.py).
+Steps: the bag tower trains a fixed 1,500 steps (or --steps); the sequential tower at most --steps
+(default 3,000; `--set steps=N` for it alone), stopping early on the validation split
+(publish/train_sequence.py).
 """
 
 from __future__ import annotations
@@ -67,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="two-tower steps (fixed, so load does not change the model; "
                    "the sequential tower's most, it stops early): default 1,500 bag, 3,000 sequence")
     p.add_argument("--overarch-steps", dest="overarch_steps", type=int, default=150)
+    p.add_argument("--overarch", nargs="+", default=["mlp", "mol", "listwise"], choices=["mlp", "mol", "listwise"],
+                   help="the OverArch rankers trained and measured (the published list uses MoL)")
     p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="TrainConfig overrides for the sequential tower, e.g. batch=128 sequence.layers=2 (values as TOML)")
+                   help="TrainConfig overrides for the sequential tower, e.g. steps=500 batch=128 sequence.layers=2 "
+                   "(values as TOML)")
     p.add_argument("--name", default=None, help="results name prefix (default quality_<data>): <name>_<tower>.json")
     args = p.parse_args(argv)
     name = args.name or f"quality_{args.data}"
@@ -77,15 +82,21 @@ def main(argv: list[str] | None = None) -> int:
     overrides = parse_overrides(args.overrides)
     command = "benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
     runs: dict[str, list] = {tower: [] for tower in args.towers}
+    peers_of: dict[str, dict] = {}  # split fingerprint -> the peers' rows (measured once per distinct split)
     for seed in args.seeds:
         split = leave_one_out(read_logs(inter, items, seed=seed))
-        peers = run_baselines(split, log=lambda n: print(f"[silverrec] quality: {n} (seed {seed})", file=sys.stderr))
+        key = split_fingerprint(split)
+        if key not in peers_of:
+            peers_of[key] = run_baselines(split, log=lambda n: print(f"[silverrec] quality: {n} (seed {seed})",
+                                                                     file=sys.stderr))
+        peers = peers_of[key]
         for tower in args.towers:
             t0 = time.perf_counter()
-            steps = args.steps or STEPS[tower]
-            cfg = TrainConfig(interactions=str(inter), items=str(items), steps=steps,
-                              overarch_steps=args.overarch_steps, seed=seed, overarch=["mlp", "mol", "listwise"],
-                              tasks=tasks, user_tower=tower, **(overrides if tower == "sequence" else {}))
+            own = overrides if tower == "sequence" else {}
+            steps = own.get("steps", args.steps or STEPS[tower])
+            cfg = TrainConfig(**{"interactions": str(inter), "items": str(items), "overarch_steps": args.overarch_steps,
+                                 "seed": seed, "overarch": list(args.overarch), "tasks": tasks, "user_tower": tower,
+                                 **own, "steps": steps})
             ckpt_path = work / f"{tower}_seed{seed}.ckpt"
             ckpt = train(cfg, ckpt_path, quiet_eval=True)
             built = build_rec_model(PublishConfig(checkpoint=str(ckpt_path), overarch="mol", value_model=value_model,
@@ -94,9 +105,21 @@ def main(argv: list[str] | None = None) -> int:
             runs[tower].append({"seed": seed, "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
                                 "training": ckpt["stats"]})
             config = {"user_tower": tower, "steps": steps, "overarch_steps": args.overarch_steps, "seeds": args.seeds,
-                      "value_model": value_model, "overarch": "mol", "overrides": overrides if tower == "sequence" else {}}
+                      "value_model": value_model, "overarch": "mol", "overarch_trained": args.overarch,
+                      "distinct_splits": len(peers_of), "overrides": own}
             write(RESULTS / f"{name}_{tower}.json", runs[tower], args.data, command, config)  # after every seed
     return 0
+
+
+def split_fingerprint(split) -> str:
+    """A digest of the ordered interactions and the held-out items: seeds whose tie shuffles give the
+    same split (a log without timestamp ties) share one measurement of the peers."""
+    import hashlib
+
+    h = hashlib.sha256(split.logs.items.tobytes() + split.logs.offsets.tobytes() + split.eval_users.tobytes())
+    for stage in ("valid", "test"):
+        h.update(split.targets(stage).tobytes())
+    return h.hexdigest()
 
 
 def write(out: Path, runs: list[dict], data: str, command: str, config: dict) -> None:

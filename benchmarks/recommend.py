@@ -839,7 +839,7 @@ def main(argv=None) -> int:
             other_cfg = PublishConfig(checkpoint=args.other_checkpoint, overarch=OVERARCH, value_model=VALUE_MODEL, k0=K0,
                                       candidates=CANDIDATES, seed=args.seed)
             other = silverrec.load(publish_rec(other_cfg, tmp / "other_snapshot"))
-            kinds = (manifest.get("user_tower", "bag"), other.config.get("user_tower", "bag"))
+            kinds = (manifest["spec"]["tower"], other.config["spec"]["tower"])
             print(f"\n4. recommend with the {kinds[0]} tower against the {kinds[1]} tower ({args.other_checkpoint}):", flush=True)
             rows += towers_part(snap, other, users, repeats, kinds)
 

@@ -42,7 +42,7 @@ from silverrec.ranking.overarch import overarch_from_config
 from silverrec.ranking.value_model import formula_to_json
 from silverrec.filtering.filter_program import FilterPlan
 from silverrec.rec_model import RecModel
-from silverrec.spec import MERGES, PRIORITIES, ModelSpec
+from silverrec.spec import MERGES, OWN_TOWERS, PRIORITIES, ModelSpec
 from silverrec.snapshot import write_snapshot
 from silverrec.retrieval.user_tower import UserFeatureSpec, _csr, direct_tower
 
@@ -264,7 +264,7 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
                 fusion = choose_fusion(cfg, build_rec_model)
         extra.update(generative_weight=fusion["weight"], source_priority=fusion["priority"])
         manifest["generative"]["weight"], manifest["generative"]["fusion"] = fusion["weight"], fusion
-    model_spec = ModelSpec("two_tower", cache.dim, index.nlist, tuple(tasks), tuple(cfg.sources), cache=True,
+    model_spec = ModelSpec(OWN_TOWERS[ckpt.get("user_tower_kind", "bag")], cache.dim, index.nlist, tuple(tasks), tuple(cfg.sources), cache=True,
                            overarch=None if arch is None else kind, value_model=value_formula(formula),
                            merge=cfg.merge, overfetch=int(cfg.overfetch), candidates=int(cfg.candidates), **extra)
     model = compose_checked(model_spec, parts, cfg.generative_checkpoint)

@@ -11,6 +11,8 @@ spec holds as text (the value model formula, the filter template), and wires the
 
     stage            pure-ANN index   recommendation     hybrid               decode alone
     user_tower       QueryTower       the tower part     the tower part       NoTower
+                                      (tower "two_tower": a bag UserTower; "sequence": a
+                                      SequenceUserTower; "byo": the team's module)
     filter_template  (empty)          the template       the template         (empty)
     sources          AnnSearch        AnnSource          HybridSources        DecodeSource
     overarch         SourceScores     ExactScores | RowOverArch | PairOverArch  SourceScores
@@ -41,9 +43,14 @@ from silverrec.ranking.value_model import compile_value_model
 from silverrec.rec_model import RecModel
 from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 from silverrec.retrieval.query_tower import NoTower, QueryTower
+from silverrec.retrieval.sequence_tower import SequenceUserTower
 from silverrec.retrieval.sources import AnnSearch, AnnSource
-from silverrec.retrieval.user_tower import UserFeatureSpec
+from silverrec.retrieval.user_tower import DirectTBEUserTower, UserFeatureSpec, UserTower
 from silverrec.spec import TRAINED_TOWERS, ModelSpec
+
+
+# the modules of silverrec's own user towers, by spec.tower (the bag tower's int8 form: DirectTBEUserTower)
+OWN_TOWER_MODULES = {"two_tower": (UserTower, DirectTBEUserTower), "sequence": (SequenceUserTower,)}
 
 
 class CompositionError(SilverrecError):
@@ -54,7 +61,8 @@ class CompositionError(SilverrecError):
 class ModelParts:
     """What a spec's stages are made of.
 
-    user_tower: (values, lengths, dense) -> float32 [B, T, D], for tower "two_tower" / "byo";
+    user_tower: (values, lengths, dense) -> float32 [B, T, D], for a trained tower: a UserTower for
+        "two_tower" (or its int8 DirectTBEUserTower), a SequenceUserTower for "sequence", any module for "byo";
     index: the filtered int8 IVF (canonical rows), for source "ann";
     cache: the embedding cache in the index's row order, for spec.cache (without an OverArch's item
         side: compose computes it);
@@ -146,6 +154,10 @@ def check_parts(spec: ModelSpec, parts: ModelParts) -> None:
             raise CompositionError(f"the part {name!r} has no stage in the spec (tower {spec.tower!r}, sources "
                              f"{list(spec.sources)}, cache {spec.cache}, overarch {spec.overarch!r}, "
                              f"template {spec.template!r})")
+    kinds = OWN_TOWER_MODULES.get(spec.tower)
+    if kinds is not None and not isinstance(parts.user_tower, kinds):
+        raise CompositionError(f"the spec's tower {spec.tower!r} is a {' or '.join(k.__name__ for k in kinds)}; the "
+                               f"part 'user_tower' is a {type(parts.user_tower).__name__}")
     index, cache = parts.index, parts.cache
     if index is not None:
         if index.codes.shape[1] != spec.dim or index.nlist != spec.nlist:

@@ -7,8 +7,12 @@ snapshot answers from it:
 
     tower "query"      the request's dense tensor is the query embedding (a pure-ANN snapshot,
                        `silverrec publish --pool`): answers `search`; nlist 1 is the exact index
-    tower "two_tower"  a trained user tower (`silverrec publish --config`): answers `recommend`
-                       and `rank`
+    tower "two_tower"  silverrec's bag user tower, pooled history bags (silverrec/retrieval/user_tower.py;
+                       `silverrec publish --config`, train.toml `user_tower = "bag"`): answers
+                       `recommend` and `rank`
+    tower "sequence"   silverrec's sequential user tower, a causal transformer over the ordered
+                       history (silverrec/retrieval/sequence_tower.py; train.toml
+                       `user_tower = "sequence"`): the same
     tower "byo"        a user's own tower (publish/byo.py, a config with [user_tower]): the same
     tower "none"       no user embedding: the generative decode is the only source (`silverrec
                        publish --generative`): answers `recommend`
@@ -31,10 +35,12 @@ from typing import Any, Optional
 from silverrec.candidates import SOURCES
 from silverrec.errors import SnapshotError
 
-TOWERS = ("query", "two_tower", "byo", "none")
+TOWERS = ("query", "two_tower", "sequence", "byo", "none")
 MERGES = ("union", "intersection")  # how the tasks' candidate lists combine
 PRIORITIES = ("none", "ann", "generative", "both")  # which candidates of a union rank first (ranking/top_k.py)
-TRAINED_TOWERS = ("two_tower", "byo")
+TRAINED_TOWERS = ("two_tower", "sequence", "byo")
+# silverrec's own user towers: train.toml's `user_tower` -> the spec's tower (the stage compose wires)
+OWN_TOWERS = {"bag": "two_tower", "sequence": "sequence"}
 # the decode's last step extends this many more prefixes, of the ANN's best candidates, beside its
 # beams: the log-prob those candidates are ranked with is then exact, not a bound (on MovieLens:
 # offline, 8, 16 and 32 gave what exact log-probs of every candidate give; in the forward, 4 and 8

@@ -78,6 +78,26 @@ def test_compose_names_a_part_the_spec_lacks_or_has_no_stage_for(rec):
         compose(spec.replace(nlist=4), parts)
 
 
+def test_the_spec_chooses_the_user_tower_stage(rec):
+    """tower "two_tower" is the bag tower and "sequence" the sequential one: a part of the other kind
+    is refused, naming both; a byo spec takes any module."""
+    from silverrec.retrieval.sequence_tower import SequenceUserTower
+    from silverrec.retrieval.user_tower import UserFeatureSpec
+
+    spec, parts = rec.built.spec, rec.built.parts
+    assert spec.tower == "two_tower"
+    with pytest.raises(CompositionError, match="tower 'sequence' is a SequenceUserTower; the part 'user_tower' is a"):
+        compose(spec.replace(tower="sequence"), parts)
+    features = UserFeatureSpec.from_json(rec.ckpt["spec"])
+    sequential = SequenceUserTower(features, spec.dim, len(spec.tasks), rec.ckpt["item_features"])
+    with pytest.raises(CompositionError, match="tower 'two_tower' is a UserTower or DirectTBEUserTower; the part "
+                                               "'user_tower' is a SequenceUserTower"):
+        compose(spec, dataclasses.replace(parts, user_tower=sequential))
+    model = compose(spec.replace(tower="sequence"), dataclasses.replace(parts, user_tower=sequential))
+    assert model.user_tower is sequential and model.spec.tower == "sequence"
+    assert compose(spec.replace(tower="byo"), dataclasses.replace(parts, user_tower=sequential)).user_tower is sequential
+
+
 def test_the_recorded_spec_recomposes_the_published_model(rec):
     """The snapshot's config.spec with the same parts composes a model that answers as the
     published snapshot does (the spec is what the model is built from, not a description of it)."""

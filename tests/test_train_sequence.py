@@ -1,7 +1,7 @@
 """Training the sequential user tower (publish/train_sequence.py) and serving it: the sampled softmax
 against a plain loop, the training windows against the logs they come from, order learned from a
 planted chain, and a trained tower published and answering (export == eager == TorchScript, a
-history no training user has, the CLI)."""
+history no training user has, the CLI, a process without torchrec)."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def test_published_sequence_tower_answers_as_eager(published):
 
     logs, snap_dir, built = published
     snaps = {b: silverrec.load(snap_dir, backend=b) for b in ("export", "torchscript")}
-    assert snaps["export"].config["user_tower"] == "sequence"
+    assert snaps["export"].config["spec"]["tower"] == "sequence"
     unseen = [int(i) for i in logs.item_ids[[5, 17, 3, 250, 41]]]  # a history no training user has
     users = [int(u) for u in logs.user_ids[:3]]
     for requests in ([{"history": unseen}], [{"user_id": users[0]}, {"history": unseen[:2]}, {"user_id": users[2]}]):
@@ -197,3 +197,23 @@ def test_cli_recommends_for_an_unseen_history(published):
         assert main(["recommend", str(snap_dir), "--history", ",".join(map(str, unseen)), "--k", "5", "--json"]) == 0
     ids = json.loads(out.getvalue())["item_ids"][0]
     assert len(ids) == 5 and not set(ids) & set(unseen) and set(ids) <= set(logs.item_ids.tolist())
+
+
+def test_a_sequence_snapshot_serves_without_torchrec(published):
+    """The sequential tower is plain PyTorch: its snapshot (spec tower "sequence") needs neither
+    torchrec nor fbgemm_gpu, and a fresh process with both imports blocked answers as this one does."""
+    import subprocess
+    import sys
+
+    import silverrec
+    from silverrec.snapshot import needs_torchrec
+
+    logs, snap_dir, _ = published
+    snap = silverrec.load(snap_dir)
+    assert not needs_torchrec(snap.manifest)
+    history = [int(i) for i in logs.item_ids[[5, 17, 3]]]
+    code = ("import sys; sys.modules['torchrec'] = None; sys.modules['fbgemm_gpu'] = None; import silverrec; "
+            f"print(silverrec.load({str(snap_dir)!r}).recommend({{'history': {history}}}, k=10).item_ids.tolist())")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert json.loads(got.stdout.strip().splitlines()[-1]) == snap.recommend({"history": history}, k=10).item_ids.tolist()
