@@ -2,15 +2,17 @@
 
     .venv/bin/python benchmarks/quality.py [--data movielens | video_games] [--towers sequence bag]
         [--seeds 0 1 2] [--steps N] [--overarch-steps 150] [--overarch mlp mol listwise] [--set KEY=VALUE ...]
+        [--no-peers] [--name NAME]
+    .venv/bin/python benchmarks/quality.py --data D --merge A_TOWER.json B_TOWER.json --name NAME
 
 Data sets: "movielens" (the bundled ml-latest-small: tasks "interacted" and "liked" = rating >= 4,
 value model 1.0 * interacted + 0.5 * liked) and "video_games" (the Amazon Video Games sequences,
 data/video_games/SOURCE.md: one task, no value model; its files are converted locally).
 For each seed: the logs' timestamp ties are shuffled with that seed (so the held-out items differ),
 the peers (publish/baselines.py) are measured once per distinct split (a log without ties, as the
-Video Games sequences, gives every seed the same split: its peers are measured once), and each of the `--towers` is trained with
-that seed (two-tower with that user tower + the --overarch rankers, default MLP, MoL and list-wise,
-`silverrec.publish.train`), composed as it would be published (MoL OverArch, the data set's value
+Video Games sequences, gives every seed the same split: its peers are measured once), and each
+of the `--towers` is trained with that seed (two-tower with that user tower + the --overarch
+rankers, default MLP, MoL and list-wise; `silverrec.publish.train`), composed as it would be published (MoL OverArch, the data set's value
 model), and every row of `publish.quality.quality_table` is measured under the leave-one-out
 protocol (test stage, full ranking, history masked). Writes benchmarks/results/quality_<data>_<tower>.json
 (and .png) after every seed, with each seed's rows and the mean / sample standard deviation per row
@@ -19,6 +21,10 @@ and metric, and prints the table of means.
 Steps: the bag tower trains a fixed 1,500 steps (or --steps); the sequential tower at most --steps
 (default 3,000; `--set steps=N` for it alone), stopping early on the validation split
 (publish/train_sequence.py).
+
+Seeds can run side by side as separate processes (`--seeds 1 2 --no-peers --name B` beside the run of
+seed 0); `--merge` joins their results into one, the runs without peers taking the peers' rows of a
+seed with the same split (checked on the data).
 """
 
 from __future__ import annotations
@@ -75,8 +81,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="TrainConfig overrides for the sequential tower, e.g. steps=500 batch=128 sequence.layers=2 "
                    "(values as TOML)")
     p.add_argument("--name", default=None, help="results name prefix (default quality_<data>): <name>_<tower>.json")
+    p.add_argument("--no-peers", dest="peers", action="store_false",
+                   help="the towers alone (a run beside one that measures the peers; --merge adds theirs)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="RESULT.json",
+                   help="write <name>_<tower>.json from the runs of these results (one tower, parts of one "
+                   "configuration run side by side, e.g. seed 0 and seeds 1 2), then stop")
     args = p.parse_args(argv)
     name = args.name or f"quality_{args.data}"
+    if args.merge:
+        return merge(args.merge, name)
     work = Path(tempfile.mkdtemp(prefix="silverrec-quality-"))
     inter, items, tasks, value_model = data_set(args.data, work)
     overrides = parse_overrides(args.overrides)
@@ -86,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         split = leave_one_out(read_logs(inter, items, seed=seed))
         key = split_fingerprint(split)
+        if not args.peers:
+            peers_of[key] = {}
         if key not in peers_of:
             peers_of[key] = run_baselines(split, log=lambda n: print(f"[silverrec] quality: {n} (seed {seed})",
                                                                      file=sys.stderr))
@@ -108,6 +123,34 @@ def main(argv: list[str] | None = None) -> int:
                       "value_model": value_model, "overarch": "mol", "overarch_trained": args.overarch,
                       "distinct_splits": len(peers_of), "overrides": own}
             write(RESULTS / f"{name}_{tower}.json", runs[tower], args.data, command, config)  # after every seed
+    return 0
+
+
+PEERS = ("popularity", "PureSVD", "EASE", "Markov", "Markov + EASE")
+
+
+def merge(paths: list[str], name: str) -> int:
+    """One result from the runs of several (the same data, tower and configuration, other seeds); a run
+    measured with --no-peers takes the peers' rows of a run that has them, where the two seeds give
+    the same split (checked on the data)."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    keys = ("user_tower", "steps", "overarch_steps", "value_model", "overarch", "overrides")
+    for q in parts[1:]:
+        if q["data"] != parts[0]["data"] or any(q["config"].get(k) != parts[0]["config"].get(k) for k in keys):
+            raise SystemExit(f"cannot merge: {paths[0]} and another differ in data or {keys}")
+    data = parts[0]["data"]
+    runs = sorted((r for q in parts for r in q["runs"]), key=lambda r: r["seed"])
+    donor = next((r for r in runs if all(k in r["rows"] for k in PEERS)), None)
+    inter, items = data_set(data, Path(tempfile.mkdtemp(prefix="silverrec-quality-")))[:2]
+    for r in runs:
+        if not all(k in r["rows"] for k in PEERS):
+            if donor is None or split_fingerprint(leave_one_out(read_logs(inter, items, seed=r["seed"]))) != \
+                    split_fingerprint(leave_one_out(read_logs(inter, items, seed=donor["seed"]))):
+                raise SystemExit(f"seed {r['seed']} has no peers' rows and no run with the same split has them")
+            r["rows"] = {**{k: donor["rows"][k] for k in PEERS}, **r["rows"]}
+            r["peers_from_seed"] = donor["seed"]
+    config = parts[0]["config"] | {"seeds": [r["seed"] for r in runs], "merged_from": [q["command"] for q in parts]}
+    write(RESULTS / f"{name}_{config['user_tower']}.json", runs, data, " + ".join(q["command"] for q in parts), config)
     return 0
 
 
