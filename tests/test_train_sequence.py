@@ -188,7 +188,7 @@ def test_published_sequence_tower_answers_as_eager(published):
 
 
 def test_cli_recommends_for_an_unseen_history(published):
-    from silverrec.publish.cli import main
+    from silverrec.cli import main
 
     logs, snap_dir, built = published
     unseen = [int(i) for i in logs.item_ids[[9, 2, 77]]]
