@@ -35,6 +35,7 @@ SVD_DIMS = (16, 32, 64, 128)
 EASE_LAMBDAS = (50.0, 200.0, 500.0, 1000.0)
 BLEND_WEIGHTS = (0.0, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)  # Markov + EASE: w in EASE + w * P(j | last)
 DENSE_CELLS = 50_000_000  # a history matrix up to this many cells is dense float64 (exact); beyond, sparse float32
+BASELINES = ("popularity", "PureSVD", "EASE", "Markov", "Markov + EASE")
 POPULARITY_TIE = 1e-9  # the Markov chain's popularity tie-break: below any transition probability's gaps
 
 
@@ -272,8 +273,10 @@ def run_baselines(
     batch: int = 256,
     valid_users: int = 4096,
     log=lambda msg: None,
+    only: tuple[str, ...] = BASELINES,
 ) -> dict[str, dict[str, float]]:
-    """Test metrics of popularity, PureSVD, EASE, Markov and Markov + EASE under the protocol.
+    """Test metrics of popularity, PureSVD, EASE, Markov and Markov + EASE (or those of them in `only`)
+    under the protocol.
 
     PureSVD's ``dim``, EASE's ``lam`` and the blend's ``weight`` (with EASE's chosen lam) maximise
     ``select`` on the validation stage (fit on the train parts; scored on at most ``valid_users`` eval
@@ -284,16 +287,24 @@ def run_baselines(
         name -> test metrics (HR@K, NDCG@K, "users") plus the chosen hyper-parameter ("dim" / "lam" /
         "weight"), its validation score (``"valid_" + select``) and "seconds" (validation grid + test).
     """
+    unknown = sorted(set(only) - set(BASELINES))
+    if unknown:
+        raise ValueError(f"unknown baseline {unknown[0]!r}: use some of {BASELINES}")
+    if "Markov + EASE" in only and "EASE" not in only:
+        raise ValueError("Markov + EASE blends with EASE's chosen lam: measure EASE too")
     out = {}
     t0 = time.perf_counter()
-    out["popularity"] = evaluate_scores(popularity(split, "test"), split, "test", batch)
-    out["popularity"]["seconds"] = time.perf_counter() - t0
-    log("popularity")
+    if "popularity" in only:
+        out["popularity"] = evaluate_scores(popularity(split, "test"), split, "test", batch)
+        out["popularity"]["seconds"] = time.perf_counter() - t0
+        log("popularity")
     fitted: dict[str, dict[str, object]] = {}
     sample = None
     if len(split.eval_users) > valid_users:
         sample = np.sort(np.random.default_rng(0).permutation(len(split.eval_users))[:valid_users])
     for name, model, grid, key in (("PureSVD", PureSVD, dims, "dim"), ("EASE", EASE, lams, "lam")):
+        if name not in only:
+            continue
         t0 = time.perf_counter()
         valid_model = model(split, "valid", max(grid)) if model is PureSVD else model(split, "valid")
         valid = {v: evaluate_scores(valid_model.score_fn(v), split, "valid", batch, sample)[select] for v in grid}
@@ -303,11 +314,16 @@ def run_baselines(
         out[name].update({key: float(best), f"valid_{select}": valid[best], "seconds": time.perf_counter() - t0})
         fitted[name] = {"valid": valid_model, "test": test_model}
         log(name)
+    if "Markov" not in only and "Markov + EASE" not in only:
+        return out
     t0 = time.perf_counter()
     chains = {stage: Markov(split, stage) for stage in ("valid", "test")}
-    out["Markov"] = evaluate_scores(chains["test"].score_fn(), split, "test", batch)
-    out["Markov"]["seconds"] = time.perf_counter() - t0
-    log("Markov")
+    if "Markov" in only:
+        out["Markov"] = evaluate_scores(chains["test"].score_fn(), split, "test", batch)
+        out["Markov"]["seconds"] = time.perf_counter() - t0
+        log("Markov")
+    if "Markov + EASE" not in only:
+        return out
     t0 = time.perf_counter()
     lam = out["EASE"]["lam"]
     valid = {w: evaluate_scores(markov_ease(fitted["EASE"]["valid"], chains["valid"], lam, w), split, "valid", batch,
@@ -331,5 +347,8 @@ if __name__ == "__main__":  # python -m silverrec.publish.baselines INTERACTIONS
     p.add_argument("items")
     p.add_argument("users", nargs="?")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", nargs="+", default=list(BASELINES), choices=BASELINES,
+                   help="some of the baselines (EASE's dense Cholesky factors cost O(items^3) per lam)")
     a = p.parse_args()
-    print(json.dumps(run_baselines(leave_one_out(read_logs(a.interactions, a.items, a.users, seed=a.seed))), indent=1))
+    print(json.dumps(run_baselines(leave_one_out(read_logs(a.interactions, a.items, a.users, seed=a.seed)),
+                                   only=tuple(a.only)), indent=1))

@@ -257,6 +257,20 @@ def test_run_baselines_picks_on_validation():
         assert out[name]["valid_NDCG@100"] == pytest.approx(evaluate_scores(fn, split, "valid")["NDCG@100"])
 
 
+def test_run_baselines_measures_the_ones_asked_for():
+    split, _ = _toy_split(n_users=30)
+    full = baselines.run_baselines(split, dims=(2, 4), lams=(1.0, 10.0), weights=(0.0, 1.0))
+    some = baselines.run_baselines(split, dims=(2, 4), lams=(1.0, 10.0), weights=(0.0, 1.0),
+                                   only=("popularity", "PureSVD", "Markov"))
+    assert list(some) == ["popularity", "PureSVD", "Markov"]
+    for name, row in some.items():
+        assert {k: v for k, v in row.items() if k != "seconds"} == {k: v for k, v in full[name].items() if k != "seconds"}
+    with pytest.raises(ValueError, match="measure EASE too"):
+        baselines.run_baselines(split, only=("Markov + EASE",))
+    with pytest.raises(ValueError, match="unknown baseline 'SASRec'"):
+        baselines.run_baselines(split, only=("SASRec",))
+
+
 def test_movielens_popularity_and_ease(tmp_path):
     inter, items = write_logs(tmp_path)
     assert pq.read_schema(items).names == ["item_id", "genre", "decade"]
