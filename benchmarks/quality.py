@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/quality.py [--data movielens | video_games] [--towers sequence bag]
         [--seeds 0 1 2] [--steps N] [--overarch-steps 150] [--overarch mlp mol listwise] [--set KEY=VALUE ...]
         [--no-peers] [--exact-only] [--name NAME]
-    .venv/bin/python benchmarks/quality.py --data D --merge A_TOWER.json B_TOWER.json --name NAME
+    .venv/bin/python benchmarks/quality.py --data D --merge A_TOWER.json B_TOWER.json --name NAME [--peers-file F]
 
 Data sets: "movielens" (the bundled ml-latest-small: tasks "interacted" and "liked" = rating >= 4,
 value model 1.0 * interacted + 0.5 * liked) and "video_games" (the Amazon Video Games sequences,
@@ -89,10 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", nargs="+", default=None, metavar="RESULT.json",
                    help="write <name>_<tower>.json from the runs of these results (one tower, parts of one "
                    "configuration run side by side, e.g. seed 0 and seeds 1 2), then stop")
+    p.add_argument("--peers-file", dest="peers_file", default=None, metavar="BASELINES.json",
+                   help="with --merge: the peers' rows for runs without them (`python -m silverrec.publish.baselines "
+                   "... > BASELINES.json`, seed 0)")
     args = p.parse_args(argv)
     name = args.name or f"quality_{args.data}"
     if args.merge:
-        return merge(args.merge, name)
+        return merge(args.merge, name, args.peers_file)
     work = Path(tempfile.mkdtemp(prefix="silverrec-quality-"))
     inter, items, tasks, value_model = data_set(args.data, work)
     overrides = parse_overrides(args.overrides)
@@ -135,27 +138,33 @@ def main(argv: list[str] | None = None) -> int:
 PEERS = ("popularity", "PureSVD", "EASE", "Markov", "Markov + EASE")
 
 
-def merge(paths: list[str], name: str) -> int:
-    """One result from the runs of several (the same data, tower and configuration, other seeds); a run
-    measured with --no-peers takes the peers' rows of a run that has them, where the two seeds give
-    the same split (checked on the data)."""
+def merge(paths: list[str], name: str, peers_file: str | None = None) -> int:
+    """One result from the runs of several (the same data, tower and configuration, other seeds). A
+    run measured with --no-peers takes the peers' rows of a run that has them, or those of
+    `peers_file` (the JSON `python -m silverrec.publish.baselines` prints, seed 0's split), where the
+    two seeds give the same split (checked on the data)."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
-    keys = ("user_tower", "steps", "overarch_steps", "value_model", "overarch", "overrides")
+    keys = ("user_tower", "steps", "overarch_steps", "value_model", "overarch", "exact_only", "overrides")
     for q in parts[1:]:
         if q["data"] != parts[0]["data"] or any(q["config"].get(k) != parts[0]["config"].get(k) for k in keys):
             raise SystemExit(f"cannot merge: {paths[0]} and another differ in data or {keys}")
     data = parts[0]["data"]
     runs = sorted((r for q in parts for r in q["runs"]), key=lambda r: r["seed"])
-    donor = next((r for r in runs if all(k in r["rows"] for k in PEERS)), None)
+    donor = next(({"seed": r["seed"], "rows": {k: r["rows"][k] for k in PEERS}} for r in runs
+                  if all(k in r["rows"] for k in PEERS)), None)
+    if donor is None and peers_file:
+        donor = {"seed": 0, "rows": json.loads(Path(peers_file).read_text())}
     inter, items = data_set(data, Path(tempfile.mkdtemp(prefix="silverrec-quality-")))[:2]
     for r in runs:
-        if not all(k in r["rows"] for k in PEERS):
+        if not any(k in r["rows"] for k in PEERS):
             if donor is None or split_fingerprint(leave_one_out(read_logs(inter, items, seed=r["seed"]))) != \
                     split_fingerprint(leave_one_out(read_logs(inter, items, seed=donor["seed"]))):
                 raise SystemExit(f"seed {r['seed']} has no peers' rows and no run with the same split has them")
-            r["rows"] = {**{k: donor["rows"][k] for k in PEERS}, **r["rows"]}
+            r["rows"] = {**{k: v for k, v in donor["rows"].items() if k in PEERS}, **r["rows"]}
             r["peers_from_seed"] = donor["seed"]
     config = parts[0]["config"] | {"seeds": [r["seed"] for r in runs], "merged_from": [q["command"] for q in parts]}
+    if peers_file:
+        config["peers_file"] = Path(peers_file).name
     write(RESULTS / f"{name}_{config['user_tower']}.json", runs, data, " + ".join(q["command"] for q in parts), config)
     return 0
 
