@@ -45,8 +45,8 @@ embedding cache vs recomputing the item tower; snapshot bytes per item.
    `"bag"`): both snapshots' `recommend` end to end at batch 1 and 16, unfiltered, alternated call
    by call on the same requests (`towers` rows: `ratio` = this checkpoint's tower / the other's).
 
-The two-tower model trains with `--tower` (default "sequence"; `silverrec train`'s user_tower): the
-pipeline runs the same user tower, eager.
+The two-tower model trains with `--tower` (default "bag", the default user tower; `silverrec train`'s
+user_tower): the pipeline runs the same user tower, eager.
 
 Timing: the two sides alternate call by call (A B B A ...) so that the load of this shared
 machine falls on both alike (benchmarks/common.py's `alternate`); warm-up
@@ -769,7 +769,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sources-quality", metavar="LOGS", help="with --sources: also HR / NDCG of each source on the "
                     "interactions.parquet / items.parquet in LOGS (the logs both checkpoints were trained on)")
     ap.add_argument("--end-to-end-only", action="store_true", help="only part 1 (results in recommend[_quick]_e2e.*)")
-    ap.add_argument("--tower", default="sequence", choices=["sequence", "bag"], help="the user tower trained (no --checkpoint)")
+    ap.add_argument("--tower", default="bag", choices=["bag", "sequence"], help="the user tower trained (no --checkpoint)")
     ap.add_argument("--other-checkpoint", dest="other_checkpoint", help="part 4: a checkpoint with the other user tower, "
                     "published and timed against this one")
     args = ap.parse_args(argv)

@@ -37,6 +37,7 @@ items = "logs/items.parquet"
 dim = 64
 history_len = 50
 recent_len = 5
+user_tower = "bag"     # the pooled history tower: above the sequential one on MovieLens (docs/recommendation.md)
 minutes = {minutes}            # two-tower budget
 overarch_minutes = {overarch_minutes}   # per OverArch kind
 overarch = ["mlp", "mol", "listwise"]
