@@ -37,11 +37,12 @@ import torch
 from silverrec.publish.config import ConfigError, read_toml
 from silverrec.publish.logs import Logs, Split, leave_one_out, read_logs
 from silverrec.publish.progress import bar, step
-from silverrec.publish.two_tower import ItemTower, sampled_softmax_loss, target_log_q
+from silverrec.publish.two_tower import ItemTower, sampled_softmax_loss, target_log_q, user_embeddings, user_side
 from silverrec.retrieval.sequence_tower import SequenceConfig, SequenceUserTower
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec, UserTower
+from silverrec.spec import OWN_TOWERS
 
-USER_TOWERS = ("bag", "sequence")
+USER_TOWERS = tuple(OWN_TOWERS)  # train.toml's user_tower: "bag" | "sequence"
 
 
 @dataclass
@@ -204,13 +205,6 @@ class Examples:
         return encoder.encode(self.histories(idx), *user_side(self.logs, self.user[idx]))
 
 
-def user_side(logs: Logs, users: np.ndarray) -> tuple[list[dict], list[dict]]:
-    """Per user index: its categorical and numeric features as the encoder takes them."""
-    cats = [{g: lists[u] for g, lists in logs.user_features.items()} for u in users]
-    nums = [{g: float(x[u]) for g, x in logs.user_numeric.items()} for u in users]
-    return cats, nums
-
-
 def _cap(*limits: Optional[int]) -> Optional[int]:
     given = [int(x) for x in limits if x is not None]
     return min(given) if given else None
@@ -262,16 +256,6 @@ def train_two_tower(cfg: TrainConfig, split: Split, ex: Examples, spec: UserFeat
 
 
 @torch.no_grad()
-def user_embeddings(user: UserTower, encoder: FeatureEncoder, logs: Logs, users: np.ndarray,
-                    histories: list[np.ndarray], batch: int = 512) -> torch.Tensor:
-    """float32 [len(users), T, D]."""
-    out = []
-    for s in range(0, len(users), batch):
-        sl = slice(s, s + batch)
-        out.append(user(*encoder.encode(histories[sl], *user_side(logs, users[sl]))))
-    return torch.cat(out)
-
-
 def exact_metrics(user: UserTower, encoder: FeatureEncoder, item_emb: torch.Tensor, split: Split, stage: str) -> dict:
     """Leave-one-out metrics of task 0's user embedding . every item embedding (full ranking)."""
     from silverrec.publish.evaluate import evaluate_scores

@@ -30,7 +30,7 @@ from silverrec.publish.config import ConfigError
 from silverrec.publish.evaluate import evaluate_scores
 from silverrec.publish.logs import Split
 from silverrec.publish.progress import bar
-from silverrec.publish.two_tower import ItemTower, sampled_softmax_loss, target_log_q
+from silverrec.publish.two_tower import ItemTower, sampled_softmax_loss, target_log_q, user_embeddings
 from silverrec.retrieval.sequence_tower import SequenceUserTower
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 
@@ -100,8 +100,6 @@ def validation_ndcg(user: SequenceUserTower, item: ItemTower, encoder: FeatureEn
                     user_side, tower_inputs: bool = False) -> float:
     """NDCG@10 of the validation items of `users` (eval-user positions) from the valid-stage histories
     (item_table "tower": the tower's item table set to the item tower's outputs first, as served)."""
-    from silverrec.publish.train import user_embeddings
-
     user.eval(), item.eval()
     with torch.no_grad():
         emb = item.embed_all(split.logs.num_items)

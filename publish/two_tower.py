@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from silverrec.retrieval.user_tower import UserFeatureSpec, _csr, _mlp
+from silverrec.publish.logs import Logs
+from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec, _csr, _mlp
 
 
 class ItemTower(nn.Module):
@@ -122,3 +123,21 @@ def target_log_q(target_rows: np.ndarray, num_items: int) -> torch.Tensor:
     """float32 [N]: log of each item's share of the training targets (add-one smoothed)."""
     counts = np.bincount(target_rows, minlength=num_items).astype(np.float64) + 1.0
     return torch.from_numpy(np.log(counts / counts.sum()).astype(np.float32))
+
+
+def user_side(logs: Logs, users: np.ndarray) -> tuple[list[dict], list[dict]]:
+    """Per user index: its categorical and numeric features as the encoder takes them."""
+    cats = [{g: lists[u] for g, lists in logs.user_features.items()} for u in users]
+    nums = [{g: float(x[u]) for g, x in logs.user_numeric.items()} for u in users]
+    return cats, nums
+
+
+def user_embeddings(user: nn.Module, encoder: FeatureEncoder, logs: Logs, users: np.ndarray,
+                    histories: list[np.ndarray], batch: int = 512) -> torch.Tensor:
+    """Either user tower's embeddings of `users` (indices into logs) with these histories: float32
+    [len(users), T, D], in batches of `batch`."""
+    out = []
+    for s in range(0, len(users), batch):
+        sl = slice(s, s + batch)
+        out.append(user(*encoder.encode(histories[sl], *user_side(logs, users[sl]))))
+    return torch.cat(out)
