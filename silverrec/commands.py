@@ -236,20 +236,23 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def serve_config(args: argparse.Namespace):
     """The ServeConfig of `silverrec serve`'s flags. Without --workers: the process count `silverrec
-    tune` chose (the tune file's "processes"), else one per core; the tune file's batch-worker table
+    tune` chose (the tune file's "processes"), else one per core; without --max-batch / --max-wait-ms:
+    the largest batch and the window tune chose, else 64 and 0; the tune file's batch-worker table
     applies unless --batch-workers or --threads is given (or --tune names the file)."""
     from silverrec.serving.app import ServeConfig
     from silverrec.serving.processes import default_processes
     from silverrec.serving.reload import read_token
-    from silverrec.serving.tune import default_tune_path, tuned_processes
+    from silverrec.serving.tune import default_tune_path, tuned
 
     sibling = default_tune_path(args.snapshot)
     found = args.tune or (str(sibling) if sibling.is_file() else None)
     tune_file = args.tune
     if tune_file is None and args.batch_workers is None and args.threads is None:
         tune_file = found
-    processes = args.workers or (1 if args.sharded else tuned_processes(found) or default_processes())
-    return ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+    processes = args.workers or (1 if args.sharded else tuned(found, "processes") or default_processes())
+    max_batch = args.max_batch if args.max_batch is not None else tuned(found, "max_batch") or 64
+    max_wait_ms = args.max_wait_ms if args.max_wait_ms is not None else tuned(found, "max_wait_ms") or 0.0
+    return ServeConfig(host=args.host, port=args.port, max_batch=max_batch, max_wait_ms=max_wait_ms,
                        max_queue=args.max_queue, processes=processes, batch_workers=args.batch_workers,
                        threads=args.threads, max_body_bytes=args.max_body_bytes, deadline_ms=args.deadline_ms,
                        admin_token=read_token(args.admin_token_file), tune_file=tune_file, device=args.device)
@@ -290,8 +293,17 @@ def _tune(args: argparse.Namespace) -> int:
             processes = (0,)
         if any(n < 1 for n in processes):
             raise SilverrecError(f"--processes must list positive ints (or be empty), got {args.processes!r}")
+    requests = None
+    if args.requests is not None:
+        try:
+            requests = [json.loads(line) for line in Path(args.requests).read_text().splitlines() if line.strip()]
+        except (OSError, ValueError) as e:
+            raise SilverrecError(f"cannot read --requests {args.requests}: {type(e).__name__}: {e}") from None
+        if not requests or not all(isinstance(r, dict) for r in requests):
+            raise SilverrecError(f"--requests {args.requests} must hold one JSON object a line")
     tune(args.snapshot, args.out, seconds=args.seconds, levels=levels, max_batch=args.max_batch,
-         max_wait_ms=args.max_wait_ms, processes=processes, log=lambda s: print(s, file=sys.stderr))
+         max_wait_ms=args.max_wait_ms, processes=processes, requests=requests,
+         log=lambda s: print(s, file=sys.stderr))
     return 0
 
 
@@ -346,10 +358,11 @@ def add_runtime_parsers(sub) -> None:
     s.add_argument("snapshot")
     s.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs an admin token)")
     s.add_argument("--port", type=int, default=8080, help="0 = an ephemeral port (printed)")
-    s.add_argument("--max-batch", dest="max_batch", type=int, default=64, help="requests per batch (default 64)")
-    s.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, default=0.0,
+    s.add_argument("--max-batch", dest="max_batch", type=int, default=None,
+                   help="requests per batch (default: the largest batch silverrec tune chose, else 64)")
+    s.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, default=None,
                    help="beside a busy batch worker, how long a free one may hold a short queue for a fuller batch "
-                        "(default 0: a request runs at once when a worker is free)")
+                        "(default: the window silverrec tune chose, else 0: a request runs at once when a worker is free)")
     s.add_argument("--max-queue", dest="max_queue", type=int, default=1024, help="queued requests before 503 (default 1024)")
     s.add_argument("--workers", type=int, default=None,
                    help="server processes sharing the port, each with its own copy of the snapshot "
@@ -385,6 +398,11 @@ def add_runtime_parsers(sub) -> None:
     t.add_argument("--processes", default=None,
                    help="server process counts to compare over HTTP with wrk, e.g. 1,2 (default: 1 and one per core; "
                         "'' skips)")
-    t.add_argument("--max-batch", dest="max_batch", type=int, default=64)
-    t.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, default=0.0)
+    t.add_argument("--max-batch", dest="max_batch", type=int, default=64,
+                   help="the largest batch size timed (default 64); tune keeps the size that pays, 1 if none")
+    t.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, default=None,
+                   help="a fixed batch window (default: measured where it acts)")
+    t.add_argument("--requests", default=None,
+                   help="sample request bodies, one JSON object a line, standing for the served traffic "
+                        "(default: generated ones)")
     t.set_defaults(func=_tune)

@@ -335,6 +335,50 @@ def test_batcher_isolates_a_failing_request():
     assert first == "FIRST" and a == "A" and isinstance(bad, QueryError)
 
 
+def test_batcher_resolves_every_future_with_its_own_answer_waking_the_loop_once_per_batch():
+    """Jobs of four keys from 64 concurrent submitters, through two workers: every job gets the answer
+    computed from its own payload, or its own error (a payload refused alone, a key whose group raises),
+    and the event loop is woken from the workers once per batch, not once per job."""
+    batches = []
+
+    def run_group(key, payloads):
+        batches.append((key, list(payloads)))
+        time.sleep(0.002)  # let jobs queue behind the busy workers, so batches hold several
+        if key == "broken":
+            raise RuntimeError(f"group {key} failed")
+        return [ValueError(f"odd {p}") if p % 2 else (key, p * 10) for p in payloads]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakes, wake = [], loop.call_soon_threadsafe
+
+        def counting(*args, **kw):
+            if threading.current_thread().name.startswith("silverrec-batch"):
+                wakes.append(1)
+            return wake(*args, **kw)
+
+        loop.call_soon_threadsafe = counting
+        dispatched = []
+        b = Batcher(run_group, max_batch=8, max_wait_ms=0, workers=2, on_batch=dispatched.append)
+        await b.start()
+        jobs = [(("a", "b", "c", "broken")[i % 4], i) for i in range(64)]
+        res = await asyncio.gather(*(b.submit(k, p) for k, p in jobs), return_exceptions=True)
+        await b.stop()
+        return jobs, res, len(wakes), dispatched
+
+    jobs, res, wakes, dispatched = asyncio.run(main())
+    for (key, p), r in zip(jobs, res):
+        if key == "broken":
+            assert isinstance(r, RuntimeError) and str(r) == "group broken failed"
+        elif p % 2:
+            assert isinstance(r, ValueError) and str(r) == f"odd {p}"
+        else:
+            assert r == (key, p * 10)
+    assert sorted(p for _, ps in batches for p in ps) == list(range(64))  # each job computed once
+    assert sum(dispatched) == 64 and max(dispatched) > 1  # the queue formed batches
+    assert wakes == len(dispatched)  # one wake per batch, shared by its groups (one run_group call each)
+
+
 # ------------------------------------------------------------------------------------ reload
 
 def test_reload_under_load_loses_no_request(snaps, monkeypatch):
@@ -530,8 +574,18 @@ def test_tune_writes_a_table_serve_reads(snaps, tmp_path):
     out = tmp_path / "t.json"
     table = tune(snaps["v1"], out, seconds=0.05, workers=(1, 2), threads=(1,), levels=(1, 8), processes=(),
                  log=lambda s: None)
-    assert [r["concurrency"] for r in table["best"]] == [1, 8] and len(table["results"]) == 4
+    assert [r["concurrency"] for r in table["best"]] == [1, 8]
     assert table["processes"] is None and table["process_results"] == []
+    sizes = [r["batch"] for r in table["batch_results"]]
+    assert sizes == [1, 2, 4, 8, 16, 32, 64] and table["max_batch"] in sizes
+    from silverrec.serving.tune import choose_max_batch
+    assert table["max_batch"] == choose_max_batch(table["batch_results"])
+    # the window is measured (none and the time of one request alone) only where it acts: two batch
+    # workers and a largest batch above 1
+    windows = sorted({r["max_wait_ms"] for r in table["results"]})
+    assert windows == ([0.0] if table["max_batch"] == 1 else [0.0, round(table["batch_results"][0]["ms_per_request"], 3)])
+    assert all(r["max_wait_ms"] == 0.0 for r in table["results"] if r["batch_workers"] == 1)
+    assert len(table["results"]) == 2 * (len(windows) + 1) and table["max_wait_ms"] in windows
     policy = TunePolicy.from_file(out)
     assert policy(0) == policy(1) and policy(100) == (table["best"][1]["batch_workers"], table["best"][1]["threads"])
     run = start_in_thread(snaps["v1"], ServeConfig(port=0, tune_file=str(out)))
@@ -544,16 +598,49 @@ def test_tune_writes_a_table_serve_reads(snaps, tmp_path):
         TunePolicy.from_file(tmp_path / "broken.json")
 
 
-def test_choose_processes_takes_the_best_relative_throughput_over_the_levels():
-    from silverrec.serving.tune import choose_processes
+def test_best_on_average_takes_the_best_relative_throughput_over_the_levels():
+    from silverrec.serving.tune import best_on_average
 
     rows = [{"processes": 1, "concurrency": 1, "throughput": 100.0}, {"processes": 2, "concurrency": 1, "throughput": 90.0},
             {"processes": 1, "concurrency": 64, "throughput": 500.0}, {"processes": 2, "concurrency": 64, "throughput": 900.0}]
-    assert choose_processes(rows) == 2  # (1.0 + 0.556) / 2 against (0.9 + 1.0) / 2
+    assert best_on_average(rows, "processes") == 2  # (1.0 + 0.556) / 2 against (0.9 + 1.0) / 2
     rows[1]["throughput"], rows[3]["throughput"] = 50.0, 500.0
-    assert choose_processes(rows) == 1  # behind at c 1, tied at c 64
+    assert best_on_average(rows, "processes") == 1  # behind at c 1, tied at c 64
     tie = [{"processes": n, "concurrency": 1, "throughput": 10.0} for n in (4, 2, 1)]
-    assert choose_processes(tie) == 1  # the fewer processes on a tie
+    assert best_on_average(tie, "processes") == 1  # the fewer processes on a tie
+    # several settings per (window, level): the best of them stands for the window at that level
+    windows = [{"max_wait_ms": 0.0, "concurrency": 4, "throughput": 300.0},
+               {"max_wait_ms": 0.0, "concurrency": 4, "throughput": 400.0},
+               {"max_wait_ms": 0.5, "concurrency": 4, "throughput": 380.0},
+               {"max_wait_ms": 0.0, "concurrency": 64, "throughput": 600.0},
+               {"max_wait_ms": 0.5, "concurrency": 64, "throughput": 660.0}]
+    assert best_on_average(windows, "max_wait_ms") == 0.5  # (0.95 + 1.0) / 2 against (1.0 + 0.909) / 2
+    windows[2]["throughput"] = 320.0
+    assert best_on_average(windows, "max_wait_ms") == 0.0  # (0.8 + 1.0) / 2 against (1.0 + 0.909) / 2
+
+
+def test_choose_max_batch_keeps_the_cheapest_size_that_no_smaller_size_makes_dearer_than_alone():
+    from silverrec.serving.tune import batch_sizes, choose_max_batch
+
+    def rows(*ms):
+        return [{"batch": b, "ms_per_request": m} for b, m in zip(batch_sizes(64), ms)]
+
+    assert batch_sizes(64) == (1, 2, 4, 8, 16, 32, 64) and batch_sizes(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert batch_sizes(1) == (1,)
+    # recommend-like: every size cheaper per request than alone, the cheapest at 64
+    assert choose_max_batch(rows(1.0, 0.6, 0.4, 0.3, 0.25, 0.22, 0.20)) == 64
+    # the cheapest in the middle: batches of 64 would cost more per request than batches of 16
+    assert choose_max_batch(rows(1.0, 0.6, 0.4, 0.3, 0.25, 0.27, 0.29)) == 16
+    # the filtered search measured: 0.7 ms alone, 1.0-1.8 ms per request in batches: batching does not pay
+    assert choose_max_batch(rows(0.7, 0.9, 1.0, 1.2, 1.5, 1.7, 1.8)) == 1
+    # batch 4 dearer than alone: a limit of 64 would form batches of 4 under some load, so the cheap
+    # sizes beyond it are not taken; 2 is the cheapest size before it
+    assert choose_max_batch(rows(1.0, 0.9, 1.1, 0.5, 0.4, 0.3, 0.2)) == 2
+    # equal to alone is not dearer; the smaller size on a tie
+    assert choose_max_batch(rows(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)) == 1
+    assert choose_max_batch(rows(1.0, 0.5, 0.5, 1.0, 2.0, 0.1, 0.1)) == 2
+    with pytest.raises(SilverrecError, match="cost of a request alone"):
+        choose_max_batch([{"batch": 2, "ms_per_request": 0.5}])
 
 
 def serve_args(*argv):
@@ -582,6 +669,28 @@ def test_serve_starts_the_process_count_tune_chose(snaps, tmp_path):
     default_tune_path(snap).write_text(json.dumps({"processes": 0, "best": rows}))
     with pytest.raises(SilverrecError, match="processes must be a positive int, got 0"):
         serve_args(snap)
+
+
+def test_serve_takes_the_largest_batch_and_window_tune_chose(snaps, tmp_path):
+    from silverrec.serving.tune import default_tune_path
+
+    snap = tmp_path / "snap"
+    shutil.copytree(snaps["v1"], snap)
+    config = serve_args(snap)  # no tune file: batches of up to 64, no window
+    assert (config.max_batch, config.max_wait_ms) == (64, 0.0)
+    rows = [{"concurrency": 1, "batch_workers": 1, "threads": 1}]
+    default_tune_path(snap).write_text(json.dumps({"max_batch": 1, "max_wait_ms": 0.4, "best": rows}))
+    config = serve_args(snap)
+    assert (config.max_batch, config.max_wait_ms) == (1, 0.4)
+    config = serve_args(snap, "--max-batch", 8, "--max-wait-ms", 0)  # the flags win
+    assert (config.max_batch, config.max_wait_ms) == (8, 0.0)
+    assert serve_args(snap, "--batch-workers", 2).max_batch == 1  # the table is not applied, the batch still is
+    for bad, message in (({"max_batch": 0}, "max_batch must be a positive int, got 0"),
+                         ({"max_batch": 2.5}, "max_batch must be a positive int, got 2.5"),
+                         ({"max_wait_ms": -1}, "max_wait_ms must be a number >= 0, got -1")):
+        default_tune_path(snap).write_text(json.dumps({**bad, "best": rows}))
+        with pytest.raises(SilverrecError, match=re.escape(message)):
+            serve_args(snap)
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk (Debian's package) drives the servers")

@@ -13,7 +13,10 @@ workers, a free worker beside a busy one may hold a short queue open for up to `
 its oldest job's arrival) to let a fuller batch form; the window bounds that wait and is never a
 minimum (0 = never hold). A batch drops the jobs whose deadline passed (`DeadlineExceeded`, before
 any compute), groups the rest by key and calls `run_group(key, payloads) -> results` once per group
-in a worker thread. Jobs with the same key can share one forward call (the server's key,
+in a worker thread. A finished batch wakes the event loop once (one call_soon_threadsafe that
+resolves every future of the batch): the hand-off between the loop and the worker threads is the
+largest cost of a request beside its forward, so it is paid per batch, not per request and not
+through concurrent.futures' per-call future, lock and chained callbacks. Jobs with the same key can share one forward call (the server's key,
 served.GroupKey: the snapshot version and options); `run_group` returns one result per payload in
 order (an exception instance in place of a result fails that job alone), or raises. A `QueryError`
 raised by a group is isolated by re-running each of its payloads alone, so one bad request never
@@ -30,8 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional, Sequence
@@ -104,15 +108,21 @@ class Batcher:
         self._closing = False
         self._kick: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._loop_ref: Optional[asyncio.AbstractEventLoop] = None
+        self._batches: "queue.SimpleQueue[Optional[tuple[list[Job], Optional[int]]]]" = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
         self._max_workers = max(workers, 1)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, max_workers: Optional[int] = None) -> None:
         self._max_workers = max(self.workers, max_workers or 1)
-        self._executor = concurrent.futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="silverrec-batch")
+        self._loop_ref = asyncio.get_running_loop()
+        self._threads = [threading.Thread(target=self._work, name=f"silverrec-batch-{i}", daemon=True)
+                         for i in range(self._max_workers)]
+        for t in self._threads:
+            t.start()
         self._kick = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._task = self._loop_ref.create_task(self._loop())
 
     async def stop(self) -> None:
         """Take no new jobs, compute every queued one, wait for running batches, then stop."""
@@ -121,8 +131,11 @@ class Batcher:
             self._kick.set()
         if self._task is not None:
             await self._task
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        for _ in self._threads:
+            self._batches.put(None)
+        for t in self._threads:  # idle: every batch has finished
+            t.join()
+        self._threads = []
 
     @property
     def queue_depth(self) -> int:
@@ -190,8 +203,7 @@ class Batcher:
                 self._busy += 1
                 if self.on_batch is not None:
                     self.on_batch(len(batch))
-                fut = asyncio.get_running_loop().run_in_executor(self._executor, self._execute, batch, threads)
-                fut.add_done_callback(lambda f, batch=batch: self._finish(batch, f))
+                self._batches.put((batch, threads))  # a worker thread is free: _busy < workers <= threads
         return None
 
     async def _loop(self) -> None:
@@ -215,6 +227,22 @@ class Batcher:
                 continue
             batch.append(job)
         return batch
+
+    def _work(self) -> None:
+        """Worker thread: compute batches until stopped; each finished batch wakes the loop once."""
+        while True:
+            item = self._batches.get()
+            if item is None:
+                return
+            batch, threads = item
+            try:
+                results: Any = self._execute(batch, threads)
+            except BaseException as e:  # noqa: BLE001  (handed to every job of the batch)
+                results = e
+            try:
+                self._loop_ref.call_soon_threadsafe(self._finish, batch, results)
+            except RuntimeError:  # the event loop is closed: nobody waits for these jobs any more
+                return
 
     def _execute(self, batch: list[Job], threads: Optional[int]) -> list[tuple[bool, Any]]:
         """Worker thread: group by key, one run_group call per group. -> (ok, result or exception) per job."""
@@ -244,21 +272,21 @@ class Batcher:
         except Exception as e:  # noqa: BLE001  (handed to each waiting request)
             return [(False, e)] * len(payloads)
 
-    def _finish(self, batch: list[Job], fut: asyncio.Future) -> None:
+    def _finish(self, batch: list[Job], results: "list[tuple[bool, Any]] | BaseException") -> None:
+        """On the event loop, once per batch: free its worker, start what queued, resolve every job."""
         self._busy -= 1
         self._pump()
         self._kick.set()
-        exc = fut.exception()
         for i, job in enumerate(batch):
             if job.future.done():
                 continue
             if job.abandoned:
                 job.future.cancel()
                 continue
-            if exc is not None:
-                job.future.set_exception(exc)
+            if isinstance(results, BaseException):
+                job.future.set_exception(results)
                 continue
-            ok, value = fut.result()[i]
+            ok, value = results[i]
             if ok:
                 job.future.set_result(value)
             else:

@@ -55,7 +55,8 @@ def bind(host: str, port: int, reuse_port: bool = False, listen: bool = True) ->
     so that several processes bind the same port and the kernel spreads connections over them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then (without it,
-    # Nagle + delayed ACK add ~40 ms to every response that is written in two parts)
+    # Nagle's algorithm holds back the second part of a response written in two parts until the
+    # client acknowledges the first, and the client delays that ACK by its delayed-ACK timer)
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:

@@ -1,8 +1,18 @@
-"""`silverrec tune DIR`: how many server processes, and which (batch workers, intra-op threads) in
-each, serve a snapshot best.
+"""`silverrec tune DIR`: the largest batch, how many server processes, and which (batch workers,
+intra-op threads, batch window) in each, serve a snapshot best.
 
     $ silverrec tune snapshots/v1 --seconds 1          # writes snapshots/v1.tune.json
     $ silverrec serve snapshots/v1                      # reads it (or --tune FILE)
+
+Largest batch (`serve --max-batch`): first, in this process at one thread, one forward call over b
+sample requests is timed for b = 1, 2, 4, ... up to `max_batch` (the sizes in turn, the order
+reversed every round, the median per size over the rounds) -> ms per request at each size. Under
+load the batcher forms batches of every size up to its limit (whatever has queued), so a limit
+pays only if no size up to it costs more per request than a request alone: kept is the cheapest
+size per request among the sizes up to the first that costs more than one alone (1 when batching
+does not pay: every size above 1 dearer, as on a filtered search whose batched path costs more per
+row than its single query). serve applies it unless --max-batch is given. The sizes between two
+measured powers of two are taken to cost as those around them.
 
 Processes (`serve --workers N`): `silverrec serve DIR --workers N` is started for every N of
 `processes` (default 1 and one per core) and driven over HTTP by wrk (serving/loadgen.py) at every
@@ -21,10 +31,15 @@ wires them) in this process, with real request validation and forward calls but 
 cost is the same for every setting and would only add noise on a 2-core machine). Measured:
 throughput (requests/s) and p50/p99 latency. The best setting per level: among the settings within
 5% of the level's best throughput, the one with the lowest p99. `serve` applies the row of the
-largest measured concurrency <= the requests in flight, in each of its processes.
+largest measured concurrency <= the requests in flight, in each of its processes. The batch window
+(`serve --max-wait-ms`, how long a free batch worker beside a busy one may hold a short queue) acts
+only with more than one batch worker and a largest batch above 1: then each setting is measured
+with no window and with the time of one request alone, and the window with the highest throughput
+relative to each level's best, averaged over the levels, is kept (none on a tie); else none.
 
-Bounded: process counts x levels x `seconds` (at least 1 s each, wrk's unit) plus a start per count,
-then settings x levels x `seconds`, plus a short warm-up each.
+Bounded: batch sizes x `seconds`, then process counts x levels x `seconds` (at least 1 s each, wrk's
+unit) plus a start per count, then settings (x 2 windows) x levels x `seconds`, plus a short warm-up
+each.
 """
 
 from __future__ import annotations
@@ -48,6 +63,7 @@ from silverrec.serving.schemas import request_models
 from silverrec.serving.served import Served, load_served, run_group
 
 LEVELS = (1, 4, 16, 64)
+MIN_ROUNDS = 3  # rounds of the batch sizes, at least, for a median per size
 
 
 class TunePolicy:
@@ -80,18 +96,22 @@ class TunePolicy:
         return row["batch_workers"], row["threads"]
 
 
-def tuned_processes(path: Optional[str | os.PathLike]) -> Optional[int]:
-    """The server process count `silverrec tune` chose (its file's "processes"), None if it chose none."""
+def tuned(path: Optional[str | os.PathLike], name: str) -> Optional[int | float]:
+    """A server setting `silverrec tune` chose, None if it chose none (or there is no file): "processes"
+    or "max_batch" (positive ints), "max_wait_ms" (a number >= 0)."""
     if path is None:
         return None
     try:
-        value = json.loads(Path(path).read_text()).get("processes")
+        value = json.loads(Path(path).read_text()).get(name)
     except (OSError, ValueError, AttributeError) as e:
         raise SilverrecError(f"cannot read tune file {path}: {type(e).__name__}: {e}") from None
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise SilverrecError(f"tune file {path}: processes must be a positive int, got {value!r}")
+    if name == "max_wait_ms":
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+            raise SilverrecError(f"tune file {path}: max_wait_ms must be a number >= 0, got {value!r}")
+    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SilverrecError(f"tune file {path}: {name} must be a positive int, got {value!r}")
     return value
 
 
@@ -113,6 +133,16 @@ def sample_bodies(served, n: int, seed: int = 0) -> list[Any]:
         ids = served.handler.row_to_item
         return [RecommendBody(history=[int(x) for x in rng.choice(ids, 10)], k=10) for _ in range(n)]
     raise SilverrecError(f"cannot tune a {served.kind!r} snapshot")
+
+
+def request_bodies(served, requests: list[dict]) -> list[Any]:
+    """The given request bodies (dicts, the JSON of the route the snapshot answers) as the route's models."""
+    models = request_models()
+    model = models.SearchBody if served.answers == "search" else models.RecommendBody
+    try:
+        return [model.model_validate(r) for r in requests]
+    except ValueError as e:
+        raise SilverrecError(f"tune's sample requests do not fit the route's body: {e}") from None
 
 
 async def closed_loop(served: Served, batcher: Batcher, bodies: list[Any], prepare: str, concurrency: int,
@@ -170,28 +200,100 @@ def measure_processes(snapshot: str | os.PathLike, counts: tuple[int, ...], leve
     return rows
 
 
-def choose_processes(rows: list[dict[str, Any]]) -> int:
-    """The process count with the highest throughput relative to each level's best, averaged over the
-    levels; the fewer processes on a tie."""
-    best = {}
+def best_on_average(rows: list[dict[str, Any]], name: str):
+    """The value of `name` (e.g. "processes") whose throughput relative to each concurrency level's best,
+    averaged over the levels, is highest; the smallest value on a tie. `rows`: one per (value, level)
+    with "concurrency" and "throughput" (several per pair: the best of them counts)."""
+    top: dict[tuple, float] = {}
     for r in rows:
-        best[r["concurrency"]] = max(best.get(r["concurrency"], 0.0), r["throughput"])
-    score = {}
+        pair = (r[name], r["concurrency"])
+        top[pair] = max(top.get(pair, 0.0), r["throughput"])
+    best: dict[int, float] = {}
+    for (_, c), t in top.items():
+        best[c] = max(best.get(c, 0.0), t)
+    score: dict[Any, list[float]] = {}
+    for (value, c), t in top.items():
+        score.setdefault(value, []).append(t / best[c] if best[c] else 0.0)
+    return max(sorted(score), key=lambda v: sum(score[v]) / len(score[v]))
+
+
+def batch_sizes(largest: int) -> tuple[int, ...]:
+    """The batch sizes tune times: 1, 2, 4, ... below `largest`, then `largest`."""
+    if largest < 1:
+        raise SilverrecError(f"max_batch must be >= 1, got {largest}")
+    sizes, b = [], 1
+    while b < largest:
+        sizes.append(b)
+        b *= 2
+    return tuple(sizes + [largest])
+
+
+def measure_batches(served: Served, bodies: list[Any], prepare: str, sizes: tuple[int, ...], seconds: float,
+                    log=print) -> list[dict[str, Any]]:
+    """One forward call (the batcher's run_group) over b of the sample requests, for each b in `sizes`,
+    the sizes in turn for at least `seconds` each and MIN_ROUNDS rounds, the order reversed every round
+    -> one row per size: {"batch", "ms_per_request" (the median over the rounds), "rounds"}. The
+    requests are those of the samples' most common group (the same options), repeated to the size."""
+    prepared = [getattr(served, prepare)(body) for body in bodies]
+    groups: dict[Any, list[Any]] = {}
+    for key, payload in prepared:
+        groups.setdefault(key, []).append(payload)
+    key, payloads = max(groups.items(), key=lambda kv: len(kv[1]))
+    payloads = [payloads[i % len(payloads)] for i in range(max(sizes))]
+    times: dict[int, list[float]] = {b: [] for b in sizes}
+    run_group(key, payloads[:max(sizes)])  # warm-up
+    stop, rounds = time.perf_counter() + seconds * len(sizes), 0
+    while rounds < MIN_ROUNDS or time.perf_counter() < stop:
+        for b in (sizes if rounds % 2 == 0 else sizes[::-1]):
+            t0 = time.perf_counter()
+            run_group(key, payloads[:b])
+            times[b].append((time.perf_counter() - t0) * 1000 / b)
+        rounds += 1
+    rows = [{"batch": b, "ms_per_request": float(np.median(times[b])), "rounds": rounds} for b in sizes]
     for r in rows:
-        score.setdefault(r["processes"], []).append(r["throughput"] / best[r["concurrency"]] if best[r["concurrency"]] else 0.0)
-    return max(sorted(score), key=lambda n: sum(score[n]) / len(score[n]))
+        log(f"tune: batch {r['batch']:3d}: {r['ms_per_request']:7.3f} ms per request (median of {rounds} rounds)")
+    return rows
+
+
+def choose_max_batch(rows: list[dict[str, Any]]) -> int:
+    """The largest batch for the server: the size with the lowest ms per request among the sizes up to
+    the first that costs more per request than a request alone (under load the batcher forms every
+    size up to its limit); the smaller on a tie; 1 when no size above 1 is cheaper than one alone.
+    `rows`: measure_batches' rows, one of them batch 1."""
+    rows = sorted(rows, key=lambda r: r["batch"])
+    if not rows or rows[0]["batch"] != 1:
+        raise SilverrecError("choosing a batch size needs the cost of a request alone (batch 1)")
+    alone = rows[0]["ms_per_request"]
+    paying = []
+    for r in rows:
+        if r["ms_per_request"] > alone:
+            break
+        paying.append(r)
+    return min(paying, key=lambda r: (r["ms_per_request"], r["batch"]))["batch"]
 
 
 def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, seconds: float = 1.0,
          workers: Optional[tuple[int, ...]] = None, threads: Optional[tuple[int, ...]] = None,
-         levels: tuple[int, ...] = LEVELS, max_batch: int = 64, max_wait_ms: float = 0.0,
-         processes: Optional[tuple[int, ...]] = None, log=print) -> dict[str, Any]:
-    """Measure the server process counts `processes` over HTTP (default 1 and one per core, when wrk is
-    on PATH; () skips), then every (batch workers `workers`, threads) in-process (default 1 and the
-    cores of one process's share, each) at every concurrency level; write and return the table."""
+         levels: tuple[int, ...] = LEVELS, max_batch: int = 64, max_wait_ms: Optional[float] = None,
+         processes: Optional[tuple[int, ...]] = None, requests: Optional[list[dict]] = None,
+         log=print) -> dict[str, Any]:
+    """Choose the largest batch (the sizes up to `max_batch` timed in-process), then measure the server
+    process counts `processes` over HTTP (default 1 and one per core, when wrk is on PATH; () skips),
+    then every (batch workers `workers`, threads) in-process (default 1 and the cores of one process's
+    share, each), with the batch window (`max_wait_ms`; None: measured where it acts), at every
+    concurrency level; write and return the table. `requests`: sample request bodies (the JSON of the
+    route the snapshot answers) standing for the served traffic; default: generated ones."""
     served = load_served(snapshot)
     prepare = "prepare_search" if served.answers == "search" else "prepare_recommend"
-    bodies = sample_bodies(served, 512)
+    bodies = request_bodies(served, requests) if requests else sample_bodies(served, 512)
+    default_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        batch_rows = measure_batches(served, bodies, prepare, batch_sizes(max_batch), min(seconds, 1.0), log)
+    finally:
+        torch.set_num_threads(default_threads)
+    chosen_batch = choose_max_batch(batch_rows)
+    log(f"tune: largest batch {chosen_batch} (serve --max-batch {chosen_batch})")
     process_rows, chosen, skipped = [], None, None
     if processes is None:
         processes = tuple(sorted({1, cores()}))
@@ -203,48 +305,58 @@ def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, s
     elif processes:
         route = "/v1/search" if served.answers == "search" else "/v1/recommend"
         raw = [b.model_dump_json(exclude_unset=True).encode() for b in bodies]
-        process_rows = measure_processes(snapshot, tuple(processes), levels, seconds, route, raw, max_batch,
-                                         max_wait_ms, log)
-        chosen = choose_processes(process_rows)
+        process_rows = measure_processes(snapshot, tuple(processes), levels, seconds, route, raw, chosen_batch,
+                                         max_wait_ms or 0.0, log)
+        chosen = best_on_average(process_rows, "processes")
         log(f"tune: {chosen} server process{'es' if chosen > 1 else ''} (serve --workers {chosen})")
     share = max(1, cores() // (chosen or 1))
     workers = workers or tuple(sorted({1, share}))
     threads = threads or tuple(sorted({1, share}))
+    if max_wait_ms is not None:
+        windows = (float(max_wait_ms),)
+    elif chosen_batch > 1 and max(workers) > 1:  # the window acts: a free worker beside a busy one
+        windows = (0.0, round(batch_rows[0]["ms_per_request"], 3))
+    else:
+        windows = (0.0,)
     results = []
 
-    async def run_setting(w: int, t: int):
-        batcher = Batcher(run_group, max_batch=max_batch, max_wait_ms=max_wait_ms, workers=w, threads=t)
+    async def run_setting(w: int, t: int, window: float):
+        batcher = Batcher(run_group, max_batch=chosen_batch, max_wait_ms=window, workers=w, threads=t)
         torch.set_num_threads(t)
         await batcher.start()
         try:
             await closed_loop(served, batcher, bodies, prepare, max(levels), min(0.3, seconds))  # warm-up
             for c in levels:
-                row = {"batch_workers": w, "threads": t, "concurrency": c,
+                row = {"batch_workers": w, "threads": t, "max_wait_ms": window, "concurrency": c,
                        **await closed_loop(served, batcher, bodies, prepare, c, seconds)}
                 results.append(row)
-                log(f"tune: batch workers {w} threads {t} concurrency {c:3d}: {row['throughput']:8.1f} req/s, "
-                    f"p50 {row['p50_ms']:7.2f} ms, p99 {row['p99_ms']:7.2f} ms")
+                log(f"tune: batch workers {w} threads {t} window {window:g} ms concurrency {c:3d}: "
+                    f"{row['throughput']:8.1f} req/s, p50 {row['p50_ms']:7.2f} ms, p99 {row['p99_ms']:7.2f} ms")
         finally:
             await batcher.stop()
 
-    default_threads = torch.get_num_threads()
     try:
         for w in workers:
             for t in threads:
-                asyncio.run(run_setting(w, t))
+                for window in windows:
+                    if window == 0 or w > 1:  # one worker never holds a queue: the window cannot act
+                        asyncio.run(run_setting(w, t, window))
     finally:
         torch.set_num_threads(default_threads)
+    chosen_window = best_on_average(results, "max_wait_ms")
+    log(f"tune: batch window {chosen_window:g} ms (serve --max-wait-ms {chosen_window:g})")
     best = []
     for c in levels:
-        rows = [r for r in results if r["concurrency"] == c]
+        rows = [r for r in results if r["concurrency"] == c and r["max_wait_ms"] == chosen_window]
         top = max(r["throughput"] for r in rows)
         near = [r for r in rows if r["throughput"] >= 0.95 * top]
         pick = min(near, key=lambda r: r["p99_ms"])
         best.append({k: pick[k] for k in ("concurrency", "batch_workers", "threads", "throughput", "p99_ms")})
     table = {"snapshot": str(Path(snapshot).resolve()), "version": served.version, "kind": served.kind,
-             "seconds": seconds, "max_batch": max_batch, "max_wait_ms": max_wait_ms, "cpu_count": os.cpu_count(),
+             "seconds": seconds, "max_batch": chosen_batch, "max_wait_ms": chosen_window, "cpu_count": os.cpu_count(),
              "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-             "processes": chosen, "process_results": process_rows, "results": results, "best": best}
+             "processes": chosen, "batch_results": batch_rows, "process_results": process_rows, "results": results,
+             "best": best}
     if skipped:
         table["processes_skipped"] = skipped
     out = Path(out) if out else default_tune_path(snapshot)
