@@ -643,6 +643,38 @@ def test_choose_max_batch_keeps_the_cheapest_size_that_no_smaller_size_makes_dea
         choose_max_batch([{"batch": 2, "ms_per_request": 0.5}])
 
 
+def test_measure_batches_computes_the_same_requests_at_every_size():
+    from collections import namedtuple
+
+    from silverrec.serving.tune import measure_batches
+
+    Key = namedtuple("Key", "served group")
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def prepare(self, body):
+            return Key(self, "odd" if body == "other" else "main"), body
+
+        def run(self, key, payloads):
+            assert key.group == "main"  # the samples' most common group only
+            self.calls.append(list(payloads))
+            return payloads
+
+    served = Recorder()
+    rows = measure_batches(served, ["other"] + list(range(100)), "prepare", (1, 2, 4, 8), 0.0, log=lambda s: None)
+    assert [r["batch"] for r in rows] == [1, 2, 4, 8] and all(r["rounds"] == 3 and r["ms_per_request"] >= 0 for r in rows)
+    calls = served.calls[1:]  # after the warm-up
+    for rnd in range(3):  # each round: 8 requests, taken in turn from the 100, at every size
+        want = [(rnd * 8 + i) % 100 for i in range(8)]
+        sizes = (1, 2, 4, 8) if rnd % 2 == 0 else (8, 4, 2, 1)  # the order reversed every other round
+        for b in sizes:
+            got, calls = calls[:8 // b], calls[8 // b:]
+            assert [len(c) for c in got] == [b] * (8 // b) and [p for c in got for p in c] == want
+    assert calls == []
+
+
 def serve_args(*argv):
     from silverrec.commands import add_runtime_parsers, serve_config
     import argparse

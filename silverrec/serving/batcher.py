@@ -13,10 +13,11 @@ workers, a free worker beside a busy one may hold a short queue open for up to `
 its oldest job's arrival) to let a fuller batch form; the window bounds that wait and is never a
 minimum (0 = never hold). A batch drops the jobs whose deadline passed (`DeadlineExceeded`, before
 any compute), groups the rest by key and calls `run_group(key, payloads) -> results` once per group
-in a worker thread. A finished batch wakes the event loop once (one call_soon_threadsafe that
-resolves every future of the batch): the hand-off between the loop and the worker threads is the
-largest cost of a request beside its forward, so it is paid per batch, not per request and not
-through concurrent.futures' per-call future, lock and chained callbacks. Jobs with the same key can share one forward call (the server's key,
+in one of the batcher's worker threads. A finished batch wakes the event loop with one
+call_soon_threadsafe whose callback frees the worker, starts what queued and resolves every future
+of the batch: the hand-off between the loop and the workers is a request's largest cost beside its
+forward, so it carries no concurrent.futures future, lock or chained callback and no second turn of
+the loop. Jobs with the same key can share one forward call (the server's key,
 served.GroupKey: the snapshot version and options); `run_group` returns one result per payload in
 order (an exception instance in place of a result fails that job alone), or raises. A `QueryError`
 raised by a group is isolated by re-running each of its payloads alone, so one bad request never

@@ -4,9 +4,10 @@ intra-op threads, batch window) in each, serve a snapshot best.
     $ silverrec tune snapshots/v1 --seconds 1          # writes snapshots/v1.tune.json
     $ silverrec serve snapshots/v1                      # reads it (or --tune FILE)
 
-Largest batch (`serve --max-batch`): first, in this process at one thread, one forward call over b
-sample requests is timed for b = 1, 2, 4, ... up to `max_batch` (the sizes in turn, the order
-reversed every round, the median per size over the rounds) -> ms per request at each size. Under
+Largest batch (`serve --max-batch`): first, in this process at one thread, the same sample requests
+are computed in forward calls of b requests for b = 1, 2, 4, ... up to `max_batch` (the sizes in
+turn, the order reversed every round, the median per size over the rounds) -> CPU ms per request at
+each size (measure_batches). Under
 load the batcher forms batches of every size up to its limit (whatever has queued), so a limit
 pays only if no size up to it costs more per request than a request alone: kept is the cheapest
 size per request among the sizes up to the first that costs more than one alone (1 when batching
@@ -230,28 +231,34 @@ def batch_sizes(largest: int) -> tuple[int, ...]:
 
 def measure_batches(served: Served, bodies: list[Any], prepare: str, sizes: tuple[int, ...], seconds: float,
                     log=print) -> list[dict[str, Any]]:
-    """One forward call (the batcher's run_group) over b of the sample requests, for each b in `sizes`,
-    the sizes in turn for at least `seconds` each and MIN_ROUNDS rounds, the order reversed every round
-    -> one row per size: {"batch", "ms_per_request" (the median over the rounds), "rounds"}. The
-    requests are those of the samples' most common group (the same options), repeated to the size."""
+    """The CPU time per request of the batcher's forward call (run_group) at each batch size in `sizes`,
+    in this process at the caller's torch threads. Every round, every size computes the same
+    max(sizes) sample requests (of the samples' most common group, the same options; taken in turn
+    from round to round) in consecutive batches of that size, the sizes in turn and their order
+    reversed every round; at least MIN_ROUNDS rounds and `seconds` per size. -> one row per size:
+    {"batch", "ms_per_request" (the median over the rounds), "rounds"}. The same requests at every
+    size, since a request's cost depends on it (a filter's selectivity); CPU time, not wall time,
+    since on a shared machine the other jobs take wall time at random."""
     prepared = [getattr(served, prepare)(body) for body in bodies]
     groups: dict[Any, list[Any]] = {}
     for key, payload in prepared:
         groups.setdefault(key, []).append(payload)
-    key, payloads = max(groups.items(), key=lambda kv: len(kv[1]))
-    payloads = [payloads[i % len(payloads)] for i in range(max(sizes))]
+    key, pool = max(groups.items(), key=lambda kv: len(kv[1]))
+    n = max(sizes)
     times: dict[int, list[float]] = {b: [] for b in sizes}
-    run_group(key, payloads[:max(sizes)])  # warm-up
+    run_group(key, pool[:n])  # warm-up
     stop, rounds = time.perf_counter() + seconds * len(sizes), 0
     while rounds < MIN_ROUNDS or time.perf_counter() < stop:
+        requests = [pool[(rounds * n + i) % len(pool)] for i in range(n)]
         for b in (sizes if rounds % 2 == 0 else sizes[::-1]):
-            t0 = time.perf_counter()
-            run_group(key, payloads[:b])
-            times[b].append((time.perf_counter() - t0) * 1000 / b)
+            t0 = time.process_time()
+            for start in range(0, n, b):
+                run_group(key, requests[start:start + b])
+            times[b].append((time.process_time() - t0) * 1000 / n)
         rounds += 1
     rows = [{"batch": b, "ms_per_request": float(np.median(times[b])), "rounds": rounds} for b in sizes]
     for r in rows:
-        log(f"tune: batch {r['batch']:3d}: {r['ms_per_request']:7.3f} ms per request (median of {rounds} rounds)")
+        log(f"tune: batch {r['batch']:3d}: {r['ms_per_request']:7.3f} ms CPU per request (median of {rounds} rounds)")
     return rows
 
 
