@@ -631,7 +631,7 @@ def test_choose_max_batch_keeps_the_cheapest_size_that_no_smaller_size_makes_dea
     assert choose_max_batch(rows(1.0, 0.6, 0.4, 0.3, 0.25, 0.22, 0.20)) == 64
     # the cheapest in the middle: batches of 64 would cost more per request than batches of 16
     assert choose_max_batch(rows(1.0, 0.6, 0.4, 0.3, 0.25, 0.27, 0.29)) == 16
-    # the filtered search measured: 0.7 ms alone, 1.0-1.8 ms per request in batches: batching does not pay
+    # every batch dearer per request than a request alone: batching does not pay
     assert choose_max_batch(rows(0.7, 0.9, 1.0, 1.2, 1.5, 1.7, 1.8)) == 1
     # batch 4 dearer than alone: a limit of 64 would form batches of 4 under some load, so the cheap
     # sizes beyond it are not taken; 2 is the cheapest size before it

@@ -11,8 +11,7 @@ each size (measure_batches). Under
 load the batcher forms batches of every size up to its limit (whatever has queued), so a limit
 pays only if no size up to it costs more per request than a request alone: kept is the cheapest
 size per request among the sizes up to the first that costs more than one alone (1 when batching
-does not pay: every size above 1 dearer, as on a filtered search whose batched path costs more per
-row than its single query). serve applies it unless --max-batch is given. The sizes between two
+does not pay: every size above 1 dearer per request than one alone). serve applies it unless --max-batch is given. The sizes between two
 measured powers of two are taken to cost as those around them.
 
 Processes (`serve --workers N`): `silverrec serve DIR --workers N` is started for every N of
