@@ -725,6 +725,26 @@ def test_serve_takes_the_largest_batch_and_window_tune_chose(snaps, tmp_path):
             serve_args(snap)
 
 
+def test_tune_times_the_requests_it_is_given_and_names_bad_ones(snaps, tmp_path, capsys):
+    from silverrec.cli import main
+
+    q = snaps["queries"]
+    lines = [json.dumps({"queries": [q[i].tolist()], "k": 3}) for i in range(8)]
+    good, out = tmp_path / "requests.jsonl", tmp_path / "t.json"
+    good.write_text("\n".join(lines) + "\n")
+    assert main(["tune", str(snaps["v1"]), "--out", str(out), "--seconds", "0.05", "--concurrency", "1",
+                 "--processes", "", "--requests", str(good)]) == 0
+    table = json.loads(out.read_text())
+    assert [r["batch"] for r in table["batch_results"]] == [1, 2, 4, 8, 16, 32, 64]
+    for text, message in (("{not json", "cannot read --requests"), ("[1, 2]\n", "must hold one JSON object a line"),
+                          (json.dumps({"queries": [[0.1, 0.2]], "k": 3}), "query row 0 has 2 values"),
+                          (json.dumps({"quries": []}), "do not fit the route's body")):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        assert main(["tune", str(snaps["v1"]), "--out", str(out), "--processes", "", "--requests", str(bad)]) == 2
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk (Debian's package) drives the servers")
 def test_tune_measures_server_processes_over_http(snaps, tmp_path):
     from silverrec.serving.tune import tune
