@@ -33,9 +33,10 @@ throughput (requests/s) and p50/p99 latency. The best setting per level: among t
 5% of the level's best throughput, the one with the lowest p99. `serve` applies the row of the
 largest measured concurrency <= the requests in flight, in each of its processes. The batch window
 (`serve --max-wait-ms`, how long a free batch worker beside a busy one may hold a short queue) acts
-only with more than one batch worker and a largest batch above 1: then each setting is measured
-with no window and with the time of one request alone, and the window with the highest throughput
-relative to each level's best, averaged over the levels, is kept (none on a tie); else none.
+only with more than one batch worker and a largest batch above 1: then each such setting is
+measured with no window and with the time of one request alone, and the window with the highest
+throughput relative to each level's best over those settings, averaged over the levels, is kept
+(none on a tie); else none.
 
 Bounded: batch sizes x `seconds`, then process counts x levels x `seconds` (at least 1 s each, wrk's
 unit) plus a start per count, then settings (x 2 windows) x levels x `seconds`, plus a short warm-up
@@ -321,7 +322,7 @@ def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, s
     if max_wait_ms is not None:
         windows = (float(max_wait_ms),)
     elif chosen_batch > 1 and max(workers) > 1:  # the window acts: a free worker beside a busy one
-        windows = (0.0, round(batch_rows[0]["ms_per_request"], 3))
+        windows = tuple(sorted({0.0, round(batch_rows[0]["ms_per_request"], 3)}))
     else:
         windows = (0.0,)
     results = []
@@ -345,15 +346,18 @@ def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, s
         for w in workers:
             for t in threads:
                 for window in windows:
-                    if window == 0 or w > 1:  # one worker never holds a queue: the window cannot act
+                    if w > 1 or window == windows[0]:  # one worker never holds a queue: one window will do
                         asyncio.run(run_setting(w, t, window))
     finally:
         torch.set_num_threads(default_threads)
-    chosen_window = best_on_average(results, "max_wait_ms")
+    # the windows compared where they act (more than one batch worker); one worker's rows stand for any
+    acting = [r for r in results if r["batch_workers"] > 1]
+    chosen_window = best_on_average(acting, "max_wait_ms") if len(windows) > 1 else windows[0]
     log(f"tune: batch window {chosen_window:g} ms (serve --max-wait-ms {chosen_window:g})")
     best = []
     for c in levels:
-        rows = [r for r in results if r["concurrency"] == c and r["max_wait_ms"] == chosen_window]
+        rows = [r for r in results if r["concurrency"] == c and (r["max_wait_ms"] == chosen_window or
+                                                                  r["batch_workers"] == 1)]
         top = max(r["throughput"] for r in rows)
         near = [r for r in rows if r["throughput"] >= 0.95 * top]
         pick = min(near, key=lambda r: r["p99_ms"])
