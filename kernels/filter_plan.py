@@ -25,9 +25,9 @@ more rows than the pool's estimated matches x exact_cost_ratio.
 CPU: one fused C++ call (kernels/csrc/plan.cpp), same float32 arithmetic; a batch routed to posting
 lists or unprobed by its mode computes no centroid scores (on every path, an unprobed query's
 candidate clusters are not evaluated: its bitmask rows are zero). `filter_plan_torch`, the same
-steps as tensor ops with no host synchronisation, is the tests' reference of the other paths. CUDA: `filter_plan_triton.py`, the
-centroid matmul and the candidate sort, then two Triton kernels (one program per query) around the Triton
-`bloom_filter_counts`: 13 launches instead of 74 (benchmarks/cuda_launches.py).
+steps as tensor ops with no host synchronisation, is the tests' reference of the other paths. CUDA: the fused
+search's probe and plan kernels (kernels/probe_triton.py, kernels/search_triton.py `fused_filter_plan`): a memset
+and two launches where the composition issues some eighty (benchmarks/cuda_launches.py).
 """
 
 from __future__ import annotations
@@ -91,10 +91,13 @@ def checked_args(queries, index, params, exact_cost_ratio, program, mode, k, npr
 
 
 def filter_plan_cuda(queries, index, params, exact_cost_ratio, program, mode, k, nprobe, max_probe):
-    """The op on CUDA: kernels/filter_plan_triton.py (tests run it on CPU tensors under TRITON_INTERPRET=1)."""
-    from silverrec.kernels.filter_plan_triton import filter_plan_triton
+    """The op on CUDA: the probe and plan kernels of kernels/search_triton.py (tests run them on CPU tensors under
+    TRITON_INTERPRET=1); more candidates than the probe's merge takes: filter_plan_torch."""
+    from silverrec.kernels.search_triton import fused_filter_plan
 
-    return filter_plan_triton(*checked_args(queries, index, params, exact_cost_ratio, program, mode, k, nprobe, max_probe))
+    args = checked_args(queries, index, params, exact_cost_ratio, program, mode, k, nprobe, max_probe)
+    out = fused_filter_plan(*args)
+    return filter_plan_torch(*args) if out is None else out
 
 
 torch.library.register_kernel("silverrec::filter_plan", "cuda", filter_plan_cuda)

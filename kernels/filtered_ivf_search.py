@@ -184,8 +184,12 @@ def filtered_ivf_search_torch(*args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def filtered_ivf_search_cuda(*args) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op on CUDA: the composition of the ops' CUDA kernels, called without a dispatcher round trip each."""
-    return compose_search(cuda_steps(), *args)
+    """The op on CUDA: the fused kernels (kernels/search_triton.py, five launches); a search beyond their sizes
+    runs as the composition of the ops' CUDA kernels, called without a dispatcher round trip each."""
+    from silverrec.kernels.search_triton import fused_filtered_search
+
+    out = fused_filtered_search(*args)
+    return compose_search(cuda_steps(), *args) if out is None else out
 
 
 def ivf_search_torch(*args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,8 +198,11 @@ def ivf_search_torch(*args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ivf_search_cuda(*args) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain search on CUDA: the ops' CUDA kernels, called directly."""
-    return compose_ivf_search(cuda_steps(), *args)
+    """The plain search on CUDA: the fused kernels (four launches), else the ops' CUDA kernels, called directly."""
+    from silverrec.kernels.search_triton import fused_ivf_search
+
+    out = fused_ivf_search(*args)
+    return compose_ivf_search(cuda_steps(), *args) if out is None else out
 
 
 torch.library.register_kernel("silverrec::filtered_ivf_search", "cuda", filtered_ivf_search_cuda)

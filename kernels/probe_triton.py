@@ -123,8 +123,8 @@ def _probe_kernel(
     tl.debug_barrier()  # this program's list stored before it counts itself done
     if tl.atomic_add(counter_ptr + b, 1, sem="acq_rel") == NT - 1:  # the last tile of query b: merge
         top = merged(part_ptr + b * NT * PB, NT, PB, NTB)
-        j = tl.arange(0, PB)
-        tl.store(cand_ptr + b * P + j, key_row(top), mask=j < P)
+        slot = tl.arange(0, PB)
+        tl.store(cand_ptr + b * P + slot, key_row(top), mask=slot < P)
 
 
 def probe_shapes(C: int, P: int) -> tuple[int, int, int]:

@@ -329,8 +329,8 @@ def _scan_kernel(
         stack = scratch_ptr + (b * S + s) * (L + 1) * TILE_W  # this program's [L + 1, TILE_W]
         scratch = stack + lane
         if route == ROUTE_WHOLE_POOL:  # the program per word, then the 64 rows of each non-zero word
-            for t in range(s, tl.cdiv(W, TILE_W), S):
-                widx = t * TILE_W + lane
+            for tw in range(s, tl.cdiv(W, TILE_W), S):
+                widx = tw * TILE_W + lane
                 words = program_words(bits_ptr, W, vops_ptr, vprog_ptr, g, L, T, widx, widx < W, scratch, TILE_W,
                                       lane >= 0, TILE_W)
                 tl.store(scratch + L * TILE_W, tl.where(widx < W, words, 0))  # slot L: the tile's words
@@ -338,7 +338,7 @@ def _scan_kernel(
                 for w in range(0, TILE_W):
                     word = tl.load(stack + L * TILE_W + w)
                     if word != 0:
-                        rows = (t * TILE_W + w) * 64 + lane
+                        rows = (tw * TILE_W + w) * 64 + lane
                         ok = (((word >> lane) & 1) != 0) & (rows < N)
                         count, thr = _exact_rows(qcode_ptr, codes_ptr, b, rows, ok, D, off_ptr, score_ptr, C, u, whole,
                                                  few_ptr, fewcount_ptr, cbuf, count, thr, RESIDUAL, FEW, CITER, CAP,
@@ -347,8 +347,8 @@ def _scan_kernel(
         else:  # list positions; the program per row
             _, listed = _posting_choice(lists_ptr, post_sizes_ptr, g, tl.load(mode_ptr + g), T2, V, max_cand, BLOCK_T)
             n = tl.minimum(listed, max_cand)
-            for t in range(s, tl.cdiv(n, TILE_W), S):
-                pos = t * TILE_W + lane
+            for tp in range(s, tl.cdiv(n, TILE_W), S):
+                pos = tp * TILE_W + lane
                 rows, ok = _posting_rows(post_rows_ptr, post_off_ptr, lists_ptr, g, pos, pos < n, T2, V, NITER)
                 words = program_words(bits_ptr, W, vops_ptr, vprog_ptr, g, L, T, rows >> 6, ok, scratch, TILE_W,
                                       lane >= 0, TILE_W)
@@ -612,6 +612,20 @@ def plan_triton(queries, ix, pa, exact_cost_ratio: float, program: _Program, per
             PB=triton.next_power_of_2(P),
         )
     return probe, probes, mask, route
+
+
+def fused_filter_plan(queries, index, params, exact_cost_ratio: float, program, mode, k: int, nprobe: int,
+                      max_probe: int):
+    """silverrec::filter_plan in three launches (the memset, the probe, the plan); its arguments checked and
+    normalised (filter_plan.checked_args); None when max_probe is beyond the probe's merge."""
+    if not supported(1, max_probe):
+        return None
+    ix, pa = _index(FilteredIvfTensors(*index)), FilteredIvfParams(*params)
+    B = queries.shape[0]
+    counters = torch.zeros(2 * B, dtype=torch.int32, device=queries.device)
+    _, probes, mask, route = plan_triton(queries, ix, pa, exact_cost_ratio, _Program(Program(*program), mode), 1, k,
+                                         nprobe, max_probe, counters)
+    return probes, mask, route
 
 
 def fused_filtered_search(queries, index, params, exact_cost_ratio: float, program, mode, k: int, nprobe: int,

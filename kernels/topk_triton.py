@@ -43,6 +43,9 @@ def _numpy_sorted(x):
     return tl.core.tensor(TensorHandle(data, x.handle.dtype), x.type)
 
 
+_numpy_sorted.__triton_builtin__ = True  # not a device function: Triton's dependency scan passes it by
+
+
 @triton.jit
 def sort_desc(x):
     """x sorted descending along its last axis (a power of two)."""

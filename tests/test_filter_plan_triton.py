@@ -1,4 +1,5 @@
-"""The Triton filter_plan (TRITON_INTERPRET=1, conftest) makes exactly the C++ op's and filter_plan_torch's decisions.
+"""The CUDA filter_plan (the fused search's probe and plan kernels, kernels/search_triton.py, under TRITON_INTERPRET=1,
+conftest) makes exactly the C++ op's and filter_plan_torch's decisions.
 
 Route, probes and bitmask are compared bit for bit on batches that hit every route (posting lists,
 probed, probed and widened past nprobe, whole pool by either switch), modes 0/1/2, a program that
@@ -22,7 +23,7 @@ from tests.reference_kernels import cpp_and_reference as _both_paths
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's numpy: target = inf
-from silverrec.kernels.filter_plan_triton import filter_plan_triton  # noqa: E402
+from silverrec.kernels.filter_plan import filter_plan_cuda  # noqa: E402
 
 SIZES = [90, 0, 130, 1, 64, 70, 45, 200, 33, 77, 150, 12]  # an empty and a one-row cluster
 R, D = 9, 6
@@ -106,7 +107,7 @@ def test_triton_plan_equals_cpu_and_torch(params, b):
     for got in _both_paths(lambda: torch.ops.silverrec.filter_plan(*inputs)):
         for g_, w in zip(got, want):
             assert torch.equal(g_, w)
-    got = filter_plan_triton(*args)
+    got = filter_plan_cuda(*inputs)
     for name, g_, w in zip(("probes", "bitmask", "route"), got, want):
         assert g_.dtype == w.dtype and torch.equal(g_, w), name
 
@@ -176,7 +177,7 @@ def test_cost_switch_rounds_like_plan_cpp():
     est = np.float32(22) * (np.float32(13) / np.float32(22))
     assert est < 13 < np.float32(22) * (np.float32(1) / np.float32(22) * np.float32(13))
     args = checked_args(*inputs)
-    for _, _, route in (filter_plan_torch(*args), filter_plan_triton(*args), *_both_paths(lambda: torch.ops.silverrec.filter_plan(*inputs))):
+    for _, _, route in (filter_plan_torch(*args), filter_plan_cuda(*inputs), *_both_paths(lambda: torch.ops.silverrec.filter_plan(*inputs))):
         assert route.tolist() == [1]
 
 
@@ -205,12 +206,13 @@ def search_inputs(case, n, k, nprobe, max_probe, match_factor, ratio, limit, res
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("rescore", [False, True])
 def test_search_of_triton_kernels_equals_cpu_op(residual, rescore):
-    """filtered_ivf_search_cuda (every step the op's CUDA kernel: Triton launchers) on CPU tensors == the C++ op,
+    """The composition of the ops' CUDA kernels (filtered_ivf_search_cuda's path beyond the fused kernels' sizes,
+    every step a Triton launcher) on CPU tensors == the C++ op,
     bit for bit, on one batch holding posting, probed and whole-pool queries, k above the matches, -1 probes;
     with residual codes too (every route adds the per-(query, cluster) term); with the float re-score (the
     exact routes' few passing rows all re-scored: filtered_topk for EXACT_FLOAT_ROWS + 1 rows on the device,
     ranked without the int8 scan by the C++ op; scores up to float32 summation order)."""
-    from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_cuda
+    from silverrec.kernels.filtered_ivf_search import compose_search, cuda_steps
     from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin
 
     k, nprobe, max_probe, match_factor, ratio, limit = PARAMS[0]
@@ -221,7 +223,7 @@ def test_search_of_triton_kernels_equals_cpu_op(residual, rescore):
     assert set(route.tolist()) == {0, 1, 2} and bool((probes[route == ROUTE_PROBED] < 0).any())
     want_s, want_i = torch.ops.silverrec.filtered_ivf_search(*inputs)
     assert bool((want_i < 0).any())  # k above the matches somewhere: padding
-    got_s, got_i = filtered_ivf_search_cuda(*inputs)
+    got_s, got_i = compose_search(cuda_steps(), *inputs)
     assert torch.equal(got_i, want_i)
     if residual or rescore:  # the CUDA exact route shifts by every cluster's term, the CPU by the ones it visits
         torch.testing.assert_close(got_s, want_s)  # (cluster_bias); the re-score's sums differ in order
@@ -234,12 +236,10 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from silverrec.kernels import bloom_filter_triton as bf, filter_plan_triton as fp, ivf_scan_triton as iv, verify_topk_triton as vt
+from silverrec.kernels import bloom_filter_triton as bf, ivf_scan_triton as iv, verify_topk_triton as vt
 
 I64, I32 = "*i64", "i32"
 kernels = {
-    "plan_ranges": (fp._plan_ranges_kernel, [I64] * 8 + [I32, I32, I32, "i64"], {"BLOCK_T": 16, "BLOCK_P": 16}),
-    "plan_route": (fp._plan_route_kernel, [I64] * 6 + [I32, I32, "fp32", "fp32", "fp32"], {"BLOCK_P": 16}),
     "verify_pass": (vt._verify_pass_kernel, [I64] * 4 + ["*i8", "*i32", I64] + [I32] * 5, {"BLOCK": 128}),
     "verify_place": (vt._verify_place_kernel, ["*fp32", I64, "*i8", "*i32", "*fp32", I64] + [I32] * 3,
                      {"BLOCK": 128, "BLOCK_T": 64}),
@@ -257,10 +257,10 @@ for name, (fn, types, consts) in kernels.items():
 """
 
 
-def test_kernels_compile_for_h100_with_exact_float_ops():
-    """The interpreter runs any Python; this compiles the filtered search's kernels (filter_plan's with
-    bloom_filter_counts', verify_topk's, the masked ivf_scan; filtered_topk's: tests/test_filtered_topk_triton.py) to sm_90 PTX (no GPU needed: Triton's own ptxas) and checks the planner's float32 division and square root are the correctly rounded ones, with
-    Triton's default floating-point fusion (what runs on the GPU)."""
+def test_kernels_compile_for_h100():
+    """The interpreter runs any Python; this compiles the composition's kernels (bloom_filter_counts', verify_topk's,
+    the masked ivf_scan; filtered_topk's: tests/test_filtered_topk_triton.py; the fused search's and its plan:
+    tests/test_search_triton.py) to sm_90 PTX (no GPU needed: Triton's own ptxas)."""
     import os
     import subprocess
     import sys
@@ -270,8 +270,7 @@ def test_kernels_compile_for_h100_with_exact_float_ops():
     out = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = {name: ops for name, _, ops in (line.partition(" ") for line in out.stdout.splitlines())}
-    assert set(lines) == {"plan_ranges", "plan_route", "bloom_filter", "range_count", "verify_pass", "verify_place", "ivf_scan"}
-    assert set(lines["plan_route"].split()) == {"div.rn.f32", "sqrt.rn.f32"}  # no approximate ops, no fused multiply-adds
+    assert set(lines) == {"bloom_filter", "range_count", "verify_pass", "verify_place", "ivf_scan"}
 
 
 @contextlib.contextmanager
@@ -313,11 +312,12 @@ def recorded_ops():
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("rescore", [False, True])
 def test_cuda_search_has_no_host_sync_and_no_pool_sized_buffer(residual, rescore):
-    """Every tensor op that filtered_ivf_search_cuda runs outside the Triton kernels: none reads a value back to
+    """Every tensor op that the composition of the ops' CUDA kernels (the path beyond the fused kernels' sizes) runs
+    outside the Triton kernels: none reads a value back to
     the host (`_local_scalar_dense`: .item(), int(), bool()), and none makes a per-query buffer over the pool
     ([B, N] scores or masks, [B, W] bank words, [B, 64 W] bits); with the float re-score too (whether an exact
     route's passing rows all fit is decided on the device)."""
-    from silverrec.kernels.filtered_ivf_search import filtered_ivf_search_cuda
+    from silverrec.kernels.filtered_ivf_search import compose_search, cuda_steps
     from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin
 
     k, nprobe, max_probe, match_factor, ratio, limit = PARAMS[0]
@@ -326,7 +326,7 @@ def test_cuda_search_has_no_host_sync_and_no_pool_sized_buffer(residual, rescore
     margin = (rescore_margin(k), RESCORE_MAX_K) if rescore else (0, 0)
     inputs = search_inputs(case, n, k, nprobe, max_probe, match_factor, ratio, limit, residual, margin)
     with recorded_ops() as ops:
-        filtered_ivf_search_cuda(*inputs)
+        compose_search(cuda_steps(), *inputs)
     assert len(ops) > 20 and ("triton", []) in ops and not [op for op, _ in ops if op == "_local_scalar_dense"]
     pool_sized = {n, words, 64 * words}
     assert not [(op, s) for op, shapes in ops for s in shapes if len(s) >= 2 and s[0] == BATCH and pool_sized & set(s[1:])]
