@@ -8,8 +8,9 @@
     silverrec serve DIR [--host H] [--port P] [--workers N] [--max-batch B] [--max-wait-ms MS] [--batch-workers W]
                         [--threads T] [--tune F] [--device cuda]   (query / recommend / rank / evaluate take --device too)
     torchrun --nproc-per-node N -m silverrec serve DIR --sharded [--shard-timeout S]   (sharded snapshot across ranks)
-    silverrec tune DIR [--out F] [--seconds S] [--processes 1,2] [--requests F]
-                       (largest batch, server processes, batch workers x threads, window; read by serve)
+    silverrec tune DIR [--out F] [--seconds S] [--processes 1,2] [--requests F] [--device cuda]
+                       (largest batch, server processes, batch workers x threads, window; read by serve;
+                       on a device the batch workers are CUDA streams)
 
 Build commands (silverrec/publish/cli.py, imported only when one of them runs, or for --help):
 

@@ -302,7 +302,7 @@ def _tune(args: argparse.Namespace) -> int:
         if not requests or not all(isinstance(r, dict) for r in requests):
             raise SilverrecError(f"--requests {args.requests} must hold one JSON object a line")
     tune(args.snapshot, args.out, seconds=args.seconds, levels=levels, max_batch=args.max_batch,
-         max_wait_ms=args.max_wait_ms, processes=processes, requests=requests,
+         max_wait_ms=args.max_wait_ms, processes=processes, requests=requests, device=args.device,
          log=lambda s: print(s, file=sys.stderr))
     return 0
 
@@ -405,4 +405,6 @@ def add_runtime_parsers(sub) -> None:
     t.add_argument("--requests", default=None,
                    help="sample request bodies, one JSON object a line, standing for the served traffic "
                         "(default: generated ones)")
+    t.add_argument("--device", default="cpu", help="where the program runs: cpu (default), cuda, cuda:N (one process; "
+                   "its batch workers are CUDA streams)")
     t.set_defaults(func=_tune)

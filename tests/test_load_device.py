@@ -9,6 +9,7 @@ import torch
 
 import silverrec
 import silverrec.serving.device as device_path
+from silverrec.serving.buckets import BucketedForward
 from silverrec.bitmask import pack_bits
 from silverrec.errors import SnapshotError
 from silverrec.serving.cuda_graphs import capture_eager
@@ -58,7 +59,7 @@ def test_index_through_the_device_path(index, backend, monkeypatch):
     plain = silverrec.load(path, backend=backend, device="cpu")
     monkeypatch.setattr(device_path, "MOVE_CPU", True)
     moved = silverrec.load(path, backend=backend, device="cpu")
-    assert isinstance(moved.module, device_path.OnDevice)
+    assert isinstance(moved.module, BucketedForward) and isinstance(moved.module.module, device_path.OnDevice)
     for options in ({"nprobe": 4}, {"filter": ["country = c1", None, "country IN (c2, c3)"], "nprobe": 2},
                     {"filter": "country = c4", "mode": "probed"}):
         want = plain.search(queries, 20, **options)
@@ -102,8 +103,8 @@ def test_serve_loads_onto_its_device(index, monkeypatch):
     path, _ = index
     monkeypatch.setattr(device_path, "MOVE_CPU", True)
     server = create_app(path, ServeConfig(port=0, device="cpu")).server
-    assert isinstance(server.current.snap.module, device_path.OnDevice)
-    assert isinstance(server.reloads.loader(path).snap.module, device_path.OnDevice)
+    assert isinstance(server.current.snap.module.module, device_path.OnDevice)
+    assert isinstance(server.reloads.loader(path).snap.module.module, device_path.OnDevice)
 
 
 @pytest.mark.parametrize("command", [["serve", "--port", "0"], ["query", "--queries", "q.npy", "--k", "5"]])
@@ -126,7 +127,7 @@ def test_sharded_snapshot_loads_every_shard_onto_the_device(tmp_path, monkeypatc
     plain = silverrec.load(path)
     monkeypatch.setattr(device_path, "MOVE_CPU", True)
     moved = silverrec.load(path, device="cpu")
-    assert all(isinstance(s.module, device_path.OnDevice) for s in moved.shards)
+    assert all(isinstance(s.module.module, device_path.OnDevice) for s in moved.shards)
     q = torch.from_numpy(g.normal(size=(4, 8)).astype(np.float32))
     want, got = plain.search(q, 15, nprobe=2), moved.search(q, 15, nprobe=2)
     assert torch.equal(got.item_ids, want.item_ids) and torch.equal(got.scores, want.scores)

@@ -99,23 +99,23 @@ def _large_case(seed: int, residual: bool):
 @pytest.mark.parametrize("residual", [False, True])
 def test_fused_search_over_many_rows_equals_cpu_op(residual):
     """Tiles past one per cluster, per word tile and per posting tile; an exact route over EXACT_FLOAT_ROWS rows
-    (the int8 top k re-scored) beside one under it (all its rows re-scored); few scan programs, so that their
-    running top-k buffers are cut back many times, and many."""
+    (the int8 top k re-scored) beside one under it (all its rows re-scored; with the residual codes: the other
+    pairings run in test_fused_search_equals_cpu_op, on fewer rows); few scan programs, so that their running
+    top-k buffers are cut back many times, and many."""
     queries, index, params, program, mode = _large_case(7, residual)
     k = 20
-    for rescore in (False, True):
-        inputs = (queries, index, params, 1e9, program, mode, k, 2, 6, *((rescore_margin(k), RESCORE_MAX_K) if rescore
-                                                                        else (0, 0)))
-        _, _, route = filter_plan_torch(*checked_args(*inputs[:9]))
-        assert route.tolist() == [ROUTE_WHOLE_POOL, ROUTE_WHOLE_POOL, ROUTE_POSTING, ROUTE_PROBED, ROUTE_PROBED,
-                                  ROUTE_PROBED]
-        want = _cpu(inputs)
-        for programs in (1, 8):
-            search_triton.TARGET_PROGRAMS, saved = programs * queries.shape[0], search_triton.TARGET_PROGRAMS
-            try:
-                _assert_same(search_triton.fused_filtered_search(*inputs), want)
-            finally:
-                search_triton.TARGET_PROGRAMS = saved
+    margin = (rescore_margin(k), RESCORE_MAX_K) if residual else (0, 0)
+    inputs = (queries, index, params, 1e9, program, mode, k, 2, 6, *margin)
+    _, _, route = filter_plan_torch(*checked_args(*inputs[:9]))
+    assert route.tolist() == [ROUTE_WHOLE_POOL, ROUTE_WHOLE_POOL, ROUTE_POSTING, ROUTE_PROBED, ROUTE_PROBED,
+                              ROUTE_PROBED]
+    want = _cpu(inputs)
+    for programs in (1, 8):
+        search_triton.TARGET_PROGRAMS, saved = programs * queries.shape[0], search_triton.TARGET_PROGRAMS
+        try:
+            _assert_same(search_triton.fused_filtered_search(*inputs), want)
+        finally:
+            search_triton.TARGET_PROGRAMS = saved
 
 
 def test_task_queries_share_their_request_program():
@@ -129,8 +129,7 @@ def test_task_queries_share_their_request_program():
     _assert_same(search_triton.fused_filtered_search(*inputs), _cpu(inputs))
 
 
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("rescore", [False, True])
+@pytest.mark.parametrize("residual, rescore", [(False, False), (True, True)])
 def test_fused_plain_search_equals_cpu_op(residual, rescore):
     """silverrec::ivf_search: the probe's nprobe best clusters scanned, no filter."""
     queries, index, params, _, _ = _large_case(3, residual)

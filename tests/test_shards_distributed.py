@@ -162,7 +162,7 @@ def test_device_reaches_every_shard(built):
         rt = ShardedRuntime(path, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}",
                             timeout_s=TIMEOUT_S, device="cpu")
     try:
-        assert rt.shards and all(isinstance(s.module, device_path.OnDevice) for s in rt.shards)
+        assert rt.shards and all(isinstance(s.module.module, device_path.OnDevice) for s in rt.shards)
         q = np.random.default_rng(3).standard_normal((4, D)).astype(np.float32)
         got, want = rt.search(q, 50, filter="tag = t5"), silverrec.load(path).search(q, 50, filter="tag = t5")
         np.testing.assert_array_equal(got.item_ids.numpy(), want.item_ids.numpy())

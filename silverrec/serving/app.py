@@ -103,10 +103,12 @@ class Server:
         self.metrics = Metrics()
         # loader: path -> a verified, smoke-tested Served (start-up unless `served` is given, and reloads);
         # coordinator: reloads run across the server's processes (serving/processes.py)
-        self.reloads = Reloader(path, loader or functools.partial(load_served, device=config.device), self.metrics,
-                                served, coordinator)
         self.policy = TunePolicy.from_file(config.tune_file) if config.tune_file else None
         workers, self.threads = config.compute()
+        # on a device, a CUDA stream per batch computed at once (the batch workers, or tune's most)
+        streams = max(workers, self.policy.max_workers if self.policy else 1)
+        self.reloads = Reloader(path, loader or functools.partial(load_served, device=config.device, streams=streams),
+                                self.metrics, served, coordinator)
         self.batcher = Batcher(run_group, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms,
                                max_queue=config.max_queue, workers=workers, threads=self.threads,
                                policy=self.policy, on_batch=self.metrics.batch.observe)

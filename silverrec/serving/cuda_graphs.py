@@ -36,6 +36,7 @@ DEFAULT_MAX_GRAPHS = 8
 CAPTURE_AFTER = 2
 WARMUP_CALLS = 3  # eager calls on a side stream before capture (Triton compiles, cuBLAS workspaces)
 
+CAPTURE_LOCK = threading.Lock()  # one capture at a time in the process
 Capture = Callable[[Callable[..., Sequence[torch.Tensor]], Sequence[torch.Tensor]], "Replay"]
 
 
@@ -61,7 +62,8 @@ def capture_cuda_graph(fn: Callable[..., Sequence[torch.Tensor]], inputs: Sequen
             fn(*inputs)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread-local capture: the other streams' forwards (StreamPool) keep running while this one captures
+    with CAPTURE_LOCK, torch.cuda.graph(graph, capture_error_mode="thread_local"):
         outputs = fn(*inputs)
     return Replay(outputs, graph.replay, keep=graph)
 
@@ -98,7 +100,14 @@ class GraphCache:
         self.graphs: OrderedDict[Hashable, Any] = OrderedDict()
         self.seen: OrderedDict[Hashable, int] = OrderedDict()  # calls of keys not captured yet (bounded)
         self.captures = 0  # keys captured so far (evicted ones included)
+        self.replays = 0  # calls answered by a replay
+        self.eager = 0  # calls run eagerly: before a key's capture, or a key that refused capture
         self.lock = threading.Lock()
+
+    def counts(self) -> dict[str, int]:
+        """calls, captures, replays and eager calls so far (a capturing call counts as a capture)."""
+        return {"calls": self.captures + self.replays + self.eager, "captures": self.captures,
+                "replays": self.replays, "eager": self.eager}
 
     def __call__(self, key: Hashable, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run under `self.lock` (the caller holds it while it reads the outputs)."""
@@ -109,16 +118,21 @@ class GraphCache:
                 self.seen[key] = calls
                 while len(self.seen) > 8 * self.max_graphs:
                     self.seen.popitem(last=False)
+                self.eager += 1
                 return tuple(self.fn(*inputs))
             entry = self._capture(key, inputs)
+            captured = True
         else:
             self.graphs.move_to_end(key)
+            captured = False
         if entry is EAGER:
+            self.eager += not captured
             return tuple(self.fn(*inputs))
         static, replay = entry
         for buf, x in zip(static, inputs):
             buf.copy_(x)
         replay.run()
+        self.replays += not captured
         return replay.outputs
 
     def _capture(self, key: Hashable, inputs: Sequence[torch.Tensor]):

@@ -10,13 +10,16 @@ The CPU path (device "cpu", the default) is untouched: no move, no wrapper. On a
   exported rank program (rank.pt2) moves the same way, the TorchScript `rank` method with its module.
 - `OnDevice` runs it behind the unchanged predictor API: a call moves its tensor arguments to the
   device once and its outputs back once (non-blocking copies both ways, one stream synchronisation).
-- Its forward is replayed from CUDA graphs: every program
-  through `GraphedForward` (one graph per request shape; silverrec/serving/cuda_graphs.py). Both
-  keep the least recently used 8 graphs.
+- Its forward is replayed from CUDA graphs through `GraphedForward` (one graph per request shape;
+  silverrec/serving/cuda_graphs.py), every call padded to its shape bucket first
+  (silverrec/serving/buckets.py), so that a small closed set of shapes is captured (at load and on
+  first use) and replayed; concurrent calls run on a `StreamPool` of CUDA streams.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,7 +29,7 @@ from torch.utils._pytree import tree_map
 from silverrec.errors import SnapshotError
 
 CPU = torch.device("cpu")
-# Tests set this to run the device path (move + OnDevice + GraphedDecode) with device "cpu", so a
+# Tests set this to run the device path (move + OnDevice + the graphs' buckets) with device "cpu", so a
 # machine without a GPU still checks the plumbing; False keeps device "cpu" on the plain CPU path.
 MOVE_CPU = False
 
@@ -96,36 +99,122 @@ class OnDevice:
     TorchScript `rank` method) are wrapped the same way; other attributes are the module's own.
     """
 
-    def __init__(self, module, device: torch.device | str):
+    def __init__(self, module, device: torch.device | str, stream: Optional["torch.cuda.Stream"] = None):
         self.module = module
         self.device = torch.device(device)
+        self.stream = stream  # the CUDA stream its calls run on (StreamPool); None: the device's current one
 
     def __getattr__(self, name):
         attr = getattr(self.module, name)
-        return OnDevice(attr, self.device) if callable(attr) and not isinstance(attr, torch.Tensor) else attr
+        return OnDevice(attr, self.device, self.stream) if callable(attr) and not isinstance(attr, torch.Tensor) \
+            else attr
 
     def __call__(self, *args, **kwargs):
-        args, kwargs = to_device((args, kwargs), self.device, non_blocking=True)
-        out = self.module(*args, **kwargs)
-        out = to_device(out, CPU, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the copies above are complete
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            args, kwargs = to_device((args, kwargs), self.device, non_blocking=True)
+            out = self.module(*args, **kwargs)
+            out = to_device(out, CPU, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the copies above are complete
         return out
 
 
-def serving_module(module, manifest: dict[str, Any], device: torch.device) -> OnDevice:
+class StreamPool:
+    """Forwards of concurrent batches on a few CUDA streams instead of one at a time: `lanes` (each an
+    OnDevice on its own stream around its own GraphedForward: its graphs and static buffers); a call
+    takes a free lane, waiting for one when all are busy. The server's workers (silverrec tune's
+    table) bound the batches in flight, so each finds a lane."""
+
+    def __init__(self, lanes: list):
+        if not lanes:
+            raise ValueError("a StreamPool needs at least one lane")
+        self.lanes = list(lanes)
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        for lane in self.lanes:
+            self.free.put(lane)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["lanes"][0], name)
+
+    def __call__(self, *args, **kwargs):
+        lane = self.free.get()
+        try:
+            return lane(*args, **kwargs)
+        finally:
+            self.free.put(lane)
+
+
+def graph_counts(module) -> dict[str, int]:
+    """calls / captures / replays / eager calls of every GraphedForward inside a loaded snapshot's module
+    (through BucketedForward, StreamPool and OnDevice); zeros where nothing is graphed (the CPU path)."""
+    total = {"calls": 0, "captures": 0, "replays": 0, "eager": 0}
+    inner = getattr(module, "__dict__", {})
+    if "cache" in inner:
+        return inner["cache"].counts()
+    for part in inner.get("lanes", [inner.get("module")]):
+        if part is not None:
+            for key, value in graph_counts(part).items():
+                total[key] += value
+    return total
+
+
+def serving_module(module, manifest: dict[str, Any], device: torch.device, streams: int = 1, buckets=None):
     """A program already on `device` behind the CPU API, its forward replayed from CUDA graphs through
-    GraphedForward (one graph per request shape). On the CPU (the tests' forced device path),
-    `capture_eager`: the same keys, static buffers and copies, no graph."""
-    from silverrec.serving.cuda_graphs import GraphedForward, capture_cuda_graph, capture_eager
+    GraphedForward (one graph per request shape), its calls padded to their shape buckets
+    (`buckets`, silverrec/serving/buckets.py: each shape captured on first use; None: shapes as they
+    come, captured on their second call). `streams` > 1: a StreamPool of that many lanes. On the CPU
+    (the tests' forced device path), `capture_eager`: the same keys, static buffers and copies, no graph."""
+    if streams < 1:
+        raise ValueError(f"streams must be >= 1, got {streams}")
+    cuda = device.type == "cuda"
 
-    capture = capture_cuda_graph if device.type == "cuda" else capture_eager
-    return OnDevice(GraphedForward(module, capture=capture), device)
+    def lane(stream) -> OnDevice:
+        return OnDevice(_graphed(module, device, buckets), device, stream)
+
+    served = lane(None) if streams == 1 else StreamPool([lane(torch.cuda.Stream(device) if cuda else None)
+                                                         for _ in range(streams)])
+    if buckets is None or manifest.get("kind") != "rec":
+        return served
+    from silverrec.serving.buckets import BucketedForward, max_k
+
+    cfg = manifest["config"]
+    return BucketedForward(served, buckets, search=cfg.get("spec", {}).get("tower") == "query", max_k=max_k(manifest),
+                           max_history=(cfg.get("generative") or {}).get("max_items"))
 
 
-def exported_module(program: torch.export.ExportedProgram, device: torch.device):
+def exported_module(program: torch.export.ExportedProgram, device: torch.device, buckets=None,
+                    listwise: bool = False):
     """A loaded ExportedProgram (rank.pt2) as the predictor calls it: `program.module()` on the
-    CPU path, else moved to `device` behind `OnDevice`."""
+    CPU path, else moved to `device` behind `rank_serving`."""
     if not moves(device):
         return program.module()
-    return OnDevice(exported_on(program, device), device)
+    return rank_serving(exported_on(program, device), device, buckets, listwise)
+
+
+def rank_serving(rank, device: torch.device, buckets=None, listwise: bool = False):
+    """The rank program `rank(values, lengths, dense, rows)` on `device` behind the CPU API, replayed from CUDA
+    graphs; with `buckets`, its calls padded (BucketedRank: the list of items too, unless a list-wise OverArch
+    attends over it)."""
+    graphed = _graphed(rank, device, buckets, padded=not listwise)
+    if buckets is None:
+        return OnDevice(graphed, device)
+    from silverrec.serving.buckets import BucketedRank
+
+    return BucketedRank(OnDevice(graphed, device), buckets, listwise)
+
+
+def _capture(device: torch.device):
+    """How graphs are captured on `device`: CUDA graphs, or on the CPU (the forced device path) `capture_eager`."""
+    from silverrec.serving.cuda_graphs import capture_cuda_graph, capture_eager
+
+    return capture_cuda_graph if device.type == "cuda" else capture_eager
+
+
+def _graphed(module, device: torch.device, buckets=None, padded: bool = True):
+    """GraphedForward around `module`: with buckets (and calls padded to them) every shape is captured on first
+    use, as many as the buckets keep; otherwise on its second call (a one-off shape runs eagerly)."""
+    from silverrec.serving.cuda_graphs import CAPTURE_AFTER, DEFAULT_MAX_GRAPHS, GraphedForward
+
+    first_use = buckets is not None and padded
+    return GraphedForward(module, max_graphs=buckets.max_graphs if buckets else DEFAULT_MAX_GRAPHS,
+                          capture=_capture(device), capture_after=1 if first_use else CAPTURE_AFTER)

@@ -8,6 +8,7 @@ shard verified and loaded alone, answering in this process); any other snapshot 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -18,9 +19,10 @@ from silverrec.snapshot import read_manifest
 
 
 def load(path: str | os.PathLike, backend: str = "auto", verify: bool = True,
-         device: str | torch.device = "cpu") -> Snapshot | ShardedSnapshot:
-    """Verify and load a snapshot (arguments and errors: `predictor.load_snapshot`)."""
+         device: str | torch.device = "cpu", buckets: Any = True, streams: int = 1) -> Snapshot | ShardedSnapshot:
+    """Verify and load a snapshot (arguments and errors: `predictor.load_snapshot`; a sharded snapshot's
+    shards load with the defaults of `buckets` and `streams`)."""
     device = resolve_device(device)  # a bad device is refused before anything is read
     if read_manifest(path, verify=False).get("kind") == SHARDED_KIND:  # a top manifest: shards verify alone
         return load_sharded(path, backend=backend, verify=verify, device=device)
-    return load_snapshot(path, backend=backend, verify=verify, device=device)
+    return load_snapshot(path, backend=backend, verify=verify, device=device, buckets=buckets, streams=streams)

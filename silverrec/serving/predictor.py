@@ -56,6 +56,7 @@ class Snapshot:
         self.module = module
         self.backend = backend
         self.device = device  # where the program runs (requests and results stay on the CPU)
+        self.buckets = None  # on a device, the shape buckets its calls are padded to (silverrec/serving/buckets.py)
 
     @property
     def kind(self) -> str:
@@ -115,7 +116,7 @@ class Snapshot:
 
 
 def load_snapshot(path: str | os.PathLike, backend: str = "auto", verify: bool = True,
-                  device: str | torch.device = "cpu") -> Snapshot:
+                  device: str | torch.device = "cpu", buckets: Any = True, streams: int = 1) -> Snapshot:
     """Verify and load one snapshot directory (`silverrec.load` also loads a sharded one).
 
     Args:
@@ -127,6 +128,11 @@ def load_snapshot(path: str | os.PathLike, backend: str = "auto", verify: bool =
         verify: check sizes and sha256 of every file against the manifest (default on).
         device: where the program runs: "cpu" (default), "cuda", "cuda:N" or a torch.device. The
             API takes and returns CPU tensors on every device (silverrec/serving/device.py).
+        buckets: on a device, the request shapes' padding and the warm-up at load
+            (silverrec/serving/buckets.py): True (default) the defaults, a dict of `Buckets` fields
+            (`{"warm_batches": ()}`: no warm-up), False: shapes as they come. Unread on the CPU.
+        streams: on a device, the CUDA streams concurrent calls run on (StreamPool; `silverrec tune`
+            picks the count for a server). Unread on the CPU.
     Raises:
         SnapshotError: missing/truncated/altered file, newer format version, unknown backend, or
             built by a torch / silverrec / torchrec / fbgemm_gpu whose major.minor differs from this
@@ -178,6 +184,13 @@ def load_snapshot(path: str | os.PathLike, backend: str = "auto", verify: bool =
         raise
     except Exception as e:  # deserialisation failures become one clear error
         raise SnapshotError(f"cannot load {backend} program from {root}: {type(e).__name__}: {e}") from e
-    if moves(device) and backend != "aoti":  # a package is compiled for its device
-        module = serving_module(module, manifest, device)
-    return Snapshot(root, manifest, module, backend, device)
+    if not moves(device) or backend == "aoti":  # a package is compiled for its device
+        return Snapshot(root, manifest, module, backend, device)
+    from silverrec.serving.buckets import Buckets, warm_up
+
+    buckets = Buckets.coerce(buckets)
+    snap = Snapshot(root, manifest, serving_module(module, manifest, device, streams, buckets), backend, device)
+    snap.buckets = buckets  # the rank program's too (RecHandler)
+    if buckets is not None:
+        warm_up(snap, buckets)
+    return snap

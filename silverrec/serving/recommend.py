@@ -36,7 +36,7 @@ from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.filtered_search import probe_depth
 from silverrec.retrieval.item_ids import ItemRows
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
-from silverrec.serving.device import exported_module
+from silverrec.serving.device import OnDevice, exported_module, rank_serving
 from silverrec.serving.histories import UserHistories, newest_unique_grouped
 from silverrec.threads import OMP_PASSIVE, num_threads
 
@@ -191,17 +191,20 @@ class RecHandler:
         if (snap.path / USERS_FILE).is_file():
             with np.load(snap.path / USERS_FILE, allow_pickle=False) as f:
                 users = {k: f[k] for k in f.files}
+        buckets, listwise = getattr(snap, "buckets", None), snap.spec.overarch == "listwise"
         if not snap.spec.ranks:  # no user tower: no ranking entry point (Snapshot.rank refuses)
             rank = None
         elif snap.backend == "torchscript":
             rank = snap.module.rank
+            if isinstance(rank, OnDevice):  # the method of the moved module: graphed and padded like rank.pt2
+                rank = rank_serving(rank.module, rank.device, buckets, listwise)
         else:
             def rank():
                 serde_log = logging.getLogger("torch._export.serde.serialize")
                 level = serde_log.level
                 serde_log.setLevel(logging.ERROR)
                 try:
-                    return exported_module(torch.export.load(snap.path / RANK_FILE), snap.device)
+                    return exported_module(torch.export.load(snap.path / RANK_FILE), snap.device, buckets, listwise)
                 finally:
                     serde_log.setLevel(level)
             rank.lazy = True

@@ -277,9 +277,10 @@ def run_group(key: GroupKey, payloads: list[dict]) -> list:
     return key.served.run(key, payloads)
 
 
-def load_served(path: str | os.PathLike, device: str = "cpu") -> Served:
-    """Load (onto `device`), verify (checksums) and smoke-test a snapshot for serving."""
-    served = Served(load(path, device=device))
+def load_served(path: str | os.PathLike, device: str = "cpu", streams: int = 1) -> Served:
+    """Load (onto `device`, its calls on `streams` CUDA streams), verify (checksums) and smoke-test a snapshot
+    for serving."""
+    served = Served(load(path, device=device, streams=streams))
     served.smoke()
     return served
 

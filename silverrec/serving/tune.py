@@ -1,5 +1,6 @@
 """`silverrec tune DIR`: the largest batch, how many server processes, and which (batch workers,
-intra-op threads, batch window) in each, serve a snapshot best.
+intra-op threads, batch window) in each, serve a snapshot best; on a device (--device cuda) one process
+whose batch workers are CUDA streams, each with its own graphs and buffers.
 
     $ silverrec tune snapshots/v1 --seconds 1          # writes snapshots/v1.tune.json
     $ silverrec serve snapshots/v1                      # reads it (or --tune FILE)
@@ -283,14 +284,21 @@ def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, s
          workers: Optional[tuple[int, ...]] = None, threads: Optional[tuple[int, ...]] = None,
          levels: tuple[int, ...] = LEVELS, max_batch: int = 64, max_wait_ms: Optional[float] = None,
          processes: Optional[tuple[int, ...]] = None, requests: Optional[list[dict]] = None,
-         log=print) -> dict[str, Any]:
+         device: str = "cpu", log=print) -> dict[str, Any]:
     """Choose the largest batch (the sizes up to `max_batch` timed in-process), then measure the server
     process counts `processes` over HTTP (default 1 and one per core, when wrk is on PATH; () skips),
     then every (batch workers `workers`, threads) in-process (default 1 and the cores of one process's
     share, each), with the batch window (`max_wait_ms`; None: measured where it acts), at every
     concurrency level; write and return the table. `requests`: sample request bodies (the JSON of the
-    route the snapshot answers) standing for the served traffic; default: generated ones."""
-    served = load_served(snapshot)
+    route the snapshot answers) standing for the served traffic; default: generated ones.
+
+    On a device one process owns it and each batch worker runs its batches on its own CUDA stream (the
+    snapshot is loaded with max(workers) streams, silverrec/serving/device.py StreamPool), so the batch
+    workers chosen per level are that load's stream count; default workers there: 1, 2, 4."""
+    gpu = device != "cpu"
+    if gpu:
+        processes, workers = (1,), workers or (1, 2, 4)
+    served = load_served(snapshot, device=device, streams=max(workers) if gpu else 1)
     prepare = "prepare_search" if served.answers == "search" else "prepare_recommend"
     bodies = request_bodies(served, requests) if requests else sample_bodies(served, 512)
     default_threads = torch.get_num_threads()
@@ -362,7 +370,7 @@ def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, s
         near = [r for r in rows if r["throughput"] >= 0.95 * top]
         pick = min(near, key=lambda r: r["p99_ms"])
         best.append({k: pick[k] for k in ("concurrency", "batch_workers", "threads", "throughput", "p99_ms")})
-    table = {"snapshot": str(Path(snapshot).resolve()), "version": served.version, "kind": served.kind,
+    table = {"snapshot": str(Path(snapshot).resolve()), "version": served.version, "kind": served.kind, "device": device,
              "seconds": seconds, "max_batch": chosen_batch, "max_wait_ms": chosen_window, "cpu_count": os.cpu_count(),
              "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
              "processes": chosen, "batch_results": batch_rows, "process_results": process_rows, "results": results,

@@ -38,7 +38,7 @@ def _on_device(path, backend, device):
     cpu = silverrec.load(path, backend=backend)
     with mock.patch.object(device_path, "MOVE_CPU", True):
         dev = silverrec.load(path, backend=backend, device=device)
-    assert dev.device == device and isinstance(dev.module, device_path.OnDevice)
+    assert dev.device == device and device_path.graph_counts(dev.module)["calls"] >= 0
     return cpu, dev
 
 
@@ -59,16 +59,20 @@ def test_index_snapshot(index_snapshots, kind, backend, cuda):
     paths, queries = index_snapshots
     cpu, dev = _on_device(paths[kind], backend, cuda)
     requests = [{"nprobe": 8}] if kind == "ivf" else [{"filter": FILTERS, "nprobe": 4}, {"filter": FILTERS, "mode": "probed"}]
+    warm = device_path.graph_counts(dev.module)  # the shapes the warm-up at load captured (serving/buckets.py)
     for options in requests:
-        # the same request shape three times with other queries (GraphedForward): the first call
-        # runs eagerly, the second captures the shape's CUDA graph, the third replays it on new inputs
+        # the same request shape three times with other queries (padded to its buckets): the first call
+        # captures its CUDA graph (k 50 and these nprobe are not warmed at load), the next two replay it
         for q in (queries, queries.flip(0) * 0.9, queries.roll(1, 0) * 1.1):
             want = cpu.search(q, K, **options)
             got = dev.search(q, K, **options)
             assert_ranking_close(got.item_ids, got.scores, want.item_ids, want.scores)
             assert (want.item_ids >= 0).any()
-    graphed = dev.module.module
-    assert isinstance(graphed, GraphedForward) and graphed.captures == len(requests)
+    counts = device_path.graph_counts(dev.module)
+    assert counts["captures"] - warm["captures"] == len(requests) and counts["eager"] == 0, counts
+    assert counts["replays"] - warm["replays"] == 2 * len(requests), counts
+    graphed = dev.module.module.module  # BucketedForward -> OnDevice -> GraphedForward
+    assert isinstance(graphed, GraphedForward)
     assert not any(entry is EAGER for entry in graphed.graphs.values()), "a search shape fell back to eager"
 
 
@@ -186,7 +190,7 @@ def test_sharded_runtime_on_device(cuda, tmp_path):
         rt = ShardedRuntime(path, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}", timeout_s=30.0,
                             device=str(cuda))
     try:
-        assert all(s.device == cuda and isinstance(s.module, device_path.OnDevice) for s in rt.shards)
+        assert all(s.device == cuda and isinstance(s.module.module, device_path.OnDevice) for s in rt.shards)
         cpu = silverrec.load(path)
         q = np.random.default_rng(4).standard_normal((8, D)).astype(np.float32)
         for options in ({"nprobe": 8}, {"filter": "tag = t5", "mode": "unprobed"}):
