@@ -180,3 +180,29 @@ def test_rank_padded_scores_like_the_cpu_path(tmp_path_factory, monkeypatch, bac
         torch.testing.assert_close(got.task_scores, want.task_scores)
     rank = moved.rec_handler().rank_module()
     assert {s[-1][1] for s in rank.shapes} == {16, 32} and graph_counts(rank)["replays"] == 1
+
+
+def test_decode_only_snapshot_padded_answers_like_the_cpu_path(tmp_path, monkeypatch):
+    """A generative (decode-only) snapshot: histories of 0-11 items (the decoder reads the newest 6), batches of 1,
+    3 and 5 padded to 2, 5 and 9 rows, the history to its bucket (at most the decoder's 6): the CPU path's items."""
+    from silverrec.publish.generative import publish_generative
+    from silverrec.publish.semantic_ids import build_semantic_ids
+
+    from .reference_beam_search import random_decoder
+
+    g = np.random.default_rng(0)
+    x = (g.normal(size=(12, 10))[g.integers(0, 12, 240)] * 3 + g.normal(size=(240, 10))).astype(np.float32)
+    ids = g.permutation(np.arange(1000, 5000))[:240].astype(np.int64)
+    sids = build_semantic_ids(x, ids, levels=2, codes=8, seed=0, niter=5)
+    dec = random_decoder(sids.level_sizes, dim=32, n_layers=2, max_seq_len=64, seed=1)
+    path = publish_generative(dec, sids, tmp_path / "gen", beam_width=16, top_k=5, max_history=6, weights="fp32")
+    plain = silverrec.load(path, device="cpu")
+    moved = _moved(path, monkeypatch, buckets={"warm_batches": ()})
+    histories = [[int(i) for i in g.choice(ids, n, replace=False)] for n in (0, 1, 3, 6, 11)]
+    for B in (1, 3, 5):
+        requests = [{"history": h} for h in histories[:B]]
+        want = plain.recommend(requests, k=7, exclude_history=False)
+        got = moved.recommend(requests, k=7, exclude_history=False)
+        assert torch.equal(got.item_ids, want.item_ids) and (want.item_ids >= 0).any()
+        torch.testing.assert_close(got.scores, want.scores)
+    assert {s[2][0] for s in moved.module.shapes} == {2, 5, 9}
