@@ -97,14 +97,17 @@ def test_generative_through_graphed_decode():
 
 
 def test_serve_loads_onto_its_device(index, monkeypatch):
-    """ServeConfig.device (`silverrec serve --device`) reaches silverrec.load, for reloads too."""
+    """ServeConfig.device (`silverrec serve --device`) reaches silverrec.load, for reloads too, with a stream per
+    batch worker (3: a StreamPool of three lanes)."""
     from silverrec.serving.app import ServeConfig, create_app
 
     path, _ = index
     monkeypatch.setattr(device_path, "MOVE_CPU", True)
-    server = create_app(path, ServeConfig(port=0, device="cpu")).server
-    assert isinstance(server.current.snap.module.module, device_path.OnDevice)
-    assert isinstance(server.reloads.loader(path).snap.module.module, device_path.OnDevice)
+    server = create_app(path, ServeConfig(port=0, device="cpu", batch_workers=3)).server
+    for snap in (server.current.snap, server.reloads.loader(path).snap):
+        pool = snap.module.module
+        assert isinstance(pool, device_path.StreamPool) and len(pool.lanes) == 3
+        assert all(isinstance(lane, device_path.OnDevice) for lane in pool.lanes)
 
 
 @pytest.mark.parametrize("command", [["serve", "--port", "0"], ["query", "--queries", "q.npy", "--k", "5"]])
