@@ -16,12 +16,14 @@ forward before it reaches the device, so that the shapes form a small closed set
   MIN_HISTORY (-1 padding: no row); filter programs: length L, operand width T and posting-list
   count T2 to powers of two (NOP instructions, the first operand repeated, NO_LIST);
 - k: the next value of the 1-2-5 series (10, 20, 50, 100, 200, ...), at most the snapshot's
-  largest k and k0, cut back to the request's k after the forward; k0, nprobe and max_probe are
-  taken as they are (a recommendation's k0 changes its candidates).
+  largest k and k0, cut back to the request's k after the forward; k0 is taken as it is (a
+  recommendation's k0 changes its candidates);
+- nprobe and max_probe: the next power of two, at most nlist (the calibrated depth follows each
+  batch's filters, so it takes many values): a padded search probes at least as deep.
 
 The answer is the unpadded forward's for the same request: integer outputs equal, rows cut back
-(tests/test_buckets.py). A filtered search with a padded k widens its probes for the larger k: its
-answer is at least as complete. On the CPU (device "cpu") nothing is padded: without graphs the
+(tests/test_buckets.py). A search with a padded k or probe depth probes at least as deep: its answer
+is at least as complete. On the CPU (device "cpu") nothing is padded: without graphs the
 padding would only cost.
 """
 
@@ -178,6 +180,7 @@ class BucketedForward:
     search: bool
     max_k: int
     max_history: Optional[int] = None  # the history rows the handler sends at most (a decode's max_items)
+    nlist: Optional[int] = None  # the IVF's clusters: nprobe and max_probe are padded up to it at most
     calls: int = 0
     shapes: set = field(default_factory=set)
 
@@ -211,6 +214,8 @@ class BucketedForward:
             extra = (pad_rows(history, batch, NO_ROW), flags)
         program = pad_program(ops, rows, vops, vrows, lists, batch)
         mode = pad_rows(mode, batch, MODE_PROBED)
+        if self.nlist:
+            nprobe, max_probe = (min(ceil_pow(int(p)), self.nlist) for p in (nprobe, max_probe))
         padded = (values, lengths, dense, exclude, *program, mode, *extra, kb, k0, nprobe, max_probe)
         return padded, B, k
 

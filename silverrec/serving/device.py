@@ -179,7 +179,8 @@ def serving_module(module, manifest: dict[str, Any], device: torch.device, strea
 
     cfg = manifest["config"]
     return BucketedForward(served, buckets, search=cfg.get("spec", {}).get("tower") == "query", max_k=max_k(manifest),
-                           max_history=(cfg.get("generative") or {}).get("max_items"))
+                           max_history=(cfg.get("generative") or {}).get("max_items"),
+                           nlist=int(cfg["nlist"]) if cfg.get("nlist") else None)
 
 
 def exported_module(program: torch.export.ExportedProgram, device: torch.device, buckets=None,
