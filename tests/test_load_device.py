@@ -60,8 +60,9 @@ def test_index_through_the_device_path(index, backend, monkeypatch):
     monkeypatch.setattr(device_path, "MOVE_CPU", True)
     moved = silverrec.load(path, backend=backend, device="cpu")
     assert isinstance(moved.module, BucketedForward) and isinstance(moved.module.module, device_path.OnDevice)
-    for options in ({"nprobe": 4}, {"filter": ["country = c1", None, "country IN (c2, c3)"], "nprobe": 2},
-                    {"filter": "country = c4", "mode": "probed"}):
+    # probe depths given as powers of two: the device path pads a calibrated depth up to one (buckets.py)
+    for options in ({"nprobe": 4}, {"filter": ["country = c1", None, "country IN (c2, c3)"], "nprobe": 2, "max_probe": 8},
+                    {"filter": "country = c4", "mode": "probed", "nprobe": 4, "max_probe": 8}):
         want = plain.search(queries, 20, **options)
         got = moved.search(queries, 20, **options)
         assert got.item_ids.device.type == "cpu" and torch.equal(got.item_ids, want.item_ids)
