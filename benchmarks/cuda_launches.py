@@ -201,9 +201,12 @@ def replay_rows(snapshot: Path | None, tmp: Path, calls: int, device: str = "cpu
     device_path.MOVE_CPU = device == "cpu"
     rows = []
     path, queries = ann_snapshot(tmp / "ann")
-    entries = [("search", silverrec.load(path, device=device))]
+    # forced onto the CPU, the device path runs the exported program as a GPU without a CUDA AOTInductor
+    # package would (the CPU package, which `auto` may prefer here, is not padded: it never meets a graph)
+    backend = "export" if device == "cpu" else "auto"
+    entries = [("search", silverrec.load(path, device=device, backend=backend))]
     if snapshot is not None:
-        entries.append(("recommend", silverrec.load(snapshot, device=device)))
+        entries.append(("recommend", silverrec.load(snapshot, device=device, backend=backend)))
     for entry, snap in entries:
         warm = graph_counts(snap.module)
         times = []
