@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.silverrec-setup
 
-.PHONY: setup demo test test-portable test-gpu bench bench-serve lock clean
+.PHONY: setup predictor demo test test-portable test-gpu bench bench-serve lock clean
 
 setup: $(STAMP)
 
@@ -14,12 +14,30 @@ setup: $(STAMP)
 # with --no-deps (torchrec included, as before); then silverrec itself in editable mode (setup.py
 # compiles the operator library, kernels/csrc/, into kernels/libsilverrec_ops.so: every op's schema, CPU and
 # Meta kernel; it needs a C++17 compiler, without which no silverrec op exists).
-$(STAMP): pyproject.toml requirements.lock setup.py Makefile $(wildcard kernels/csrc/*)
+$(STAMP): pyproject.toml requirements.lock setup.py Makefile $(wildcard kernels/csrc/*) $(wildcard predictor/*)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements.lock
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(BIN)/python -c "import silverrec, torchrec, fbgemm_gpu; from silverrec.kernels import library; print('silverrec', silverrec.__version__, 'ready; operators:', library.load(), library.host().isa())"
+	$(MAKE) --no-print-directory predictor
 	touch $(STAMP)
+
+# silverrec-predictor (predictor/: the C++ program that serves a snapshot without Python), built with CMake against
+# the venv's libtorch and the operator library, installed as .venv/bin/silverrec-predictor. Skipped, saying why,
+# where CMake, a C++ compiler or its libraries (OpenSSL, nlohmann-json, cpp-httplib) are missing: Python's
+# predictor does not need it (tests/test_predictor.py skips then).
+PREDICTOR_BUILD := build/predictor
+predictor:
+	@if ! command -v cmake >/dev/null 2>&1 || ! command -v c++ >/dev/null 2>&1; then \
+		echo "silverrec-predictor skipped: no CMake or C++ compiler found"; exit 0; fi; \
+	mkdir -p $(PREDICTOR_BUILD); \
+	if ! cmake -S predictor -B $(PREDICTOR_BUILD) -DCMAKE_BUILD_TYPE=Release \
+		-DCMAKE_PREFIX_PATH="$$($(BIN)/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')" \
+		> $(PREDICTOR_BUILD)/configure.log 2>&1; then \
+		echo "silverrec-predictor skipped: CMake could not configure it (see $(PREDICTOR_BUILD)/configure.log):"; \
+		grep -m3 -E "Error|Could not|not found|NOT" $(PREDICTOR_BUILD)/configure.log; exit 0; fi; \
+	cmake --build $(PREDICTOR_BUILD) -j2 && install -m 755 $(PREDICTOR_BUILD)/silverrec-predictor $(BIN)/silverrec-predictor \
+		&& echo "silverrec-predictor installed: $(BIN)/silverrec-predictor"
 
 demo: setup
 	$(BIN)/python -m silverrec.publish.demo

@@ -160,7 +160,7 @@ class Pipeline:
 
     def __init__(self, ckpt: dict, manifest: dict):
         self.item_ids = ckpt["item_ids"].numpy().astype(np.int64)
-        self.item_rows = ItemRows(self.item_ids)  # the id -> row lookup silverrec's predictor runs
+        self.item_rows = ItemRows(self.item_ids)  # a dense id -> row table, as silverrec's request encoder (kernels/csrc/request.h) keeps
         self.spec = UserFeatureSpec.from_json(ckpt["spec"])
         self.encoder = FeatureEncoder(self.spec, ckpt["item_features"])
         self.user_tower = rebuild_user_tower(ckpt)

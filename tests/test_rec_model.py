@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from silverrec.errors import QueryError
 from silverrec.filtering.filter_program import compile_request
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.filtering.forward_index import ForwardIndex
@@ -409,31 +410,36 @@ def test_full_probe_rescore_is_the_exact_top_k(rec):
         assert len(set(ids[b].tolist())) == k
 
 
-def test_native_encoding_equals_the_numpy_path(rec):
-    """The C++ request encoding (kernels/csrc/encode.cpp) == the numpy path: the same KJT values,
-    lengths and dense features, the same exclusion set per request (stored users, sent histories
-    with repeats, an empty one, histories beyond the limit; with and without exclude_history)."""
+def test_request_encoding_equals_a_plain_one(rec):
+    """The C++ request encoding (kernels/csrc/request.h, what both predictors run) == one written here over the
+    trainer's FeatureEncoder: ids to rows by a dict, stored users' histories from the logs, the KJT values, lengths
+    and dense features, and each request's exclusion set (its exclude ids, then its history's distinct rows newest
+    first, up to the limit); stored users, sent histories with repeats, an empty one, histories beyond the limit,
+    exclude ids; with and without exclude_history."""
     handler = rec.snap().rec_handler()
-    assert handler._native is not None, "the operator library provides encode_histories"
+    row = {int(i): r for r, i in enumerate(handler.row_to_item)}
     lengths = {int(u): len(rec.logs.history(int(u))) for u in rec.logs.user_ids}
     long_ = max(lengths, key=lengths.get)
     hist = [int(i) for i in rec.logs.history(long_)]
-    reqs = [RecRequest.coerce(r, "r") for r in (
-        {"user_id": long_}, {"history": hist[:7] * 3 + hist[2:5]}, {"history": []},
-        {"user_id": min(lengths, key=lengths.get)}, {"history": rec.logs.item_ids[:300].tolist()})]
-    native = handler._native
-    for batch in (reqs, reqs[:1], reqs[2:3]):
+    ids = rec.logs.item_ids[:300].tolist()
+    reqs = [{"user_id": long_}, {"history": hist[:7] * 3 + hist[2:5], "exclude": ids[:3] + ids[:2]}, {"history": []},
+            {"user_id": min(lengths, key=lengths.get), "exclude": hist[:1]}, {"history": ids}]
+    for batch in (reqs, reqs[:1], reqs[2:3], reqs[1:2]):
         for exclude_history, limit in ((True, 6), (True, 4096), (False, 4096)):
-            handler._native = native
-            got = handler.encode(batch, exclude_history, limit)
-            handler._native = None
-            want = handler.encode(batch, exclude_history, limit)
-            for g, w in zip(got[:3], want[:3]):
+            got = handler.encode([RecRequest.coerce(r, "r") for r in batch], exclude_history, limit)
+            rows = [[row[i] for i in (rec.logs.history(r["user_id"]) if "user_id" in r else r["history"])] for r in batch]
+            want = handler.encoder.encode([np.asarray(h, dtype=np.int64) for h in rows])
+            for g, w in zip(got[:3], want):
                 assert g.dtype == w.dtype and torch.equal(g, w)
-            assert got[3].shape == want[3].shape
-            for g, w in zip(got[3].tolist(), want[3].tolist()):
-                assert sorted(x for x in g if x >= 0) == sorted(x for x in w if x >= 0)
-    handler._native = native
+            for r, h, g in zip(batch, rows, got[3].tolist()):
+                excluded = list(dict.fromkeys(row[i] for i in r.get("exclude", [])))
+                for x in (reversed(h) if exclude_history else ()):
+                    if len(excluded) < limit and x not in excluded:
+                        excluded.append(x)
+                assert sorted(x for x in g if x >= 0) == sorted(excluded)
+            assert got[3].shape[1] == max(1, max(len([x for x in g if x >= 0]) for g in got[3].tolist()))
+    with pytest.raises(QueryError, match=r"request 1: 3 exclude ids exceed the exclusion limit 2"):
+        handler.encode([RecRequest(history=hist[:2]), RecRequest(history=[], exclude=ids[:3])], True, 2)
 
 
 def test_int8_user_tower_calls_the_tbe_directly_with_torchrecs_answers(rec):

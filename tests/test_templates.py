@@ -32,11 +32,15 @@ TEMPLATE = "cat = $user.fav_cat AND tags IN $user.ok_tags AND NOT item_id IN $hi
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """Train once (with user features), compose the eager model once, publish once with TEMPLATE."""
+    return template_snapshot(tmp_path_factory.mktemp("templates"))
+
+
+def template_snapshot(root):
+    """The trained model with user features, published in `root` with TEMPLATE (tests/test_predictor.py too)."""
     os.environ.setdefault("SILVERREC_QUIET", "1")
     from silverrec.publish.rec import PublishConfig
     from silverrec.publish.train import TrainConfig, train
 
-    root = tmp_path_factory.mktemp("templates")
     logs = make_logs()
     write_logs(logs, root)
     rng = np.random.default_rng(3)

@@ -12,6 +12,7 @@
 #include "constants.h"
 #include "dot.h"
 #include "ops.h"
+#include "request.h"
 #include "team.h"
 
 #include <stdexcept>
@@ -245,6 +246,33 @@ TORCH_LIBRARY(silverrec_host, m) {
         "Tensor[] feature_offsets, Tensor[] feature_codes, int num_items) -> (Tensor, Tensor, Tensor)",
         CHECKED(encode_histories));
   m.def("lookup_ids(int[] ids, int[] sizes, Tensor table) -> (Tensor, Tensor, int)", CHECKED(lookup_ids));
+  // a recommendation snapshot's whole request encoding (request.h): a bad request is a ValueError with its message
+  m.class_<RecEncoder>("RecEncoder")
+      .def(torch::init<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, bool, at::Tensor, at::Tensor,
+                       at::Tensor, std::vector<std::string>, std::vector<std::string>, std::vector<int64_t>,
+                       std::vector<std::string>, std::vector<double>, std::vector<double>, int64_t, int64_t>())
+      .def("encode",
+           [](const c10::intrusive_ptr<RecEncoder>& self, std::vector<int64_t> user_ids, std::vector<int64_t> given,
+              std::vector<int64_t> ids, std::vector<int64_t> sizes, std::vector<std::string> feature_keys,
+              std::vector<int64_t> key_counts, std::vector<std::string> feature_values, std::vector<int64_t> value_counts,
+              std::vector<std::string> numeric_keys, std::vector<double> numeric_values,
+              std::vector<int64_t> numeric_counts, bool exclude_history, int64_t exclude_limit) {
+             try {
+               return self->encode_flat(std::move(user_ids), std::move(given), std::move(ids), std::move(sizes),
+                                        std::move(feature_keys), std::move(key_counts), std::move(feature_values),
+                                        std::move(value_counts), std::move(numeric_keys), std::move(numeric_values),
+                                        std::move(numeric_counts), exclude_history, exclude_limit);
+             } catch (const RequestError& e) {
+               C10_THROW_ERROR(ValueError, e.what());
+             }
+           })
+      .def("rows", [](const c10::intrusive_ptr<RecEncoder>& self, std::vector<int64_t> ids, std::string where) {
+        try {
+          return self->rows_op(std::move(ids), std::move(where));
+        } catch (const RequestError& e) {
+          C10_THROW_ERROR(ValueError, e.what());
+        }
+      });
   // the kernels' parts, for tests and benchmarks
   m.def("ivf_scan_keys(Tensor qcodes, Tensor codes, Tensor cluster_offsets, Tensor probes, Tensor? bitmask, int k, "
         "Tensor? bias=None) -> Tensor", CHECKED(ivf_scan_keys_op));

@@ -13,8 +13,8 @@ A request (`RecRequest`, or a dict with the same keys) describes one user:
     filter    a filter string over the item features (the filter language of filter_lang.py);
     exclude   item ids never to return.
 With `exclude_history=True` (default) the user's history items are never returned either.
-Host work per request: id -> row lookups and the KJT encoding (numpy); everything else is the
-forward.
+Host work per request: the request encoding (id -> row lookups, stored histories, exclusions, the KJT), one
+call of the C++ encoder (kernels/csrc/request.h) that silverrec-predictor runs too; everything else is the forward.
 """
 
 from __future__ import annotations
@@ -34,10 +34,8 @@ from silverrec.spec import ModelSpec
 from silverrec.kernels import library
 from silverrec.retrieval.filtered_ivf import MODES
 from silverrec.retrieval.filtered_search import probe_depth
-from silverrec.retrieval.item_ids import ItemRows
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 from silverrec.serving.device import OnDevice, exported_module, rank_serving
-from silverrec.serving.histories import UserHistories, newest_unique_grouped
 from silverrec.threads import OMP_PASSIVE, num_threads
 
 ITEMS_FILE = "items.npz"
@@ -134,14 +132,6 @@ class Recommendations:
                                None if self.source_scores is None else self.source_scores[cut])
 
 
-def _is_empty(ids) -> bool:
-    """True for an empty id list (len 0); anything else, bad values included, is looked up."""
-    try:
-        return len(ids) == 0
-    except TypeError:
-        return False
-
-
 def resolve_nprobe(cfg: dict, nprobe: Optional[int], target_recall: Optional[float], k0: int) -> int:
     """A recommend request's nprobe: its own, or the one its `target_recall` maps to through the
     snapshot's calibration curve (`probe_depth`), or the snapshot's default."""
@@ -153,8 +143,8 @@ def resolve_nprobe(cfg: dict, nprobe: Optional[int], target_recall: Optional[flo
 
 
 class RecHandler:
-    """Everything the predictor needs beside the program: id maps, the request encoder, the filter
-    plan, the stored user histories. Built once per loaded snapshot from its manifest and side files."""
+    """Everything the predictor needs beside the program: the request encoder, the filter plan, the
+    rank program. Built once per loaded snapshot from its manifest and side files."""
 
     def __init__(self, config: Mapping[str, Any], module, row_to_item: np.ndarray,
                  item_csr: Mapping[str, tuple[np.ndarray, np.ndarray]], users: Optional[Mapping[str, np.ndarray]] = None,
@@ -165,20 +155,12 @@ class RecHandler:
         self.spec = UserFeatureSpec.from_json(config["user_features"])
         self.tasks = list(self.model_spec.tasks)
         self.row_to_item = np.asarray(row_to_item, dtype=np.int64)
-        self.encoder = FeatureEncoder.from_arrays(self.spec, item_csr)
-        self.item_rows = ItemRows(self.row_to_item)
-        # the C++ request encoding (encode_rows) and the item-feature CSRs it reads, in the tower's key order
-        self._native = library.host().encode_histories
+        self.encoder = FeatureEncoder.from_arrays(self.spec, item_csr)  # the trainer's encoding (publish/quality.py)
+        self.users = users
+        self.native = rec_encoder(self.spec, self.row_to_item, self.encoder.item_csr, users)
         self._probed_modes: dict[int, torch.Tensor] = {}  # batch size -> its all-probed mode tensor
-        self._lookup_ids = library.lookup_ids if self.item_rows.table is not None else None
-        csr = [self.encoder.item_csr[f] for f in self.spec.item_vocabs]
-        self._native_csr = ([torch.from_numpy(np.ascontiguousarray(o, dtype=np.int64)) for o, _ in csr],
-                            [torch.from_numpy(np.ascontiguousarray(c, dtype=np.int64)) for _, c in csr])
         self.plan = FilterPlan.from_config(config["filter"])
         self.template = config.get("filter_template")  # filled in the model from the user's features
-        self.users = users
-        self.user_histories = None if users is None else UserHistories(
-            users, self._rows_or_minus_one, lambda ids, where: self.rows(ids, f"{where} history"))
         self._rank_module = rank_module  # a callable, or a function returning one (loaded lazily)
 
     @classmethod
@@ -212,32 +194,8 @@ class RecHandler:
 
     def rows(self, item_ids: Sequence[int], where: str) -> np.ndarray:
         """Item ids -> canonical rows int64; QueryError naming the first unknown id."""
-        try:
-            ids = np.asarray(item_ids, dtype=np.int64).reshape(-1)
-        except (TypeError, ValueError, OverflowError):
-            raise QueryError(f"{where} must be a list of integer item ids") from None
-        rows = self._rows_or_minus_one(ids)
-        bad = np.flatnonzero(rows < 0)
-        if bad.size:
-            raise QueryError(f"{where}: unknown item id {int(ids[bad[0]])} (position {int(bad[0])}): not in the snapshot's pool")
-        return rows
-
-    def history_ids(self, user_id: int, where: str) -> np.ndarray:
-        """The stored history of a training user: item ids in time order."""
-        return self._histories(where).ids(user_id, where)
-
-    def history_rows(self, user_id: int, where: str) -> tuple[np.ndarray, np.ndarray]:
-        """(rows in time order, rows once each newest first) of a stored user (UserHistories)."""
-        return self._histories(where).rows(user_id, where)
-
-    def _histories(self, where: str) -> UserHistories:
-        if self.users is None:
-            raise QueryError(f"{where}: this snapshot stores no user histories; send the history instead of user_id")
-        return self.user_histories
-
-    def _rows_or_minus_one(self, item_ids: np.ndarray) -> np.ndarray:
-        """Item ids int64 [n] -> rows int64 [n], -1 where an id is not in the pool (the one lookup)."""
-        return self.item_rows.rows_or_minus_one(item_ids)
+        ids = _int_list(item_ids, f"{where} must be a list of integer item ids")
+        return _query_errors(self.native.rows, ids, where).numpy()
 
     def encode(self, requests: Sequence[RecRequest], exclude_history: bool, exclude_limit: int):
         """-> (values, lengths, dense, exclude int64 [B, E], -1 = none) (`encode_rows`, without the
@@ -246,160 +204,19 @@ class RecHandler:
 
     def encode_rows(self, requests: Sequence[RecRequest], exclude_history: bool, exclude_limit: int):
         """-> (values, lengths, dense, exclude int64 [B, E] (-1 = none; in no particular order),
-        each request's history as rows int64 in time order).
+        each request's history as rows int64 in time order), by the C++ encoder (kernels/csrc/request.h:
+        the one request encoding, which silverrec-predictor runs too; its errors are QueryErrors).
 
         A request's exclusions are its `exclude` ids, then its history, newest first, up to
         `exclude_limit` rows in all: with a longer history, its oldest items may be returned. E is
         the batch's largest count (at least 1): the padding never changes an answer (the search
         fetches k0 + the model's constant overfetch rows per task, whatever E is), and the exclusion
         stage's cost grows with E (a fixed E = exclude_limit = 4096 made it 6% of a batch-16 forward).
-
-        A stored user's rows come from `UserHistories` (computed once); the ids a request sends
-        (histories, exclude ids) are looked up in one vectorised search. A batch without exclude ids
-        (the common one) is then encoded by one C++ call (`_encode_native`: exclusions and item keys);
-        with exclude ids, stored users take their precomputed newest-first rows, and the exclusions are built as sorted (request, row) keys. Any bad id
-        or too many exclusions re-runs the lookups request by request (`_raise_first_error`) for the
-        error that names them.
         """
-        B = len(requests)
-        histories: list = [None] * B
-        newest: list = [None] * B
-        sent = []  # requests that send their history
-        excludes = False  # any exclude ids sent
-        for b, r in enumerate(requests):
-            if (r.user_id is None) == (r.history is None):
-                raise QueryError(f"request {b}: give exactly one of user_id and history")
-            if r.user_id is not None:
-                histories[b], newest[b] = self.history_rows(r.user_id, f"request {b}")
-            else:
-                sent.append(b)
-            excludes = excludes or not _is_empty(r.exclude)
-        native = self._native is not None and not excludes  # None: the numpy path (tests' reference)
-        ex_rows, ex_counts = np.zeros(0, dtype=np.int64), np.zeros(B, dtype=np.int64)
-        flat = None  # with every history sent and looked up in C++: their rows int64 and offsets [B + 1]
-        if sent or excludes:  # the sent histories (into histories, newest) and exclude ids, looked up at once
-            ex_rows, ex_counts, flat = self._lookup(requests, sent, histories, newest, exclude_history and not native,
-                                                    excludes, exclude_limit)
-        numeric = [dict(r.numeric) for r in requests]
-        unknown = sorted({g for m in numeric for g in m} - set(self.spec.user_numeric))
-        if unknown:
-            raise QueryError(f"unknown numeric user feature {unknown[0]!r}: the user tower reads "
-                             f"{sorted(self.spec.user_numeric) or 'none'}")
-        if native:
-            if flat is None or len(sent) < B:  # stored users' rows among them: the batch's rows joined
-                sizes = [h.size for h in histories]
-                offsets = np.zeros(B + 1, dtype=np.int64)
-                np.cumsum(sizes, out=offsets[1:])
-                rows = np.concatenate(histories) if histories else np.zeros(0, dtype=np.int64)
-                flat = (torch.from_numpy(rows), torch.from_numpy(offsets))
-            return (*self._encode_native(*flat, requests, numeric, exclude_limit if exclude_history else 0),
-                    histories)
-        if ex_rows.size:
-            exclude = self._exclusions(newest, ex_rows, ex_counts, exclude_history, exclude_limit)
-        else:  # each request's newest-first history rows, the first exclude_limit of them
-            rows = [x[:exclude_limit] if exclude_history else x[:0] for x in newest]
-            exclude = np.full((B, max(1, max(x.size for x in rows))), -1, dtype=np.int64)
-            for b, x in enumerate(rows):
-                exclude[b, :x.size] = x
-        values, lengths, dense = self.encoder.encode(histories, [dict(r.features) for r in requests], numeric)
-        return values, lengths, dense, torch.from_numpy(exclude), histories
-
-    def _encode_native(self, rows: torch.Tensor, offsets: torch.Tensor, requests: Sequence[RecRequest], numeric: list,
-                       exclude_limit: int):
-        """`encode_rows` without exclude ids, through the C++ `encode_histories` (kernels/csrc/encode.cpp:
-        the exclusions and the item keys in one call; the numpy path above is its reference): the
-        batch's history rows int64 and their offsets int64 [B + 1] -> (values, lengths, dense, exclude)."""
-        spec = self.spec
-        exclude, values, lengths = self._native(rows, offsets, exclude_limit,
-                                                spec.history_len, spec.recent_len, *self._native_csr, spec.num_items)
-        off = offsets.numpy()
-        sizes = off[1:] - off[:-1]
-        user_values, user_lengths, dense = self.encoder.user_part(sizes, [dict(r.features) for r in requests], numeric)
-        if user_values:
-            values = torch.cat([values, torch.from_numpy(np.concatenate(user_values))])
-            lengths = torch.cat([lengths, torch.from_numpy(np.concatenate(user_lengths).astype(np.int32))])
-        return values, lengths, torch.from_numpy(dense), exclude
-
-    def _lookup(self, requests: Sequence[RecRequest], sent: list, histories: list, newest: list,
-                want_newest: bool, excludes: bool, exclude_limit: int) -> tuple[np.ndarray, np.ndarray, Optional[tuple]]:
-        """`encode_rows`' lookup of the ids a batch sends, in one search: the sent histories' rows
-        (into `histories`, and with `want_newest` their newest-first unique rows into `newest`, else
-        nothing) -> (the exclude ids' rows int64, request by request; their count per request int64 [B];
-        from the C++ lookup, the sent histories' rows as one tensor and its offsets [len(sent) + 1], else None).
-        `excludes`: any request sends exclude ids. Sent histories alone, with a dense id table: one C++
-        call (`lookup_ids`, kernels/csrc/encode.cpp)."""
-        if self._lookup_ids is not None and not want_newest and not excludes:
-            try:
-                rows, off, bad = self._lookup_ids([requests[b].history for b in sent], self.item_rows.torch_table)
-            except (TypeError, ValueError, RuntimeError):  # not lists of ints: the numpy path names the problem
-                bad = 0
-            if bad >= 0:
-                self._raise_first_error(requests, exclude_limit)
-            flat = rows, off
-            rows, off = rows.numpy(), off.tolist()
-            for j, b in enumerate(sent):
-                histories[b], newest[b] = rows[off[j]:off[j + 1]], rows[:0]
-            return rows[:0], np.zeros(len(requests), dtype=np.int64), flat
-        try:
-            parts = [np.asarray(x, dtype=np.int64).reshape(-1) for x in
-                     (*(requests[b].history for b in sent), *(r.exclude for r in requests))]
-        except (TypeError, ValueError, OverflowError):
-            self._raise_first_error(requests, exclude_limit)
-        counts = np.asarray([x.size for x in parts], dtype=np.int64)
-        ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        all_rows = self._rows_or_minus_one(ids)
-        if (all_rows < 0).any():
-            self._raise_first_error(requests, exclude_limit)
-        starts = np.concatenate([[0], np.cumsum(counts)])
-        for j, b in enumerate(sent):
-            histories[b] = all_rows[starts[j]:starts[j + 1]]
-        if want_newest and sent:  # the sent histories' newest-first rows, in one pass
-            rows_new, off_new = newest_unique_grouped(all_rows[:starts[len(sent)]], starts[:len(sent) + 1])
-            for j, b in enumerate(sent):
-                newest[b] = rows_new[off_new[j]:off_new[j + 1]]
-        else:
-            for b in sent:
-                newest[b] = all_rows[:0]
-        return all_rows[starts[len(sent)]:], counts[len(sent):], None
-
-    def _exclusions(self, newest: list, ex_rows: np.ndarray, ex_counts: np.ndarray, exclude_history: bool,
-                    exclude_limit: int) -> np.ndarray:
-        """A batch with exclude ids: each request's exclude rows, then its newest-first history rows
-        not among them, up to `exclude_limit` -> int64 [B, E], sorted per request, -1 padded first.
-        As sorted keys request * n + row (sorted keys are sorted per request, requests in order)."""
-        B = len(newest)
-        n = np.int64(len(self.row_to_item))
-        ex_keys = np.unique(np.repeat(np.arange(B, dtype=np.int64), ex_counts) * n + ex_rows)
-        ex_count = np.bincount(ex_keys // n, minlength=B)
-        if (ex_count > exclude_limit).any():
-            b = int(np.flatnonzero(ex_count > exclude_limit)[0])
-            raise QueryError(f"request {b}: {int(ex_count[b])} exclude ids exceed the exclusion limit {exclude_limit}")
-        keys = ex_keys
-        if exclude_history and B and sum(x.size for x in newest):
-            # each request's history rows once, newest first, after its exclude ids, up to the limit
-            owner = np.repeat(np.arange(B, dtype=np.int64), [x.size for x in newest])
-            hkeys = owner * n + np.concatenate(newest)
-            keep = ~np.isin(hkeys, ex_keys, assume_unique=True)
-            hkeys, owner = hkeys[keep], owner[keep]
-            per = np.bincount(owner, minlength=B)
-            rank = np.arange(hkeys.size) - (np.cumsum(per) - per)[owner]  # newest = 0
-            keys = np.sort(np.concatenate([ex_keys, hkeys[rank < exclude_limit - ex_count[owner]]]))
-        owner = keys // n
-        per = np.bincount(owner, minlength=B)
-        width = max(1, int(per.max()) if B else 1)
-        exclude = np.full((B, width), -1, dtype=np.int64)
-        exclude[owner, width - per[owner] + np.arange(keys.size) - (np.cumsum(per) - per)[owner]] = keys - owner * n
-        return exclude
-
-    def _raise_first_error(self, requests: Sequence[RecRequest], exclude_limit: int) -> None:
-        """The request-by-request lookups, in request order: raises the first request's QueryError."""
-        for b, r in enumerate(requests):
-            self.rows(self.history_ids(r.user_id, f"request {b}") if r.user_id is not None else r.history,
-                      f"request {b} history")
-            count = np.unique(self.rows(r.exclude, f"request {b} exclude")).size
-            if count > exclude_limit:
-                raise QueryError(f"request {b}: {count} exclude ids exceed the exclusion limit {exclude_limit}")
-        raise AssertionError("_raise_first_error found no error")
+        values, lengths, dense, exclude, rows, offsets = _query_errors(
+            self.native.encode, *_flat_requests(requests), bool(exclude_history), int(exclude_limit))
+        rows, off = rows.numpy(), offsets.tolist()
+        return values, lengths, dense, exclude, [rows[off[b]:off[b + 1]] for b in range(len(requests))]
 
     def recommend(self, requests, k: int = 10, k0: Optional[int] = None, nprobe: Optional[int] = None,
                   max_probe: Optional[int] = None, mode: str = "auto", exclude_history: bool = True,
@@ -510,3 +327,77 @@ def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) <= hi:
         raise QueryError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
     return int(value)
+
+
+def rec_encoder(spec: UserFeatureSpec, row_to_item: np.ndarray, item_csr: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                users: Optional[Mapping[str, np.ndarray]]):
+    """The C++ request encoder of a recommendation snapshot (torch.classes.silverrec_host.RecEncoder,
+    kernels/csrc/request.h) from its tables: ids, the tower's item-feature CSRs, the stored users, the
+    user vocabularies and numeric statistics."""
+    library.load()
+
+    def t(x):
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+
+    csr = [item_csr[f] for f in spec.item_vocabs]
+    none = torch.zeros(0, dtype=torch.int64)
+    names = list(spec.user_vocabs)
+    return torch.classes.silverrec_host.RecEncoder(
+        t(row_to_item), [t(o) for o, _ in csr], [t(c) for _, c in csr], users is not None,
+        *((t(users["user_ids"]), t(users["offsets"]), t(users["item_ids"])) if users is not None else (none, none, none)),
+        names, [str(v) for g in names for v in spec.user_vocabs[g]], [len(spec.user_vocabs[g]) for g in names],
+        list(spec.user_numeric), [float(m) for m, _ in spec.user_numeric.values()],
+        [float(s) for _, s in spec.user_numeric.values()], int(spec.history_len), int(spec.recent_len))
+
+
+def _query_errors(fn, *args):
+    """fn(*args) with the C++ encoder's ValueError (a bad request) raised as QueryError, its message kept."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise QueryError(str(e)) from None
+
+
+def _int_list(ids, message: str) -> list[int]:
+    """A list of ints (numpy arrays and ints allowed) or QueryError(message)."""
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise QueryError(message)
+        return ids.reshape(-1).tolist()
+    if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__"):
+        raise QueryError(message)
+    out = list(ids)
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in out):
+        raise QueryError(message)
+    return [int(i) for i in out]
+
+
+def _flat_requests(requests: Sequence[RecRequest]) -> tuple:
+    """Requests -> the C++ encoder's flattened arguments (RecEncoder::encode_flat): user ids, which of
+    user_id (1) / history (2) each gives, the ids (history then exclude per request) and their counts,
+    the categorical features (keys per request, values per key, the values as text) and the numeric ones."""
+    user_ids, given, ids, sizes = [], [], [], []
+    keys, key_counts, values, value_counts, num_keys, num_values, num_counts = [], [], [], [], [], [], []
+    for b, r in enumerate(requests):
+        if r.user_id is not None and (isinstance(r.user_id, bool) or not isinstance(r.user_id, (int, np.integer))):
+            raise QueryError(f"request {b}: user_id must be an int, got {r.user_id!r}")
+        user_ids.append(0 if r.user_id is None else int(r.user_id))
+        given.append((r.user_id is not None) | (r.history is not None) << 1)
+        hist = [] if r.history is None else _int_list(r.history, f"request {b} history must be a list of integer item ids")
+        excl = _int_list(r.exclude, f"request {b} exclude must be a list of integer item ids")
+        ids += hist
+        ids += excl
+        sizes += [len(hist), len(excl)]
+        feats = dict(r.features)
+        key_counts.append(len(feats))
+        for g, raw in feats.items():
+            vals = [raw] if isinstance(raw, (str, int, np.integer)) else list(raw)
+            keys.append(str(g))
+            value_counts.append(len(vals))
+            values += [str(v) for v in vals]
+        nums = dict(r.numeric)
+        num_counts.append(len(nums))
+        for g, x in nums.items():
+            num_keys.append(str(g))
+            num_values.append(float(x))
+    return (user_ids, given, ids, sizes, keys, key_counts, values, value_counts, num_keys, num_values, num_counts)
