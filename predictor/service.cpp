@@ -177,25 +177,21 @@ Service::Service(const std::string& root) : root_(root) {
   config_ = manifest_.value("config", Json::object());
   version_ = snapshot_version(manifest_, root);
   item_count_ = manifest_.value("item_count", int64_t(0));
-  if (kind_ == "rec")
-    answers_ = config_.value("spec", Json::object()).value("tower", std::string()) == "query" ? "search" : "recommend";
-  else if (kind_ == "generative")
-    answers_ = "generative";
+  const Json spec = config_.value("spec", Json::object());
+  const std::string tower = spec.value("tower", std::string());
+  if (kind_ == "rec") answers_ = tower == "query" ? "search" : "recommend";  // served.py answers()
   if (answers_.empty())
-    throw SnapshotError("snapshot " + root + " of kind '" + kind_ + "': silverrec-predictor serves pure-ANN, "
-                        "recommendation and generative snapshots; serve this one with `silverrec serve`");
+    throw SnapshotError("snapshot " + root + " of kind '" + kind_ + "': silverrec-predictor serves one snapshot "
+                        "directory of kind 'rec'; serve this one with `silverrec serve`");
   load_program_libraries(manifest_);
   module_ = load_scripted(root, manifest_);
-  if (answers_ == "generative") {  // items.npz: item ids and tokens in trie leaf order
-    const std::map<std::string, at::Tensor> items = read_npz(root + "/" + config_.at("items_file").get<std::string>());
-    const at::Tensor ids = items.at("item_ids").to(at::kLong), order = std::get<1>(ids.sort(/*stable=*/true));
-    gen_ids_ = ids.index_select(0, order).contiguous();
-    gen_tokens_ = items.at("tokens").to(at::kLong).index_select(0, order).contiguous();
-    gen_rows_ = order.contiguous();
-    max_history_items_ = config_.at("max_history_items").get<int64_t>();
-    return;
-  }
-  nlist_ = config_.at("nlist").get<int64_t>();
+  const std::vector<std::string> sources = spec.value("sources", std::vector<std::string>{"ann"});
+  ann_ = std::find(sources.begin(), sources.end(), "ann") != sources.end();
+  generative_ = std::find(sources.begin(), sources.end(), "generative") != sources.end();
+  ranks_ = tower == "two_tower" || tower == "byo";  // spec.py TRAINED_TOWERS
+  nlist_ = spec.value("nlist", int64_t(0));
+  tasks_ = spec.value("tasks", std::vector<std::string>{"query"});
+  sources_ = sources;
   if (answers_ != "recommend") return;
   const std::map<std::string, at::Tensor> items = read_npz(root + "/items.npz");
   row_to_item_ = items.at("row_to_item").to(at::kLong);
@@ -231,8 +227,6 @@ Service::Service(const std::string& root) : root_(root) {
       has_users ? users.at("offsets").to(at::kLong) : none, has_users ? users.at("item_ids").to(at::kLong) : none,
       vocab_names, vocab_values, vocab_sizes, numeric_names, mean, std, spec.at("history_len").get<int64_t>(),
       spec.at("recent_len").get<int64_t>());
-  tasks_ = config_.at("tasks").get<std::vector<std::string>>();
-  sources_ = config_.value("sources", std::vector<std::string>{"ann"});
   exclude_limit_ = config_.at("exclude_limit").get<int64_t>();
 }
 
@@ -315,6 +309,7 @@ std::vector<Json> Service::run_search(const std::vector<const Job*>& group) {
   std::vector<c10::IValue> args = {at::zeros({3}, at::kLong), at::zeros({4}, at::kInt), queries,
                                    at::full({B, 1}, -1, at::kLong)};
   for (c10::IValue& v : no_filters(B, kModeProbed)) args.push_back(std::move(v));
+  args.insert(args.end(), {at::full({B, 1}, -1, at::kLong), at::ones({B, 2}, at::kBool)});  // no history, the ANN on
   for (int64_t v : {k, k, nprobe, nprobe}) args.emplace_back(v);
   return top_k_answers(group, module_.forward(args).toTuple());
 }
@@ -382,18 +377,18 @@ Job Service::prepare_recommend(const Json& body) const {
     if (int64_t(users.size()) > kMaxQueryRows)
       bad(std::to_string(users.size()) + " requests exceed the limit of " + std::to_string(kMaxQueryRows) + " per call");
   }
-  if (answers_ == "generative") {
-    std::vector<Json> user_bodies = present(body, "requests") ? users : std::vector<Json>{body};
-    return prepare_generative(std::move(job), user_bodies, k_given, body);
-  }
   if (answers_ != "recommend") bad("this snapshot is a pure-ANN index: it answers /v1/search, not /v1/recommend");
   const int64_t n = encoder_->num_items();
   job.k = check_int("k", k_given, 1, n);
   job.k0 = std::max(job.k, k0_given ? check_int("k0", *k0_given, 1, n) : config_.at("default_k0").get<int64_t>());
-  job.nprobe = check_int("nprobe", nprobe_given.value_or(config_.at("default_nprobe").get<int64_t>()), 1, nlist_);
-  job.max_probe = check_int("max_probe", max_probe_given.value_or(std::max(
-                                             job.nprobe, config_.at("search").at("default_max_probe").get<int64_t>())),
-                            job.nprobe, nlist_);
+  if (ann_) {  // recommend.py probes(): without an index, (1, 1), unread
+    job.nprobe = check_int("nprobe", nprobe_given.value_or(config_.at("default_nprobe").get<int64_t>()), 1, nlist_);
+    job.max_probe = check_int("max_probe", max_probe_given.value_or(std::max(
+                                               job.nprobe, config_.at("search").at("default_max_probe").get<int64_t>())),
+                              job.nprobe, nlist_);
+  } else {
+    job.nprobe = job.max_probe = 1;
+  }
   if (!kModes.count(mode)) bad("unknown search mode " + py_repr(mode) + ": use one of ['auto', 'probed', 'unprobed']");
   job.mode = kModes.at(mode);
   job.exclude_history = present(body, "exclude_history") ? body["exclude_history"].get<bool>() : true;
@@ -411,11 +406,9 @@ Job Service::prepare_recommend(const Json& body) const {
     check_template(parsed[b], int64_t(b));
   }
   // the handler's own bound: at most the candidates the model ranks
-  const int64_t beams = std::find(sources_.begin(), sources_.end(), "generative") != sources_.end()
-                            ? config_.at("generative").at("beam_width").get<int64_t>() : 0;
-  const int64_t candidates = config_.value("candidates", Json()).is_number_integer() && config_["candidates"].get<int64_t>()
-                                 ? config_["candidates"].get<int64_t>() : n;
-  check_int("k", job.k, 1, std::min(n, candidates + beams));
+  const int64_t beams = generative_ ? config_.at("generative").at("beam_width").get<int64_t>() : 0;
+  const int64_t candidates = config_.at("spec").value("candidates", int64_t(0));
+  check_int("k", job.k, 1, std::min(n, (ann_ ? (candidates ? candidates : n) : 0) + beams));
   job.users = std::move(parsed);
   job.group = "rec/" + std::to_string(job.k0) + "/" + std::to_string(job.nprobe) + "/" + std::to_string(job.max_probe) +
               "/" + mode + "/" + (job.exclude_history ? "1" : "0");
@@ -437,24 +430,29 @@ std::vector<Json> Service::run_recommend(const std::vector<const Job*>& group) {
   const int64_t B = int64_t(users.size());
   std::vector<c10::IValue> args = {e.values, e.lengths, e.dense, e.exclude};
   for (c10::IValue& v : no_filters(B, templated ? first.mode : kModeProbed)) args.push_back(std::move(v));
-  if (std::find(sources_.begin(), sources_.end(), "generative") != sources_.end()) {
-    // hybrid: each history's rows, left-padded with -1 to max(2, longest), and the sources every request asks
+  if (generative_) {
+    // the decode's input (generative/source.py request_tensors): each history's newest max_items rows, left-padded
+    // with -1 to max(2, longest), and the sources every request asks (all the snapshot's)
+    const Json max_items = config_.at("generative").value("max_items", Json());
+    const int64_t cap = max_items.is_number_integer() ? max_items.get<int64_t>() : INT64_MAX;
     const int64_t* off = e.history_offsets.data_ptr<int64_t>();
     int64_t H = 2;
-    for (int64_t b = 0; b < B; ++b) H = std::max(H, off[b + 1] - off[b]);
+    for (int64_t b = 0; b < B; ++b) H = std::max(H, std::min(cap, off[b + 1] - off[b]));
     at::Tensor history = at::full({B, H}, -1, at::kLong), flags = at::zeros({B, 2}, at::kBool);
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t len = off[b + 1] - off[b];
-      std::copy_n(e.history_rows.data_ptr<int64_t>() + off[b], len, history.data_ptr<int64_t>() + b * H + H - len);
+      const int64_t len = std::min(cap, off[b + 1] - off[b]);
+      std::copy_n(e.history_rows.data_ptr<int64_t>() + off[b + 1] - len, len, history.data_ptr<int64_t>() + b * H + H - len);
       for (int s = 0; s < 2; ++s)
         if (std::find(sources_.begin(), sources_.end(), kSources[s]) != sources_.end()) flags.data_ptr<bool>()[b * 2 + s] = true;
     }
     args.insert(args.end(), {history, flags});
+  } else {  // the ANN alone reads neither: no history, the ANN on
+    args.insert(args.end(), {at::full({B, 1}, -1, at::kLong), at::ones({B, 2}, at::kBool)});
   }
   for (int64_t v : {k, first.k0, first.nprobe, first.max_probe}) args.emplace_back(v);
   const auto out = module_.forward(args).toTuple();
   const at::Tensor ids = out->elements()[0].toTensor().contiguous(), scores = out->elements()[1].toTensor().contiguous();
-  const at::Tensor tasks = out->elements()[2].toTensor().contiguous();
+  const at::Tensor tasks = out->elements()[2].toTensor().contiguous(), found_by = out->elements()[4].toTensor().contiguous();
   std::vector<Json> answers;
   int64_t start = 0;
   for (const Job* j : group) {
@@ -462,51 +460,26 @@ std::vector<Json> Service::run_recommend(const std::vector<const Job*>& group) {
     Json task_scores = Json::object();
     for (size_t t = 0; t < tasks_.size(); ++t)
       task_scores[tasks_[t]] = score_rows(tasks.select(2, int64_t(t)), start, n, j->k);
-    answers.push_back({{"item_ids", id_rows(ids, start, n, j->k)}, {"scores", score_rows(scores, start, n, j->k)},
-                       {"task_scores", task_scores}});
+    Json answer = {{"item_ids", id_rows(ids, start, n, j->k)}, {"scores", score_rows(scores, start, n, j->k)},
+                   {"task_scores", task_scores}};
+    if (found_by.size(1)) {  // which sources found each item (bits 1 = ann, 2 = generative)
+      Json rows = Json::array();
+      for (int64_t b = start; b < start + n; ++b) {
+        Json row = Json::array();
+        for (int64_t i = 0; i < std::min(j->k, found_by.size(1)); ++i) {
+          Json names = Json::array();
+          for (int s = 0; s < 2; ++s)
+            if (found_by[b][i].item<int64_t>() >> s & 1) names.push_back(kSources[s]);
+          row.push_back(names);
+        }
+        rows.push_back(row);
+      }
+      answer["sources"] = rows;
+    }
+    answers.push_back(std::move(answer));
     start += n;
   }
   return answers;
-}
-
-// ------------------------------------------------------------------------------------------------ generative
-Job Service::prepare_generative(Job job, const std::vector<Json>& users, int64_t k_given, const Json& body) const {
-  const int64_t beams = config_.value("beam_width", int64_t(0));
-  job.k = check_int("k", k_given, 1, beams ? beams : item_count_);
-  std::set<std::string> extra;  // any user field but history, given and not empty
-  for (const Json& u : users)
-    for (const char* f : kUserFields)
-      if (std::string(f) != "history" && present(u, f) && !((u[f].is_object() || u[f].is_array()) && u[f].empty()))
-        extra.insert(f);
-  if (!extra.empty())
-    bad("a generative snapshot reads only 'history', got " + py_list_repr({extra.begin(), extra.end()}));
-  std::vector<int64_t> ids, sizes;
-  for (size_t b = 0; b < job.users.size(); ++b) {
-    if (!job.users[b].history)
-      bad("request " + std::to_string(b) + ": a generative snapshot needs a history (item ids, oldest first)");
-    ids.insert(ids.end(), job.users[b].history->begin(), job.users[b].history->end());
-    sizes.push_back(int64_t(job.users[b].history->size()));
-  }
-  try {
-    generative_inputs(ids, sizes, gen_ids_, gen_tokens_, gen_rows_, max_history_items_, false, std::nullopt);
-  } catch (const RequestError& e) {
-    bad(e.what());
-  }
-  job.exclude_history = present(body, "exclude_history") && body["exclude_history"].get<bool>();
-  job.group = std::string("gen/") + (job.exclude_history ? "1" : "0");
-  return job;
-}
-
-std::vector<Json> Service::run_generative(const std::vector<const Job*>& group) {
-  std::vector<int64_t> ids, sizes;
-  for (const Job* j : group)
-    for (const UserRequest& u : j->users) {
-      ids.insert(ids.end(), u.history->begin(), u.history->end());
-      sizes.push_back(int64_t(u.history->size()));
-    }
-  auto [history, allowed] = generative_inputs(ids, sizes, gen_ids_, gen_tokens_, gen_rows_, max_history_items_,
-                                              group[0]->exclude_history, std::nullopt);
-  return top_k_answers(group, module_.forward({history, allowed}).toTuple());
 }
 
 // ------------------------------------------------------------------------------------------------ rank
@@ -517,7 +490,8 @@ Job Service::prepare_rank(const Json& body) const {
   job.items = int_list(body["items"], "items");
   UserRequest r = user_request(body, "");
   job.deadline_ms = deadline(body);
-  if (answers_ != "recommend") bad("only a recommendation model (silverrec publish --config) ranks items for a user");
+  if (answers_ != "recommend" || !ranks_)
+    bad("only a recommendation model with a user tower (silverrec publish --config) ranks items for a user");
   if (job.items.empty() || int64_t(job.items.size()) > kMaxRankItems)
     bad("rank takes 1 to " + std::to_string(kMaxRankItems) + " item ids, got " + std::to_string(job.items.size()));
   try {
@@ -526,7 +500,8 @@ Job Service::prepare_rank(const Json& body) const {
   } catch (const RequestError& e) {
     bad(e.what());
   }
-  const std::string overarch = config_.value("overarch", Json()).is_string() ? config_["overarch"].get<std::string>() : "None";
+  const Json kind = config_.at("spec").value("overarch", Json());
+  const std::string overarch = kind.is_string() ? kind.get<std::string>() : "None";
   const int64_t limit = overarch == "listwise" ? kMaxListwiseRankItems : kMaxRankItems;
   if (int64_t(job.items.size()) > limit)
     bad("rank takes 1 to " + std::to_string(limit) + " item ids with this snapshot's OverArch (" + overarch + "), got " +
@@ -551,7 +526,7 @@ Json Service::run_rank(const Job& job) {
 std::vector<Json> Service::run(const std::vector<const Job*>& group) {
   c10::InferenceMode guard;
   if (group[0]->route == Route::Search) return run_search(group);
-  if (group[0]->route == Route::Recommend) return answers_ == "generative" ? run_generative(group) : run_recommend(group);
+  if (group[0]->route == Route::Recommend) return run_recommend(group);
   std::vector<Json> out;
   for (const Job* j : group) out.push_back(run_rank(*j));
   return out;
@@ -562,12 +537,10 @@ void Service::smoke() {
   if (answers_ == "search") {
     job = prepare(Route::Search, {{"queries", Json::array({std::vector<double>(size_t(config_.at("dim").get<int64_t>()), 0.1)})},
                                   {"k", 1}});
-  } else if (answers_ == "generative") {
-    job = prepare(Route::Recommend, {{"history", {gen_ids_[0].item<int64_t>()}}, {"k", 1}});
   } else {  // the first item's history, and a value for each feature a filter template binds
     job.route = Route::Recommend;
     job.k = job.k0 = 1;
-    job.nprobe = job.max_probe = config_.at("default_nprobe").get<int64_t>();
+    job.nprobe = job.max_probe = ann_ ? config_.at("default_nprobe").get<int64_t>() : 1;
     job.mode = kModeAuto;
     UserRequest r;
     r.history = std::vector<int64_t>{row_to_item_[0].item<int64_t>()};

@@ -42,7 +42,7 @@ class Service {
   explicit Service(const std::string& root);
   const std::string& version() const { return version_; }
   const std::string& kind() const { return kind_; }
-  const std::string& answers() const { return answers_; }  // "search" | "recommend" | "generative" | ""
+  const std::string& answers() const { return answers_; }  // "search" | "recommend" | ""
   Json model_info() const;
 
   Job prepare(Route route, const Json& body) const;  // BadRequest when invalid
@@ -55,8 +55,6 @@ class Service {
   Job prepare_rank(const Json& body) const;
   std::vector<Json> run_search(const std::vector<const Job*>& group);
   std::vector<Json> run_recommend(const std::vector<const Job*>& group);
-  std::vector<Json> run_generative(const std::vector<const Job*>& group);
-  Job prepare_generative(Job job, const std::vector<Json>& users, int64_t k_given, const Json& body) const;
   Json run_rank(const Job& job);
   std::vector<c10::IValue> no_filters(int64_t B, int64_t mode) const;
   void check_template(const UserRequest& r, int64_t b) const;
@@ -67,8 +65,8 @@ class Service {
   std::unique_ptr<RecEncoder> encoder_;
   at::Tensor row_to_item_;
   std::vector<std::string> tasks_, sources_;
-  int64_t item_count_ = 0, nlist_ = 0, exclude_limit_ = 0, max_history_items_ = 0;
-  at::Tensor gen_ids_, gen_tokens_, gen_rows_;  // generative: item ids ascending, their tokens and trie rows
+  int64_t item_count_ = 0, nlist_ = 0, exclude_limit_ = 0;
+  bool ann_ = true, generative_ = false, ranks_ = false;  // the model's sources; a trained user tower
 };
 
 }  // namespace silverrec

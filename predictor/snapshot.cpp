@@ -398,7 +398,7 @@ torch::jit::Module load_scripted(const std::string& root_in, const Json& manifes
 void load_program_libraries(const Json& manifest) {
   const Json config = manifest.value("config", Json::object());
   const std::string tower = config.value("spec", Json::object()).value("tower", std::string());
-  if (manifest.value("kind", std::string()) != "rec" || tower == "query" || tower == "byo") return;
+  if (manifest.value("kind", std::string()) != "rec" || tower != "two_tower") return;  // snapshot.py needs_torchrec
   // silverrec's own user tower: TorchRec's embedding bags, whose ops fbgemm_gpu defines (in its import order)
   static const char* libraries[] = {"fbgemm_gpu_config", "fbgemm_gpu_tbe_utils", "fbgemm_gpu_tbe_index_select",
                                     "fbgemm_gpu_tbe_cache", "fbgemm_gpu_tbe_optimizers", "fbgemm_gpu_tbe_inference",
