@@ -198,10 +198,10 @@ Service::Service(const std::string& root) : root_(root) {
   std::map<std::string, at::Tensor> users;
   if (manifest_.value("files", Json::object()).contains("users.npz"))
     users = read_npz(root + "/users.npz");
-  const Json spec = config_.at("user_features");
+  const Json features = config_.at("user_features");
   const std::vector<std::string> order = config_.at("item_feature_order").get<std::vector<std::string>>();
   std::vector<at::Tensor> offsets, codes;
-  for (const Json& pair : spec.at("item_vocabs")) {  // the tower's item features, in its order
+  for (const Json& pair : features.at("item_vocabs")) {  // the tower's item features, in its order
     const std::string name = pair.at(0).get<std::string>();
     const size_t i = size_t(std::find(order.begin(), order.end(), name) - order.begin());
     offsets.push_back(items.at("offsets_" + std::to_string(i)));
@@ -210,12 +210,12 @@ Service::Service(const std::string& root) : root_(root) {
   std::vector<std::string> vocab_names, vocab_values, numeric_names;
   std::vector<int64_t> vocab_sizes;
   std::vector<double> mean, std;
-  for (const Json& pair : spec.value("user_vocabs", Json::array())) {
+  for (const Json& pair : features.value("user_vocabs", Json::array())) {
     vocab_names.push_back(pair.at(0).get<std::string>());
     for (const Json& v : pair.at(1)) vocab_values.push_back(v.is_string() ? v.get<std::string>() : v.dump());
     vocab_sizes.push_back(int64_t(pair.at(1).size()));
   }
-  for (const Json& pair : spec.value("user_numeric", Json::array())) {
+  for (const Json& pair : features.value("user_numeric", Json::array())) {
     numeric_names.push_back(pair.at(0).get<std::string>());
     mean.push_back(pair.at(1).at(0).get<double>());
     std.push_back(pair.at(1).at(1).get<double>());
@@ -225,8 +225,8 @@ Service::Service(const std::string& root) : root_(root) {
   encoder_ = std::make_unique<RecEncoder>(
       row_to_item_, offsets, codes, has_users, has_users ? users.at("user_ids").to(at::kLong) : none,
       has_users ? users.at("offsets").to(at::kLong) : none, has_users ? users.at("item_ids").to(at::kLong) : none,
-      vocab_names, vocab_values, vocab_sizes, numeric_names, mean, std, spec.at("history_len").get<int64_t>(),
-      spec.at("recent_len").get<int64_t>());
+      vocab_names, vocab_values, vocab_sizes, numeric_names, mean, std, features.at("history_len").get<int64_t>(),
+      features.at("recent_len").get<int64_t>());
   exclude_limit_ = config_.at("exclude_limit").get<int64_t>();
 }
 
