@@ -111,7 +111,7 @@ def start(kind: str, snapshot: Path) -> tuple[subprocess.Popen, int]:
     port = free_port()
     if kind == "python":
         cmd = [sys.executable, "-m", "silverrec", "serve", str(snapshot), "--port", str(port), "--max-batch", "32",
-               "--max-wait-ms", "5", "--workers", "1", "--backend", "torchscript"]
+               "--max-wait-ms", "5", "--workers", "1"]
     else:
         cmd = [str(BINARY), str(snapshot), "--http", str(port), "--max-batch", "32", "--max-wait-ms", "5"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(ROOT),
@@ -129,7 +129,7 @@ def start(kind: str, snapshot: Path) -> tuple[subprocess.Popen, int]:
 
 
 def wrk(port: int, bodies_file: Path, script: Path, concurrency: int, seconds: float) -> dict:
-    out = subprocess.run(["wrk", "-t", str(min(concurrency, 2)), "-c", str(concurrency), "-d", f"{seconds}s",
+    out = subprocess.run(["wrk", "-t", str(min(concurrency, 2)), "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s",
                           "--latency", "-s", str(script), f"http://127.0.0.1:{port}/v1/recommend"],
                          capture_output=True, text=True, check=True, env=dict(os.environ, BODIES=str(bodies_file)),
                          timeout=seconds + 60)

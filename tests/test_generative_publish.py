@@ -41,7 +41,11 @@ def _embeddings(n=240, d=10, seed=0):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """Semantic IDs of a 240-item pool, a peaked random decoder, and its fp32 snapshot (via the CLI)."""
-    root = tmp_path_factory.mktemp("gen")
+    return publish_snapshot(tmp_path_factory.mktemp("gen"))
+
+
+def publish_snapshot(root):
+    """(root, semantic IDs, decoder, its fp32 snapshot in root / "snap") (tests/test_predictor.py's too)."""
     x, ids = _embeddings()
     sids = build_semantic_ids(x, ids, levels=2, codes=8, seed=0, niter=5)
     dec = random_decoder(sids.level_sizes, dim=32, n_layers=2, max_seq_len=64, seed=1)

@@ -1,7 +1,7 @@
 """silverrec-predictor (predictor/, the C++ program) answers as the Python predictor does.
 
 For each snapshot kind it serves (pure ANN: exact, IVF, with a filter bank; recommendation: each OverArch, a
-filter template, a team's own modules, hybrid with a generative source; generative), the program's answers to a set of /v1/search, /v1/recommend and /v1/rank
+filter template, a team's own modules, hybrid with a generative source; decode-only), the program's answers to a set of /v1/search, /v1/recommend and /v1/rank
 bodies (one JSON line each on its stdin) equal `silverrec serve`'s for the same bodies: served.Served over
 `silverrec.load(DIR)` (its search / recommend / rank) with the pydantic models of schemas.py: the same items in
 the same order, scores within SCORE_TOL (the Python side runs the snapshot's preferred program, torch.export or
@@ -311,6 +311,19 @@ def test_hybrid_snapshot_answers_as_python(rec, tmp_path_factory):
                                            beam_width=8), d / "snap")
     check(snap, "recommend", rec_bodies(rec))
     check(snap, "rank", rank_bodies(rec)[:3])
+
+
+def test_generative_snapshot_answers_as_python(tmp_path_factory):
+    """A decode-only model (tests/test_generative_publish.py's: semantic IDs of a 240-item pool, a random decoder)."""
+    from tests.test_generative_publish import W, publish_snapshot
+
+    _, sids, _, snap = publish_snapshot(tmp_path_factory.mktemp("predictor_gen"))
+    i = [int(v) for v in sids.item_ids]
+    check(snap, "recommend", [
+        {"history": i[:3], "k": 5}, {"requests": [{"history": i[j:j + 1 + j % 9]} for j in range(12)], "k": W},
+        {"history": i[10:20], "exclude_history": False}, {"history": [i[0], 7]}, {"user_id": 3},
+        {"history": i[:2], "k": W + 1}, {"history": i[:2], "nprobe": 5}])
+    check(snap, "rank", [{"history": i[:2], "items": i[:3]}])
 
 
 # ------------------------------------------------------------------------------------------------ HTTP
