@@ -352,6 +352,7 @@ int serve_http(Service& service, const Options& o) {
   server.new_task_queue = [&] { return new httplib::ThreadPool(size_t(o.http_threads)); };
   server.set_payload_max_length(o.max_body_bytes);
   server.set_keep_alive_max_count(1 << 30);
+  server.set_tcp_nodelay(true);  // an answer goes out at once (no wait for the client's delayed ACK)
   auto send = [&](httplib::Response& res, int status, const Json& body) {
     res.status = status;
     res.set_header("x-silverrec-version", service.version());

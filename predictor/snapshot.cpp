@@ -7,6 +7,7 @@
 #include <torch/serialize.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -26,6 +27,9 @@ namespace {
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kScriptFile = "model.ts";
 constexpr const char* kTensorsFile = "tensors.pt";
+// Python's json writes NaN, Infinity and -Infinity (a report's values), which JSON has not: each becomes the string
+// "\u0000" + its name (python_dumps writes the name back, so the manifest's digest is Python's).
+constexpr const char* kNonFinite[] = {"-Infinity", "Infinity", "NaN"};
 
 std::string join(const std::string& root, const std::string& name) { return root + "/" + name; }
 
@@ -171,7 +175,15 @@ void python_dumps(const Json& v, std::string& out) {
     case Json::value_t::number_integer: out += std::to_string(v.get<int64_t>()); break;
     case Json::value_t::number_unsigned: out += std::to_string(v.get<uint64_t>()); break;
     case Json::value_t::number_float: python_float(v.get<double>(), out); break;
-    case Json::value_t::string: python_string(v.get<std::string>(), out); break;
+    case Json::value_t::string: {
+      const std::string& text = v.get_ref<const std::string&>();
+      if (!text.empty() && text[0] == '\0' && std::find(std::begin(kNonFinite), std::end(kNonFinite), text.substr(1)) !=
+                                                  std::end(kNonFinite))
+        out += text.substr(1);  // a non-finite float (python_json_text)
+      else
+        python_string(text, out);
+      break;
+    }
     case Json::value_t::array: {
       out += '[';
       bool first = true;
@@ -242,6 +254,33 @@ at::Tensor parse_npy(const unsigned char* p, size_t size, const std::string& whe
   return t;
 }
 
+
+std::string python_json_text(const std::vector<char>& raw) {
+  const std::string text(raw.begin(), raw.end());
+  std::string out;
+  bool quoted = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (quoted) {
+      out += c;
+      if (c == '\\' && i + 1 < text.size()) out += text[++i];
+      else if (c == '"') quoted = false;
+      continue;
+    }
+    if (c == '"') quoted = true;
+    bool replaced = false;
+    for (const char* name : kNonFinite)
+      if (text.compare(i, std::strlen(name), name) == 0) {
+        out += std::string("\"\\u0000") + name + "\"";
+        i += std::strlen(name) - 1;
+        replaced = true;
+        break;
+      }
+    if (!replaced) out += c;
+  }
+  return out;
+}
+
 }  // namespace
 
 std::map<std::string, at::Tensor> read_npz(const std::string& path) {
@@ -298,8 +337,7 @@ Json read_manifest(const std::string& root_in, bool verify) {
   if (!is_file(mpath)) throw SnapshotError(root + " has no " + kManifest + ": not a snapshot, or an unfinished write");
   Json manifest;
   try {
-    const std::vector<char> text = read_bytes(mpath);
-    manifest = Json::parse(text.begin(), text.end());
+    manifest = Json::parse(python_json_text(read_bytes(mpath)));
   } catch (const Json::parse_error& e) {
     throw SnapshotError(mpath + " is not valid JSON (" + e.what() + ")");
   }
