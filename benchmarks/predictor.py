@@ -12,9 +12,9 @@ In-process: Python's `snap.recommend(users, k=10)` (its public API, dicts in, te
 threads of this process, against `silverrec-predictor --bench-seconds` (the same bodies answered in its own process
 by 1 or 2 threads: JSON parse, validation, encoding, forward, JSON answer). Both run every forward on one intra-op
 thread (what the Python predictor's threads="auto" picks up to batch 16; `--threads 1` for the C++ program).
-HTTP: `silverrec serve` and `silverrec-predictor --http`, the same batching (max batch 32, max wait 5 ms, one
-worker, torch's default threads), loaded by wrk (keep-alive, closed loop) at concurrency 1, 2 and 16, alternated
-server by server for each setting. Latency percentiles are wrk's; throughput counts answered bodies and users.
+HTTP: `silverrec serve` (its default: one server process per core) and `silverrec-predictor --http` (one process),
+the same batching (max batch 32, max wait 5 ms, torch's default threads), loaded by wrk (keep-alive, closed
+loop) at concurrency 1, 2 and 16, alternated server by server for each setting. Latency percentiles are wrk's; throughput counts answered bodies and users.
 Client and servers share the machine's cores. Writes benchmarks/results/predictor.json and predictor.png.
 """
 
@@ -111,7 +111,7 @@ def start(kind: str, snapshot: Path) -> tuple[subprocess.Popen, int]:
     port = free_port()
     if kind == "python":
         cmd = [sys.executable, "-m", "silverrec", "serve", str(snapshot), "--port", str(port), "--max-batch", "32",
-               "--max-wait-ms", "5", "--workers", "1"]
+               "--max-wait-ms", "5"]  # its default processes: one per core
     else:
         cmd = [str(BINARY), str(snapshot), "--http", str(port), "--max-batch", "32", "--max-wait-ms", "5"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(ROOT),
@@ -207,7 +207,7 @@ def run(args) -> None:
     print(json.dumps(ratios, indent=1))
     path = write_results("predictor", {"snapshot": str(snapshot.relative_to(ROOT)) if snapshot.is_relative_to(ROOT)
                                        else str(snapshot), "k": K, "seconds": args.seconds,
-                                       "http": {"max_batch": 32, "max_wait_ms": 5, "workers": 1},
+                                       "http": {"max_batch": 32, "max_wait_ms": 5, "python_processes": "serve's default (one per core)"},
                                        "ratios": ratios}, rows)
     plot(json.loads(path.read_text()), path.with_suffix(".png"))
 

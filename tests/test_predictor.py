@@ -63,9 +63,12 @@ def python(served: Served, route: str, body: dict) -> dict:
         return {"status": 422}
     try:
         key, payload = getattr(served, f"prepare_{route}")(parsed)
-        return served.run(key, [payload])[0]
+        out = served.run(key, [payload])[0]  # JSON bytes, or the QueryError that refuses the request
     except QueryError as e:
-        return {"status": 400, "detail": str(e)}
+        out = e
+    if isinstance(out, QueryError):
+        return {"status": 400, "detail": str(out)}
+    return json.loads(out)
 
 
 def assert_same(cpp: dict, py: dict, body: dict) -> None:
