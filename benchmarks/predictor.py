@@ -116,7 +116,7 @@ def start(kind: str, snapshot: Path) -> tuple[subprocess.Popen, int]:
         cmd = [str(BINARY), str(snapshot), "--http", str(port), "--max-batch", "32", "--max-wait-ms", "5"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(ROOT),
                             env=dict(os.environ, SILVERREC_QUIET="1"))
-    for _ in range(1200):
+    for _ in range(2400):  # a server process per core loads its own copy of the snapshot
         if proc.poll() is not None:
             raise RuntimeError(f"{kind} server exited with {proc.returncode}")
         try:
@@ -172,11 +172,13 @@ def run(args) -> None:
                 print_table(rows[-1:], list(rows[-1]))
     del snap
     torch.set_num_threads(os.cpu_count() or 1)
-    servers = {kind: start(kind, snapshot) for kind in ("cpp", "python")}
+    servers = {}
     work = Path(tempfile.mkdtemp(prefix="bench_predictor_"))
     script = work / "post.lua"
     script.write_text(WRK_SCRIPT)
     try:
+        for kind in ("cpp", "python"):
+            servers[kind] = start(kind, snapshot)
         for batch in BATCHES:
             bodies_file = work / f"bodies_{batch}.jsonl"
             bodies_file.write_text("".join(json.dumps(b) + "\n" for b in user_bodies(snapshot, batch)))
