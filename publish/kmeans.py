@@ -18,23 +18,18 @@ Like faiss `Clustering`, Lloyd iterations run on a random sample of at most
 become empty are re-seeded with the points worst served by their current centroid.
 
 Catalogue scale (`method="two_level"`, the automatic choice from nlist >= TWO_LEVEL_MIN_NLIST):
-flat Lloyd costs sample x nlist x D per iteration (10M x 96 at nlist 12,649: 3.2M sample rows,
-7.8 TFLOP an iteration, minutes on this 2-core CPU) and k-means++ seeding loops nlist times. The
-two-level build trains on TWO_LEVEL_POINTS_PER_CENTROID (64) points per cluster: it clusters the
-sample into G ~ sqrt(nlist) groups, then each group's members into a share of nlist proportional to
-its size (one thread: small matrices), then runs `refine` global Lloyd steps; their assignments
-(and the final one over all N rows of a large pool) are `assign_grouped`, an IVF search over the
-centroids: a row is compared only with the centroids of its `reach` nearest group centres (default
-a quarter of the groups). Measured on the 1M x 96 pool of benchmarks/update.py after its ten
-drifting updates (nlist 4000, G 63, load 5-8), recall@100 at nprobe 16 / 32 / 64: flat k-means
-0.935 / 0.945 / 0.966 (1132 s); two-level with reach 8 and 256 points per centroid (the previous
-default) 0.906 / 0.917 / 0.931 (273 s), its centroids with an exact final assignment 0.945 / 0.954 /
-0.965: the grouped assignment (95% of rows on their nearest centroid) was the loss; the default
-(reach 16, 99% of rows; 64 points per centroid) 0.936 / 0.950 / 0.957 (120 s). On a noisy pool whose
-clusters overlap (benchmarks/noisy_pool.py) the grouped assignment still left 6.5% of 1M rows off
-their nearest centroid, a loss of recall at equal nprobe against Faiss IVF-SQ8 (benchmarks/recall_gap.py),
-so the final assignment over all N rows is exact (`assign`) while N x nlist is at most
-EXACT_ASSIGN_PAIRS (one N x nlist x D matmul in chunks), and grouped above (10M x 12,649: 30x the work).
+flat Lloyd costs sample x nlist x D per iteration and k-means++ seeding loops nlist times, which is
+too slow at catalogue nlist on a CPU. The two-level build trains on TWO_LEVEL_POINTS_PER_CENTROID
+points per cluster: it clusters the sample into G ~ sqrt(nlist) groups, then each group's members
+into a share of nlist proportional to its size (one thread: small matrices), then runs `refine`
+global Lloyd steps. Their assignments (and the final one over all N rows of a pool above
+EXACT_ASSIGN_PAIRS) are `assign_grouped`, an IVF search over the centroids: a row is compared only
+with the centroids of its `reach` nearest group centres (default a quarter of the groups). Rows
+the grouped search leaves off their nearest centroid cost recall at equal nprobe (most on pools
+whose clusters overlap), so the final assignment over all N rows is exact (`assign`) while
+N x nlist is at most EXACT_ASSIGN_PAIRS (one N x nlist x D matmul in chunks), and grouped above,
+where the exact one costs many times the build. docs/benchmarks.md (recall_gap.py, update.py,
+kmeans_recall.py) has the measurements against flat k-means and Faiss IVF-SQ8.
 """
 
 from __future__ import annotations
@@ -115,8 +110,8 @@ def assign(x: torch.Tensor, centroids: torch.Tensor, chunk: int | None = None) -
 def cluster_sums(x: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
     """Sum of the rows of each cluster: float32 [N, D], labels int64 [N] -> float32 [k, D].
 
-    index_add_ runs on one thread: with two on this 2-core machine under load it took 275 ms for
-    256k x 96 rows into 63 clusters and 205 ms for 4k rows (one thread: 124 ms and 0.1 ms)."""
+    index_add_ runs on one thread: its multi-threaded path was slower for both large and small
+    inputs on a loaded CPU."""
     with num_threads(1):
         return torch.zeros(k, x.shape[1], dtype=x.dtype, device=x.device).index_add_(0, labels, x)
 
