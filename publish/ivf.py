@@ -34,7 +34,7 @@ class IVFConfig:
     nlist: int | None = None
     seed: int = 0
     niter: int = 10
-    max_points_per_centroid: int | None = None  # None: kmeans' default for its method (256 flat, 64 two-level)
+    max_points_per_centroid: int | None = None  # None: kmeans' default (POINTS_PER_CENTROID)
     seed_points_per_centroid: int = 32
     residual: bool | str = "auto"  # codes of item - its centroid (`cluster_major_layout`); "auto": `residual_helps`
     spherical: bool | str = "auto"  # unit-length centroids (kmeans); "auto": when `constant_norm` (the pool's rows)

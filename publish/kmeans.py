@@ -14,22 +14,25 @@ spherically (publish/ivf.py `IVFConfig`).
     >>> result.stats[-1]      # IterationStats(objective=..., imbalance=..., reseeded=..., ...)
 
 Like faiss `Clustering`, Lloyd iterations run on a random sample of at most
-`max_points_per_centroid * nlist` points; the final assignment covers every point. Clusters that
-become empty are re-seeded with the points worst served by their current centroid.
+`max_points_per_centroid * nlist` points (POINTS_PER_CENTROID per cluster by default); the final
+assignment covers every point. Clusters that become empty are re-seeded with the points worst
+served by their current centroid.
 
 Catalogue scale (`method="two_level"`, the automatic choice from nlist >= TWO_LEVEL_MIN_NLIST):
 flat Lloyd costs sample x nlist x D per iteration and k-means++ seeding loops nlist times, which is
-too slow at catalogue nlist on a CPU. The two-level build trains on TWO_LEVEL_POINTS_PER_CENTROID
-points per cluster: it clusters the sample into G ~ sqrt(nlist) groups, then each group's members
-into a share of nlist proportional to its size (one thread: small matrices), then runs `refine`
-global Lloyd steps. Their assignments (and the final one over all N rows of a pool above
-EXACT_ASSIGN_PAIRS) are `assign_grouped`, an IVF search over the centroids: a row is compared only
-with the centroids of its `reach` nearest group centres (default a quarter of the groups). Rows
-the grouped search leaves off their nearest centroid cost recall at equal nprobe (most on pools
-whose clusters overlap), so the final assignment over all N rows is exact (`assign`) while
-N x nlist is at most EXACT_ASSIGN_PAIRS (one N x nlist x D matmul in chunks), and grouped above,
-where the exact one costs many times the build. docs/benchmarks.md (recall_gap.py, update.py,
-kmeans_recall.py) has the measurements against flat k-means and Faiss IVF-SQ8.
+too slow at catalogue nlist on a CPU. The two-level build trains on the same sample as flat: it
+clusters the sample into G ~ sqrt(nlist) groups, then each group's members into a share of nlist
+proportional to its size (one thread: small matrices), then runs `refine` (TWO_LEVEL_REFINE) global
+Lloyd steps, which move the boundaries the per-group build drew along the group borders. On pools
+whose clusters overlap, a smaller sample or fewer refine steps leave centroids that reach fewer
+true neighbours at equal nprobe than flat k-means'. The refine steps' assignments (and the final
+one over all N rows of a pool above EXACT_ASSIGN_PAIRS) are `assign_grouped`, an IVF search over
+the centroids: a row is compared only with the centroids of its `reach` nearest group centres
+(default a quarter of the groups). Rows it leaves off their nearest centroid cost recall too, so
+the final assignment over all N rows is exact (`assign`) while N x nlist is at most
+EXACT_ASSIGN_PAIRS (one N x nlist x D matmul in chunks), and grouped above, where the exact one
+costs many times the build. docs/benchmarks.md (kmeans_recall.py, recall_gap.py, update.py) has the
+measurements against flat k-means and Faiss IVF-SQ8.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ GROUPED_PAIRS = 1 << 21  # (row, group) pairs per grouped-assignment batch, ~80 
 TWO_LEVEL_MIN_NLIST = 1024  # method="auto" switches to two_level from this many clusters
 GROUPS_PER_SQRT = 1.0  # two_level: G = GROUPS_PER_SQRT * sqrt(nlist) groups
 REACH_SHARE = 4  # assign_grouped compares a row with the centroids of its ceil(G / REACH_SHARE) nearest groups
-TWO_LEVEL_POINTS_PER_CENTROID = 64  # two_level trains on at most this many points per cluster (flat: 256)
+POINTS_PER_CENTROID = 256  # Lloyd iterations (both methods) run on at most this many points per cluster
+TWO_LEVEL_REFINE = 6  # two_level: global Lloyd steps after the per-group build
 EXACT_ASSIGN_PAIRS = 1 << 32  # two_level: exact final assignment up to N x nlist = this (1M x 4,000), grouped above
 
 
@@ -322,7 +326,7 @@ def kmeans(
     seed_points_per_centroid: int = 32,
     spherical: bool = False,
     method: str = "auto",
-    refine: int = 2,
+    refine: int = TWO_LEVEL_REFINE,
     reach: int | None = None,
 ) -> KMeansResult:
     """Cluster `x` into `nlist` groups (progress bar on stderr unless SILVERREC_QUIET=1).
@@ -333,7 +337,7 @@ def kmeans(
         niter: Lloyd iterations.
         seed: RNG seed; the result is a deterministic function of (x, arguments).
         max_points_per_centroid: Lloyd iterations run on at most this many points per cluster
-            (default 256 for flat, TWO_LEVEL_POINTS_PER_CENTROID for two_level).
+            (default POINTS_PER_CENTROID).
         seed_points_per_centroid: k-means++ seeding runs on at most this many points per cluster.
         spherical: normalise centroids to unit norm after each update.
         method: "flat" (Lloyd over all nlist centroids), "two_level" (module docstring), or "auto"
@@ -360,7 +364,7 @@ def kmeans(
     g = torch.Generator(device=x.device).manual_seed(int(seed))
 
     if max_points_per_centroid is None:
-        max_points_per_centroid = 256 if method == "flat" else TWO_LEVEL_POINTS_PER_CENTROID
+        max_points_per_centroid = POINTS_PER_CENTROID
     train = x[_sample(n, max_points_per_centroid * nlist, g, x.device)]
     stats: list[IterationStats] = []
     if method == "flat":

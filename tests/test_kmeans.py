@@ -195,3 +195,21 @@ def test_two_level_final_assignment_is_the_nearest_centroid_on_overlapping_data(
     assert torch.equal(grouped.centroids, exact.centroids)
     d = torch.cdist(x.double(), grouped.centroids.double())
     assert (d.gather(1, grouped.assignment[:, None])[:, 0] > d.min(1).values + 1e-9).any()
+
+
+def test_two_level_default_objective_near_flat_on_overlapping_mixture():
+    # a noisy long-tailed mixture of unit vectors (overlapping clusters): the default two-level build
+    # (its training sample and refine steps) ends within 4% of flat k-means' mean squared distance of
+    # every item to its centroid (float64, from the returned centroids and assignment); trained on 64
+    # points per cluster with 2 refine steps it was 8% above
+    g = torch.Generator().manual_seed(0)
+    centres = torch.nn.functional.normalize(torch.randn(400, 32, generator=g), dim=1)
+    weight = torch.arange(1, 401, dtype=torch.float32) ** -0.8
+    comp = torch.multinomial(weight, 40000, replacement=True, generator=g)
+    x = torch.nn.functional.normalize(centres[comp] + 0.2 * torch.randn(40000, 32, generator=g), dim=1)
+
+    def objective(result):
+        return float(((x.double() - result.centroids.double()[result.assignment]) ** 2).sum(1).mean())
+
+    flat = objective(kmeans(x, 128, seed=0, spherical=True, method="flat"))
+    assert objective(kmeans(x, 128, seed=0, spherical=True, method="two_level")) <= 1.04 * flat
