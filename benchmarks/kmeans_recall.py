@@ -116,8 +116,15 @@ def plot(payload: dict, path: Path) -> None:
                      f"silverrec, {'flat' if v == 'flat' else v.split(':')[0] + ' pts/cluster, refine ' + v.split(':')[1]}"
                      f" ({secs[v]:.0f} s)")
             series[label] = (p, [r[key] for r in rows])
-    save_plot(path, [Panel(f"noisy pool {cfg['n']:,} x 96, nlist {cfg['nlist']}: recall@100 by nprobe", "nprobe",
-                           "recall@100", series, logx=True)], "k-means settings against Faiss IVF-SQ8")
+    panels = [Panel(f"noisy pool {cfg['n']:,} x 96, nlist {cfg['nlist']}: recall@100 by nprobe", "nprobe",
+                    "recall@100", series, logx=True)]
+    if "faiss_sq8" in rows[0]:
+        faiss = [r["faiss_sq8"] for r in rows]
+        gap = {label: (xs, [a - b for a, b in zip(ys, faiss)]) for label, (xs, ys) in series.items()
+               if not label.startswith("Faiss")}
+        gap["target: -0.005"] = (p, [-0.005] * len(p))
+        panels.append(Panel("recall@100 minus Faiss IVF-SQ8's at equal nprobe", "nprobe", "difference", gap, logx=True))
+    save_plot(path, panels, "k-means settings against Faiss IVF-SQ8")
 
 
 if __name__ == "__main__" and not plot_only(plot, "kmeans_recall"):
