@@ -54,7 +54,7 @@ TWO_LEVEL_MIN_NLIST = 1024  # method="auto" switches to two_level from this many
 GROUPS_PER_SQRT = 1.0  # two_level: G = GROUPS_PER_SQRT * sqrt(nlist) groups
 REACH_SHARE = 4  # assign_grouped compares a row with the centroids of its ceil(G / REACH_SHARE) nearest groups
 POINTS_PER_CENTROID = 256  # Lloyd iterations (both methods) run on at most this many points per cluster
-TWO_LEVEL_REFINE = 6  # two_level: global Lloyd steps after the per-group build
+TWO_LEVEL_REFINE = 8  # two_level: global Lloyd steps after the per-group build
 EXACT_ASSIGN_PAIRS = 1 << 32  # two_level: exact final assignment up to N x nlist = this (1M x 4,000), grouped above
 
 
