@@ -137,17 +137,20 @@ class Served:
             options["filter"] = [f for p in payloads for f in p["filters"]]
             options["mode"] = [m for p in payloads for m in p["modes"]]
         res = self.snap.search(queries, k, **options)
-        out, start = [], 0
-        for p in payloads:
-            n = p["queries"].shape[0]
-            part = type(res)(res.item_ids[start:start + n, :p["k"]], res.scores[start:start + n, :p["k"]])
-            out.append(self._answer(part))
-            start += n
-        return out
+        return self._answers(res, [(p["queries"].shape[0], p["k"]) for p in payloads])
 
     def _answer(self, result) -> bytes:
         """One request's answer: its result's fields and the version, as JSON bytes."""
         return encode_json({**result.to_json(arrays=True), "version": self.version})
+
+    def _answers(self, result, parts: list[tuple[int, int]]) -> list[bytes]:
+        """The answers of a batch's requests, each (rows, k) of `parts` in turn: the batch's result
+        turned to numpy arrays once, each request's rows and first k columns cut from them."""
+        whole, out, start = result.to_json(arrays=True), [], 0
+        for n, k in parts:
+            out.append(encode_json({**_cut(whole, start, start + n, k), "version": self.version}))
+            start += n
+        return out
 
     # -------------------------------------------------------------- recommend
     def _user_requests(self, body) -> list[dict]:
@@ -212,12 +215,7 @@ class Served:
             good = [p for p, e in zip(payloads, errors) if e is None]
             answers = iter(self.run_recommend(key, good) if good else [])
             return [e if e is not None else next(answers) for e in errors]
-        out, start = [], 0
-        for p in payloads:
-            n = len(p["requests"])
-            out.append(self._answer(res.rows(start, start + n, p["k"])))
-            start += n
-        return out
+        return self._answers(res, [(len(p["requests"]), p["k"]) for p in payloads])
 
     # -------------------------------------------------------------- rank
     def prepare_rank(self, body) -> tuple[GroupKey, dict]:
@@ -263,6 +261,16 @@ def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) <= hi:
         raise QueryError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
     return int(value)
+
+
+def _cut(value, start: int, stop: int, k: int):
+    """Rows start..stop-1 and their first k columns of an answer's field: a numpy array [B, K] (as a
+    C-contiguous copy where the cut is not one), a dict of such fields, or a list of rows of lists."""
+    if isinstance(value, np.ndarray):
+        return np.ascontiguousarray(value[start:stop, :k])
+    if isinstance(value, dict):
+        return {name: _cut(v, start, stop, k) for name, v in value.items()}
+    return [row[:k] for row in value[start:stop]]
 
 
 def encode_json(content: dict) -> bytes:

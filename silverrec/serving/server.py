@@ -79,9 +79,13 @@ def check_bind(config: ServeConfig) -> None:
 
 
 def uvicorn_server(app, log_level: str = "warning"):
+    """uvicorn serving `app` (serving/app.py's Gate) on uvloop's event loop, with the connection
+    protocol of serving/http.py (the answering routes' plain requests taken on the connection)."""
     import signal
 
     import uvicorn
+
+    from silverrec.serving.http import protocol_for
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -92,7 +96,7 @@ def uvicorn_server(app, log_level: str = "warning"):
                 self.should_exit = True
 
     cfg = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=30,
-                         backlog=2048, proxy_headers=False, server_header=False, http="httptools")
+                         backlog=2048, proxy_headers=False, server_header=False, http=protocol_for(app))
     return _Server(cfg)
 
 
