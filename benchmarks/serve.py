@@ -24,8 +24,10 @@ Load: wrk (C, one thread) in a closed loop, C connections each sending its next 
 at concurrency 1, 4, 16 and 64 for --seconds per point (after a warm-up), in two rounds of half
 each with the systems' order reversed between rounds: a point's throughput is over both rounds, its
 p50 their mean, its p99 the worse round's, and the rounds' spread is the run's noise. Latency
-percentiles are wrk's. The in-process ceiling is measured before and after the servers (its two
-measurements' mean, both recorded). Then, on the default server: 10 reloads (alternating two copies of the snapshot) under load
+percentiles are wrk's. The in-process ceiling is measured in turn with the silverrec servers, in
+each round of the levels 1, 16 and 64 (batch = concurrency; the servers idle meanwhile), so that it
+and they meet the same load of a shared machine; the targets compare with that (its rounds' mean),
+and it is measured before and after the servers too (their mean, recorded beside). Then, on the default server: 10 reloads (alternating two copies of the snapshot) under load
 at concurrency 16, counting every answer's status, and a fuzz of bodies (mutated, truncated and
 random) counting 5xx. The load generator, the server and (for Ray) its raylet share this machine's
 cores; the 1-minute load average is recorded at each point.
@@ -183,23 +185,28 @@ def fuzz_bodies(w: Workload, n: int, seed: int = 0) -> list[bytes]:
 def ceiling(w: Workload, seconds: float) -> list[dict]:
     """snap.recommend / snap.search on the workload's requests at batch 1, 16, 64: time per batch."""
     snap = silverrec.load(w.snapshot)
-    rows = []
-    for b in BATCHES:
-        batches = [[w.bodies[(i * b + j) % len(w.bodies)] for j in range(b)] for i in range(max(8, 1024 // b))]
-        for batch in batches[:3]:
-            w.inprocess(snap, batch)
-        times, t_end, i = [], time.perf_counter() + seconds, 0
-        while time.perf_counter() < t_end or len(times) < 5:
-            t = time.perf_counter()
-            w.inprocess(snap, batches[i % len(batches)])
-            times.append(time.perf_counter() - t)
-            i += 1
-        ms = statistics.median(times) * 1000
-        rows.append({"workload": w.name, "system": "in-process", "batch": b, "median_ms": ms,
-                     "throughput": b / (sum(times) / len(times)), "calls": len(times), "load_1min": os.getloadavg()[0]})
-        print(f"{w.name:9s} in-process batch {b:3d}: {ms:8.3f} ms median, {rows[-1]['throughput']:8.1f} req/s", flush=True)
+    rows = [time_batches(w, snap, b, seconds) for b in BATCHES]
     del snap
     return rows
+
+
+def time_batches(w: Workload, snap, b: int, seconds: float) -> dict:
+    """The workload's requests in batches of b for `seconds` (after 3 to warm up): median time per batch
+    and requests per second."""
+    batches = [[w.bodies[(i * b + j) % len(w.bodies)] for j in range(b)] for i in range(max(8, 1024 // b))]
+    for batch in batches[:3]:
+        w.inprocess(snap, batch)
+    times, t_end, i = [], time.perf_counter() + seconds, 0
+    while time.perf_counter() < t_end or len(times) < 5:
+        t = time.perf_counter()
+        w.inprocess(snap, batches[i % len(batches)])
+        times.append(time.perf_counter() - t)
+        i += 1
+    ms = statistics.median(times) * 1000
+    row = {"workload": w.name, "system": "in-process", "batch": b, "median_ms": ms,
+           "throughput": b / (sum(times) / len(times)), "calls": len(times), "load_1min": os.getloadavg()[0]}
+    print(f"{w.name:9s} in-process batch {b:3d}: {ms:8.3f} ms median, {row['throughput']:8.1f} req/s", flush=True)
+    return row
 
 
 # ------------------------------------------------------------------------------------ servers
@@ -239,7 +246,8 @@ def run_workload(w: Workload, args, extra: dict) -> list[dict]:
     seconds = args.seconds or (3 if args.quick else 10)
     before = ceiling(w, 1.0 if args.quick else 2.5)
     good = write_bodies(WORK / f"{w.name}.bodies", [json.dumps(b).encode() for b in w.bodies])
-    rows, running = [], {}
+    rows, running, inproc = [], {}, {}
+    snap = silverrec.load(w.snapshot)
     try:
         for group in ([s for s in systems(args) if s["kind"] == "silverrec"], [s for s in systems(args) if s["kind"] == "ray"]):
             for system in group:
@@ -254,10 +262,15 @@ def run_workload(w: Workload, args, extra: dict) -> list[dict]:
             names = [s["name"] for s in group if s["name"] in running]
             for name in names:
                 wrk(running[name][1], w.route, good, 16, 2)  # warm-up
+            taken = names + (["in-process"] if snap is not None and "silverrec" in names else [])
             for i, c in enumerate(LEVELS):
                 per = {name: [] for name in names}
                 for k in range(ROUNDS):  # A B C then C B A: a shared machine's load falls on all alike
-                    for name in (names if (i * ROUNDS + k) % 2 == 0 else names[::-1]):
+                    for name in (taken if (i * ROUNDS + k) % 2 == 0 else taken[::-1]):
+                        if name == "in-process":  # the ceiling, in turn with the servers (they are idle)
+                            if c in BATCHES:
+                                inproc.setdefault(c, []).append(time_batches(w, snap, c, seconds / ROUNDS))
+                            continue
                         r = wrk(running[name][1], w.route, good, c, seconds / ROUNDS)
                         r.update({"workload": w.name, "system": name, "concurrency": c, "load": "closed round",
                                   "round": k, "load_1min": os.getloadavg()[0]})
@@ -278,12 +291,30 @@ def run_workload(w: Workload, args, extra: dict) -> list[dict]:
     finally:
         for proc, _ in running.values():
             stop_server(proc)
+    del snap
     after = ceiling(w, 1.0 if args.quick else 2.5)  # again after the servers: the machine's drift over the run
     for a, b in zip(before, after):
-        rows.append({**a, "median_ms": (a["median_ms"] + b["median_ms"]) / 2, "throughput": (a["throughput"] + b["throughput"]) / 2,
-                     "calls": a["calls"] + b["calls"], "round_throughputs": [round(a["throughput"], 1), round(b["throughput"], 1)],
+        rows.append({**a, "load": "before and after", "median_ms": (a["median_ms"] + b["median_ms"]) / 2,
+                     "throughput": (a["throughput"] + b["throughput"]) / 2, "calls": a["calls"] + b["calls"],
+                     "round_throughputs": [round(a["throughput"], 1), round(b["throughput"], 1)],
                      "round_median_ms": [a["median_ms"], b["median_ms"]], "load_1min": (a["load_1min"] + b["load_1min"]) / 2})
+    for b, rounds in inproc.items():  # over its rounds as a server's point: calls over all, median the rounds' mean
+        calls = sum(r["calls"] for r in rounds)
+        rows.append({**rounds[0], "load": "in turn", "calls": calls,
+                     "median_ms": statistics.mean(r["median_ms"] for r in rounds),
+                     "throughput": statistics.mean(r["throughput"] for r in rounds),
+                     "round_throughputs": [round(r["throughput"], 1) for r in rounds],
+                     "round_median_ms": [r["median_ms"] for r in rounds],
+                     "load_1min": statistics.mean(r["load_1min"] for r in rounds)})
     return rows
+
+
+def ceiling_rows(rows: list[dict], wl: str) -> dict:
+    """The workload's in-process ceiling per batch size: measured in turn with the servers where it was,
+    else before and after them."""
+    inproc = [r for r in rows if r["workload"] == wl and r["system"] == "in-process"]
+    turn = {r["batch"]: r for r in inproc if r.get("load") == "in turn"}
+    return turn or {r["batch"]: r for r in inproc}
 
 
 def combine(rounds: list[dict]) -> dict:
@@ -342,7 +373,7 @@ def targets(rows: list[dict]) -> list[dict]:
             return next((r for r in rows if r["workload"] == wl and r["system"] == system and r.get("load") == "closed"
                          and r["concurrency"] == c), None)
 
-        inproc = {r["batch"]: r for r in rows if r["workload"] == wl and r["system"] == "in-process"}
+        inproc = ceiling_rows(rows, wl)
         c1, c64 = closed("silverrec", 1), closed("silverrec", 64)
         if c1 and 1 in inproc:
             limit = inproc[1]["median_ms"] + 1.0
@@ -403,7 +434,7 @@ def report(rows: list[dict], extra: dict, args, n: int) -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
     print_table([r for r in rows if r.get("load") == "closed"],
                 ["workload", "system", "concurrency", "throughput", "p50_ms", "p99_ms", "errors", "load_1min"])
-    print_table([r for r in rows if r["system"] == "in-process"], ["workload", "batch", "median_ms", "throughput"])
+    print_table([r for r in rows if r["system"] == "in-process"], ["workload", "load", "batch", "median_ms", "throughput"])
     for t in met:
         print(("MET     " if t["met"] else "NOT MET ") + f"{t['workload']}: {t['target']}: "
               + json.dumps({k: v for k, v in t.items() if k not in ("workload", "target", "met")}))
@@ -419,8 +450,7 @@ def plot(payload: dict, path: Path) -> None:
         thr, p99 = {}, {}
         for system in dict.fromkeys(r["system"] for r in rows if r["workload"] == wl):
             if system == "in-process":
-                pts = sorted((r["batch"], r["throughput"], r["median_ms"]) for r in rows
-                             if r["workload"] == wl and r["system"] == system)
+                pts = sorted((b, r["throughput"], r["median_ms"]) for b, r in ceiling_rows(rows, wl).items())
                 thr["in-process (batch = c)"] = ([p[0] for p in pts], [p[1] for p in pts])
                 continue
             pts = sorted((r["concurrency"], r["throughput"], r["p99_ms"]) for r in rows
