@@ -314,31 +314,6 @@ def test_batcher_runs_a_lone_request_at_once_and_batches_what_queues_behind_busy
     assert batches == [["a"], ["b", "c", "d"]] and out == ["A", "B", "C", "D"]
 
 
-def test_batcher_inline_computes_a_lone_request_on_the_loop_and_what_arrives_together_on_the_worker():
-    calls = []
-
-    def run_group(key, payloads):
-        calls.append((threading.current_thread(), list(payloads)))
-        return [p.upper() for p in payloads]
-
-    async def main(workers):
-        b = Batcher(run_group, max_batch=8, max_wait_ms=0, workers=workers, inline=True)
-        await b.start()
-        alone = await b.submit("k", "a")
-        together = await asyncio.gather(*(b.submit("k", p) for p in ("b", "c", "d")))  # queued in one turn
-        timed = await b.submit("k", "e", deadline=time.monotonic() + 60)
-        await b.stop()
-        return threading.current_thread(), [alone, *together, timed]
-
-    loop_thread, out = asyncio.run(main(1))
-    assert out == ["A", "B", "C", "D", "E"]
-    # "a" alone on the loop's thread; "b" "c" "d" as one batch on the worker; "e" has a deadline: the worker
-    assert [(t is loop_thread, p) for t, p in calls] == [(True, ["a"]), (False, ["b", "c", "d"]), (False, ["e"])]
-    calls.clear()
-    loop_thread, out = asyncio.run(main(2))  # two workers: the loop computes nothing
-    assert out == ["A", "B", "C", "D", "E"] and not any(t is loop_thread for t, _ in calls)
-
-
 def test_batcher_isolates_a_failing_request():
     async def main():
         run = Gated(fail_on="bad")

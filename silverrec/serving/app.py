@@ -110,13 +110,9 @@ class Server:
         streams = max(workers, self.policy.max_workers if self.policy else 1)
         self.reloads = Reloader(path, loader or functools.partial(load_served, device=config.device, streams=streams),
                                 self.metrics, served, coordinator)
-        # a lone request computed on the event loop (batcher.py) where a forward is this process's own
-        # work on its CPU: not on a device, nor a sharded deployment's (a loader given: its calls reach
-        # the other ranks)
         self.batcher = Batcher(run_group, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms,
                                max_queue=config.max_queue, workers=workers, threads=self.threads,
-                               policy=self.policy, on_batch=self.metrics.batch.observe,
-                               inline=config.device == "cpu" and loader is None)
+                               policy=self.policy, on_batch=self.metrics.batch.observe)
         self.metrics.watch(self.batcher)
         self._sampling = None
         self.ready = False

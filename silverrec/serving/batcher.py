@@ -11,11 +11,7 @@ that arrive while every worker is busy queue, and the next worker to come free t
 `max_batch` of them as one batch, so batches grow with the load and no further. With several
 workers, a free worker beside a busy one may hold a short queue open for up to `max_wait_ms` (from
 its oldest job's arrival) to let a fuller batch form; the window bounds that wait and is never a
-minimum (0 = never hold). With `inline` and one worker, a job that is alone once the loop has
-queued what arrived with it (nothing else queued, no batch computing, no deadline) is computed on
-the event loop itself: its answer needs no hand-off to a worker thread and back, two thread wake-ups
-that a busy machine makes wait their turn for a core, and with one worker the loop computing loses
-no parallelism (what arrives meanwhile queues, and goes to the worker as a batch). A batch drops the jobs whose deadline passed (`DeadlineExceeded`, before
+minimum (0 = never hold). A batch drops the jobs whose deadline passed (`DeadlineExceeded`, before
 any compute), groups the rest by key and calls `run_group(key, payloads) -> results` once per group
 in one of the batcher's worker threads. A finished batch wakes the event loop with one
 call_soon_threadsafe whose callback frees the worker, starts what queued and resolves every future
@@ -89,7 +85,7 @@ class Batcher:
 
     def __init__(self, run_group: RunGroup, max_batch: int = 64, max_wait_ms: float = 0.0, max_queue: int = 1024,
                  workers: Optional[int] = None, threads: Optional[int] = None, policy: Optional[Policy] = None,
-                 on_batch: Optional[Callable[[int], None]] = None, inline: bool = False):
+                 on_batch: Optional[Callable[[int], None]] = None):
         workers = cores() if workers is None else workers
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -107,8 +103,6 @@ class Batcher:
         self.threads = threads
         self.policy = policy
         self.on_batch = on_batch
-        self.inline = inline
-        self._deciding = False  # `_alone` is scheduled
         self._queue: collections.deque[Job] = collections.deque()
         self._busy = 0  # batches being computed
         self._in_flight = 0  # submitted jobs not yet answered
@@ -166,10 +160,7 @@ class Batcher:
         job = Job(key, payload, deadline, asyncio.get_running_loop().create_future(), now)
         self._queue.append(job)
         self._in_flight += 1
-        if self.inline and not self._deciding and deadline is None and len(self._queue) == 1 and self._busy == 0:
-            self._deciding = True
-            self._loop_ref.call_soon(self._alone)  # once the jobs that arrived with it are queued too
-        elif self._pump() is not None:  # held open beside a busy worker: the loop keeps the time
+        if self._pump() is not None:  # held open beside a busy worker: the loop keeps the time
             self._kick.set()
         try:
             if deadline is None:
@@ -200,8 +191,6 @@ class Batcher:
     def _pump(self) -> Optional[float]:
         """Start batches while a worker is free and jobs are queued (on the event loop: from submit, a
         finished batch and the loop) -> seconds until a held queue must go, or None."""
-        if self._deciding:  # `_alone` comes next and dispatches
-            return None
         while self._queue:
             workers, threads = self._limits()
             if self._busy >= workers:
@@ -217,26 +206,6 @@ class Batcher:
                     self.on_batch(len(batch))
                 self._batches.put((batch, threads))  # a worker thread is free: _busy < workers <= threads
         return None
-
-    def _alone(self) -> None:
-        """On the event loop: compute a lone job here (`inline`, module docstring), else dispatch."""
-        self._deciding = False
-        if len(self._queue) == 1 and self._busy == 0 and not self._closing:
-            workers, threads = self._limits()
-            job = self._queue[0]
-            if workers == 1 and job.deadline is None and not job.future.done():
-                self._queue.popleft()
-                self._busy += 1
-                if self.on_batch is not None:
-                    self.on_batch(1)
-                try:
-                    results: Any = self._execute([job], threads)
-                except BaseException as e:  # noqa: BLE001  (handed to the job, as from a worker)
-                    results = e
-                self._finish([job], results)
-                return
-        if self._pump() is not None:
-            self._kick.set()
 
     async def _loop(self) -> None:
         """Holds a short queue open (max_wait) and drains the queue on stop; dispatch itself runs in _pump."""
