@@ -236,7 +236,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def serve_config(args: argparse.Namespace):
     """The ServeConfig of `silverrec serve`'s flags. Without --workers: the process count `silverrec
-    tune` chose (the tune file's "processes"), else one per core; without --max-batch / --max-wait-ms:
+    tune` chose (the tune file's "processes"), else one per two cores; without --max-batch / --max-wait-ms:
     the largest batch and the window tune chose, else 64 and 0; the tune file's batch-worker table
     applies unless --batch-workers or --threads is given (or --tune names the file)."""
     from silverrec.serving.app import ServeConfig
@@ -366,9 +366,9 @@ def add_runtime_parsers(sub) -> None:
     s.add_argument("--max-queue", dest="max_queue", type=int, default=1024, help="queued requests before 503 (default 1024)")
     s.add_argument("--workers", type=int, default=None,
                    help="server processes sharing the port, each with its own copy of the snapshot "
-                        "(default: the count silverrec tune chose, else one per core; --sharded: 1)")
+                        "(default: the count silverrec tune chose, else one per two cores; --sharded: 1)")
     s.add_argument("--batch-workers", dest="batch_workers", type=int, default=None,
-                   help="batches computed at once per process (default: one per core of its share, or the tune file)")
+                   help="batches computed at once per process (default: one per two cores of its share, or the tune file)")
     s.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads per batch (default: the cores per batch worker, or the tune file)")
     s.add_argument("--tune", default=None, help="silverrec tune's file (default DIR.tune.json if it exists)")

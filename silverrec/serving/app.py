@@ -59,7 +59,7 @@ class ServeConfig:
     max_wait_ms: float = 0.0  # beside a busy batch worker, a free one may hold a short queue this long (batcher.py)
     max_queue: int = 1024  # queued requests before 503
     processes: int = 1  # server processes sharing the port (serving/server.py; `silverrec serve --workers`)
-    batch_workers: Optional[int] = None  # batches computed at once per process (None: its share of the cores)
+    batch_workers: Optional[int] = None  # batches computed at once per process (None: one per two cores of its share)
     threads: Optional[int] = None  # torch intra-op threads per batch (None: the cores left per batch worker)
     max_body_bytes: int = 4 << 20
     deadline_ms: Optional[float] = None  # default per-request deadline
@@ -79,10 +79,10 @@ class ServeConfig:
                 raise SilverrecError(f"{name} must be a positive int, got {value!r}")
 
     def compute(self) -> tuple[int, int]:
-        """(batch workers, threads per batch) of one process: by default one batch worker per core of
-        its share (cores / processes) and the cores left per worker as its threads."""
+        """(batch workers, threads per batch) of one process: by default one batch worker per two cores of
+        its share (cores / processes; at least one) and the cores left per worker as its threads."""
         share = max(1, cores() // self.processes)
-        workers = self.batch_workers or share
+        workers = self.batch_workers or max(1, share // 2)
         return workers, self.threads or max(1, share // workers)
 
 

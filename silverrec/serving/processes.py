@@ -43,8 +43,10 @@ from silverrec.serving.server import banner, bind, check_bind, run_loop, uvicorn
 
 
 def default_processes() -> int:
-    """`silverrec serve`'s default --workers: one server process per core."""
-    return cores()
+    """`silverrec serve`'s default --workers: one server process per two cores (at least one), each with
+    one batch worker whose forward runs on both (ServeConfig.compute): on two cores that measured ahead
+    of a process per core at every concurrency but one (docs/benchmarks.md, serve.py)."""
+    return max(1, cores() // 2)
 
 
 def serve_processes(path: str | os.PathLike, config: ServeConfig) -> int:

@@ -22,7 +22,7 @@ level, so that a shared machine's load falls on all alike). The HTTP, JSON and s
 more processes spread over the cores, so only a load test through the server can choose them. Kept:
 the count with the highest throughput relative to each level's best, averaged over the levels (the
 fewer processes on a tie); serve starts that many when --workers is not given. Without wrk on PATH
-the processes are not measured and serve keeps its default (one per core).
+the processes are not measured and serve keeps its default (one per two cores).
 
 Batch workers x threads, per process: for every setting (batch workers = batches computed at once,
 threads = torch intra-op threads per batch; by default 1 and the cores of one process's share) and
@@ -176,6 +176,8 @@ def measure_processes(snapshot: str | os.PathLike, counts: tuple[int, ...], leve
                       log=print) -> list[dict[str, Any]]:
     """`silverrec serve DIR --workers N` for each N in `counts`, driven by wrk at each level -> one row
     per (N, level): throughput, p50 / p99 ms, errors. Every server runs throughout, taken in turn."""
+    from silverrec.serving.app import ServeConfig  # (app imports this module)
+
     env = {k: v for k, v in os.environ.items() if k != "SILVERREC_ADMIN_TOKEN"}
     servers, rows = {}, []
     with tempfile.TemporaryDirectory(prefix="silverrec-tune-") as tmp:
@@ -183,9 +185,9 @@ def measure_processes(snapshot: str | os.PathLike, counts: tuple[int, ...], leve
         try:
             for n in counts:
                 port = loadgen.free_port()
-                share = max(1, cores() // n)  # serve's own default per process (ServeConfig.compute), not a tune file
+                workers, threads = ServeConfig(processes=n).compute()  # serve's own default per process, not a tune file
                 cmd = [sys.executable, "-m", "silverrec", "serve", str(snapshot), "--port", str(port), "--workers", str(n),
-                       "--batch-workers", str(share), "--threads", "1", "--max-batch", str(max_batch),
+                       "--batch-workers", str(workers), "--threads", str(threads), "--max-batch", str(max_batch),
                        "--max-wait-ms", str(max_wait_ms)]
                 servers[n] = (loadgen.start_server(cmd, port, route, bodies[0], env, name=f"serve --workers {n}"), port)
                 loadgen.wrk(port, route, hexed, max(levels), 1)  # warm-up
@@ -314,7 +316,7 @@ def tune(snapshot: str | os.PathLike, out: Optional[str | os.PathLike] = None, s
         processes = tuple(sorted({1, cores()}))
         if not loadgen.available():
             processes, skipped = (), "wrk is not on PATH (Debian: apt-get install wrk)"
-            log(f"tune: server processes not measured: {skipped}; serve keeps one per core")
+            log(f"tune: server processes not measured: {skipped}; serve keeps its default")
     if len(processes) == 1:  # one count asked for: the batch workers are tuned for its share, nothing to compare
         chosen = processes[0]
     elif processes:
