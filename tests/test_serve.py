@@ -142,6 +142,65 @@ def test_exact_snapshot_answers_like_search(snaps):
         run.stop()
 
 
+def _read_responses(data: bytes) -> list[tuple[int, dict, bytes]]:
+    """HTTP/1.1 responses one after another in `data` -> (status, headers, body) each (a Content-Length
+    or a chunked body)."""
+    out = []
+    while data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+        if "content-length" in headers:
+            n = int(headers["content-length"])
+            body, data = data[:n], data[n:]
+        else:
+            assert headers.get("transfer-encoding") == "chunked", headers
+            body = b""
+            while True:
+                size, _, data = data.partition(b"\r\n")
+                n = int(size, 16)
+                body, data = body + data[:n], data[n + 2:]
+                if n == 0:
+                    break
+        out.append((int(lines[0].split()[1]), headers, body))
+    return out
+
+
+def test_requests_answered_on_the_connection_and_the_asgi_way_alike(snaps, ivf_server):
+    """A request plain enough to be answered on the connection and the same request the ASGI way (a
+    query string, a chunked body) get the same status, body and headers; requests pipelined on one
+    connection are all answered, in order; Connection: close is answered, then the connection closes."""
+    import socket
+
+    q = snaps["queries"][:2].tolist()
+    good, bad = json.dumps({"queries": q, "k": 5}).encode(), json.dumps({"queries": q, "k": 0}).encode()
+    for body, status in ((good, 200), (bad, 400)):
+        with httpx.Client(base_url=ivf_server.url, timeout=30) as c:
+            plain = c.post("/v1/search", content=body, headers={"content-type": "application/json"})
+            query = c.post("/v1/search?via=asgi", content=body, headers={"content-type": "application/json"})
+            chunked = c.post("/v1/search", content=iter([body]), headers={"content-type": "application/json"})
+        assert plain.status_code == query.status_code == chunked.status_code == status
+        assert plain.json() == query.json() == chunked.json()
+        for h in ("content-type", "x-silverrec-version"):
+            assert plain.headers[h] == query.headers[h] == chunked.headers[h]
+    expected = post(ivf_server.url, "/v1/search", good).json()
+
+    def request(body: bytes, close: bool = False) -> bytes:
+        return (b"POST /v1/search HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                + (b"Connection: close\r\n" if close else b"") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    with socket.create_connection((ivf_server.host, ivf_server.port), timeout=30) as sock:
+        sock.sendall(request(good) + request(bad) + request(good, close=True))
+        data = b""
+        while chunk := sock.recv(1 << 16):  # the server closes after the third answer
+            data += chunk
+    answers = _read_responses(data)
+    assert [a[0] for a in answers] == [200, 400, 200]
+    assert json.loads(answers[0][2]) == json.loads(answers[2][2]) == expected
+    assert "k must be positive" in json.loads(answers[1][2])["detail"]
+    assert answers[2][1].get("connection") == "close"
+
+
 def test_service_routes(ivf_server):
     with httpx.Client(base_url=ivf_server.url) as c:
         assert c.get("/healthz").json()["status"] == "ok"

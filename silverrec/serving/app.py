@@ -23,7 +23,9 @@ The request path: `Gate`, a plain ASGI app, answers POST /v1/search, /v1/recomme
 itself (body read, JSON parsed with orjson, the route's pydantic model, the batcher, the answer's
 bytes encoded in the batch's worker thread); any body it cannot take as it stands (malformed JSON,
 a body of the wrong shape, another content type) goes on to the FastAPI app, which answers every
-error exactly as it always has. The other routes, /docs and /openapi.json are FastAPI's.
+error exactly as it always has. The other routes, /docs and /openapi.json are FastAPI's. Before
+the ASGI layers, the connection itself (serving/http.py) answers the plain requests of the answering
+routes the same way (`Gate.parse`, then `Server.submit`), without a scope or messages.
 """
 
 import asyncio
