@@ -43,7 +43,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from silverrec.errors import QueryError, SilverrecError, SnapshotError
-from silverrec.serving.batcher import Batcher, DeadlineExceeded, QueueFull, ShuttingDown, cores
+from silverrec.serving.batcher import Batcher, DeadlineExceeded, QueueFull, ShuttingDown, process_compute
 from silverrec.serving.metrics import Metrics
 from silverrec.serving.reload import Reloader, admin_refusal
 from silverrec.serving.schemas import request_models
@@ -81,11 +81,8 @@ class ServeConfig:
                 raise SilverrecError(f"{name} must be a positive int, got {value!r}")
 
     def compute(self) -> tuple[int, int]:
-        """(batch workers, threads per batch) of one process: by default one batch worker per two cores of
-        its share (cores / processes; at least one) and the cores left per worker as its threads."""
-        share = max(1, cores() // self.processes)
-        workers = self.batch_workers or max(1, share // 2)
-        return workers, self.threads or max(1, share // workers)
+        """(batch workers, threads per batch) of one process (batcher.process_compute)."""
+        return process_compute(self.processes, self.batch_workers, self.threads)
 
 
 class Reply(NamedTuple):

@@ -80,6 +80,15 @@ def cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def process_compute(processes: int, workers: Optional[int] = None, threads: Optional[int] = None) -> tuple[int, int]:
+    """(batch workers, threads per batch) of one of `processes` server processes sharing this machine's
+    cores: `workers` or one per two cores of its share (cores / processes; at least one), and `threads`
+    or the cores left per worker."""
+    share = max(1, cores() // processes)
+    workers = workers or max(1, share // 2)
+    return workers, threads or max(1, share // workers)
+
+
 class Batcher:
     """Dynamic batcher (module docstring). Create and use inside one asyncio event loop."""
 

@@ -60,7 +60,7 @@ import torch
 
 from silverrec.errors import SilverrecError
 from silverrec.serving import loadgen
-from silverrec.serving.batcher import Batcher, cores
+from silverrec.serving.batcher import Batcher, cores, process_compute
 from silverrec.serving.schemas import request_models
 from silverrec.serving.served import Served, load_served, run_group
 
@@ -176,8 +176,6 @@ def measure_processes(snapshot: str | os.PathLike, counts: tuple[int, ...], leve
                       log=print) -> list[dict[str, Any]]:
     """`silverrec serve DIR --workers N` for each N in `counts`, driven by wrk at each level -> one row
     per (N, level): throughput, p50 / p99 ms, errors. Every server runs throughout, taken in turn."""
-    from silverrec.serving.app import ServeConfig  # (app imports this module)
-
     env = {k: v for k, v in os.environ.items() if k != "SILVERREC_ADMIN_TOKEN"}
     servers, rows = {}, []
     with tempfile.TemporaryDirectory(prefix="silverrec-tune-") as tmp:
@@ -185,7 +183,7 @@ def measure_processes(snapshot: str | os.PathLike, counts: tuple[int, ...], leve
         try:
             for n in counts:
                 port = loadgen.free_port()
-                workers, threads = ServeConfig(processes=n).compute()  # serve's own default per process, not a tune file
+                workers, threads = process_compute(n)  # serve's own default per process, not a tune file
                 cmd = [sys.executable, "-m", "silverrec", "serve", str(snapshot), "--port", str(port), "--workers", str(n),
                        "--batch-workers", str(workers), "--threads", str(threads), "--max-batch", str(max_batch),
                        "--max-wait-ms", str(max_wait_ms)]
