@@ -749,7 +749,7 @@ def test_serve_starts_the_process_count_tune_chose(snaps, tmp_path):
 
     snap = tmp_path / "snap"
     shutil.copytree(snaps["v1"], snap)
-    assert serve_args(snap).processes == cores()  # no tune file: one per core
+    assert serve_args(snap).processes == max(1, cores() // 2)  # no tune file: one per two cores
     rows = [{"concurrency": 1, "batch_workers": 1, "threads": 1}]
     default_tune_path(snap).write_text(json.dumps({"processes": 3, "best": rows}))
     config = serve_args(snap)
@@ -760,6 +760,19 @@ def test_serve_starts_the_process_count_tune_chose(snaps, tmp_path):
     default_tune_path(snap).write_text(json.dumps({"processes": 0, "best": rows}))
     with pytest.raises(SilverrecError, match="processes must be a positive int, got 0"):
         serve_args(snap)
+
+
+@pytest.mark.parametrize("n_cores, processes, expected", [
+    (1, 1, (1, 1)), (2, 1, (1, 2)), (2, 2, (1, 1)), (8, 1, (4, 2)), (16, 8, (1, 2)), (6, 1, (3, 2)), (3, 1, (1, 3))])
+def test_a_process_has_one_batch_worker_per_two_cores_of_its_share(monkeypatch, n_cores, processes, expected):
+    import silverrec.serving.batcher as batcher
+    from silverrec.serving.processes import default_processes
+
+    monkeypatch.setattr(batcher, "cores", lambda: n_cores)
+    assert ServeConfig(processes=processes).compute() == expected
+    assert ServeConfig(processes=processes, batch_workers=1, threads=3).compute() == (1, 3)  # flags win
+    monkeypatch.setattr("silverrec.serving.processes.cores", lambda: n_cores)
+    assert default_processes() == max(1, n_cores // 2)
 
 
 def test_serve_takes_the_largest_batch_and_window_tune_chose(snaps, tmp_path):
