@@ -349,6 +349,8 @@ if __name__ == "__main__":  # python -m silverrec.publish.baselines INTERACTIONS
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="+", default=list(BASELINES), choices=BASELINES,
                    help="some of the baselines (EASE's dense Cholesky factors cost O(items^3) per lam)")
+    p.add_argument("--lams", type=float, nargs="+", default=list(EASE_LAMBDAS),
+                   help="EASE's L2 grid, chosen on validation (two factorisations per lam: valid and test fit)")
     a = p.parse_args()
     print(json.dumps(run_baselines(leave_one_out(read_logs(a.interactions, a.items, a.users, seed=a.seed)),
-                                   only=tuple(a.only)), indent=1))
+                                   only=tuple(a.only), lams=tuple(a.lams)), indent=1))

@@ -42,6 +42,10 @@ from silverrec.retrieval.sequence_tower import SequenceConfig, SequenceUserTower
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec, UserTower
 from silverrec.spec import OWN_TOWERS
 
+SOFTMAX = ("auto", "full", "sampled")
+# softmax = "auto": the full softmax up to this many pool rows (a step's logits are [positions, T, N]),
+# the sampled one above it
+FULL_SOFTMAX_ITEMS = 200_000
 USER_TOWERS = tuple(OWN_TOWERS)  # train.toml's user_tower: "bag" | "sequence"
 
 
@@ -92,6 +96,7 @@ class TrainConfig:
     sequence: Any = None  # the [sequence] table: SequenceConfig's fields
     valid_every: int = 100  # sequential tower: steps between early-stopping evaluations
     patience: int = 5  # sequential tower: evaluations without a better validation NDCG@10 before stopping
+    softmax: str = "auto"  # sequential tower's loss: "full" (every item), "sampled" (negatives above), "auto" (by pool size)
 
     def __post_init__(self):
         if self.user_tower not in USER_TOWERS:
@@ -125,8 +130,14 @@ class TrainConfig:
         if self.negatives != "all" and (isinstance(self.negatives, bool) or not isinstance(self.negatives, int)
                                         or self.negatives < 0):
             raise ConfigError(f"negatives must be an int >= 0 or \"all\", got {self.negatives!r}")
+        if self.softmax not in SOFTMAX:
+            raise ConfigError(f"softmax must be one of {SOFTMAX}, got {self.softmax!r}")
         if int(self.in_batch_negatives) < 0:
             raise ConfigError(f"in_batch_negatives must be >= 0, got {self.in_batch_negatives}")
+
+    def full_softmax(self, num_items: int) -> bool:
+        """Whether the sequential tower trains on the full softmax over `num_items` pool rows."""
+        return self.softmax == "full" or (self.softmax == "auto" and num_items <= FULL_SOFTMAX_ITEMS)
 
     @property
     def uniform_negatives(self) -> Optional[int]:

@@ -30,7 +30,7 @@ from silverrec.publish.config import ConfigError
 from silverrec.publish.evaluate import evaluate_scores
 from silverrec.publish.logs import Split
 from silverrec.publish.progress import bar
-from silverrec.publish.two_tower import ItemTower, sampled_softmax_loss, target_log_q, user_embeddings
+from silverrec.publish.two_tower import ItemTower, full_softmax_loss, sampled_softmax_loss, target_log_q, user_embeddings
 from silverrec.retrieval.sequence_tower import SequenceUserTower
 from silverrec.retrieval.user_tower import FeatureEncoder, UserFeatureSpec
 
@@ -157,6 +157,8 @@ def train_sequence_tower(cfg, split: Split, spec: UserFeatureSpec, encoder: Feat
             state["since"] += 1
         return state["since"] < cfg.patience
 
+    full = cfg.full_softmax(spec.num_items)
+    pool = torch.arange(spec.num_items)
     user.train(), item.train()
     t0 = time.perf_counter()
     steps, positions, loss_value = 0, 0, float("nan")
@@ -167,14 +169,22 @@ def train_sequence_tower(cfg, split: Split, spec: UserFeatureSpec, encoder: Feat
                 batches = windows.epoch(cfg.batch)
             x = windows.inputs(*batches.pop())
             users_pooled = user.user_features(x["user_values"], x["user_lengths"], x["rows"].shape[0], 0)
-            inputs = None
+            inputs, every = None, None
+            if full:  # the item tower over the whole pool, once per step: the softmax's candidates
+                every = item(pool)
             if table == "tower":  # the input vectors are the item tower's outputs, once per distinct row
-                rows, where = torch.unique(x["rows"], return_inverse=True)
-                inputs = item(rows)[where]
+                if every is not None:
+                    inputs = every[x["rows"]]
+                else:
+                    rows, where = torch.unique(x["rows"], return_inverse=True)
+                    inputs = item(rows)[where]
             u = user.position_embeddings(x["rows"], x["valid"], users_pooled, x["dense"], inputs)  # [B, W, T, D]
             sel = x["valid"]
-            loss = sampled_softmax_loss(u[sel], x["targets"][sel], item, log_q, cfg.uniform_negatives, cfg.temperature,
-                                        x["weights"][sel], gen, cfg.in_batch_negatives)
+            if full:
+                loss = full_softmax_loss(u[sel], x["targets"][sel], every, cfg.temperature, x["weights"][sel])
+            else:
+                loss = sampled_softmax_loss(u[sel], x["targets"][sel], item, log_q, cfg.uniform_negatives,
+                                            cfg.temperature, x["weights"][sel], gen, cfg.in_batch_negatives)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -200,4 +210,5 @@ def train_sequence_tower(cfg, split: Split, spec: UserFeatureSpec, encoder: Feat
     return user, item, {"steps": steps, "seconds": round(time.perf_counter() - t0, 1), "positions": positions,
                         "targets": windows.targets, "best_step": state["best_step"],
                         "valid_NDCG@10": round(state["best"], 5), "valid_users": int(len(valid_users)),
+                        "softmax": "full" if full else "sampled",
                         "evaluations": state["evals"], "stopped_early": state["since"] >= cfg.patience}

@@ -119,6 +119,30 @@ def sampled_softmax_loss(
     return (ce * w).sum() / w.sum().clamp_min(1.0)
 
 
+def full_softmax_loss(user: torch.Tensor, targets: torch.Tensor, items: torch.Tensor, temperature: float,
+                      weights: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Softmax cross-entropy over every item of the pool (no sampling, so no logQ correction).
+
+    user float32 [B, T, D]; targets int64 [B] pool rows; items float32 [N, D]: every pool row's
+    embedding (the item tower over the whole pool, once per step); weights float32 [B, T] as
+    `sampled_softmax_loss`'s. The logits <u, v_j> / temperature are formed `chunk` (example, task)
+    pairs at a time (a [chunk, N] block), so that memory stays bounded on a large catalogue. Returns
+    the mean cross-entropy over (example, task) positives.
+    """
+    D = user.shape[-1]
+    # the (example, task) pairs that count, as rows of one [P, D] x [D, N] product (an einsum over
+    # the task axis runs far slower on CPU); a pair of weight 0 costs nothing
+    w = weights.reshape(-1)
+    keep = torch.nonzero(w).squeeze(1)
+    rows, t, w = user.reshape(-1, D)[keep], targets[keep // user.shape[1]], w[keep]
+    total = user.new_zeros(())
+    for s in range(0, rows.shape[0], chunk):
+        logits = (rows[s:s + chunk] / temperature) @ items.T  # [p, N]
+        ce = torch.nn.functional.cross_entropy(logits, t[s:s + chunk], reduction="none")
+        total = total + (ce * w[s:s + chunk]).sum()
+    return total / weights.sum().clamp_min(1.0)
+
+
 def target_log_q(target_rows: np.ndarray, num_items: int) -> torch.Tensor:
     """float32 [N]: log of each item's share of the training targets (add-one smoothed)."""
     counts = np.bincount(target_rows, minlength=num_items).astype(np.float64) + 1.0

@@ -20,7 +20,7 @@ import torch
 from silverrec.publish.logs import leave_one_out, logs_from_arrays
 from silverrec.publish.train import TaskSpec, TrainConfig, feature_spec, train, user_side
 from silverrec.publish.train_sequence import Windows
-from silverrec.publish.two_tower import sampled_softmax_loss
+from silverrec.publish.two_tower import full_softmax_loss, sampled_softmax_loss
 from silverrec.retrieval.user_tower import FeatureEncoder
 
 from tests.rec_fixtures import FORMULA, K0, NLIST, make_logs, publish_keeping_model, write_logs
@@ -71,6 +71,26 @@ def test_sampled_softmax_loss_against_a_plain_loop(in_batch, uniform):
             total += lse - logit(int(targets[b]))
             count += 1
     assert float(got.detach()) == pytest.approx(total / count, rel=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4096])
+def test_full_softmax_loss_against_a_plain_loop(chunk):
+    """Every item a candidate, each (example, task) positive weighed as given, in chunks of any size."""
+    n, B, T, D, tau = 30, 7, 2, 5, 0.3
+    g = torch.Generator().manual_seed(1)
+    user = torch.randn(B, T, D, generator=g)
+    items = torch.randn(n, D, generator=g)
+    targets = torch.tensor([3, 3, 8, 0, 29, 8, 12])
+    weights = torch.tensor([[1, 0], [1, 1], [0, 1], [1, 1], [2, 0], [1, 1], [0, 0]], dtype=torch.float32)
+    got = full_softmax_loss(user, targets, items, tau, weights, chunk)
+    total = 0.0
+    for b in range(B):
+        for t in range(T):
+            logits = [float(user[b, t] @ items[j]) / tau for j in range(n)]
+            top = max(logits)
+            lse = top + math.log(sum(math.exp(x - top) for x in logits))
+            total += float(weights[b, t]) * (lse - logits[int(targets[b])])
+    assert float(got) == pytest.approx(total / float(weights.sum()), rel=1e-5)
 
 
 def _logs(seed=0):
