@@ -1,10 +1,12 @@
 """Training the sequential user tower on every position (`user_tower = "sequence"` in train.toml).
 
 Each step takes `batch` windows of training histories; every valid position j of a window, having
-seen the window's items up to j (causal mask), predicts item j + 1 (teacher forcing), through the
-same sampled softmax as the bag tower (publish/two_tower.py: in-batch + uniform negatives, logQ
-correction, one loss per task over its positives) against the item tower, which stays the
-candidate side. Targets come from the train part of every history (the validation and test items
+seen the window's items up to j (causal mask), predicts item j + 1 (teacher forcing) against the
+item tower, which stays the candidate side, one loss per task over its positives. The loss
+(`softmax`): "full", the cross-entropy over every item of the pool (`full_softmax_loss`: the item
+tower runs over the whole pool once per step), or "sampled", the bag tower's sampled softmax
+(in-batch + uniform negatives with logQ correction, `sampled_softmax_loss`); "auto" takes the full
+one up to train.FULL_SOFTMAX_ITEMS items. Targets come from the train part of every history (the validation and test items
 are never targets), so the validation items give early stopping: every `valid_every` steps NDCG@10
 of the validation items (valid-stage histories, full ranking, history masked; at most VALID_USERS
 users, a seeded sample) is measured; after `patience` evaluations without improvement, or at the
