@@ -6,11 +6,11 @@ item tower, which stays the candidate side, one loss per task over its positives
 (`softmax`): "full", the cross-entropy over every item of the pool (`full_softmax_loss`: the item
 tower runs over the whole pool once per step), or "sampled", the bag tower's sampled softmax
 (in-batch + uniform negatives with logQ correction, `sampled_softmax_loss`); "auto" takes the full
-one up to train.FULL_SOFTMAX_ITEMS items. Targets come from the train part of every history (the validation and test items
-are never targets), so the validation items give early stopping: every `valid_every` steps NDCG@10
-of the validation items (valid-stage histories, full ranking, history masked; at most VALID_USERS
-users, a seeded sample) is measured; after `patience` evaluations without improvement, or at the
-budget, both towers return to their best state.
+one up to train.FULL_SOFTMAX_ITEMS items. Targets come from the train part of every history (the
+validation and test items are never targets), so the validation items give early stopping: every
+`valid_every` steps NDCG@10 of the validation items (valid-stage histories, full ranking, history
+masked; at most VALID_USERS users, a seeded sample) is measured; after `patience` evaluations
+without improvement, or at the budget, both towers return to their best state.
 
 Windows (`Windows`): an epoch cuts every history into windows of `history_len` items ending at its
 newest training item and every `history_len` items before it, shifted by a random offset per

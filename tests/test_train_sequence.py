@@ -150,17 +150,31 @@ def _chain_logs(tmp_path, n_items=24, n_users=90, seed=0):
     return inter, pool
 
 
-def test_the_tower_learns_order_from_every_position(tmp_path):
+@pytest.mark.parametrize("softmax", ["full", "sampled"])
+def test_the_tower_learns_order_from_every_position(tmp_path, softmax):
     os.environ.setdefault("SILVERREC_QUIET", "1")
     inter, pool = _chain_logs(tmp_path)
     cfg = TrainConfig(interactions=str(inter), items=str(pool), user_tower="sequence", dim=16, history_len=8,
                       steps=150, batch=32, negatives=16, lr=0.01, overarch=[], valid_every=50, patience=3,
-                      sequence={"model_dim": 16, "layers": 1, "heads": 2, "dropout": 0.0})
+                      softmax=softmax, sequence={"model_dim": 16, "layers": 1, "heads": 2, "dropout": 0.0})
     ckpt = train(cfg, None)
     stats = ckpt["stats"]["two_tower"]
+    assert stats["softmax"] == softmax
     assert stats["positions"] > stats["steps"] * 32  # more than one target per window
     assert ckpt["metrics"]["two_tower_exact"]["HR@10"] > 0.9  # chance: 10 / 24 (history masked)
     assert ckpt["metrics"]["two_tower_exact"]["NDCG@10"] > 0.8
+
+
+def test_the_softmax_is_chosen_by_config_and_pool_size():
+    from silverrec.publish.config import ConfigError
+    from silverrec.publish.train import FULL_SOFTMAX_ITEMS
+
+    cfg = TrainConfig(interactions="i", items="p", user_tower="sequence")
+    assert cfg.full_softmax(FULL_SOFTMAX_ITEMS) and not cfg.full_softmax(FULL_SOFTMAX_ITEMS + 1)
+    assert TrainConfig(interactions="i", items="p", softmax="full").full_softmax(10 * FULL_SOFTMAX_ITEMS)
+    assert not TrainConfig(interactions="i", items="p", softmax="sampled").full_softmax(10)
+    with pytest.raises(ConfigError, match="softmax must be one of"):
+        TrainConfig(interactions="i", items="p", softmax="everything")
 
 
 @pytest.fixture(scope="module")
