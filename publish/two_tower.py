@@ -119,15 +119,18 @@ def sampled_softmax_loss(
     return (ce * w).sum() / w.sum().clamp_min(1.0)
 
 
+LOGITS_BLOCK = 1 << 24  # most logits `full_softmax_loss` forms at once (64 MB in float32, before its gradient)
+
+
 def full_softmax_loss(user: torch.Tensor, targets: torch.Tensor, items: torch.Tensor, temperature: float,
-                      weights: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+                      weights: torch.Tensor, chunk: Optional[int] = None) -> torch.Tensor:
     """Softmax cross-entropy over every item of the pool (no sampling, so no logQ correction).
 
     user float32 [B, T, D]; targets int64 [B] pool rows; items float32 [N, D]: every pool row's
     embedding (the item tower over the whole pool, once per step); weights float32 [B, T] as
     `sampled_softmax_loss`'s. The logits <u, v_j> / temperature are formed `chunk` (example, task)
-    pairs at a time (a [chunk, N] block), so that memory stays bounded on a large catalogue. Returns
-    the mean cross-entropy over (example, task) positives.
+    pairs at a time (a [chunk, N] block; default LOGITS_BLOCK // N), so that memory stays bounded on
+    a large catalogue. Returns the mean cross-entropy over (example, task) positives.
     """
     D = user.shape[-1]
     # the (example, task) pairs that count, as rows of one [P, D] x [D, N] product (an einsum over
@@ -136,6 +139,7 @@ def full_softmax_loss(user: torch.Tensor, targets: torch.Tensor, items: torch.Te
     keep = torch.nonzero(w).squeeze(1)
     rows, t, w = user.reshape(-1, D)[keep], targets[keep // user.shape[1]], w[keep]
     total = user.new_zeros(())
+    chunk = chunk or max(1, LOGITS_BLOCK // items.shape[0])
     for s in range(0, rows.shape[0], chunk):
         logits = (rows[s:s + chunk] / temperature) @ items.T  # [p, N]
         ce = torch.nn.functional.cross_entropy(logits, t[s:s + chunk], reduction="none")
