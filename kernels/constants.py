@@ -23,6 +23,14 @@ OP_FALSE = 5
 OP_TRUE = 6
 OP_STACK_EFFECT = (0, 1, -1, -1, 0, 1, 1)  # stack depth change of each opcode, by opcode
 
+# The filter language (kernels/csrc/filter_compiler.h): the kinds of a parsed filter's nodes, as the parser hands
+# them to Python (prefix order), and the longest filter string it reads, in characters.
+FILTER_NODE_TERM = 0  # feature = value, or feature IN (values)
+FILTER_NODE_NOT = 1
+FILTER_NODE_AND = 2
+FILTER_NODE_OR = 3
+FILTER_MAX_LENGTH = 1 << 16
+
 # ------------------------------------------------------------------ the filtered search's routing
 # Search modes: the request's choice per query (retrieval/filtered_ivf.py).
 MODE_AUTO = 0  # filter_plan decides: probed, or the whole pool when probing would scan more

@@ -82,9 +82,17 @@ int64_t check_int(const std::string& name, int64_t value, int64_t lo, int64_t hi
   return value;
 }
 
+// A user's filter (UserBody.filter: Optional[StrictStr]).
+std::optional<std::string> user_filter(const Json& u, const std::string& where) {
+  if (!present(u, "filter")) return std::nullopt;
+  if (!u["filter"].is_string()) invalid(loc(where, "filter"), "Input should be a valid string");
+  return u["filter"].get<std::string>();
+}
+
 // UserBody -> UserRequest (types only; RecEncoder checks the values)
 UserRequest user_request(const Json& u, const std::string& where) {
   UserRequest r;
+  user_filter(u, where);  // its type (recommend reads it, rank ignores it)
   if (present(u, "user_id")) r.user_id = strict_int(u["user_id"], loc(where, "user_id"));
   if (present(u, "history")) r.history = int_list(u["history"], loc(where, "history"));
   if (present(u, "exclude")) r.exclude = int_list(u["exclude"], loc(where, "exclude"));
@@ -111,11 +119,32 @@ UserRequest user_request(const Json& u, const std::string& where) {
   return r;
 }
 
-void refuse_filter(const Json& u, const std::string& where) {
-  if (!present(u, "filter")) return;
-  if (!u["filter"].is_string()) invalid(loc(where, "filter"), "Input should be a valid string");
-  bad("silverrec-predictor does not compile filter strings (the filter compiler is Python's, "
-      "silverrec/filtering/filter_program.py): send requests with a filter to `silverrec serve`");
+// The filter index of a manifest's config["filter"] (filter_program.py FilterPlan.from_config).
+std::unique_ptr<FilterCompiler> make_filter_compiler(const Json& cfg) {
+  const Json& bloom = cfg.at("bloom");
+  std::vector<std::string> names, values;
+  std::vector<int64_t> value_counts, exact, postings, counts, planes;
+  for (const auto& [name, meta] : cfg.at("features").items()) {
+    const Json& vals = meta.at("values");
+    const size_t n = vals.size();
+    names.push_back(name);
+    value_counts.push_back(int64_t(n));
+    for (const Json& v : vals) values.push_back(v.get<std::string>());
+    const Json e = meta.value("exact", Json());
+    if (e.is_object()) exact.insert(exact.end(), {e.at("row").get<int64_t>(), e.at("slots").get<int64_t>(), e.at("bits").get<int64_t>()});
+    else exact.insert(exact.end(), {-1, 0, 0});
+    auto column = [&](const char* key, int64_t fill, std::vector<int64_t>& out) {
+      const std::vector<int64_t> got = meta.contains(key) ? meta[key].get<std::vector<int64_t>>() : std::vector<int64_t>(n, fill);
+      out.insert(out.end(), got.begin(), got.end());
+    };
+    column("postings", -1, postings);
+    column("counts", 0, counts);
+    column("planes", -1, planes);
+  }
+  return std::make_unique<FilterCompiler>(bloom.at("bits").get<int64_t>(), bloom.at("hashes").get<int64_t>(),
+                                          int64_t(bloom.at("seed").get<uint64_t>()), cfg.at("rows").get<int64_t>(),
+                                          cfg.value("items", int64_t(0)), names, value_counts, values, exact, postings,
+                                          counts, planes);
 }
 
 std::vector<std::string> user_fields(std::vector<std::string> extra) {
@@ -192,6 +221,7 @@ Service::Service(const std::string& root) : root_(root) {
   nlist_ = spec.value("nlist", int64_t(0));
   tasks_ = spec.value("tasks", std::vector<std::string>{"query"});
   sources_ = sources;
+  if (config_.value("filter", Json()).is_object()) filters_ = make_filter_compiler(config_["filter"]);
   if (answers_ != "recommend") return;
   const std::map<std::string, at::Tensor> items = read_npz(root + "/items.npz");
   row_to_item_ = items.at("row_to_item").to(at::kLong);
@@ -254,7 +284,19 @@ Job Service::prepare_search(const Json& body) const {
   }
   const int64_t k_given = body.contains("k") ? strict_int(body["k"], "k") : 10;
   const std::optional<int64_t> nprobe_given = optional_int(body, "nprobe", "");
-  optional_int(body, "max_probe", "");
+  const std::optional<int64_t> max_probe_given = optional_int(body, "max_probe", "");
+  if (present(body, "mode")) {
+    const Json& m = body["mode"];
+    if (!m.is_string() && !m.is_array()) invalid("mode", "Input should be a valid string");
+    for (size_t i = 0; m.is_array() && i < m.size(); ++i)
+      if (!m[i].is_string()) invalid("mode." + std::to_string(i), "Input should be a valid string");
+  }
+  if (present(body, "filter")) {  // Union[StrictStr, list[Optional[StrictStr]], None]
+    const Json& f = body["filter"];
+    if (!f.is_string() && !f.is_array()) invalid("filter", "Input should be a valid string");
+    for (size_t i = 0; f.is_array() && i < f.size(); ++i)
+      if (!f[i].is_null() && !f[i].is_string()) invalid("filter." + std::to_string(i), "Input should be a valid string");
+  }
   Job job{Route::Search};
   job.deadline_ms = deadline(body);
   if (answers_ != "search")
@@ -275,19 +317,74 @@ Job Service::prepare_search(const Json& body) const {
   if (k_given > item_count_)
     bad("k=" + std::to_string(k_given) + " exceeds the " + std::to_string(item_count_) + " items in the index");
   job.k = k_given;
-  job.nprobe = check_int("nprobe", nprobe_given.value_or(config_.at("default_nprobe").get<int64_t>()), 1, nlist_);
+  if (nprobe_given) job.nprobe = check_int("nprobe", *nprobe_given, 1, nlist_);  // else 0: the calibrated depth
+  // filters (normalize_filters): one string for every row, or one string or null per row; none at all: unfiltered
   if (present(body, "filter")) {
     const Json& f = body["filter"];
-    if (f.is_string()) refuse_filter(body, "");
-    if (!f.is_array()) invalid("filter", "Input should be a valid string");
-    if (int64_t(f.size()) != B)
-      bad("got " + std::to_string(f.size()) + " filters for " + std::to_string(B) +
-          " query rows: give one per row, or one string for all");
-    for (const Json& one : f)
-      if (!one.is_null()) refuse_filter(Json{{"filter", one}}, "");
+    if (f.is_string()) {
+      job.filters.assign(size_t(B), f.get<std::string>());
+    } else {
+      for (size_t i = 0; i < f.size(); ++i) {
+        job.filters.push_back(f[i].is_null() ? std::nullopt : std::optional<std::string>(f[i].get<std::string>()));
+      }
+      if (int64_t(f.size()) != B)
+        bad("got " + std::to_string(f.size()) + " filters for " + std::to_string(B) +
+            " query rows: give one per row, or one string for all");
+    }
+    job.filtered = std::any_of(job.filters.begin(), job.filters.end(), [](const auto& x) { return x.has_value(); });
   }
-  job.group = "search/" + std::to_string(job.nprobe);
+  if (!job.filtered) {  // unfiltered: max_probe and mode unused, as in snap.search
+    job.filters.clear();
+    job.group = "search/" + std::to_string(job.nprobe);
+    return job;
+  }
+  // the search modes, one per row (filtered_search.py _modes)
+  auto mode_of = [](const std::string& name) {
+    if (!kModes.count(name)) bad("unknown search mode " + py_repr(name) + ": use one of ['auto', 'probed', 'unprobed']");
+    return kModes.at(name);
+  };
+  if (!present(body, "mode") || body["mode"].is_string()) {
+    job.modes.assign(size_t(B), mode_of(present(body, "mode") ? body["mode"].get<std::string>() : "auto"));
+  } else {
+    if (int64_t(body["mode"].size()) != B)
+      bad("got " + std::to_string(body["mode"].size()) + " modes for " + std::to_string(B) + " query rows");
+    for (const Json& m : body["mode"]) job.modes.push_back(mode_of(m.get<std::string>()));
+  }
+  if (max_probe_given) job.max_probe = check_int("max_probe", *max_probe_given, job.nprobe ? job.nprobe : 1, nlist_);
+  const FilterCompiler& compiler = filter_compiler();
+  for (const auto& f : job.filters) {  // syntax errors (with position) and unknown features, row by row
+    if (!f) continue;
+    try {
+      compiler.compile(*f);
+    } catch (const RequestError& e) {
+      bad(e.message);
+    }
+  }
+  // the widening step reads k (match_factor * k), so only equal k share a forward
+  job.group = "fsearch/" + std::to_string(job.nprobe) + "/" + std::to_string(job.max_probe) + "/" + std::to_string(job.k);
   return job;
+}
+
+const FilterCompiler& Service::filter_compiler() const {
+  if (!filters_) bad("snapshot " + root_ + " has no filter index (its pool had no categorical features)");
+  if (!config_["filter"].contains("postings")) bad("snapshot " + root_ + " has no posting-list section: re-publish it");
+  return *filters_;
+}
+
+int64_t Service::probe_depth(int64_t k, double density) const {
+  // the snapshot's default depth, deepened for a large k or a selective filter: base x max(1, k / (k_cal d))^exponent
+  const Json search = config_.value("search", Json::object());
+  const double exponent = search.value("probe_exponent", 0.0), k_cal = double(search.value("probe_k", int64_t(100)));
+  const double d = std::min(1.0, std::max(1e-12, density));
+  const double scale = std::pow(std::max(1.0, double(k) / (k_cal * d)), exponent);
+  const double base = double(config_.at("default_nprobe").get<int64_t>());
+  return std::min(nlist_, int64_t(std::ceil(base * scale - 1e-9)));
+}
+
+std::vector<c10::IValue> Service::filter_inputs(const std::vector<std::optional<std::string>>& filters,
+                                                const at::Tensor& modes) const {
+  const RequestPrograms p = filters_->request(filters);
+  return {p.ops, p.rows, p.vops, p.vrows, p.lists, modes};
 }
 
 std::vector<c10::IValue> Service::no_filters(int64_t B, int64_t mode) const {
@@ -299,18 +396,63 @@ std::vector<c10::IValue> Service::no_filters(int64_t B, int64_t mode) const {
 
 std::vector<Json> Service::run_search(const std::vector<const Job*>& group) {
   std::vector<at::Tensor> parts;
+  std::vector<std::optional<std::string>> filters;
+  std::vector<int64_t> modes;
   int64_t k = 0;
   for (const Job* j : group) {
     parts.push_back(j->queries);
     k = std::max(k, j->k);
+    filters.insert(filters.end(), j->filters.begin(), j->filters.end());
+    modes.insert(modes.end(), j->modes.begin(), j->modes.end());
   }
   const at::Tensor queries = parts.size() == 1 ? parts[0] : at::cat(parts);
   const int64_t B = queries.size(0), nprobe = group[0]->nprobe;
   std::vector<c10::IValue> args = {at::zeros({3}, at::kLong), at::zeros({4}, at::kInt), queries,
                                    at::full({B, 1}, -1, at::kLong)};
-  for (c10::IValue& v : no_filters(B, kModeProbed)) args.push_back(std::move(v));
+  int64_t depth = nprobe ? nprobe : probe_depth(k, 1.0), max_probe = depth;
+  if (group[0]->filtered) {  // filtered_search.py search_index: each row's route and the batch's probe depths
+    const Json& search = config_.at("search");
+    const int64_t N = filters_->num_items();
+    bool any_auto = false;
+    for (int64_t m : modes) any_auto |= m == kModeAuto;
+    const bool estimated = N > 0 && any_auto;
+    const std::vector<double> est = estimated ? filters_->estimates(filters) : std::vector<double>();
+    std::vector<int64_t> depths(size_t(B), nprobe);
+    for (int64_t b = 0; b < B && !nprobe; ++b)  // the calibrated depth for the filter's estimated share (auto rows)
+      depths[size_t(b)] = probe_depth(k, estimated && modes[size_t(b)] == kModeAuto ? est[size_t(b)] / double(N) : 1.0);
+    if (estimated) {  // selective filters: the whole pool, no probing (whole_pool_by_estimate)
+      const double factor = double(search.at("match_factor").get<int64_t>()), ratio = search.at("exact_cost_ratio").get<double>();
+      for (int64_t b = 0; b < B; ++b) {
+        const double m = std::max(est[size_t(b)], 1e-9);
+        const double target = double(k) * factor / std::sqrt(m / double(N));
+        const double probed = std::max(double(depths[size_t(b)]) * double(std::max<int64_t>(1, N / nlist_)), target * double(N) / m);
+        if (modes[size_t(b)] == kModeAuto && m * ratio <= probed) modes[size_t(b)] = kModeUnprobed;
+      }
+    }
+    int64_t deepest = -1, shallowest = INT64_MAX;  // the batch probes as deep as its deepest probing row
+    for (int64_t b = 0; b < B; ++b) {
+      if (modes[size_t(b)] != kModeUnprobed) deepest = std::max(deepest, depths[size_t(b)]);
+      shallowest = std::min(shallowest, depths[size_t(b)]);
+    }
+    depth = deepest >= 0 ? deepest : shallowest;
+    const int64_t given = group[0]->max_probe;
+    if (!nprobe && given) depth = std::min(depth, std::max<int64_t>(1, given));  // a given widest probe bounds it
+    if (given) {
+      max_probe = given;
+    } else {  // default_max_probe: max_probe_factor x the depth, or the manifest's default_max_probe
+      const Json factor = search.value("max_probe_factor", Json());
+      const int64_t wide = factor.is_number() ? int64_t(std::ceil(factor.get<double>() * double(depth)))
+                                              : search.at("default_max_probe").get<int64_t>();
+      max_probe = std::max(depth, std::min(nlist_, wide));
+    }
+    at::Tensor modes_t = at::empty({B}, at::kLong);
+    std::copy(modes.begin(), modes.end(), modes_t.data_ptr<int64_t>());
+    for (c10::IValue& v : filter_inputs(filters, modes_t)) args.push_back(std::move(v));
+  } else {
+    for (c10::IValue& v : no_filters(B, kModeProbed)) args.push_back(std::move(v));
+  }
   args.insert(args.end(), {at::full({B, 1}, -1, at::kLong), at::ones({B, 2}, at::kBool)});  // no history, the ANN on
-  for (int64_t v : {k, k, nprobe, nprobe}) args.emplace_back(v);
+  for (int64_t v : {k, k, depth, max_probe}) args.emplace_back(v);
   return top_k_answers(group, module_.forward(args).toTuple());
 }
 
@@ -392,19 +534,23 @@ Job Service::prepare_recommend(const Json& body) const {
   if (!kModes.count(mode)) bad("unknown search mode " + py_repr(mode) + ": use one of ['auto', 'probed', 'unprobed']");
   job.mode = kModes.at(mode);
   job.exclude_history = present(body, "exclude_history") ? body["exclude_history"].get<bool>() : true;
+  for (size_t b = 0; b < parsed.size(); ++b)
+    job.filters.push_back(user_filter(present(body, "requests") ? users[b] : body, ""));
+  // served.py request_error: each user encoded alone (ids, user, features), then its filter compiled; the first
+  // error names its request ("request 0" -> "request" or "request b"); then the filter template's features
   for (size_t b = 0; b < parsed.size(); ++b) {
     const std::string where = parsed.size() > 1 ? "request " + std::to_string(b) : "request";
     try {
-      encoder_->encode({parsed[b]}, job.exclude_history, exclude_limit_);  // ids, user, features: named errors
+      encoder_->encode({parsed[b]}, job.exclude_history, exclude_limit_);
+      if (job.filters[b]) filters_->compile(*job.filters[b]);
     } catch (const RequestError& e) {
-      std::string message = e.what();
+      std::string message = e.message;
       const size_t at = message.find("request 0");
       if (at != std::string::npos) message.replace(at, 9, where);
       bad(message);
     }
-    refuse_filter(present(body, "requests") ? users[b] : body, "");
-    check_template(parsed[b], int64_t(b));
   }
+  for (size_t b = 0; b < parsed.size(); ++b) check_template(parsed[b], int64_t(b));
   // the handler's own bound: at most the candidates the model ranks
   const int64_t beams = generative_ ? config_.at("generative").at("beam_width").get<int64_t>() : 0;
   const int64_t candidates = config_.at("spec").value("candidates", int64_t(0));
@@ -429,7 +575,17 @@ std::vector<Json> Service::run_recommend(const std::vector<const Job*>& group) {
   const EncodedUsers e = encoder_->encode(users, exclude_history, exclude_limit_);
   const int64_t B = int64_t(users.size());
   std::vector<c10::IValue> args = {e.values, e.lengths, e.dense, e.exclude};
-  for (c10::IValue& v : no_filters(B, templated ? first.mode : kModeProbed)) args.push_back(std::move(v));
+  std::vector<std::optional<std::string>> filters;
+  for (const Job* j : group)
+    for (size_t b = 0; b < j->users.size(); ++b) filters.push_back(b < j->filters.size() ? j->filters[b] : std::nullopt);
+  if (std::any_of(filters.begin(), filters.end(), [](const auto& f) { return f.has_value(); })) {
+    // recommend.py: a row without a filter probes (unless a template filters it), the others take the mode
+    at::Tensor modes = at::empty({B}, at::kLong);
+    for (int64_t b = 0; b < B; ++b) modes.data_ptr<int64_t>()[b] = filters[size_t(b)] || templated ? first.mode : kModeProbed;
+    for (c10::IValue& v : filter_inputs(filters, modes)) args.push_back(std::move(v));
+  } else {
+    for (c10::IValue& v : no_filters(B, templated ? first.mode : kModeProbed)) args.push_back(std::move(v));
+  }
   if (generative_) {
     // the decode's input (generative/source.py request_tensors): each history's newest max_items rows, left-padded
     // with -1 to max(2, longest), and the sources every request asks (all the snapshot's)

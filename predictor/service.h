@@ -3,6 +3,7 @@
 // checks and messages), groups of jobs answered by one forward call of the TorchScript program.
 #pragma once
 
+#include "filter_compiler.h"
 #include "request.h"
 #include "snapshot.h"
 
@@ -32,6 +33,11 @@ struct Job {
   at::Tensor queries;  // search: float32 [B, D]
   std::vector<UserRequest> users;  // recommend: one or more; rank: one
   std::vector<int64_t> items;  // rank: item ids
+  // search: one filter per query row (none: unfiltered) and its mode; recommend: one filter per user
+  std::vector<std::optional<std::string>> filters;
+  std::vector<int64_t> modes;
+  bool filtered = false;  // search: the rows carry filters (filtered_search.py's routing)
+  // search: nprobe 0 = the calibrated depth (probe_depth), max_probe 0 = the default; recommend: both resolved
   int64_t k0 = 0, nprobe = 0, max_probe = 0, mode = 0;
   bool exclude_history = true;
   int64_t rows() const { return route == Route::Search ? queries.size(0) : int64_t(users.size()); }
@@ -57,12 +63,18 @@ class Service {
   std::vector<Json> run_recommend(const std::vector<const Job*>& group);
   Json run_rank(const Job& job);
   std::vector<c10::IValue> no_filters(int64_t B, int64_t mode) const;
+  // compile_request(filters) and the modes: the forward's filter inputs (RequestError for a bad filter)
+  std::vector<c10::IValue> filter_inputs(const std::vector<std::optional<std::string>>& filters,
+                                         const at::Tensor& modes) const;
+  const FilterCompiler& filter_compiler() const;  // BadRequest when the snapshot has no filter index
+  int64_t probe_depth(int64_t k, double density) const;  // filtered_search.py probe_depth (no target_recall)
   void check_template(const UserRequest& r, int64_t b) const;
 
   std::string root_, version_, kind_, answers_;
   Json manifest_, config_;
   torch::jit::Module module_;
   std::unique_ptr<RecEncoder> encoder_;
+  std::unique_ptr<FilterCompiler> filters_;  // the manifest's filter index (none: the pool had no features)
   at::Tensor row_to_item_;
   std::vector<std::string> tasks_, sources_;
   int64_t item_count_ = 0, nlist_ = 0, exclude_limit_ = 0;

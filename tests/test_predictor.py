@@ -124,7 +124,7 @@ def ann(tmp_path_factory):
             "exact": publish_index(read_pool(d / "pool.parquet"), d / "exact", exact=True, torchscript=True),
             "filtered": publish_index(read_pool(d / "attrs.parquet"), d / "filtered", config=IVFConfig(nlist=8),
                                       torchscript=True),
-            "queries": rng.standard_normal((20, D)).astype(np.float32)}
+            "queries": rng.standard_normal((20, D)).astype(np.float32), "emb": emb, "ids": ids}
 
 
 def search_bodies(queries: np.ndarray) -> list[dict]:
@@ -142,9 +142,61 @@ def test_search_answers_as_python(ann, kind):
     check(ann[kind], "search", search_bodies(ann["queries"]))
 
 
-def test_filter_strings_are_refused_with_a_message(ann):
-    (out,) = predictor(ann["filtered"], "search", [{"queries": ann["queries"][:1].tolist(), "filter": "color = c1"}])
-    assert out["status"] == 400 and "does not compile filter strings" in out["detail"]
+def ann_attributes(item_id: int) -> dict[str, set[str]]:
+    """The fixture's attributes of an item (written here, from the pool the fixture publishes)."""
+    i = (item_id - 3) // 7
+    return {"color": {f"c{i % 5}"}, "tags": {f"t{i % 3}", f"t{i % 7}"}}
+
+
+# filters over the fixture's attributes, and a brute-force evaluation of each (the reference of the C++ compiler)
+ANN_FILTERS = {
+    "color = c1": lambda a: "c1" in a["color"],
+    "color IN (c2, c3) AND NOT tags = t1": lambda a: bool(a["color"] & {"c2", "c3"}) and "t1" not in a["tags"],
+    "tags = t6 OR color != 'c0'": lambda a: "t6" in a["tags"] or "c0" not in a["color"],
+    "NOT (tags IN (t0, t4) OR color = c4) AND tags != nope": lambda a: not (a["tags"] & {"t0", "t4"} or "c4" in a["color"]),
+}
+
+
+def filtered_search_bodies(queries: np.ndarray) -> list[dict]:
+    q, f = queries.tolist(), list(ANN_FILTERS)
+    return [{"queries": q[:3], "k": 5, "filter": f[0]}, {"queries": q[3:7], "k": 7, "filter": [f[1], None, f[2], f[3]]},
+            {"queries": q[7:9], "k": 6, "filter": f[2], "mode": "unprobed"},
+            {"queries": q[9:11], "k": 4, "filter": f[3], "mode": ["probed", "auto"], "nprobe": 2, "max_probe": 4},
+            {"queries": q[11:13], "k": 5, "filter": f[1], "max_probe": 3}, {"queries": q[:2], "k": 3, "filter": [None, None]},
+            # bad filters and options: the compiler's messages, position and all
+            {"queries": q[:1], "filter": "color = "}, {"queries": q[:2], "filter": [None, "colour = c1 OR tags = t1"]},
+            {"queries": q[:1], "filter": "color = c1 AND (tags = t1"}, {"queries": q[:1], "filter": "名 = 'x'"},
+            {"queries": q[:2], "filter": ["color = c1"]}, {"queries": q[:1], "filter": "color = c1", "mode": "fast"},
+            {"queries": q[:2], "filter": "color = c1", "mode": ["auto"]},
+            {"queries": q[:1], "filter": "color = c1", "nprobe": 4, "max_probe": 2},
+            {"queries": q[:1], "filter": 5}, {"queries": q[:1], "filter": ["color = c1", 3]}, {"queries": q[:1], "mode": 1}]
+
+
+def test_filtered_search_answers_as_python_and_as_brute_force(ann):
+    bodies = filtered_search_bodies(ann["queries"])
+    answers = check(ann["filtered"], "search", bodies)
+    assert sum("status" not in a for a in answers) == 6
+    for body, out in zip(bodies, answers):
+        if "status" in out:
+            continue
+        filters = body["filter"] if isinstance(body["filter"], list) else [body["filter"]] * len(body["queries"])
+        for f, ids in zip(filters, out["item_ids"]):
+            assert len(ids) == body["k"] and all(ids)
+            assert f is None or all(ANN_FILTERS[f](ann_attributes(i)) for i in ids), (f, ids)
+    # the whole pool scanned (unprobed): the brute-force top k of the passing items, by the codes' scores
+    emb = torch.from_numpy(ann["emb"])
+    for row, ids in zip(bodies[2]["queries"], answers[2]["item_ids"]):
+        ok = torch.tensor([ANN_FILTERS[bodies[2]["filter"]](ann_attributes(int(i))) for i in ann["ids"]])
+        scores = torch.where(ok, emb @ torch.tensor(row), torch.tensor(-np.inf))
+        best = set(ann["ids"][scores.topk(6).indices.numpy()].tolist())
+        assert len(best & set(ids)) >= 5  # int8 codes may swap a near tie
+
+
+def test_filters_need_a_filter_index(ann):
+    check(ann["ivf"], "search", [{"queries": ann["queries"][:1].tolist(), "filter": "color = c1"}])
+
+
+def test_a_pure_ann_index_does_not_recommend(ann):
     (out,) = predictor(ann["ivf"], "recommend", [{"history": [3]}])
     assert out["status"] == 400
     assert out["detail"] == "this snapshot is a pure-ANN index: it answers /v1/search, not /v1/recommend"
@@ -196,6 +248,18 @@ def rec_bodies(rec) -> list[dict]:
             {"history": [items[0]], "filter": 3}]
 
 
+def rec_filter_bodies(rec) -> list[dict]:
+    users = [int(u) for u in rec.logs.user_ids[:6]]
+    return [{"user_id": users[0], "k": 6, "filter": "cat = c1"},
+            {"requests": [{"user_id": users[1], "filter": "tags IN (t1, t2) AND cat != c0"}, {"user_id": users[2]},
+                          {"user_id": users[3], "filter": "NOT cat IN (c1, c2)"}], "k": 5},
+            {"user_id": users[4], "k": 4, "filter": "cat = c3", "mode": "unprobed"},
+            # bad filters: named by their request
+            {"user_id": users[0], "filter": "cat = = c1"},
+            {"requests": [{"user_id": users[1]}, {"user_id": users[2], "filter": "colour = c1"}]},
+            {"requests": [{"user_id": users[1], "filter": "cat = c1 AND"}, {"user_id": 123456789}]}]
+
+
 def rank_bodies(rec) -> list[dict]:
     logs = rec.logs
     items = [int(i) for i in logs.item_ids]
@@ -208,6 +272,25 @@ def test_recommend_and_rank_answer_as_python(rec):
     answers = check(rec.snap_dir, "recommend", rec_bodies(rec))
     assert sum("status" not in a for a in answers) == 5
     check(rec.snap_dir, "rank", rank_bodies(rec))
+
+
+def test_recommend_with_filters_answers_as_python_and_as_brute_force(rec):
+    bodies = rec_filter_bodies(rec)
+    answers = check(rec.snap_dir, "recommend", bodies)
+    assert [("status" in a) for a in answers] == [False] * 3 + [True] * 3
+    logs = rec.logs
+    row_of = {int(i): r for r, i in enumerate(logs.item_ids)}
+    has = {"cat = c1": lambda r: logs.features["cat"][r] == ["c1"],
+           "tags IN (t1, t2) AND cat != c0": lambda r: bool({"t1", "t2"} & set(logs.features["tags"][r]))
+           and logs.features["cat"][r] != ["c0"],
+           "NOT cat IN (c1, c2)": lambda r: logs.features["cat"][r][0] not in ("c1", "c2"),
+           "cat = c3": lambda r: logs.features["cat"][r] == ["c3"]}
+    for body, out in zip(bodies[:3], answers):
+        users = body.get("requests", [body])
+        for u, ids in zip(users, out["item_ids"]):
+            assert len(ids) == body["k"]
+            if "filter" in u:
+                assert all(has[u["filter"]](row_of[i]) for i in ids), (u, ids)
 
 
 @pytest.fixture(scope="module")

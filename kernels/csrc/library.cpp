@@ -11,6 +11,7 @@
 
 #include "constants.h"
 #include "dot.h"
+#include "filter_compiler.h"
 #include "ops.h"
 #include "request.h"
 #include "team.h"
@@ -54,6 +55,44 @@ std::string isa() {
 }
 
 void set_team_pin_op(int64_t pin) { set_team_pin(int(pin)); }
+
+// The filter functions for Python return their error as a value, the last element of their result ("": none): a
+// filter's message may hold a NUL byte (a template's placeholders), where an exception's message would stop.
+template <class R, class F>
+auto or_error(F&& f) -> decltype(std::tuple_cat(f(), std::make_tuple(std::string()))) {
+  try {
+    return std::tuple_cat(f(), std::make_tuple(std::string()));
+  } catch (const RequestError& e) {
+    return std::tuple_cat(R(), std::make_tuple(e.message));
+  }
+}
+
+// silverrec_host.parse_filter: a filter string's AST, flattened (filter_compiler.h FilterNode)
+std::tuple<std::vector<int64_t>, std::vector<std::string>, std::string> parse_filter_op(std::string text) {
+  using R = std::tuple<std::vector<int64_t>, std::vector<std::string>>;
+  return or_error<R>([&] {
+    R out;
+    flatten_filter(parse_filter(text), std::get<0>(out), std::get<1>(out));
+    return out;
+  });
+}
+
+// silverrec_host.token_positions: the seed as Python's unsigned 64-bit int, passed as its two's complement
+std::vector<int64_t> token_positions_op(std::string feature, std::string value, int64_t bits, int64_t hashes,
+                                        int64_t seed) {
+  return token_positions(feature, value, bits, hashes, uint64_t(seed));
+}
+
+// Filters given as strings with a flag each (present[b] == 0: no filter), as std::optional.
+std::vector<std::optional<std::string>> optional_filters(std::vector<std::string> texts, const std::vector<int64_t>& present) {
+  TORCH_CHECK_VALUE(texts.size() == present.size(), "FilterCompiler: one presence flag per filter");
+  std::vector<std::optional<std::string>> out;
+  for (size_t b = 0; b < texts.size(); ++b) out.push_back(present[b] ? std::optional<std::string>(std::move(texts[b])) : std::nullopt);
+  return out;
+}
+
+using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Compiler = c10::intrusive_ptr<FilterCompiler>;
 
 // silverrec::centroid_candidates: the int8 screen on (the host function's screen=False scores every centroid)
 at::Tensor centroid_candidates_screened(const at::Tensor& queries, const at::Tensor& centroids, int64_t P) {
@@ -272,6 +311,45 @@ TORCH_LIBRARY(silverrec_host, m) {
         } catch (const RequestError& e) {
           C10_THROW_ERROR(ValueError, e.what());
         }
+      });
+  // the filter language (filter_compiler.h): a filter that does not parse or compile is a ValueError with its message
+  m.def("parse_filter(str text) -> (int[], str[], str)", CHECKED(parse_filter_op));
+  m.def("token_positions(str feature, str value, int bits, int hashes, int seed) -> int[]", CHECKED(token_positions_op));
+  m.class_<FilterCompiler>("FilterCompiler")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<std::string>, std::vector<int64_t>,
+                       std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<int64_t>>())
+      .def("program", [](const Compiler& self, std::string text, bool verify) {
+        return or_error<Tensors3>([&] {
+          const auto p = self->compile(text);
+          return FilterCompiler::program_tensors(verify ? p->verify : p->bloom);
+        });
+      })
+      .def("program_ast", [](const Compiler& self, std::vector<int64_t> nodes, std::vector<std::string> strings,
+                             bool verify) {
+        return or_error<Tensors3>([&] {
+          const Program p = self->compile(unflatten_filter(nodes, strings));
+          return FilterCompiler::program_tensors(verify ? p.verify : p.bloom);
+        });
+      })
+      .def("lists_ast", [](const Compiler& self, std::vector<int64_t> nodes, std::vector<std::string> strings) {
+        using R = std::tuple<std::vector<int64_t>, int64_t, bool>;
+        return or_error<R>([&] {
+          const Program p = self->compile(unflatten_filter(nodes, strings));
+          return p.lists ? R(p.lists->first, p.lists->second, true) : R({}, 0, false);
+        });
+      })
+      .def("request", [](const Compiler& self, std::vector<std::string> texts, std::vector<int64_t> present,
+                         bool use_cache) {
+        using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+        return or_error<R>([&] {
+          const RequestPrograms r = self->request(optional_filters(std::move(texts), present), use_cache);
+          return R(r.ops, r.rows, r.vops, r.vrows, r.lists);
+        });
+      })
+      .def("estimates", [](const Compiler& self, std::vector<std::string> texts, std::vector<int64_t> present) {
+        return or_error<std::tuple<std::vector<double>>>(
+            [&] { return std::make_tuple(self->estimates(optional_filters(std::move(texts), present))); });
       });
   // the kernels' parts, for tests and benchmarks
   m.def("ivf_scan_keys(Tensor qcodes, Tensor codes, Tensor cluster_offsets, Tensor probes, Tensor? bitmask, int k, "

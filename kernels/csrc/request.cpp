@@ -34,18 +34,41 @@ std::string unknown_id(const std::string& where, int64_t id, size_t position) {
 
 }  // namespace
 
+namespace {
+// Characters Python's repr escapes beyond ASCII (str.isprintable false): the C1 controls, NBSP and SHY, the other
+// space and format characters in common use, surrogates and private use (unassigned ones are printed).
+bool unprintable(uint32_t c) {
+  return (c >= 0x80 && c <= 0xa0) || c == 0xad || c == 0x61c || c == 0x1680 || c == 0x180e ||
+         (c >= 0x2000 && c <= 0x200f) || (c >= 0x2028 && c <= 0x202f) || (c >= 0x205f && c <= 0x206f) ||
+         c == 0x3000 || c == 0xfeff || (c >= 0xd800 && c <= 0xf8ff) || (c >= 0xfff9 && c <= 0xfffb);
+}
+}  // namespace
+
 std::string py_repr(const std::string& s) {
   const bool dq = s.find('\'') != std::string::npos && s.find('"') == std::string::npos;
   const char q = dq ? '"' : '\'';
   std::string out(1, q);
-  for (unsigned char c : s) {
-    if (c == '\\') out += "\\\\";
+  for (size_t i = 0; i < s.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    char buf[16];
+    if (c >= 0x80) {  // a UTF-8 sequence: as is, or escaped as Python escapes it
+      const size_t len = (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+      uint32_t v = len == 2 ? (c & 0x1f) : len == 3 ? (c & 0x0f) : (c & 0x07);
+      size_t n = 1;
+      for (; n < len && i + n < s.size(); ++n) v = (v << 6) | (static_cast<unsigned char>(s[i + n]) & 0x3f);
+      if (len > 1 && unprintable(v)) {
+        std::snprintf(buf, sizeof buf, v <= 0xff ? "\\x%02x" : v <= 0xffff ? "\\u%04x" : "\\U%08x", v);
+        out += buf;
+      } else {
+        out.append(s, i, n);
+      }
+      i += n - 1;
+    } else if (c == '\\') out += "\\\\";
     else if (c == q) out += std::string("\\") + char(q);
     else if (c == '\n') out += "\\n";
     else if (c == '\r') out += "\\r";
     else if (c == '\t') out += "\\t";
     else if (c < 0x20 || c == 0x7f) {
-      char buf[8];
       std::snprintf(buf, sizeof buf, "\\x%02x", c);
       out += buf;
     } else out += char(c);

@@ -20,7 +20,8 @@
 namespace silverrec {
 
 struct RequestError : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
+  explicit RequestError(const std::string& m) : std::invalid_argument(m), message(m) {}
+  std::string message;  // the whole message: what() stops at a NUL byte, which a filter string may hold
 };
 
 // One user's request (silverrec/serving/recommend.py RecRequest): exactly one of user_id and history.

@@ -21,6 +21,11 @@ Example:
 `FilterSyntaxError` names the 0-based character position of the problem and quotes the string
 with a caret under it. Feature names are checked later, against a snapshot's vocabulary
 (`silverrec.filtering.filter_program`).
+
+The parser is C++ (kernels/csrc/filter_compiler.h, which silverrec-predictor runs too):
+`parse` calls it (`silverrec_host.parse_filter`) and builds this module's AST from its flattened
+nodes. This module holds the AST's types and the printer (`to_string`) that Python code uses to
+build filters (publish/calibrate.py) and to hand ASTs back to the compiler (`flatten`).
 """
 
 from __future__ import annotations
@@ -30,27 +35,32 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from silverrec.errors import QueryError
+from silverrec.kernels.constants import FILTER_MAX_LENGTH as MAX_LENGTH  # noqa: F401  (the parser's limit)
+from silverrec.kernels.constants import FILTER_NODE_AND, FILTER_NODE_NOT, FILTER_NODE_OR, FILTER_NODE_TERM
 
 KEYWORDS = ("AND", "OR", "NOT", "IN")
-MAX_LENGTH = 1 << 16
 
 
 class FilterSyntaxError(QueryError):
-    """A filter string that does not parse; `position` is the 0-based character offset."""
+    """A filter string that does not parse; `position` is the 0-based character offset. The message
+    (the parser's, C++) names the position and quotes the string with a caret under it."""
 
     def __init__(self, message: str, text: str, position: int):
         self.position = position
         self.text = text
-        snippet, caret = _excerpt(text, position)
-        super().__init__(f"filter syntax error at position {position}: {message}\n  {snippet}\n  {caret}")
+        super().__init__(message)
 
 
-def _excerpt(text: str, pos: int, width: int = 60) -> tuple[str, str]:
-    lo = max(0, pos - width // 2)
-    hi = min(len(text), lo + width)
-    prefix = "..." if lo > 0 else ""
-    snippet = prefix + text[lo:hi] + ("..." if hi < len(text) else "")
-    return snippet, " " * (len(prefix) + pos - lo) + "^"
+_SYNTAX = re.compile(r"filter syntax error at position (\d+):")
+
+
+def query_error(message: str, text: object = None) -> QueryError:
+    """The C++ filter code's error message (a bad filter) as the QueryError it stands for: a
+    FilterSyntaxError when the filter does not parse (`text`: the filter, when one is known)."""
+    m = _SYNTAX.match(message)
+    if m:
+        return FilterSyntaxError(message, text if isinstance(text, str) else None, int(m.group(1)))
+    return QueryError(message)
 
 
 # ----------------------------------------------------------------------------------------- AST
@@ -117,68 +127,7 @@ def _quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-# ------------------------------------------------------------------------------------- tokens
-
-_BARE = re.compile(r"[A-Za-z0-9_.:/+\-]+")
-_SPACE = re.compile(r"\s+")
-
-
-@dataclass(frozen=True)
-class _Tok:
-    kind: str  # NAME, STRING, KEYWORD, '(', ')', ',', '=', '!=', END
-    text: str
-    pos: int
-
-
-def tokenize(text: str) -> list[_Tok]:
-    """Split a filter string into tokens with their positions."""
-    if len(text) > MAX_LENGTH:
-        raise FilterSyntaxError(f"filter is longer than {MAX_LENGTH} characters", text[:80], 0)
-    out: list[_Tok] = []
-    i = 0
-    while i < len(text):
-        m = _SPACE.match(text, i)
-        if m:
-            i = m.end()
-            continue
-        c = text[i]
-        if c in "(),=":
-            out.append(_Tok(c, c, i))
-            i += 1
-        elif text.startswith("!=", i):
-            out.append(_Tok("!=", "!=", i))
-            i += 2
-        elif c in "'\"":
-            value, end = _read_quoted(text, i)
-            out.append(_Tok("STRING", value, i))
-            i = end
-        else:
-            m = _BARE.match(text, i)
-            if not m:
-                raise FilterSyntaxError(f"unexpected character {c!r}", text, i)
-            word = m.group()
-            kind = "KEYWORD" if word.upper() in KEYWORDS else "NAME"
-            out.append(_Tok(kind, word.upper() if kind == "KEYWORD" else word, i))
-            i = m.end()
-    out.append(_Tok("END", "", len(text)))
-    return out
-
-
-def _read_quoted(text: str, start: int) -> tuple[str, int]:
-    quote = text[start]
-    chars = []
-    i = start + 1
-    while i < len(text):
-        c = text[i]
-        if c == "\\" and i + 1 < len(text):
-            chars.append(text[i + 1])
-            i += 2
-        elif c == quote:
-            return "".join(chars), i + 1
-        else:
-            chars.append(c)
-            i += 1
-    raise FilterSyntaxError(f"unterminated string starting with {quote}", text, start)
+_BARE = re.compile(r"[A-Za-z0-9_.:/+\-]+")  # what the parser reads unquoted (the printer quotes the rest)
 
 
 # ------------------------------------------------------------------------------------- parser
@@ -188,108 +137,49 @@ def parse(text: str) -> Node:
     """Parse a filter string into an AST. Raises FilterSyntaxError with the position."""
     if not isinstance(text, str):
         raise QueryError(f"filter must be a string, got {type(text).__name__}")
-    parser = _Parser(text, tokenize(text))
-    if parser.peek().kind == "END":
-        raise FilterSyntaxError("empty filter", text, 0)
-    node = parser.or_expr()
-    tok = parser.peek()
-    if tok.kind != "END":
-        raise FilterSyntaxError(f"expected AND, OR or the end of the filter, found {_describe(tok)}", text, tok.pos)
-    return node
+    from silverrec.kernels import library
+
+    nodes, strings, error = library.host().parse_filter(text)
+    if error:
+        raise query_error(error, text)
+    return unflatten(nodes, strings)
 
 
-def _describe(tok: _Tok) -> str:
-    if tok.kind == "END":
-        return "the end of the filter"
-    if tok.kind == "STRING":
-        return f"string {tok.text!r}"
-    return repr(tok.text)
+def unflatten(nodes: list[int], strings: list[str]) -> Node:
+    """The AST of the parser's flattened form: int triples [kind, n, position] in prefix order
+    (kinds: FILTER_NODE_*; n: a term's values, a node's children) and each term's feature, then values."""
+    at = [0, 0]
+
+    def node() -> Node:
+        kind, n, position = nodes[at[0]:at[0] + 3]
+        at[0] += 3
+        if kind == FILTER_NODE_TERM:
+            s = at[1]
+            at[1] += 1 + n
+            return Term(strings[s], tuple(strings[s + 1:s + 1 + n]), position)
+        children = tuple(node() for _ in range(n))
+        return Not(children[0]) if kind == FILTER_NODE_NOT else And(children) if kind == FILTER_NODE_AND else Or(children)
+
+    return node()
 
 
-class _Parser:
-    def __init__(self, text: str, toks: list[_Tok]):
-        self.text, self.toks, self.i = text, toks, 0
+def flatten(node: Node) -> tuple[list[int], list[str]]:
+    """`unflatten`'s inverse: an AST as the C++ compiler reads it (filter_program.py)."""
+    nodes: list[int] = []
+    strings: list[str] = []
 
-    def peek(self) -> _Tok:
-        return self.toks[self.i]
+    def visit(x: Node) -> None:
+        if isinstance(x, Term):
+            nodes.extend((FILTER_NODE_TERM, len(x.values), x.position))
+            strings.append(x.feature)
+            strings.extend(x.values)
+        elif isinstance(x, Not):
+            nodes.extend((FILTER_NODE_NOT, 1, 0))
+            visit(x.child)
+        else:
+            nodes.extend((FILTER_NODE_AND if isinstance(x, And) else FILTER_NODE_OR, len(x.children), 0))
+            for c in x.children:
+                visit(c)
 
-    def take(self) -> _Tok:
-        tok = self.toks[self.i]
-        self.i += 1
-        return tok
-
-    def expect(self, kind: str, what: str) -> _Tok:
-        tok = self.peek()
-        if tok.kind != kind:
-            raise FilterSyntaxError(f"expected {what}, found {_describe(tok)}", self.text, tok.pos)
-        return self.take()
-
-    def keyword(self, word: str) -> bool:
-        tok = self.peek()
-        if tok.kind == "KEYWORD" and tok.text == word:
-            self.i += 1
-            return True
-        return False
-
-    def or_expr(self) -> Node:
-        children = [self.and_expr()]
-        while self.keyword("OR"):
-            children.append(self.and_expr())
-        return children[0] if len(children) == 1 else Or(tuple(children))
-
-    def and_expr(self) -> Node:
-        children = [self.not_expr()]
-        while self.keyword("AND"):
-            children.append(self.not_expr())
-        return children[0] if len(children) == 1 else And(tuple(children))
-
-    def not_expr(self) -> Node:
-        if self.keyword("NOT"):
-            return Not(self.not_expr())
-        return self.primary()
-
-    def primary(self) -> Node:
-        tok = self.peek()
-        if tok.kind == "(":
-            self.take()
-            node = self.or_expr()
-            self.expect(")", "')'")
-            return node
-        if tok.kind not in ("NAME", "STRING"):
-            raise FilterSyntaxError(f"expected a feature name, NOT or '(', found {_describe(tok)}", self.text, tok.pos)
-        name = self.take()
-        op = self.peek()
-        if op.kind == "=":
-            self.take()
-            return Term(name.text, (self.value(),), name.pos)
-        if op.kind == "!=":
-            self.take()
-            return Not(Term(name.text, (self.value(),), name.pos))
-        if self.keyword("IN"):
-            return Term(name.text, self.value_list(), name.pos)
-        if op.kind == "KEYWORD" and op.text == "NOT":
-            self.take()
-            if not self.keyword("IN"):
-                nxt = self.peek()
-                raise FilterSyntaxError(f"expected IN after NOT, found {_describe(nxt)}", self.text, nxt.pos)
-            return Not(Term(name.text, self.value_list(), name.pos))
-        raise FilterSyntaxError(
-            f"expected '=', '!=' or IN after feature {name.text!r}, found {_describe(op)}", self.text, op.pos
-        )
-
-    def value(self) -> str:
-        tok = self.peek()
-        if tok.kind in ("NAME", "STRING"):
-            return self.take().text
-        if tok.kind == "KEYWORD":
-            raise FilterSyntaxError(f"expected a value, found keyword {tok.text} (quote it to use it as a value)", self.text, tok.pos)
-        raise FilterSyntaxError(f"expected a value, found {_describe(tok)}", self.text, tok.pos)
-
-    def value_list(self) -> tuple[str, ...]:
-        self.expect("(", "'(' after IN")
-        values = [self.value()]
-        while self.peek().kind == ",":
-            self.take()
-            values.append(self.value())
-        self.expect(")", "',' or ')' in the IN list")
-        return tuple(dict.fromkeys(values))  # de-duplicated, order kept
+    visit(node)
+    return nodes, strings

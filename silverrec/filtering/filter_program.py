@@ -1,5 +1,9 @@
 """Compile filter strings into postfix programs of tensors (the predictor's "plan" step).
 
+The compiler is C++ (kernels/csrc/filter_compiler.h: the one implementation, which silverrec-predictor
+runs too); this module builds it from the manifest (`FilterPlan.native`, a
+silverrec_host.FilterCompiler), calls it and keeps the batch cache of Python's serving.
+
 The compile uses only the snapshot manifest (`FilterPlan.from_config(manifest["config"]["filter"])`):
 feature names, their value vocabularies, the Bloom size M, hash count K and seed, and where each
 feature's exact value-code planes live in the model's row bank.
@@ -40,11 +44,10 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from silverrec.filtering.bloom_hash import token_positions
 from silverrec.errors import QueryError
-from silverrec.filtering.filter_lang import And, Node, Not, Term, parse
-from silverrec.kernels.constants import OP_AND, OP_FALSE, OP_NOT, OP_OR, OP_PUSH, OP_TRUE
-from silverrec.kernels.constants import NO_LISTS  # lists[b, 0]: no posting-list superset
+from silverrec.filtering.bloom_hash import seed_int64
+from silverrec.filtering.filter_lang import Node, flatten, query_error
+from silverrec.kernels.constants import OP_TRUE
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ class ExactPlanes:
 
 @dataclass
 class FilterPlan:
-    """What a predictor needs to compile filters for one snapshot (all from its manifest)."""
+    """What a predictor needs to compile filters for one snapshot (all from its manifest), and the
+    compiler built from it (`native`: C++, caching compiled programs per filter string)."""
 
     bloom_bits: int
     bloom_hashes: int
@@ -77,14 +81,11 @@ class FilterPlan:
     # values without a posting list), -1 = none; and the pool size
     planes: dict[str, list[int]] = field(default_factory=dict)
     num_items: int = 0
-    _cache: dict = field(default_factory=dict, repr=False)
-    # LRU caches of compiled programs: (filter text, exact_positive) -> (ops int64 [L], rows int64
-    # [L, T]) numpy arrays, and (tuple of filters, exact_positive) -> batch tensors (ops, rows).
-    # Requests repeat a few filter strings, so the predictor's compile is usually a dictionary hit.
-    _programs: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    # LRU of a request's compiled tensors (and filtered_search's route decisions) per batch of filter
+    # strings: requests repeat a few filters, so Python's predictor skips even the call to the compiler
     _batches: OrderedDict = field(default_factory=OrderedDict, repr=False)
-    program_cache_size: int = field(default=4096, repr=False)
     batch_cache_size: int = field(default=256, repr=False)
+    _native: Any = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> "FilterPlan":
@@ -100,111 +101,54 @@ class FilterPlan:
         return cls(int(bloom["bits"]), int(bloom["hashes"]), int(bloom["seed"]), vocab, exact, int(cfg["rows"]), postings, counts,
                    planes, int(cfg.get("items", 0)))
 
+    @property
+    def native(self):
+        """The C++ compiler of this plan (silverrec_host.FilterCompiler), built on first use."""
+        if self._native is None:
+            from silverrec.kernels import library
+
+            names = list(self.vocab)
+            exact = [x for f in names for x in ((e.row, e.slots, e.bits) if (e := self.exact[f]) else (-1, 0, 0))]
+            flat = lambda table: [int(x) for f in names for x in table.get(f, [])]  # noqa: E731
+            self._native = library.host().FilterCompiler(
+                self.bloom_bits, self.bloom_hashes, seed_int64(self.seed), self.total_rows, self.num_items, names,
+                [len(self.vocab[f]) for f in names], [v for f in names for v in self.vocab[f]], exact,
+                flat(self.postings), flat(self.counts), flat(self.planes))
+        return self._native
+
     def cached_batch(self, key):
         """The batch LRU's entry for `key` (a request's compiled tensors or route decisions), or None."""
-        return _lru_get(self._batches, key)
+        hit = self._batches.get(key)
+        if hit is not None:
+            self._batches.move_to_end(key)
+        return hit
 
     def cache_batch(self, key, value) -> None:
         """Remember `value` for `key` in the batch LRU (the least recently used entry goes)."""
-        _lru_put(self._batches, key, value, self.batch_cache_size)
+        self._batches[key] = value
+        if len(self._batches) > self.batch_cache_size:
+            self._batches.popitem(last=False)
 
     @property
     def approximate_not(self) -> list[str]:
         """Features whose negation falls back to NOT of the Bloom test (may drop true matches)."""
         return sorted(f for f, e in self.exact.items() if e is None)
 
-    def bloom_rows(self, feature: str, value: str) -> list[int]:
-        key = (feature, value)
-        rows = self._cache.get(key)
-        if rows is None:
-            rows = token_positions(feature, value, self.bloom_bits, self.bloom_hashes, self.seed)
-            self._cache[key] = rows
-        return rows
 
-    def exact_slot_rows(self, feature: str, value: str) -> list[list[int]]:
-        """Per slot, the signed rows whose AND is 1 exactly where that slot holds `value`."""
-        planes = self.exact[feature]
-        code = self.vocab[feature][value] + 1
-        out = []
-        for s in range(planes.slots):
-            base = planes.row + s * planes.bits
-            out.append([base + b if (code >> b) & 1 else ~(base + b) for b in range(planes.bits)])
-        return out
+def _call(fn, *args, text: object = None):
+    """fn(*args) without its error slot (the compiler returns a bad filter's message as the last element of its
+    result, "" for none), the error raised as its QueryError."""
+    *out, error = fn(*args)
+    if error:
+        raise query_error(error, text)
+    return out[0] if len(out) == 1 else out
 
 
-# ------------------------------------------------------------------------------ intermediate form
-# ("push", rows) | ("false",) | ("true",) | ("not", x) | ("and", a, b) | ("or", a, b)
-
-_FALSE = ("false",)
-_TRUE = ("true",)
-
-
-def _balanced(op: str, items: list[tuple]) -> tuple:
-    """Fold a list with a binary op as a balanced tree (shallow stacks), with constant folding."""
-    absorbing, neutral = (_FALSE, _TRUE) if op == "and" else (_TRUE, _FALSE)
-    items = [x for x in items if x != neutral]
-    if any(x == absorbing for x in items):
-        return absorbing
-    if not items:
-        return neutral
-    while len(items) > 1:
-        nxt = [(op, items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
-        if len(items) % 2:
-            nxt.append(items[-1])
-        items = nxt
-    return items[0]
-
-
-def _negate(x: tuple) -> tuple:
-    if x == _TRUE:
-        return _FALSE
-    if x == _FALSE:
-        return _TRUE
-    if x[0] == "not":
-        return x[1]
-    return ("not", x)
-
-
-def _lower(node: Node, plan: FilterPlan, negated: bool, exact_positive: bool = False) -> tuple:
-    if isinstance(node, Term):
-        if node.feature not in plan.vocab:
-            raise QueryError(
-                f"unknown feature {node.feature!r} in filter at position {node.position}; "
-                f"this snapshot can filter on {sorted(plan.vocab) or 'no features'}"
-            )
-        known = [v for v in node.values if v in plan.vocab[node.feature]]
-        pushes = []
-        for v in known:
-            plane = plan.planes.get(node.feature, ())
-            row = plane[plan.vocab[node.feature][v]] if plane else -1
-            if row >= 0:  # the value's own bit plane: one exact row
-                pushes.append(("push", [row]))
-            elif (negated or exact_positive) and plan.exact[node.feature] is not None:
-                pushes += [("push", r) for r in plan.exact_slot_rows(node.feature, v)]
-            else:
-                pushes.append(("push", plan.bloom_rows(node.feature, v)))
-        return _balanced("or", pushes)
-    if isinstance(node, Not):
-        return _negate(_lower(node.child, plan, not negated, exact_positive))
-    op = "and" if isinstance(node, And) else "or"
-    return _balanced(op, [_lower(c, plan, negated, exact_positive) for c in node.children])
-
-
-def _emit(x: tuple, out: list[tuple[int, list[int]]]) -> None:
-    kind = x[0]
-    if kind == "push":
-        out.append((OP_PUSH, list(x[1])))
-    elif kind == "false":
-        out.append((OP_FALSE, []))
-    elif kind == "true":
-        out.append((OP_TRUE, []))
-    elif kind == "not":
-        _emit(x[1], out)
-        out.append((OP_NOT, []))
-    else:
-        _emit(x[1], out)
-        _emit(x[2], out)
-        out.append((OP_AND if kind == "and" else OP_OR, []))
+def _present(filters: Sequence[Optional[str]]) -> tuple[list[str], list[int]]:
+    bad = next((f for f in filters if f is not None and not isinstance(f, str)), None)
+    if bad is not None:
+        raise QueryError(f"filter must be a string, got {type(bad).__name__}")
+    return ["" if f is None else f for f in filters], [0 if f is None else 1 for f in filters]
 
 
 def compile_filter(
@@ -217,83 +161,30 @@ def compile_filter(
     """
     if text_or_ast is None:
         return [(OP_TRUE, [])]
-    node = parse(text_or_ast) if isinstance(text_or_ast, str) else text_or_ast
-    out: list[tuple[int, list[int]]] = []
-    _emit(_lower(node, plan, False, exact_positive), out)
-    return out
-
-
-def _lru_get(cache: OrderedDict, key):
-    hit = cache.get(key)
-    if hit is not None:
-        cache.move_to_end(key)
-    return hit
-
-
-def _lru_put(cache: OrderedDict, key, value, size: int) -> None:
-    cache[key] = value
-    if len(cache) > size:
-        cache.popitem(last=False)
-
-
-def _program_arrays(
-    f: Union[str, Node, None], plan: FilterPlan, exact_positive: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """One filter -> (ops int64 [L], rows int64 [L, T]) with PUSH operand lists padded by their first
-    row (other instructions: zeros); cached per filter string in the plan (LRU)."""
-    key = (f, exact_positive) if not isinstance(f, Node) else None
-    if key is not None:
-        hit = _lru_get(plan._programs, key)
-        if hit is not None:
-            return hit
-    prog = compile_filter(f, plan, exact_positive)
-    width = max([len(r) for _, r in prog] + [1])
-    ops = np.array([op for op, _ in prog], dtype=np.int64)
-    rows = np.zeros((len(prog), width), dtype=np.int64)
-    for i, (_, r) in enumerate(prog):
-        if r:
-            rows[i, : len(r)] = r
-            rows[i, len(r) :] = r[0]
-    if key is not None:
-        ops.flags.writeable = rows.flags.writeable = False
-        _lru_put(plan._programs, key, (ops, rows), plan.program_cache_size)
-    return ops, rows
+    if isinstance(text_or_ast, str):
+        ops, rows, widths = _call(plan.native.program, text_or_ast, bool(exact_positive), text=text_or_ast)
+    else:
+        ops, rows, widths = _call(plan.native.program_ast, *flatten(text_or_ast), bool(exact_positive))
+    return [(int(o), r[:w]) for o, r, w in zip(ops.tolist(), rows.tolist(), widths.tolist())]
 
 
 def compile_batch(
-    filters: Sequence[Union[str, Node, None]], plan: FilterPlan, exact_positive: bool = False, cache: bool = True
+    filters: Sequence[Union[str, None]], plan: FilterPlan, exact_positive: bool = False, cache: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compile one filter per query into padded program tensors (ops int64 [B, L], rows int64 [B, L, T]).
-
-    Compiled programs are cached per filter string and per batch of strings in `plan` (LRU; the
-    returned tensors are fresh copies). cache=False compiles from scratch (benchmarks)."""
+    """Compile one filter per query into padded program tensors (ops int64 [B, L], rows int64 [B, L, T]):
+    the Bloom programs, or the verify programs with exact_positive. cache=False: compiled from scratch,
+    past the compiler's cache of programs per filter string (benchmarks)."""
     filters = list(filters)
     if not filters:
         raise QueryError("no filters to compile")
-    bkey = None
-    if cache and all(f is None or isinstance(f, str) for f in filters):
-        bkey = (tuple(filters), exact_positive)
-        hit = plan.cached_batch(bkey)
-        if hit is not None:
-            return hit[0].clone(), hit[1].clone()
-    if cache:
-        programs = [_program_arrays(f, plan, exact_positive) for f in filters]
-    else:
-        programs = [_program_arrays(f if isinstance(f, Node) or f is None else parse(f), plan, exact_positive) for f in filters]
-    length = max(len(o) for o, _ in programs)
-    width = max(r.shape[1] for _, r in programs)
-    ops = np.zeros((len(programs), length), dtype=np.int64)
-    rows = np.zeros((len(programs), length, width), dtype=np.int64)
-    for b, (o, r) in enumerate(programs):
-        n, t = r.shape
-        ops[b, :n] = o
-        rows[b, :n, :t] = r
-        rows[b, :n, t:] = r[:, :1]
-    ops_t, rows_t = torch.from_numpy(ops), torch.from_numpy(rows)
-    if bkey is not None:
-        plan.cache_batch(bkey, (ops_t, rows_t))
-        return ops_t.clone(), rows_t.clone()
-    return ops_t, rows_t
+    ops, rows, vops, vrows, _ = _request(filters, plan, cache)
+    return (vops, vrows) if exact_positive else (ops, rows)
+
+
+def _request(filters: list, plan: FilterPlan, cache: bool = True) -> tuple[torch.Tensor, ...]:
+    """The compiler's (ops, rows, vops, vrows, lists) for a batch; QueryError for the first bad filter."""
+    texts, present = _present(filters)
+    return _call(plan.native.request, texts, present, bool(cache))
 
 
 def posting_lists(node: Node, plan: FilterPlan) -> Optional[tuple[tuple[int, ...], int]]:
@@ -302,81 +193,25 @@ def posting_lists(node: Node, plan: FilterPlan) -> Optional[tuple[tuple[int, ...
 
     AND takes its cheapest child, OR needs every child and unites them; a term unites its values'
     lists (values outside the vocabulary match nothing and need no list)."""
-    if isinstance(node, Term):
-        f = node.feature
-        values = [plan.vocab[f][v] for v in node.values if v in plan.vocab[f]]
-        lists = {plan.postings[f][i]: plan.counts[f][i] for i in values}
-        if any(i < 0 for i in lists):
-            return None
-        return tuple(sorted(lists)), sum(lists.values())
-    if isinstance(node, Not):
-        return posting_lists(node.child.child, plan) if isinstance(node.child, Not) else None
-    parts = [posting_lists(c, plan) for c in node.children]
-    if isinstance(node, And):
-        known = [p for p in parts if p is not None]
-        return min(known, key=lambda p: p[1]) if known else None
-    if any(p is None for p in parts):
-        return None
-    ids = sorted({i for p in parts for i in p[0]})
-    return tuple(ids), sum(p[1] for p in parts)  # an upper bound when children share lists
+    ids, total, found = _call(plan.native.lists_ast, *flatten(node))
+    return (tuple(ids), int(total)) if found else None
 
 
-def estimate_matches(node: Optional[Node], plan: FilterPlan) -> float:
-    """Estimated items passing `node`, from the manifest's per-value counts with independent
-    features: a term sums its values' counts (exact for single-valued features), NOT is the
-    complement, AND multiplies fractions, OR is 1 - the product of the complements."""
-    n = float(max(plan.num_items, 1))
-    if node is None:
-        return n
-    if isinstance(node, Term):
-        idx = [plan.vocab[node.feature][v] for v in node.values if v in plan.vocab.get(node.feature, {})]
-        return min(n, float(sum(plan.counts[node.feature][i] for i in idx)))
-    if isinstance(node, Not):
-        return n - estimate_matches(node.child, plan)
-    fracs = [estimate_matches(c, plan) / n for c in node.children]
-    if isinstance(node, And):
-        return n * float(np.prod(fracs))
-    return n * (1.0 - float(np.prod([1.0 - f for f in fracs])))
+def compile_estimates(filters: Sequence[Optional[str]], plan: FilterPlan) -> np.ndarray:
+    """float64 [B]: the estimated items each filter passes, from the manifest's per-value counts with
+    independent features: a term sums its values' counts, NOT is the complement, AND multiplies
+    fractions, OR is 1 - the product of the complements (no filter: the whole pool)."""
+    texts, present = _present(filters)
+    return np.asarray(_call(plan.native.estimates, texts, present), dtype=np.float64)
 
 
-def compile_estimates(filters: Sequence[Union[str, Node, None]], plan: FilterPlan) -> np.ndarray:
-    """float64 [B]: `estimate_matches` of each filter (cached per filter string)."""
-    out = np.empty(len(filters), dtype=np.float64)
-    for b, f in enumerate(filters):
-        key = (f, "estimate") if isinstance(f, str) else None
-        hit = _lru_get(plan._programs, key) if key else None
-        if hit is None:
-            hit = (estimate_matches(None if f is None else (parse(f) if isinstance(f, str) else f), plan),)
-            if key:
-                _lru_put(plan._programs, key, hit, plan.program_cache_size)
-        out[b] = hit[0]
-    return out
-
-
-def compile_lists(filters: Sequence[Union[str, Node, None]], plan: FilterPlan) -> torch.Tensor:
+def compile_lists(filters: Sequence[Optional[str]], plan: FilterPlan) -> torch.Tensor:
     """int64 [B, T2]: each filter's posting lists (-1 padded), or NO_LISTS in column 0 when it has
-    none (no filter, or no posting-list superset). Run after compile_batch (which reports errors)."""
-    found = []
-    for f in filters:
-        key = (f, "lists") if isinstance(f, str) else None
-        hit = _lru_get(plan._programs, key) if key else None
-        if hit is None:
-            node = None if f is None else (parse(f) if isinstance(f, str) else f)
-            hit = (None if node is None else posting_lists(node, plan),)
-            if key:
-                _lru_put(plan._programs, key, hit, plan.program_cache_size)
-        found.append(hit[0])
-    width = max([len(p[0]) for p in found if p is not None] + [1])
-    out = np.full((len(found), width), -1, dtype=np.int64)
-    for b, p in enumerate(found):
-        if p is None:
-            out[b, 0] = NO_LISTS
-        else:
-            out[b, : len(p[0])] = p[0]
-    return torch.from_numpy(out)
+    none (no filter, or no posting-list superset)."""
+    return _request(list(filters), plan)[4]
 
 
-def compile_request(filters: Sequence[Union[str, Node, None]], plan: FilterPlan) -> tuple[torch.Tensor, ...]:
+def compile_request(filters: Sequence[Optional[str]], plan: FilterPlan) -> tuple[torch.Tensor, ...]:
     """The filter inputs of `FilteredIVFIndex.forward`, in order: (ops, rows) the Bloom programs,
     (vops, vrows) the verify programs (exact_positive) and lists (compile_lists).
 
@@ -384,14 +219,14 @@ def compile_request(filters: Sequence[Union[str, Node, None]], plan: FilterPlan)
     read-only (the model never writes its inputs)."""
     filters = list(filters)
     key = (tuple(filters), "request") if all(f is None or isinstance(f, str) for f in filters) else None
-    hit = _lru_get(plan._batches, key) if key is not None else None
+    hit = plan.cached_batch(key) if key is not None else None
     if hit is not None:
         return hit
-    ops, rows = compile_batch(filters, plan)
-    vops, vrows = compile_batch(filters, plan, exact_positive=True)
-    out = (ops, rows, vops, vrows, compile_lists(filters, plan))
+    if not filters:
+        raise QueryError("no filters to compile")
+    out = tuple(_request(filters, plan))
     if key is not None:
-        _lru_put(plan._batches, key, out, plan.batch_cache_size)
+        plan.cache_batch(key, out)
     return out
 
 
