@@ -58,14 +58,17 @@ void set_team_pin_op(int64_t pin) { set_team_pin(int(pin)); }
 
 // The filter functions for Python return their error as a value, the last element of their result ("": none): a
 // filter's message may hold a NUL byte (a template's placeholders), where an exception's message would stop.
+// On an error the values are `none` (tensors: empty ones, an undefined tensor cannot reach Python).
 template <class R, class F>
-auto or_error(F&& f) -> decltype(std::tuple_cat(f(), std::make_tuple(std::string()))) {
+auto or_error(F&& f, R none = R()) -> decltype(std::tuple_cat(f(), std::make_tuple(std::string()))) {
   try {
     return std::tuple_cat(f(), std::make_tuple(std::string()));
   } catch (const RequestError& e) {
-    return std::tuple_cat(R(), std::make_tuple(e.message));
+    return std::tuple_cat(std::move(none), std::make_tuple(e.message));
   }
 }
+
+at::Tensor no_tensor() { return at::empty({0}, at::kLong); }
 
 // silverrec_host.parse_filter: a filter string's AST, flattened (filter_compiler.h FilterNode)
 std::tuple<std::vector<int64_t>, std::vector<std::string>, std::string> parse_filter_op(std::string text) {
@@ -323,14 +326,14 @@ TORCH_LIBRARY(silverrec_host, m) {
         return or_error<Tensors3>([&] {
           const auto p = self->compile(text);
           return FilterCompiler::program_tensors(verify ? p->verify : p->bloom);
-        });
+        }, {no_tensor(), no_tensor(), no_tensor()});
       })
       .def("program_ast", [](const Compiler& self, std::vector<int64_t> nodes, std::vector<std::string> strings,
                              bool verify) {
         return or_error<Tensors3>([&] {
           const Program p = self->compile(unflatten_filter(nodes, strings));
           return FilterCompiler::program_tensors(verify ? p.verify : p.bloom);
-        });
+        }, {no_tensor(), no_tensor(), no_tensor()});
       })
       .def("lists_ast", [](const Compiler& self, std::vector<int64_t> nodes, std::vector<std::string> strings) {
         using R = std::tuple<std::vector<int64_t>, int64_t, bool>;
@@ -345,7 +348,7 @@ TORCH_LIBRARY(silverrec_host, m) {
         return or_error<R>([&] {
           const RequestPrograms r = self->request(optional_filters(std::move(texts), present), use_cache);
           return R(r.ops, r.rows, r.vops, r.vrows, r.lists);
-        });
+        }, {no_tensor(), no_tensor(), no_tensor(), no_tensor(), no_tensor()});
       })
       .def("estimates", [](const Compiler& self, std::vector<std::string> texts, std::vector<int64_t> present) {
         return or_error<std::tuple<std::vector<double>>>(

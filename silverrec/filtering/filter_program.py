@@ -108,9 +108,11 @@ class FilterPlan:
             from silverrec.kernels import library
 
             names = list(self.vocab)
-            exact = [x for f in names for x in ((e.row, e.slots, e.bits) if (e := self.exact[f]) else (-1, 0, 0))]
+            planes = [self.exact[f] for f in names]
+            exact = [x for e in planes for x in ((e.row, e.slots, e.bits) if e else (-1, 0, 0))]
             flat = lambda table: [int(x) for f in names for x in table.get(f, [])]  # noqa: E731
-            self._native = library.host().FilterCompiler(
+            library.load()
+            self._native = torch.classes.silverrec_host.FilterCompiler(
                 self.bloom_bits, self.bloom_hashes, seed_int64(self.seed), self.total_rows, self.num_items, names,
                 [len(self.vocab[f]) for f in names], [v for f in names for v in self.vocab[f]], exact,
                 flat(self.postings), flat(self.counts), flat(self.planes))
