@@ -328,9 +328,9 @@ std::array<uint8_t, 64> blake2b(const std::string& data, const uint8_t key[8], c
 // ------------------------------------------------------------------------------------------------ lowering
 using Instructions = std::vector<std::pair<int64_t, std::vector<int64_t>>>;
 
-const Program& true_program() {
-  static const Program p = [] {
-    Program t;
+const CompiledFilter& true_program() {
+  static const CompiledFilter p = [] {
+    CompiledFilter t;
     t.bloom = t.verify = {{kOpTrue, {}}};
     return t;
   }();
@@ -593,8 +593,8 @@ double FilterCompiler::estimate(const FilterNode& node) const {
   return node.kind == kFilterNodeAnd ? n * product : n * (1.0 - product);
 }
 
-Program FilterCompiler::compile(const FilterNode& node) const {
-  Program p;
+CompiledFilter FilterCompiler::compile(const FilterNode& node) const {
+  CompiledFilter p;
   emit(lower(node, false, false), p.bloom);
   emit(lower(node, false, true), p.verify);
   p.lists = posting_lists(node);
@@ -602,8 +602,8 @@ Program FilterCompiler::compile(const FilterNode& node) const {
   return p;
 }
 
-std::shared_ptr<const Program> FilterCompiler::compile(const std::string& text, bool use_cache) const {
-  if (!use_cache) return std::make_shared<const Program>(compile(parse_filter(text)));
+std::shared_ptr<const CompiledFilter> FilterCompiler::compile(const std::string& text, bool use_cache) const {
+  if (!use_cache) return std::make_shared<const CompiledFilter>(compile(parse_filter(text)));
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = cached_.find(text);
@@ -612,7 +612,7 @@ std::shared_ptr<const Program> FilterCompiler::compile(const std::string& text, 
       return it->second->second;
     }
   }
-  auto program = std::make_shared<const Program>(compile(parse_filter(text)));
+  auto program = std::make_shared<const CompiledFilter>(compile(parse_filter(text)));
   std::lock_guard<std::mutex> lock(mutex_);
   if (!cached_.count(text)) {
     lru_.emplace_front(text, program);
@@ -642,9 +642,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> FilterCompiler::program_tensors(c
 
 RequestPrograms FilterCompiler::request(const std::vector<std::optional<std::string>>& filters, bool use_cache) const {
   TORCH_CHECK_VALUE(!filters.empty(), "no filters to compile");
-  std::vector<std::shared_ptr<const Program>> programs;
+  std::vector<std::shared_ptr<const CompiledFilter>> programs;
   for (const auto& f : filters)
-    programs.push_back(f ? compile(*f, use_cache) : std::shared_ptr<const Program>(&true_program(), [](const Program*) {}));
+    programs.push_back(f ? compile(*f, use_cache) : std::shared_ptr<const CompiledFilter>(&true_program(), [](const CompiledFilter*) {}));
   const int64_t B = int64_t(filters.size());
   auto pad = [&](bool verify, at::Tensor& ops_t, at::Tensor& rows_t) {
     int64_t L = 1, T = 1;
@@ -675,7 +675,7 @@ RequestPrograms FilterCompiler::request(const std::vector<std::optional<std::str
   out.lists = at::full({B, W}, kNoList, at::kLong);
   int64_t* lists = out.lists.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    const Program& p = *programs[size_t(b)];
+    const CompiledFilter& p = *programs[size_t(b)];
     if (!filters[size_t(b)] || !p.lists) lists[b * W] = kNoLists;
     else std::copy(p.lists->first.begin(), p.lists->first.end(), lists + b * W);
   }

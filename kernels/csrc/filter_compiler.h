@@ -62,7 +62,7 @@ std::vector<int64_t> token_positions(const std::string& feature, const std::stri
 
 // One filter compiled: postfix instructions (opcode, signed rows) of the Bloom and the verify program, its posting
 // lists (sorted ids and their total length; none: no posting-list superset) and its estimated matches.
-struct Program {
+struct CompiledFilter {
   std::vector<std::pair<int64_t, std::vector<int64_t>>> bloom, verify;
   std::optional<std::pair<std::vector<int64_t>, int64_t>> lists;
   double estimate = 0;
@@ -85,8 +85,8 @@ class FilterCompiler : public torch::CustomClassHolder {
 
   // One filter (text, or a parsed AST), compiled; strings are cached (LRU of kProgramCacheSize) unless use_cache is
   // false (benchmarks of the compile).
-  std::shared_ptr<const Program> compile(const std::string& text, bool use_cache = true) const;
-  Program compile(const FilterNode& node) const;
+  std::shared_ptr<const CompiledFilter> compile(const std::string& text, bool use_cache = true) const;
+  CompiledFilter compile(const FilterNode& node) const;
   // The batch's programs padded to common shapes; std::nullopt = no filter (TRUE, no posting lists). RequestError
   // for the first filter that does not compile.
   RequestPrograms request(const std::vector<std::optional<std::string>>& filters, bool use_cache = true) const;
@@ -116,7 +116,7 @@ class FilterCompiler : public torch::CustomClassHolder {
   std::vector<std::array<int64_t, 3>> exact_;  // row, slots, bits (row -1: no planes)
 
   mutable std::mutex mutex_;  // the program cache's
-  mutable std::list<std::pair<std::string, std::shared_ptr<const Program>>> lru_;
+  mutable std::list<std::pair<std::string, std::shared_ptr<const CompiledFilter>>> lru_;
   mutable std::unordered_map<std::string, decltype(lru_)::iterator> cached_;
 };
 

@@ -331,14 +331,14 @@ TORCH_LIBRARY(silverrec_host, m) {
       .def("program_ast", [](const Compiler& self, std::vector<int64_t> nodes, std::vector<std::string> strings,
                              bool verify) {
         return or_error<Tensors3>([&] {
-          const Program p = self->compile(unflatten_filter(nodes, strings));
+          const CompiledFilter p = self->compile(unflatten_filter(nodes, strings));
           return FilterCompiler::program_tensors(verify ? p.verify : p.bloom);
         }, {no_tensor(), no_tensor(), no_tensor()});
       })
       .def("lists_ast", [](const Compiler& self, std::vector<int64_t> nodes, std::vector<std::string> strings) {
         using R = std::tuple<std::vector<int64_t>, int64_t, bool>;
         return or_error<R>([&] {
-          const Program p = self->compile(unflatten_filter(nodes, strings));
+          const CompiledFilter p = self->compile(unflatten_filter(nodes, strings));
           return p.lists ? R(p.lists->first, p.lists->second, true) : R({}, 0, false);
         });
       })
