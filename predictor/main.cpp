@@ -9,8 +9,10 @@
 //                       [--max-queue 1024] [--threads N] [--http-threads 64]
 //       POST /v1/search /v1/recommend /v1/rank (the bodies and answers of `silverrec serve`), GET /healthz /readyz
 //       /v1/model /metrics. Requests are validated on arrival (400 / 422 with the message), queued (503 when
-//       max-queue wait), and batched: a batch closes when max-batch requests wait or its oldest has waited
-//       max-wait-ms; requests with equal options share one forward call. 504 when a deadline (body deadline_ms or
+//       max-queue wait), and batched as `silverrec serve` batches: the worker, when free, takes every request
+//       queued (up to max-batch) at once, so an idle server adds no wait (max-wait-ms holds a queue open only
+//       beside another busy worker: with this program's one worker, never); requests with equal options share one
+//       forward call. 504 when a deadline (body deadline_ms or
 //       header X-Deadline-Ms) passes in the queue.
 //
 // The snapshot is verified (manifest, format version, sha256 of every file, the torch and silverrec that built it)
@@ -228,14 +230,14 @@ struct Outcome {
 };
 
 // A bounded queue of validated jobs and one worker thread that runs them in batches (silverrec/serving/batcher.py's
-// policy: the oldest job waits until max_batch jobs are queued or max_wait_ms has passed; up to max_batch jobs are
-// taken, those past their deadline dropped, the rest grouped by Job::group, one forward per group; a bad request in
+// policy with one worker: a free worker takes what is queued at once, up to max_batch jobs; jobs queue only while
+// it computes; those past their deadline are dropped, the rest grouped by Job::group, one forward per group; a bad request in
 // a group is isolated by running the group's jobs one by one).
 class Batcher {
  public:
   Batcher(Service& service, Metrics& metrics, const Options& o)
       : service_(service), metrics_(metrics), max_batch_(size_t(o.max_batch)), max_queue_(size_t(o.max_queue)),
-        max_wait_(std::chrono::microseconds(int64_t(o.max_wait_ms * 1000))), worker_([this] { loop(); }) {}
+        worker_([this] { loop(); }) {}
   ~Batcher() {
     {
       std::lock_guard<std::mutex> lock(m_);
@@ -277,9 +279,6 @@ class Batcher {
       {
         std::unique_lock<std::mutex> lock(m_);
         cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (stop_) return;
-        const Clock::time_point close_at = queue_.front()->arrived + max_wait_;
-        cv_.wait_until(lock, close_at, [&] { return stop_ || queue_.size() >= max_batch_; });
         if (stop_) return;
         while (!queue_.empty() && batch.size() < max_batch_) {
           batch.push_back(queue_.front());
@@ -335,7 +334,6 @@ class Batcher {
   Service& service_;
   Metrics& metrics_;
   const size_t max_batch_, max_queue_;
-  const Clock::duration max_wait_;
   std::mutex m_;
   std::condition_variable cv_;
   std::deque<Pending*> queue_;
