@@ -12,7 +12,7 @@ Steps 0-5 are `silverrec::filter_plan`:
    the centroids' neighbourhood or the pool.
 0b. Selective filters without a posting list (ANDs of frequent values: country AND language AND
    category): the predictor estimates each filter's matches m from the manifest's value counts
-   (filter_program.estimate_matches) and sends the query unprobed (mode 2) when m x exact_cost_ratio
+   (filter_program.compile_estimates) and sends the query unprobed (mode 2) when m x exact_cost_ratio
    <= the rows the probed search would scan, max(nprobe x N / nlist, target x N / m), with step 4's
    target at density m / N (filtered_search.whole_pool_by_estimate):
    no centroid is scored, the filter runs over the pool on the values' own bit planes (one row per
