@@ -109,8 +109,9 @@ FEATS = [{"country": "fr"}, {"country": ["de", "jp"], "device": "web"}, {}, {"co
 NUMS = [{"age": 41.0}, {}, {"age": 12.5}, {}, {"age": 30.0}]
 
 
-def test_forward_equals_an_independent_reference():
-    tower = make_tower(**USERS)
+@pytest.mark.parametrize("layers", [1, 2])  # one block: the default, its only block reads the last query alone
+def test_forward_equals_an_independent_reference(layers):
+    tower = make_tower(**USERS, layers=layers)
     spec = spec_of(USERS)
     values, lengths, dense = encoder_for(tower, spec).encode([np.array(h) for h in HISTORIES], FEATS, NUMS)
     with torch.no_grad():
@@ -210,8 +211,9 @@ def test_folded_item_features_give_the_same_answers_after_a_permutation():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_exported_and_scripted_equal_eager_at_every_batch_size():
-    tower = make_tower(**USERS)
+@pytest.mark.parametrize("layers", [1, 2])
+def test_exported_and_scripted_equal_eager_at_every_batch_size(layers):
+    tower = make_tower(**USERS, layers=layers)
     spec = spec_of(USERS)
     enc = encoder_for(tower, spec)
     example = enc.encode([np.array(h) for h in HISTORIES[:2]], FEATS[:2], NUMS[:2])
@@ -228,8 +230,9 @@ def test_exported_and_scripted_equal_eager_at_every_batch_size():
             torch.testing.assert_close(scripted(*inputs), want, rtol=0, atol=1e-6)
 
 
-def test_an_empty_history_gets_a_finite_answer():
-    tower = make_tower()
+@pytest.mark.parametrize("layers", [1, 2])
+def test_an_empty_history_gets_a_finite_answer(layers):
+    tower = make_tower(layers=layers)
     with torch.no_grad():
         out = tower(*encoder_for(tower, spec_of({})).encode([np.zeros(0, dtype=np.int64)]))
     assert torch.isfinite(out).all()
