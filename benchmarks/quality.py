@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/quality.py [--data movielens | video_games] [--towers sequence bag]
         [--seeds 0 1 2] [--steps N] [--overarch-steps 150] [--overarch mlp mol listwise] [--set KEY=VALUE ...]
-        [--no-peers] [--exact-only] [--name NAME]
+        [--no-peers] [--exact-only] [--name NAME] [--keep DIR]
     .venv/bin/python benchmarks/quality.py --data D --merge A_TOWER.json B_TOWER.json --name NAME [--peers-file F]
 
 Data sets: "movielens" (the bundled ml-latest-small: tasks "interacted" and "liked" = rating >= 4,
@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="TrainConfig overrides for the sequential tower, e.g. steps=500 batch=128 sequence.layers=2 "
                    "(values as TOML)")
     p.add_argument("--name", default=None, help="results name prefix (default quality_<data>): <name>_<tower>.json")
+    p.add_argument("--keep", default=None, metavar="DIR", help="write each seed's checkpoint into DIR "
+                   "(<tower>_seed<S>.ckpt) instead of a temporary folder")
     p.add_argument("--exact-only", dest="exact_only", action="store_true",
                    help="the two-tower exact row alone (no OverArch, no published composition): the towers compared "
                    "where the whole table costs too much")
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = TrainConfig(**{"interactions": str(inter), "items": str(items), "overarch_steps": args.overarch_steps,
                                  "seed": seed, "overarch": [] if args.exact_only else list(args.overarch), "tasks": tasks,
                                  "user_tower": tower, **own, "steps": steps})
-            ckpt_path = work / f"{tower}_seed{seed}.ckpt"
+            ckpt_path = (Path(args.keep) if args.keep else work) / f"{tower}_seed{seed}.ckpt"
             ckpt = train(cfg, ckpt_path, quiet_eval=True)
             if args.exact_only:
                 rows = {**peers, "two-tower exact": two_tower_exact(ckpt, split)}
