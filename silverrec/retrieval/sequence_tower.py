@@ -48,8 +48,9 @@ class SequenceConfig:
     """The sequential tower's shape (train.toml's [sequence] table).
 
     model_dim: transformer width M; layers, heads: pre-LN blocks and attention heads (one block by
-    default: on MovieLens it measured level with two, and a request pays for one block's last
-    query alone, where a second block needs the first over every position); ffn: the
+    default: on MovieLens its retrieval measured level with two blocks' and its final list within
+    the seeds' spread, docs/recommendation.md; a request pays for one block's last query alone,
+    where a second block needs the first over every position); ffn: the
     blocks' hidden width (0 = 4 * model_dim); dropout: on the inputs and residual branches, in
     training only; feature_dim: width of each user-feature embedding; item_table: where a history
     item's input vector comes from: "own" (the tower's item-id table + its feature embeddings),
