@@ -111,6 +111,10 @@ class TrainConfig:
                 raise ConfigError(f"[sequence]: {e}") from None
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        if self.user_tower == "sequence" and self.sequence.item_table == "tower" and self.dim != self.sequence.model_dim:
+            raise ConfigError(f"sequence.item_table = 'tower' (the default) reads the item tower's outputs, so it needs "
+                              f"dim = sequence.model_dim, got dim = {self.dim} and sequence.model_dim = "
+                              f"{self.sequence.model_dim}: set [sequence] model_dim = {self.dim}, or item_table = \"own\"")
         self.tasks = [t if isinstance(t, TaskSpec) else TaskSpec(**t) for t in self.tasks]
         if not self.tasks:
             raise ConfigError("config has no [[tasks]]")

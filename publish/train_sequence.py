@@ -129,9 +129,6 @@ def train_sequence_tower(cfg, split: Split, spec: UserFeatureSpec, encoder: Feat
             raise ConfigError(f"sequence.item_table = 'shared' needs the item tower's id width {shared.shape[1]} "
                               f"as sequence.model_dim, got {user.items.weight.shape[1]}")
         user.items.weight = shared
-    if table == "tower" and cfg.dim != cfg.sequence.model_dim:
-        raise ConfigError(f"sequence.item_table = 'tower' needs dim = sequence.model_dim, got {cfg.dim} and "
-                          f"{cfg.sequence.model_dim}")
     params = {id(q): q for q in [*user.parameters(), *item.parameters()]}
     opt = torch.optim.Adam(list(params.values()), lr=cfg.lr)
     rng = np.random.default_rng(cfg.seed)

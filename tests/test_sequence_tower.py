@@ -22,13 +22,15 @@ ITEM_FEATURES = {  # multi-valued "tags", single-valued "cat"; item 3 has no tag
 }
 
 
-def make_tower(seed: int = 0, user_vocabs=None, numeric=None, dropout: float = 0.0, layers: int = 2) -> SequenceUserTower:
+def make_tower(seed: int = 0, user_vocabs=None, numeric=None, dropout: float = 0.0, layers: int = 2,
+               item_table: str = "own") -> SequenceUserTower:
     spec = UserFeatureSpec(num_items=N_ITEMS, history_len=LENGTH, recent_len=2,
                            item_vocabs={"tags": [f"t{j}" for j in range(4)], "cat": [f"c{j}" for j in range(4)]},
                            user_vocabs=user_vocabs or {}, user_numeric=numeric or {})
     torch.manual_seed(seed)
     tower = SequenceUserTower(spec, dim=8, tasks=2, item_features=ITEM_FEATURES,
-                              config=SequenceConfig(model_dim=12, layers=layers, heads=3, ffn=20, dropout=dropout, feature_dim=5))
+                              config=SequenceConfig(model_dim=12, layers=layers, heads=3, ffn=20, dropout=dropout, feature_dim=5,
+                                                    item_table=item_table))
     with torch.no_grad():  # away from the initial zeros / ones, so that every parameter matters
         for p in tower.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -39,9 +41,11 @@ def encoder_for(tower: SequenceUserTower, spec: UserFeatureSpec) -> FeatureEncod
     return FeatureEncoder(spec, ITEM_FEATURES)
 
 
-def reference(tower: SequenceUserTower, spec: UserFeatureSpec, history: list[int], user_feats: dict, numeric: dict) -> torch.Tensor:
+def reference(tower: SequenceUserTower, spec: UserFeatureSpec, history: list[int], user_feats: dict, numeric: dict,
+              item_table: str = "own") -> torch.Tensor:
     """The forward for one user, from the tower's parameters and the module docstring's definition,
-    in float64: the last L items only, no padding anywhere. -> [T, D]."""
+    in float64: the last L items only, no padding anywhere; item_table "tower": the item's row of the
+    table alone (the item tower's output, which carries the features). -> [T, D]."""
     P = {k: v.double() for k, v in tower.state_dict().items()}
     hist = history[-LENGTH:]
     n = len(hist)
@@ -49,6 +53,8 @@ def reference(tower: SequenceUserTower, spec: UserFeatureSpec, history: list[int
 
     def item_input(r: int) -> torch.Tensor:
         x = P["items.weight"][r].clone()
+        if item_table == "tower":
+            return x
         for base, vocab, name in ((0, tag_vocab, "tags"), (len(tag_vocab) + 1, cat_vocab, "cat")):
             values = ITEM_FEATURES[name][r]
             if values:
@@ -109,15 +115,16 @@ FEATS = [{"country": "fr"}, {"country": ["de", "jp"], "device": "web"}, {}, {"co
 NUMS = [{"age": 41.0}, {}, {"age": 12.5}, {}, {"age": 30.0}]
 
 
+@pytest.mark.parametrize("item_table", ["own", "tower"])  # "tower", the default: the features come with the table's row
 @pytest.mark.parametrize("layers", [1, 2])  # one block: the default, its only block reads the last query alone
-def test_forward_equals_an_independent_reference(layers):
-    tower = make_tower(**USERS, layers=layers)
+def test_forward_equals_an_independent_reference(layers, item_table):
+    tower = make_tower(**USERS, layers=layers, item_table=item_table)
     spec = spec_of(USERS)
     values, lengths, dense = encoder_for(tower, spec).encode([np.array(h) for h in HISTORIES], FEATS, NUMS)
     with torch.no_grad():
         got = tower(values, lengths, dense).double()
     for b, h in enumerate(HISTORIES):
-        want = reference(tower, spec, h, FEATS[b], NUMS[b])
+        want = reference(tower, spec, h, FEATS[b], NUMS[b], item_table)
         torch.testing.assert_close(got[b], want, rtol=0, atol=2e-5)
 
 

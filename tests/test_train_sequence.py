@@ -177,6 +177,18 @@ def test_the_softmax_is_chosen_by_config_and_pool_size():
         TrainConfig(interactions="i", items="p", softmax="everything")
 
 
+def test_the_default_item_table_needs_the_item_towers_width():
+    """item_table "tower" (the default) feeds the item tower's dim-wide outputs to a model_dim-wide
+    transformer: a mismatch is refused when the config is read, naming both fixes."""
+    from silverrec.publish.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"dim = 32 and sequence.model_dim = 64: set \[sequence\] model_dim = 32"):
+        TrainConfig(interactions="i", items="p", user_tower="sequence", dim=32)
+    TrainConfig(interactions="i", items="p", user_tower="sequence", dim=32, sequence={"model_dim": 32})
+    TrainConfig(interactions="i", items="p", user_tower="sequence", dim=32, sequence={"item_table": "own"})
+    TrainConfig(interactions="i", items="p", user_tower="bag", dim=32)  # the bag tower has no [sequence]
+
+
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
     os.environ.setdefault("SILVERREC_QUIET", "1")
