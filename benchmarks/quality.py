@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/quality.py [--data movielens | video_games] [--towers sequence bag]
         [--seeds 0 1 2] [--steps N] [--overarch-steps 150] [--overarch mlp mol listwise] [--set KEY=VALUE ...]
-        [--no-peers] [--exact-only] [--name NAME] [--keep DIR]
+        [--no-peers] [--exact-only] [--transitions M] [--name NAME] [--keep DIR [--reuse]]
     .venv/bin/python benchmarks/quality.py --data D --merge A_TOWER.json B_TOWER.json --name NAME [--peers-file F]
 
 Data sets: "movielens" (the bundled ml-latest-small: tasks "interacted" and "liked" = rating >= 4,
@@ -14,7 +14,9 @@ Video Games sequences, gives every seed the same split: its peers are measured o
 of the `--towers` is trained with that seed (two-tower with that user tower + the --overarch
 rankers, default MLP, MoL and list-wise; `silverrec.publish.train`), composed as it would be published (MoL OverArch, the data set's value
 model), and every row of `publish.quality.quality_table` is measured under the leave-one-out
-protocol (test stage, full ranking, history masked). Writes benchmarks/results/quality_<data>_<tower>.json
+protocol (test stage, full ranking, history masked). The published composition has next-item
+transitions (`--transitions`, default 50 per item, weight chosen on the validation items:
+publish/transitions.py); the table measures it with and without them. Writes benchmarks/results/quality_<data>_<tower>.json
 (and .png) after every seed, with each seed's rows and the mean / sample standard deviation per row
 and metric, and prints the table of means.
 
@@ -83,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="results name prefix (default quality_<data>): <name>_<tower>.json")
     p.add_argument("--keep", default=None, metavar="DIR", help="write each seed's checkpoint into DIR "
                    "(<tower>_seed<S>.ckpt) instead of a temporary folder")
+    p.add_argument("--transitions", type=int, default=50, help="next-item transitions per item in the published "
+                   "composition (0 = none; publish.toml's `transitions`)")
+    p.add_argument("--reuse", action="store_true", help="with --keep: a checkpoint already in DIR, trained with the "
+                   "same configuration (checked), is measured again instead of retrained")
     p.add_argument("--exact-only", dest="exact_only", action="store_true",
                    help="the two-tower exact row alone (no OverArch, no published composition): the towers compared "
                    "where the whole table costs too much")
@@ -121,22 +127,42 @@ def main(argv: list[str] | None = None) -> int:
                                  "seed": seed, "overarch": [] if args.exact_only else list(args.overarch), "tasks": tasks,
                                  "user_tower": tower, **own, "steps": steps})
             ckpt_path = (Path(args.keep) if args.keep else work) / f"{tower}_seed{seed}.ckpt"
-            ckpt = train(cfg, ckpt_path, quiet_eval=True)
+            if args.reuse and ckpt_path.is_file():
+                ckpt = reused(ckpt_path, cfg)
+            else:
+                ckpt = train(cfg, ckpt_path, quiet_eval=True)
             if args.exact_only:
                 rows = {**peers, "two-tower exact": two_tower_exact(ckpt, split)}
             else:
                 built = build_rec_model(PublishConfig(checkpoint=str(ckpt_path), overarch="mol", value_model=value_model,
-                                                      seed=seed), ckpt)
+                                                      seed=seed, transitions=args.transitions), ckpt)
                 rows = {**peers, **quality_table(ckpt, built, split, baselines=False)}
             runs[tower].append({"seed": seed, "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
                                 "training": ckpt["stats"]})
             config = {"user_tower": tower, "steps": steps, "overarch_steps": args.overarch_steps, "seeds": args.seeds,
                       "value_model": value_model, "overarch": "mol", "overarch_trained": args.overarch,
-                      "distinct_splits": len(peers_of), "exact_only": args.exact_only, "overrides": own}
+                      "distinct_splits": len(peers_of), "exact_only": args.exact_only, "overrides": own,
+                      "transitions": args.transitions}
             write(RESULTS / f"{name}_{tower}.json", runs[tower], args.data, command, config)  # after every seed
     return 0
 
 
+def reused(path: Path, cfg: TrainConfig) -> dict:
+    """The checkpoint at `path`, refused unless it was trained with `cfg` (the input paths aside)."""
+    from dataclasses import asdict
+
+    from silverrec.publish.train import load_checkpoint
+
+    ckpt = load_checkpoint(path)
+    want = {k: v for k, v in json.loads(json.dumps(asdict(cfg), default=str)).items() if k not in PATH_KEYS}
+    have = {k: v for k, v in json.loads(json.dumps(ckpt["config"], default=str)).items() if k not in PATH_KEYS}
+    if want != have:
+        diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        raise SystemExit(f"{path} was trained with another configuration ({', '.join(diff)} differ): drop --reuse")
+    return ckpt
+
+
+PATH_KEYS = ("interactions", "items", "users")
 PEERS = ("popularity", "PureSVD", "EASE", "Markov", "Markov + EASE")
 
 
@@ -146,7 +172,7 @@ def merge(paths: list[str], name: str, peers_file: str | None = None) -> int:
     `peers_file` (the JSON `python -m silverrec.publish.baselines` prints, seed 0's split), where the
     two seeds give the same split (checked on the data)."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
-    keys = ("user_tower", "steps", "overarch_steps", "value_model", "overarch", "exact_only", "overrides")
+    keys = ("user_tower", "steps", "overarch_steps", "value_model", "overarch", "exact_only", "overrides", "transitions")
     for q in parts[1:]:
         if q["data"] != parts[0]["data"] or any(q["config"].get(k) != parts[0]["config"].get(k) for k in keys):
             raise SystemExit(f"cannot merge: {paths[0]} and another differ in data or {keys}")

@@ -217,7 +217,8 @@ Service::Service(const std::string& root) : root_(root) {
   const std::vector<std::string> sources = spec.value("sources", std::vector<std::string>{"ann"});
   ann_ = std::find(sources.begin(), sources.end(), "ann") != sources.end();
   generative_ = std::find(sources.begin(), sources.end(), "generative") != sources.end();
-  ranks_ = tower == "two_tower" || tower == "byo";  // spec.py TRAINED_TOWERS
+  ranks_ = tower == "two_tower" || tower == "sequence" || tower == "byo";  // spec.py TRAINED_TOWERS
+  transitions_ = spec.value("transitions", int64_t(0)) > 0;
   nlist_ = spec.value("nlist", int64_t(0));
   tasks_ = spec.value("tasks", std::vector<std::string>{"query"});
   sources_ = sources;
@@ -602,6 +603,12 @@ std::vector<Json> Service::run_recommend(const std::vector<const Job*>& group) {
         if (std::find(sources_.begin(), sources_.end(), kSources[s]) != sources_.end()) flags.data_ptr<bool>()[b * 2 + s] = true;
     }
     args.insert(args.end(), {history, flags});
+  } else if (transitions_) {  // the next-item transitions (retrieval/transitions.py) read the newest history row
+    const int64_t* off = e.history_offsets.data_ptr<int64_t>();
+    at::Tensor last = at::full({B, 1}, -1, at::kLong);
+    for (int64_t b = 0; b < B; ++b)
+      if (off[b + 1] > off[b]) last.data_ptr<int64_t>()[b] = e.history_rows.data_ptr<int64_t>()[off[b + 1] - 1];
+    args.insert(args.end(), {last, at::ones({B, 2}, at::kBool)});
   } else {  // the ANN alone reads neither: no history, the ANN on
     args.insert(args.end(), {at::full({B, 1}, -1, at::kLong), at::ones({B, 2}, at::kBool)});
   }

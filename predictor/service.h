@@ -79,6 +79,7 @@ class Service {
   std::vector<std::string> tasks_, sources_;
   int64_t item_count_ = 0, nlist_ = 0, exclude_limit_ = 0;
   bool ann_ = true, generative_ = false, ranks_ = false;  // the model's sources; a trained user tower
+  bool transitions_ = false;  // next-item transitions: the forward reads each request's newest history row
 };
 
 }  // namespace silverrec

@@ -12,7 +12,8 @@
 4. `silverrec recommend` in a fresh process for a few users, with titles, then the same users with a
    filter evaluated in-model, every answer checked against movies.csv.
 5. The quality table (leave-one-out, full ranking, history masked): popularity, PureSVD, EASE,
-   two-tower exact, IVF, IVF + re-score, + OverArch MLP, + MoL, multi-task + value model.
+   two-tower exact, IVF, IVF + re-score, + OverArch MLP, + MoL, multi-task + value model, + next-item
+   transitions (the published list).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ merge = "union"
 k0 = 200
 candidates = 256       # ranked per request: the 2 tasks' lists rank by rank (their union: mean 245, p90 279)
 quantize = "auto"      # int8 user-tower tables where their top-100 agrees with fp32's
+transitions = 50       # the newest history item's 50 likeliest next items join the candidates (value + w * P;
+                       # w chosen on the validation items)
 
 [value_model]          # the final score: a formula over the task scores (and item features)
 weights = {{ interacted = 1.0, liked = 0.5 }}

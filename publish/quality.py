@@ -11,7 +11,9 @@ and ranks the held-out item in that list (`ranks_from_topk`: absent = a miss).
     IVF                                       int8 IVF scan of task 0, its top-100
     IVF + re-score                            candidates re-scored exactly from the embedding cache
     + OverArch MLP / + MoL / + list-wise      the OverArch's task-0 score over the same candidates
-    multi-task + value model                  the published configuration
+    multi-task + value model                  the published configuration's OverArch and value model
+    + next-item transitions                   the published configuration, with its transitions
+                                              (retrieval/transitions.py), where it has them
 """
 
 from __future__ import annotations
@@ -116,10 +118,11 @@ def quality_table(ckpt: dict, built, split: Split, stage: str = "test", baseline
     handler = handler_for(built)
     timed("IVF", lambda: metrics_from_ranks(ivf_only_ranks(handler, built.parts.index, split, stage)))
 
-    def variant(kind: Optional[str], arch) -> RecHandler:
-        """The published composition with another OverArch (or none) and no value model."""
-        spec = built.spec.replace(overarch=kind, value_model=None)
-        return handler_for(built, compose(spec, dataclasses.replace(built.parts, overarch=arch)))
+    def variant(kind: Optional[str], arch, value_model: Optional[str] = None) -> RecHandler:
+        """The published composition with another OverArch (or none), the value model given and no
+        transitions."""
+        spec = built.spec.replace(overarch=kind, value_model=value_model, transitions=0, transition_weight=0.0)
+        return handler_for(built, compose(spec, dataclasses.replace(built.parts, overarch=arch, transitions=None)))
 
     timed("IVF + re-score", lambda: evaluate_handler(variant(None, None), split, stage))
     for kind, label in (("mlp", "+ OverArch MLP"), ("mol", "+ MoL"), ("listwise", "+ list-wise OverArch")):
@@ -128,8 +131,13 @@ def quality_table(ckpt: dict, built, split: Split, stage: str = "test", baseline
             arch = overarch_from_config(kind, entry["config"])
             arch.load_state_dict(entry["state"])
             timed(label, lambda: evaluate_handler(variant(kind, arch.eval()), split, stage))
+    final = handler
+    if built.spec.transitions:
+        final = variant(built.spec.overarch, built.parts.overarch, built.spec.value_model)
     if built.spec.value_model is not None:
-        timed(f"multi-task + value model ({built.spec.overarch or 'none'})", lambda: evaluate_handler(handler, split, stage))
+        timed(f"multi-task + value model ({built.spec.overarch or 'none'})", lambda: evaluate_handler(final, split, stage))
+    if built.spec.transitions:
+        timed("+ next-item transitions", lambda: evaluate_handler(handler, split, stage))
     return rows
 
 

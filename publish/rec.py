@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import json
 import os
@@ -87,6 +88,11 @@ class PublishConfig:
     source_priority: str = "none"
     validation_checkpoint: Optional[str] = None
     validation_generative_checkpoint: Optional[str] = None
+    # next-item transitions (publish/transitions.py): the newest history item's `transitions` likeliest
+    # next items join the ANN's candidates, ranked by value + transition_weight * P(item | newest item);
+    # 0 = none; "auto": the weight chosen on the validation items
+    transitions: int = 0
+    transition_weight: Any = "auto"
 
     def __post_init__(self):
         if self.merge not in MERGES:
@@ -115,6 +121,14 @@ class PublishConfig:
                               "sources = ['ann', 'generative']")
         if int(self.beam_width) <= 0 or int(self.beam_top_k) < 0:
             raise ConfigError(f"beam_width must be positive and beam_top_k >= 0, got {self.beam_width}, {self.beam_top_k}")
+        if isinstance(self.transitions, bool) or not isinstance(self.transitions, int) or self.transitions < 0:
+            raise ConfigError(f"transitions must be an int >= 0 (0 = none), got {self.transitions!r}")
+        if self.transitions and "generative" in self.sources:
+            raise ConfigError("transitions join the ANN's candidates of a snapshot whose one source is 'ann'; "
+                              "this config also has 'generative'")
+        w = self.transition_weight
+        if w != "auto" and (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0):
+            raise ConfigError(f"transition_weight must be \"auto\" or a finite number >= 0, got {w!r}")
         if self.mlp_dtype not in ("fp32", "bf16", "auto"):
             raise ConfigError(f"mlp_dtype must be 'fp32', 'bf16' or 'auto', got {self.mlp_dtype!r}")
 
@@ -267,6 +281,9 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     model_spec = ModelSpec(OWN_TOWERS[ckpt.get("user_tower_kind", "bag")], cache.dim, index.nlist, tuple(tasks), tuple(cfg.sources), cache=True,
                            overarch=None if arch is None else kind, value_model=value_formula(formula),
                            merge=cfg.merge, overfetch=int(cfg.overfetch), candidates=int(cfg.candidates), **extra)
+    if cfg.transitions:
+        model_spec = add_transitions(cfg, ckpt, model_spec, parts, manifest, index.row_to_item.to(torch.int64).numpy(),
+                                     perm_inv.numpy(), item_csr)
     model = compose_checked(model_spec, parts, cfg.generative_checkpoint)
     record_composition(manifest, model)
     manifest.update({
@@ -280,6 +297,39 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     if "users" in ckpt:
         users = {k: np.asarray(v) for k, v in ckpt["users"].items()}
     return Built(model, model_spec, parts, manifest, index.row_to_item.to(torch.int64).numpy(), item_csr, users)
+
+
+def add_transitions(cfg: PublishConfig, ckpt: dict, spec: ModelSpec, parts: ModelParts, manifest: dict[str, Any],
+                    row_to_item: np.ndarray, perm_inv: np.ndarray, item_csr) -> ModelSpec:
+    """The next-item transitions (publish/transitions.py): the serving tables from the checkpoint's
+    stored histories into `parts`, the weight (the config's, or chosen on the validation items) into
+    the returned spec, the choice into manifest["transitions"]."""
+    from silverrec.publish.quality import handler_for
+    from silverrec.publish.transitions import choose_weight, stored_histories, transition_tables, validation_histories
+
+    if "users" not in ckpt:
+        raise ConfigError(f"transitions are fitted on the checkpoint's stored histories; {cfg.checkpoint} has none")
+    row_of_item = {int(i): int(perm_inv[p]) for p, i in enumerate(ckpt["item_ids"].tolist())}
+    offsets, rows = stored_histories(ckpt["users"], row_of_item)
+    n, m = len(row_to_item), int(cfg.transitions)
+    parts.transitions = transition_tables(offsets, rows, n, m)
+    spec = spec.replace(transitions=m)
+    if cfg.transition_weight != "auto":
+        choice = {"weight": float(cfg.transition_weight), "chosen_on": "config"}
+    else:
+        v_offsets, v_rows, targets = validation_histories(offsets, rows)
+        v_parts = dataclasses.replace(parts, transitions=transition_tables(v_offsets, v_rows, n, m))
+        config = {**manifest, **serving_config(cfg, UserFeatureSpec.from_json(ckpt["spec"]), parts.cache)}
+
+        def handler_with(w: float):
+            model = compose_checked(spec.replace(transition_weight=w), v_parts)
+            built = Built(model, model.spec, v_parts, config, row_to_item, item_csr, None)
+            return handler_for(built)
+
+        with step("choosing the transitions' weight on the validation items"):
+            choice = choose_weight(handler_with, row_to_item, v_offsets, v_rows, targets, cfg.seed)
+    manifest["transitions"] = {"per_item": m, **choice}
+    return spec.replace(transition_weight=float(choice["weight"]))
 
 
 def value_formula(formula: Any) -> Optional[str]:

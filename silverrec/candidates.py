@@ -21,7 +21,8 @@ FOUND_ANN, FOUND_GENERATIVE = 1, 2  # bits of `found_by`
 class Candidates(NamedTuple):
     """rows int64 [B, C] canonical rows (-1 = none); found_by int64 [B, C] FOUND_* bits (0 at padding);
     log_prob float32 [B, C] the decoder's summed log-prob (-inf = none); scores float32 [B, C] the
-    source's own ranking score (a source that ranks alone); ids int64 [B, C] item ids (a source that
+    source's own score: the ranking score of a source that ranks alone, or the next-item
+    transitions' P(row | the newest history item) (retrieval/transitions.py); ids int64 [B, C] item ids (a source that
     maps rows to ids itself). Width 0 where not produced (module docstring)."""
 
     rows: Tensor

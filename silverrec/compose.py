@@ -15,8 +15,10 @@ spec holds as text (the value model formula, the filter template), and wires the
                                       SequenceUserTower; "byo": the team's module)
     filter_template  (empty)          the template       the template         (empty)
     sources          AnnSearch        AnnSource          HybridSources        DecodeSource
+                                      (+ next-item transitions: TransitionSource)
     overarch         SourceScores     ExactScores | RowOverArch | PairOverArch  SourceScores
     value_model      SourceValue      ValueStage | FirstTask                  SourceValue
+                                      (+ transitions: TransitionValue around it)
     top_k            Ranked           TopK               FusedTopK            Ranked
 
 The OverArch's item side is computed once per item here (`EmbeddingCache.with_ranker`); every
@@ -37,7 +39,7 @@ from silverrec.generative.generative import GenerativeRetrieval
 from silverrec.generative.source import DecodeSource, GenerativeSource, HybridSources
 from silverrec.ranking.cache import EmbeddingCache
 from silverrec.ranking.stages import (ExactScores, FirstTask, PairOverArch, RowOverArch, SourceScores, SourceValue,
-                                      ValueStage)
+                                      TransitionValue, ValueStage)
 from silverrec.ranking.top_k import FusedTopK, Ranked, TopK
 from silverrec.ranking.value_model import compile_value_model
 from silverrec.rec_model import RecModel
@@ -45,6 +47,7 @@ from silverrec.retrieval.filtered_ivf import FilteredIVFIndex
 from silverrec.retrieval.query_tower import NoTower, QueryTower
 from silverrec.retrieval.sequence_tower import SequenceUserTower
 from silverrec.retrieval.sources import AnnSearch, AnnSource
+from silverrec.retrieval.transitions import TransitionSource
 from silverrec.retrieval.user_tower import DirectTBEUserTower, UserFeatureSpec, UserTower
 from silverrec.spec import TRAINED_TOWERS, ModelSpec
 
@@ -71,7 +74,9 @@ class ModelParts:
     bank: int64 [R, ceil(N / 64)] the filter row bank of the decode alone (beside the ANN it uses the
         index's), rows in the decode's trie order;
     filter_plan, user_features: the snapshot's FilterPlan and the tower's UserFeatureSpec, for
-        spec.template.
+        spec.template;
+    transitions: (next_rows int64 [N, M], next_prob float32 [N, M]) in canonical rows, for
+        spec.transitions (retrieval/transitions.py; publish/transitions.py builds them).
     """
 
     user_tower: Optional[nn.Module] = None
@@ -82,6 +87,7 @@ class ModelParts:
     bank: Optional[Tensor] = None
     filter_plan: Optional[FilterPlan] = None
     user_features: Optional[UserFeatureSpec] = None
+    transitions: Optional[tuple[Tensor, Tensor]] = None
 
 
 def compose(spec: ModelSpec, parts: ModelParts) -> RecModel:
@@ -111,6 +117,11 @@ def compose(spec: ModelSpec, parts: ModelParts) -> RecModel:
         if spec.hybrid:
             decode = DecodeSource(_generative(spec, parts.decode, index.row_to_item), index.bits, index.row_to_item)
             sources = HybridSources(sources, decode)
+        elif spec.transitions:
+            try:
+                sources = TransitionSource(sources, *parts.transitions)
+            except ValueError as e:
+                raise CompositionError(f"the part 'transitions': {e}") from None
     if cache is None:
         scores: nn.Module = SourceScores()
     elif overarch is None:
@@ -125,6 +136,8 @@ def compose(spec: ModelSpec, parts: ModelParts) -> RecModel:
         value = FirstTask()
     else:
         value = SourceValue()
+    if spec.transitions:
+        value = TransitionValue(value, spec.transition_weight)
     if cache is None:
         top_k: nn.Module = Ranked(decode=spec.tower == "none")
     elif spec.hybrid:
@@ -145,6 +158,7 @@ def check_parts(spec: ModelSpec, parts: ModelParts) -> None:
         "bank": spec.tower == "none",
         "filter_plan": spec.template is not None,
         "user_features": spec.template is not None,
+        "transitions": spec.transitions > 0,
     }
     for name, needed in needs.items():
         given = getattr(parts, name) is not None
@@ -159,6 +173,9 @@ def check_parts(spec: ModelSpec, parts: ModelParts) -> None:
         raise CompositionError(f"the spec's tower {spec.tower!r} is a {' or '.join(k.__name__ for k in kinds)}; the "
                                f"part 'user_tower' is a {type(parts.user_tower).__name__}")
     index, cache = parts.index, parts.cache
+    if parts.transitions is not None and parts.transitions[0].shape[1] != spec.transitions:
+        raise CompositionError(f"the part 'transitions' lists {parts.transitions[0].shape[1]} next items per item, the "
+                               f"spec says {spec.transitions}")
     if index is not None:
         if index.codes.shape[1] != spec.dim or index.nlist != spec.nlist:
             raise CompositionError(f"the index is {index.codes.shape[1]}-dimensional with {index.nlist} clusters, the spec "

@@ -69,6 +69,9 @@ class ModelSpec:
     rows first (ranking/top_k.py); extra_prefixes: prefixes of the ANN's best candidates the decode's
     last step extends (generative/source.py); decode_history: the most history items fed to the
     decoder (None: as many as its RoPE table holds).
+    transitions: M, the next-item transitions' successors per item (retrieval/transitions.py: the
+    newest history item's M likeliest next items join the ANN's candidates), 0 = none;
+    transition_weight: w in value + w * P(row | the newest history item) (ranking/stages.py).
     """
 
     tower: str
@@ -89,6 +92,8 @@ class ModelSpec:
     source_priority: str = "none"
     extra_prefixes: int = EXTRA_PREFIXES
     decode_history: Optional[int] = None
+    transitions: int = 0
+    transition_weight: float = 0.0
 
     def __post_init__(self):
         _one_of("tower", self.tower, TOWERS)
@@ -109,13 +114,15 @@ class ModelSpec:
                 raise SnapshotError(f"spec.{name} must be a non-empty string or null, got {v!r}")
         _one_of("merge", self.merge, MERGES)
         _one_of("source_priority", self.source_priority, PRIORITIES)
-        for name, lo in (("overfetch", 0), ("candidates", 0), ("template_values", 1), ("extra_prefixes", 0)):
+        for name, lo in (("overfetch", 0), ("candidates", 0), ("template_values", 1), ("extra_prefixes", 0),
+                         ("transitions", 0)):
             _int(name, getattr(self, name), lo)
         if self.decode_history is not None:
             _int("decode_history", self.decode_history, 1)
-        w = self.generative_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-            raise SnapshotError(f"spec.generative_weight must be a finite number >= 0, got {w!r}")
+        for name in ("generative_weight", "transition_weight"):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+                raise SnapshotError(f"spec.{name} must be a finite number >= 0, got {w!r}")
         self._check_stages()
 
     def _check_stages(self) -> None:
@@ -133,6 +140,11 @@ class ModelSpec:
             raise SnapshotError("an OverArch or a value model ranks cached candidates: spec.cache must be true")
         if self.rescore and self.cache:
             raise SnapshotError("spec.rescore is for a model without an embedding cache (the cache re-scores exactly)")
+        if self.transitions and (self.tower not in TRAINED_TOWERS or self.sources != ("ann",)):
+            raise SnapshotError("spec.transitions join the ANN's candidates of a recommendation model: a trained "
+                                f"tower and the one source 'ann', got tower {self.tower!r}, sources {list(self.sources)}")
+        if self.transition_weight and not self.transitions:
+            raise SnapshotError("spec.transition_weight weighs the next-item transitions: spec.transitions must be >= 1")
         if self.sources != SOURCES and (self.generative_weight != 0 or self.source_priority != "none"):
             raise SnapshotError("spec.generative_weight and spec.source_priority rank a union of the two sources: "
                                 f"spec.sources must be {list(SOURCES)}")

@@ -316,6 +316,18 @@ def test_each_overarch_answers_as_python(rec, overarches, kind):
     check(overarches[kind], "rank", rank_bodies(rec)[:3])
 
 
+def test_transitions_snapshot_answers_as_python(rec, tmp_path_factory):
+    """Next-item transitions (retrieval/transitions.py): the C++ predictor hands the forward each
+    request's newest history row, as the Python one does. A weight far above the tiny model's values
+    makes the successors reorder the lists."""
+    from silverrec.publish.rec import PublishConfig, publish_rec
+
+    snap = publish_rec(PublishConfig(checkpoint=str(rec.ckpt_path), overarch="mol", k0=20, nlist=8, transitions=6,
+                                     transition_weight=50.0), tmp_path_factory.mktemp("predictor_transitions") / "snap")
+    check(snap, "recommend", rec_bodies(rec)[:6] + rec_filter_bodies(rec)[:3])
+    check(snap, "rank", rank_bodies(rec)[:2])
+
+
 def test_filter_template_snapshot_answers_as_python(tmp_path_factory):
     from tests.test_templates import template_snapshot
 

@@ -13,6 +13,8 @@ Value stages:
     ValueStage    the value model formula over the task scores and the cached item features
     FirstTask     task 0's score
     SourceValue   no cache: the source's own score (no op)
+    TransitionValue  another value stage + w * P(row | the newest history item), the next-item
+                  transitions' probability (retrieval/transitions.py)
 Every stage of a model with a cache sets -inf at padding (row -1): an OverArch's padded scores are
 finite, and the top-k stage takes the value's order.
 """
@@ -98,3 +100,22 @@ class SourceValue(nn.Module):
 
     def forward(self, task_scores: Tensor, cand: Candidates) -> Tensor:
         return cand.scores
+
+
+class TransitionValue(nn.Module):
+    """value + weight * P(row | the newest history item): a value stage (ValueStage or FirstTask) plus
+    the next-item transitions' probability, which `TransitionSource` hands over as `cand.scores`
+    (float32 [B, C], 0 where the chain lists no such step). Candidates without it (the `rank` entry
+    point's given rows: scores [B, 0]) get the value alone. The weight is chosen on the validation
+    items at publish (publish/transitions.py)."""
+
+    def __init__(self, value: nn.Module, weight: float):
+        super().__init__()
+        self.value = value
+        self.weight = float(weight)
+
+    def forward(self, task_scores: Tensor, cand: Candidates) -> Tensor:
+        value = self.value(task_scores, cand)
+        if cand.scores.shape[1] != value.shape[1]:
+            return value
+        return value + self.weight * cand.scores  # -inf at padding stays -inf

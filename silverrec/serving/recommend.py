@@ -287,7 +287,8 @@ class RecHandler:
     def _sources(self, requests: Sequence[RecRequest], histories: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode's inputs: each request's history as rows int64 [B, H] (-1 left padding) and the
         sources it uses bool [B, 2] (QueryError naming a source the snapshot lacks). A snapshot whose
-        one source is the ANN reads neither: constants."""
+        one source is the ANN reads neither (constants), unless it has next-item transitions: then
+        history is each request's newest row, int64 [B, 1] (-1 = no history)."""
         available = self.model_spec.sources
         if "generative" in available:
             return request_tensors(histories, [r.sources for r in requests], available,
@@ -295,6 +296,9 @@ class RecHandler:
         if any(r.sources is not None and list(r.sources) != ["ann"] for r in requests):
             raise QueryError("this snapshot has one retrieval source, 'ann' (publish with sources = ['ann', 'generative'])")
         B = len(requests)
+        if self.model_spec.transitions:  # the next-item transitions read the newest history row
+            last = torch.tensor([int(h[-1]) if len(h) else -1 for h in histories], dtype=torch.int64)
+            return last[:, None], _ANN_ONLY.expand(B, 2)
         return _NO_HISTORY.expand(B, 1), _ANN_ONLY.expand(B, 2)
 
     def rank(self, request, item_ids: Sequence[int]) -> Recommendations:

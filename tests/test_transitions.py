@@ -1,0 +1,214 @@
+"""Next-item transitions (silverrec/retrieval/transitions.py, publish/transitions.py).
+
+- The tables equal a plain count of consecutive pairs (P, the order of successors, the tie rule).
+- A model with transitions answers as a reference built here from the model without them: the
+  union of its candidates and the newest history item's successors that pass the filter and are
+  not excluded, each ranked by its value (the `rank` entry point) + w * P.
+- Exported and scripted programs equal eager; publish chooses the weight on validation items and
+  records it; a bad config or spec is refused, naming the field.
+
+The model is the tiny trained one of tests/rec_fixtures.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from silverrec.compose import CompositionError, compose
+from silverrec.errors import SnapshotError
+from silverrec.filtering.forward_index import ForwardIndex
+from silverrec.publish.config import ConfigError
+from silverrec.publish.quality import handler_for
+from silverrec.publish.transitions import stored_histories, transition_tables, validation_histories
+from silverrec.spec import ModelSpec
+
+from tests.rec_fixtures import K0, N_ITEMS, TASKS, publish_keeping_model, rec_setup
+from tests.test_rec_model import model_inputs, run, users
+
+M = 6
+W = 50.0  # large beside the tiny model's values, so that the successors reorder the lists
+
+
+@pytest.fixture(scope="module")
+def rec(tmp_path_factory):
+    return rec_setup(tmp_path_factory)
+
+
+def plain_chain(histories: list[list[int]]) -> tuple[dict[int, list[tuple[int, float]]], Counter]:
+    """row -> [(successor, P)] sorted by P desc, then popularity desc, then row; and popularity."""
+    pairs: Counter = Counter()
+    pop: Counter = Counter()
+    for h in histories:
+        pop.update(h)
+        pairs.update(zip(h[:-1], h[1:]))
+    out: dict[int, list[tuple[int, float]]] = {}
+    for (i, j), c in pairs.items():
+        out.setdefault(i, []).append((j, c))
+    for i, succ in out.items():
+        total = sum(c for _, c in succ)
+        out[i] = sorted(((j, c / total) for j, c in succ), key=lambda x: (-x[1], -pop[x[0]], x[0]))
+    return out, pop
+
+
+def test_tables_equal_a_plain_count_of_consecutive_pairs():
+    rng = np.random.default_rng(3)
+    n = 40
+    histories = [rng.integers(0, n, rng.integers(0, 12)).tolist() for _ in range(60)]
+    offsets = np.cumsum([0] + [len(h) for h in histories])
+    rows, prob = transition_tables(offsets, np.concatenate([np.asarray(h, dtype=np.int64) for h in histories]), n, 4)
+    chain, _ = plain_chain(histories)
+    assert rows.shape == (n, 4) and rows.dtype == torch.int64 and prob.dtype == torch.float32
+    for i in range(n):
+        want = chain.get(i, [])[:4]
+        assert rows[i].tolist() == [j for j, _ in want] + [-1] * (4 - len(want)), i
+        np.testing.assert_allclose(prob[i].numpy(), [p for _, p in want] + [0.0] * (4 - len(want)), rtol=1e-6)
+    with pytest.raises(ValueError, match="transitions must be >= 1"):
+        transition_tables(offsets, np.zeros(offsets[-1], dtype=np.int64), n, 0)
+
+
+def test_validation_histories_hold_out_each_newest_item():
+    offsets, rows = np.array([0, 3, 4, 4, 6]), np.array([5, 6, 7, 8, 9, 1])
+    v_off, v_rows, targets = validation_histories(offsets, rows)
+    assert v_off.tolist() == [0, 2, 2, 2, 3] and v_rows.tolist() == [5, 6, 9] and targets.tolist() == [7, -1, -1, 1]
+
+
+def canonical_histories(rec) -> tuple[np.ndarray, np.ndarray]:
+    row_of = {int(i): r for r, i in enumerate(rec.built.row_to_item.tolist())}
+    return stored_histories(rec.ckpt["users"], row_of)
+
+
+@pytest.fixture(scope="module")
+def chained(rec):
+    """The published composition with M successors per item and weight W (tables fitted here)."""
+    offsets, rows = canonical_histories(rec)
+    tables = transition_tables(offsets, rows, N_ITEMS, M)
+    parts = dataclasses.replace(rec.built.parts, transitions=tables)
+    return compose(rec.built.spec.replace(transitions=M, transition_weight=W), parts), tables
+
+
+def reference_answer(rec, tables, request: dict, k: int, allowed: set[int] | None) -> dict[int, float]:
+    """item id -> score of the reference ranking: the model without transitions' candidates (all of
+    them) plus the newest history row's successors that pass the filter and are not excluded, each
+    scored by the `rank` entry point's value + W * P(row | newest row)."""
+    handler = rec.snap().rec_handler()
+    base = run(rec.built.model, model_inputs(handler, [request], k=len(TASKS) * K0))
+    ann_rows = [r for r in base[3][0].tolist() if r >= 0]
+    hist = request["history"] if "history" in request else rec.logs.history(request["user_id"])
+    row_of = {int(i): r for r, i in enumerate(rec.built.row_to_item.tolist())}
+    last = row_of[int(hist[-1])]
+    known = {row_of[int(i)] for i in list(hist) + list(request.get("exclude", []))}
+    succ = {int(j): float(p) for j, p in zip(tables[0][last].tolist(), tables[1][last].tolist()) if j >= 0}
+    ids = rec.built.row_to_item
+    extra = [j for j in succ if j not in ann_rows and j not in known and (allowed is None or int(ids[j]) in allowed)]
+    cand = ann_rows + extra
+    values, lengths, dense, _ = handler.encode([handler_request(request)], False, int(handler.config["exclude_limit"]))
+    with torch.inference_mode():
+        value, _ = rec.built.model.rank(values, lengths, dense, torch.tensor([cand]))
+    return {int(ids[r]): float(v) + W * succ.get(r, 0.0) for r, v in zip(cand, value[0].tolist())}
+
+
+def handler_request(request):
+    from silverrec.serving.recommend import RecRequest
+
+    return RecRequest.coerce({key: v for key, v in request.items() if key != "filter"}, "request")
+
+
+def test_the_answer_is_the_union_ranked_by_value_plus_w_times_p(rec, chained):
+    model, tables = chained
+    handler = rec.snap().rec_handler()
+    fwd = ForwardIndex.from_lists(rec.logs.features)
+    us = users(rec, 6, start=10)
+    requests = [{"user_id": us[0]}, {"history": rec.logs.history(us[1])[-9:]},
+                {"user_id": us[2], "filter": "NOT cat = c0"}, {"user_id": us[3], "exclude": rec.logs.history(us[4])[:4]},
+                {"history": rec.logs.history(us[5])[-3:], "filter": "tags IN (t1, t3) OR cat = c2"}]
+    k = 15
+    args = list(model_inputs(handler, requests, k=k))
+    row_of = {int(i): r for r, i in enumerate(rec.built.row_to_item.tolist())}
+    newest = [(r["history"] if "history" in r else rec.logs.history(r["user_id"]))[-1] for r in requests]
+    args[10] = torch.tensor([[row_of[int(i)]] for i in newest])
+    ids, scores = run(model, tuple(args))[:2]
+    gained = 0
+    for b, r in enumerate(requests):
+        allowed = set(rec.logs.item_ids[fwd.evaluate(r["filter"]).numpy()].tolist()) if "filter" in r else None
+        ref = reference_answer(rec, tables, r, k, allowed)
+        got = [int(i) for i in ids[b].tolist() if i >= 0]
+        want = sorted(ref, key=lambda i: -ref[i])[:k]
+        np.testing.assert_allclose(scores[b][:len(got)].numpy(), [ref[i] for i in got], atol=1e-4, rtol=1e-5)
+        assert len(got) == min(k, len(ref))
+        # the same list up to ties: the k-th reference score bounds every returned one from below
+        assert all(ref[i] >= ref[want[-1]] - 1e-4 for i in got), b
+        gained += len(set(got) - set(run(rec.built.model, model_inputs(handler, [r], k=k))[0][0].tolist()))
+    assert gained > 0  # the chain changed some list (else this test shows nothing)
+
+
+def test_no_history_means_the_value_alone(rec, chained):
+    model, _ = chained
+    handler = rec.snap().rec_handler()
+    u = users(rec, 1, start=40)[0]
+    args = model_inputs(handler, [{"user_id": u}], k=10)  # history column -1: no newest row
+    with_chain, without = run(model, args), run(rec.built.model, args)
+    torch.testing.assert_close(with_chain[0], without[0], rtol=0, atol=0)
+    torch.testing.assert_close(with_chain[1], without[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def published(rec, tmp_path_factory):
+    from silverrec.publish.rec import PublishConfig
+
+    cfg = PublishConfig(checkpoint=str(rec.ckpt_path), overarch="mol", value_model=rec.publish_cfg.value_model, k0=K0,
+                        nlist=rec.publish_cfg.nlist, transitions=M)
+    return publish_keeping_model(cfg, tmp_path_factory.mktemp("chain") / "snap")
+
+
+def test_publish_chooses_the_weight_and_the_programs_equal_eager(rec, published):
+    import silverrec
+
+    snap_dir, built = published
+    choice = built.manifest["transitions"]
+    assert choice["per_item"] == M and choice["chosen_on"] == "validation"
+    best = max(g["NDCG@10"] for g in choice["grid"])
+    assert choice["weight"] in [g["weight"] for g in choice["grid"] if g["NDCG@10"] == best]
+    assert built.spec.transitions == M and built.spec.transition_weight == pytest.approx(choice["weight"])
+    us = users(rec, 3, start=50)
+    requests = [{"user_id": us[0]}, {"history": rec.logs.history(us[1])[-5:], "filter": "NOT cat = c1"},
+                {"user_id": us[2]}]
+    eager = handler_for(built)  # the composition publish exported, run by the predictor's own code
+    want = eager.recommend(requests, k=12)
+    for backend in ("export", "torchscript"):
+        res = silverrec.load(snap_dir, backend=backend).recommend(requests, k=12)
+        torch.testing.assert_close(res.item_ids, want.item_ids, rtol=0, atol=0, msg=backend)
+        torch.testing.assert_close(res.scores, want.scores, rtol=1e-5, atol=1e-5, msg=backend)
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"transitions": -1}, "spec.transitions"),
+    ({"transition_weight": -0.5}, "spec.transition_weight"),
+    ({"transition_weight": 1.0}, "spec.transitions must be >= 1"),
+    ({"transitions": 4, "sources": ("ann", "generative")}, "the one source 'ann'"),
+])
+def test_spec_refuses_bad_transitions(changes, field):
+    with pytest.raises(SnapshotError, match=field):
+        ModelSpec(**{**dict(tower="two_tower", dim=16, nlist=8, tasks=("a",), cache=True), **changes})
+
+
+def test_compose_and_config_name_the_bad_part(rec):
+    from silverrec.publish.rec import PublishConfig
+
+    spec, parts = rec.built.spec, rec.built.parts
+    with pytest.raises(CompositionError, match="needs the part 'transitions'"):
+        compose(spec.replace(transitions=M), parts)
+    tables = transition_tables(*canonical_histories(rec), N_ITEMS, M)
+    with pytest.raises(CompositionError, match="lists 6 next items per item, the spec says 5"):
+        compose(spec.replace(transitions=5), dataclasses.replace(parts, transitions=tables))
+    with pytest.raises(CompositionError, match="next_rows must be int64"):
+        compose(spec.replace(transitions=M), dataclasses.replace(parts, transitions=(tables[0][:-1], tables[1][:-1])))
+    for bad, match in [({"transitions": -2}, "transitions must be an int"),
+                       ({"transitions": 4, "transition_weight": "big"}, "transition_weight must be"),
+                       ({"transitions": 4, "sources": ["ann", "generative"], "generative_checkpoint": "g"},
+                        "one source is 'ann'")]:
+        with pytest.raises(ConfigError, match=match):
+            PublishConfig(checkpoint="c", **bad)
