@@ -15,7 +15,7 @@ of the `--towers` is trained with that seed (two-tower with that user tower + th
 rankers, default MLP, MoL and list-wise; `silverrec.publish.train`), composed as it would be published (MoL OverArch, the data set's value
 model), and every row of `publish.quality.quality_table` is measured under the leave-one-out
 protocol (test stage, full ranking, history masked). The published composition has next-item
-transitions (`--transitions`, default 50 per item, weight chosen on the validation items:
+transitions (`--transitions`, default 100 per item, weight chosen on the validation items:
 publish/transitions.py); the table measures it with and without them. Writes benchmarks/results/quality_<data>_<tower>.json
 (and .png) after every seed, with each seed's rows and the mean / sample standard deviation per row
 and metric, and prints the table of means.
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="results name prefix (default quality_<data>): <name>_<tower>.json")
     p.add_argument("--keep", default=None, metavar="DIR", help="write each seed's checkpoint into DIR "
                    "(<tower>_seed<S>.ckpt) instead of a temporary folder")
-    p.add_argument("--transitions", type=int, default=50, help="next-item transitions per item in the published "
+    p.add_argument("--transitions", type=int, default=100, help="next-item transitions per item in the published "
                    "composition (0 = none; publish.toml's `transitions`)")
     p.add_argument("--reuse", action="store_true", help="with --keep: a checkpoint already in DIR, trained with the "
                    "same configuration (checked), is measured again instead of retrained")
@@ -137,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                 built = build_rec_model(PublishConfig(checkpoint=str(ckpt_path), overarch="mol", value_model=value_model,
                                                       seed=seed, transitions=args.transitions), ckpt)
                 rows = {**peers, **quality_table(ckpt, built, split, baselines=False)}
-            runs[tower].append({"seed": seed, "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
-                                "training": ckpt["stats"]})
+            run = {"seed": seed, "rows": rows, "seconds": round(time.perf_counter() - t0, 1), "training": ckpt["stats"]}
+            if not args.exact_only and "transitions" in built.manifest:
+                run["transitions"] = built.manifest["transitions"]  # the weight's choice on the validation items
+            runs[tower].append(run)
             config = {"user_tower": tower, "steps": steps, "overarch_steps": args.overarch_steps, "seeds": args.seeds,
                       "value_model": value_model, "overarch": "mol", "overarch_trained": args.overarch,
                       "distinct_splits": len(peers_of), "exact_only": args.exact_only, "overrides": own,

@@ -10,12 +10,14 @@ embedding cache vs recomputing the item tower; snapshot bytes per item.
    excluded from the answer), unfiltered and with FILTER. silverrec: `snap.recommend(requests, k=10)`
    on a published snapshot (torch.export program: int8 user tower -> filtered int8 IVF, K0 per task
    -> merge -> bf16 cache re-score -> OverArch pair score on its cached item side -> value model
-   -> top-k). Pipeline, with the copies
+   -> top-k; with --transitions M, the newest history row's M successors join the candidates and the
+   value gains w * P, publish/transitions.py). Pipeline, with the copies
    between the libraries: id -> row lookup, `FeatureEncoder` + the float `UserTower` (eager, the
    same checkpoint) -> numpy -> Faiss `IndexIVFScalarQuantizer` SQ8 (inner product, the snapshot's
    nlist and nprobe, trained on the same item embeddings), K0 + the snapshot's overfetch per task,
    as silverrec asks -> per request and task: drop -1 and the newest exclude_limit history rows, best K0 by the task's exact float re-score; union of the tasks rank by rank, at most CANDIDATES (silverrec's K1) -> numpy gather of float embeddings + dense features -> torch
-   OverArch (same weights) -> value formula in numpy -> top-k. The filter: one pyroaring bitmap per
+   OverArch (same weights) -> value formula in numpy (with --transitions: the same chain looked up per
+   request, its successors filtered, excluded and merged, value + w * P) -> top-k. The filter: one pyroaring bitmap per
    (feature, value), built once; each call parses the request's filter and evaluates it by bitmap
    AND / OR / ANDNOT (once per distinct filter string of the batch), converts it into a Faiss
    `IDSelectorBitmap`, and probes nprobe / selectivity clusters (at most the snapshot's
@@ -94,6 +96,7 @@ import silverrec  # noqa: E402
 from silverrec.filtering.filter_lang import And, Not, Or, Term, parse  # noqa: E402
 from silverrec.publish.movielens import write_logs  # noqa: E402
 from silverrec.publish.rec import PublishConfig, publish_rec  # noqa: E402
+from silverrec.publish.transitions import transition_tables  # noqa: E402
 from silverrec.publish.train import TrainConfig, load_checkpoint, rebuild_item_tower, rebuild_user_tower, train  # noqa: E402
 from silverrec.publish.two_tower import ItemTower  # noqa: E402
 from silverrec.ranking.cache import EmbeddingCache  # noqa: E402
@@ -190,6 +193,14 @@ class Pipeline:
         self.roaring = RoaringFilter(ckpt["item_features"], self.n)
         self.build_seconds = time.perf_counter() - t0
         self.candidates: list[float] = []  # mean OverArch candidates per request, per call (silverrec: CANDIDATES slots)
+        # the next-item transitions' service, where the snapshot has them: the same chain over pool rows, the
+        # snapshot's weight (a key-value lookup of the newest history row's successors)
+        self.chain = None
+        if manifest.get("transitions"):
+            offsets = np.asarray(ckpt["users"]["offsets"], dtype=np.int64)
+            rows = self.item_rows.rows_or_minus_one(np.asarray(ckpt["users"]["item_ids"], dtype=np.int64))
+            nxt, prob = transition_tables(offsets, rows, self.n, int(manifest["transitions"]["per_item"]))
+            self.chain = (nxt.numpy(), prob.numpy().astype(np.float32), float(manifest["transitions"]["weight"]))
 
     def rows(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
@@ -256,11 +267,28 @@ class Pipeline:
             inter = per_task[b].T.reshape(-1)
             inter = inter[inter >= 0]
             cands.append(inter[np.sort(np.unique(inter, return_index=True)[1])][:CANDIDATES])
+        probs = [np.zeros(c.size, dtype=np.float32) for c in cands]
+        if self.chain is not None:  # the newest history row's successors: filtered, not excluded, not found
+            nxt, prob, _ = self.chain
+            passing: dict[str, pyroaring.BitMap] = {}  # once per distinct filter of the batch
+            for b, r in enumerate(requests):
+                if not hist[b].size:
+                    continue
+                succ, p = nxt[hist[b][-1]], prob[hist[b][-1]]
+                probs[b] = (cands[b][:, None] == succ[None, :]).astype(np.float32) @ p
+                keep = (succ >= 0) & ~np.isin(succ, excl[b]) & ~np.isin(succ, cands[b])
+                if r.get("filter") is not None:
+                    bm = passing.setdefault(r["filter"], self.roaring.evaluate(parse(r["filter"])))
+                    keep &= np.fromiter((j >= 0 and int(j) in bm for j in succ), dtype=bool, count=succ.size)
+                cands[b] = np.concatenate([cands[b], succ[keep]])
+                probs[b] = np.concatenate([probs[b], p[keep]])
         self.candidates.append(float(np.mean([c.size for c in cands])))
         C = max(k, max(c.size for c in cands))
         cand = np.full((B, C), -1, dtype=np.int64)
+        chain_p = np.zeros((B, C), dtype=np.float32)
         for b, c in enumerate(cands):
             cand[b, : c.size] = c
+            chain_p[b, : c.size] = probs[b]
         valid = cand >= 0
         idx = cand.clip(min=0)
         ce = self.emb[idx] * valid[:, :, None]  # numpy gathers
@@ -268,6 +296,8 @@ class Pipeline:
         with torch.inference_mode():
             scores = self.overarch(u, torch.from_numpy(ce), torch.from_numpy(cf)).numpy()  # [B, C, T]
         value = np.where(valid, scores @ self.w, -np.inf)
+        if self.chain is not None:
+            value = value + self.chain[2] * chain_p
         top = np.argpartition(-value, k - 1, axis=1)[:, :k]
         top = np.take_along_axis(top, np.argsort(-np.take_along_axis(value, top, 1), axis=1, kind="stable"), 1)
         rows = np.take_along_axis(cand, top, 1)
@@ -769,6 +799,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sources-quality", metavar="LOGS", help="with --sources: also HR / NDCG of each source on the "
                     "interactions.parquet / items.parquet in LOGS (the logs both checkpoints were trained on)")
     ap.add_argument("--end-to-end-only", action="store_true", help="only part 1 (results in recommend[_quick]_e2e.*)")
+    ap.add_argument("--transitions", type=int, default=0, help="next-item transitions per item in the snapshots "
+                    "(publish.toml's `transitions`; 0 = none); the pipeline then looks the same chain up")
     ap.add_argument("--tower", default="bag", choices=["bag", "sequence"], help="the user tower trained (no --checkpoint)")
     ap.add_argument("--other-checkpoint", dest="other_checkpoint", help="part 4: a checkpoint with the other user tower, "
                     "published and timed against this one")
@@ -809,7 +841,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"checkpoint {ckpt_path} has no {OVERARCH!r} OverArch (it has {sorted(ckpt['overarch'])})")
         t = time.perf_counter()
         pcfg = PublishConfig(checkpoint=str(ckpt_path), overarch=OVERARCH, value_model=VALUE_MODEL, k0=K0,
-                             candidates=CANDIDATES, seed=args.seed)
+                             candidates=CANDIDATES, seed=args.seed, transitions=args.transitions)
         snap_dir = publish_rec(pcfg, tmp / "snapshot")
         publish_seconds = time.perf_counter() - t
         snap = silverrec.load(snap_dir)
@@ -837,7 +869,7 @@ def main(argv=None) -> int:
             rows += sizes_part(manifest, pipe)
         if args.other_checkpoint:
             other_cfg = PublishConfig(checkpoint=args.other_checkpoint, overarch=OVERARCH, value_model=VALUE_MODEL, k0=K0,
-                                      candidates=CANDIDATES, seed=args.seed)
+                                      candidates=CANDIDATES, seed=args.seed, transitions=args.transitions)
             other = silverrec.load(publish_rec(other_cfg, tmp / "other_snapshot"))
             kinds = (manifest["spec"]["tower"], other.config["spec"]["tower"])
             print(f"\n4. recommend with the {kinds[0]} tower against the {kinds[1]} tower ({args.other_checkpoint}):", flush=True)

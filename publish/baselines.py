@@ -30,6 +30,7 @@ import torch
 
 from silverrec.publish.evaluate import ScoreFn, evaluate_scores
 from silverrec.publish.logs import Split
+from silverrec.publish.transitions import chain
 
 SVD_DIMS = (16, 32, 64, 128)
 EASE_LAMBDAS = (50.0, 200.0, 500.0, 1000.0)
@@ -220,13 +221,7 @@ class Markov:
         offsets, rows = split.history_csr(stage)
         n = split.logs.num_items
         self.num_items = n
-        inner = np.ones(max(len(rows) - 1, 0), dtype=bool)  # pair (rows[e], rows[e + 1]) within one user
-        inner[offsets[1:-1][(offsets[1:-1] > 0) & (offsets[1:-1] < len(rows))] - 1] = False
-        keys, counts = np.unique(rows[:-1][inner] * n + rows[1:][inner], return_counts=True)
-        src = keys // n
-        self.dst = keys % n
-        out_degree = np.bincount(src, weights=counts, minlength=n)
-        self.prob = counts / out_degree[src]  # float64 [pairs]
+        src, self.dst, self.prob = chain(offsets, rows, n)  # float64 P [pairs], sorted by (src, dst)
         self.indptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.bincount(src, minlength=n), out=self.indptr[1:])
         pop = np.bincount(rows, minlength=n).astype(np.float64)

@@ -67,7 +67,7 @@ merge = "union"
 k0 = 200
 candidates = 256       # ranked per request: the 2 tasks' lists rank by rank (their union: mean 245, p90 279)
 quantize = "auto"      # int8 user-tower tables where their top-100 agrees with fp32's
-transitions = 50       # the newest history item's 50 likeliest next items join the candidates (value + w * P;
+transitions = 100      # the newest history item's 100 likeliest next items join the candidates (value + w * P;
                        # w chosen on the validation items)
 
 [value_model]          # the final score: a formula over the task scores (and item features)

@@ -35,20 +35,26 @@ METRIC = "NDCG@10"
 K_EVAL = 100
 
 
-def transition_tables(offsets: np.ndarray, rows: np.ndarray, num_rows: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chain of histories (CSR: offsets int64 [U + 1], rows int64 [nnz], oldest first) over
-    `num_rows` rows -> (next_rows int64 [num_rows, m], -1 = none; next_prob float32 [num_rows, m],
-    0 = none): each row's m likeliest successors (module docstring)."""
+def chain(offsets: np.ndarray, rows: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The first-order chain of histories (CSR: offsets int64 [U + 1], rows int64 [nnz], oldest first)
+    over `num_rows` rows -> (src, dst int64 [pairs], P(dst | src) float64 [pairs]), one entry per
+    distinct consecutive pair (i, j) within a history, sorted by (src, dst)."""
     offsets, rows = np.asarray(offsets, dtype=np.int64), np.asarray(rows, dtype=np.int64)
-    if m < 1:
-        raise ValueError(f"transitions must be >= 1, got {m}")
     inner = np.ones(max(len(rows) - 1, 0), dtype=bool)  # pair (rows[e], rows[e + 1]) within one history
     ends = offsets[1:-1]
     inner[ends[(ends > 0) & (ends < len(rows))] - 1] = False
     keys, counts = np.unique(rows[:-1][inner] * num_rows + rows[1:][inner], return_counts=True)
     src, dst = keys // num_rows, keys % num_rows
-    prob = counts / np.bincount(src, weights=counts, minlength=num_rows)[src]
-    pop = np.bincount(rows, minlength=num_rows)
+    return src, dst, counts / np.bincount(src, weights=counts, minlength=num_rows)[src]
+
+
+def transition_tables(offsets: np.ndarray, rows: np.ndarray, num_rows: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain of histories (as `chain`) -> (next_rows int64 [num_rows, m], -1 = none; next_prob
+    float32 [num_rows, m], 0 = none): each row's m likeliest successors (module docstring)."""
+    if m < 1:
+        raise ValueError(f"transitions must be >= 1, got {m}")
+    src, dst, prob = chain(offsets, rows, num_rows)
+    pop = np.bincount(np.asarray(rows, dtype=np.int64), minlength=num_rows)
     order = np.lexsort((dst, -pop[dst], -prob, src))  # by source, then P, popularity, row
     src, dst, prob = src[order], dst[order], prob[order]
     start = np.searchsorted(src, np.arange(num_rows))
