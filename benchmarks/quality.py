@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                    "(<tower>_seed<S>.ckpt) instead of a temporary folder")
     p.add_argument("--transitions", type=int, default=100, help="next-item transitions per item in the published "
                    "composition (0 = none; publish.toml's `transitions`)")
+    p.add_argument("--transition-window", dest="transition_window", type=int, default=None,
+                   help="publish.toml's transition_window (default: PublishConfig's)")
+    p.add_argument("--transition-decay", dest="transition_decay", type=float, default=None,
+                   help="publish.toml's transition_decay (default: PublishConfig's)")
     p.add_argument("--reuse", action="store_true", help="with --keep: a checkpoint already in DIR, trained with the "
                    "same configuration (checked), is measured again instead of retrained")
     p.add_argument("--exact-only", dest="exact_only", action="store_true",
@@ -109,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = parse_overrides(args.overrides)
     command = "benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
     runs: dict[str, list] = {tower: [] for tower in args.towers}
+    chain_args = {f"transition_{k}": getattr(args, f"transition_{k}") for k in ("window", "decay")
+                  if getattr(args, f"transition_{k}") is not None}
     peers_of: dict[str, dict] = {}  # split fingerprint -> the peers' rows (measured once per distinct split)
     for seed in args.seeds:
         split = leave_one_out(read_logs(inter, items, seed=seed))
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows = {**peers, "two-tower exact": two_tower_exact(ckpt, split)}
             else:
                 built = build_rec_model(PublishConfig(checkpoint=str(ckpt_path), overarch="mol", value_model=value_model,
-                                                      seed=seed, transitions=args.transitions), ckpt)
+                                                      seed=seed, transitions=args.transitions, **chain_args), ckpt)
                 rows = {**peers, **quality_table(ckpt, built, split, baselines=False)}
             run = {"seed": seed, "rows": rows, "seconds": round(time.perf_counter() - t0, 1), "training": ckpt["stats"]}
             if not args.exact_only and "transitions" in built.manifest:
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             config = {"user_tower": tower, "steps": steps, "overarch_steps": args.overarch_steps, "seeds": args.seeds,
                       "value_model": value_model, "overarch": "mol", "overarch_trained": args.overarch,
                       "distinct_splits": len(peers_of), "exact_only": args.exact_only, "overrides": own,
-                      "transitions": args.transitions}
+                      "transitions": args.transitions, **chain_args}
             write(RESULTS / f"{name}_{tower}.json", runs[tower], args.data, command, config)  # after every seed
     return 0
 
@@ -174,7 +180,8 @@ def merge(paths: list[str], name: str, peers_file: str | None = None) -> int:
     `peers_file` (the JSON `python -m silverrec.publish.baselines` prints, seed 0's split), where the
     two seeds give the same split (checked on the data)."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
-    keys = ("user_tower", "steps", "overarch_steps", "value_model", "overarch", "exact_only", "overrides", "transitions")
+    keys = ("user_tower", "steps", "overarch_steps", "value_model", "overarch", "exact_only", "overrides", "transitions",
+            "transition_window", "transition_decay")
     for q in parts[1:]:
         if q["data"] != parts[0]["data"] or any(q["config"].get(k) != parts[0]["config"].get(k) for k in keys):
             raise SystemExit(f"cannot merge: {paths[0]} and another differ in data or {keys}")

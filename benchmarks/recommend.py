@@ -199,7 +199,8 @@ class Pipeline:
         if manifest.get("transitions"):
             offsets = np.asarray(ckpt["users"]["offsets"], dtype=np.int64)
             rows = self.item_rows.rows_or_minus_one(np.asarray(ckpt["users"]["item_ids"], dtype=np.int64))
-            nxt, prob = transition_tables(offsets, rows, self.n, int(manifest["transitions"]["per_item"]))
+            t = manifest["transitions"]
+            nxt, prob = transition_tables(offsets, rows, self.n, int(t["per_item"]), int(t["window"]), float(t["decay"]))
             self.chain = (nxt.numpy(), prob.numpy().astype(np.float32), float(manifest["transitions"]["weight"]))
 
     def rows(self, ids) -> np.ndarray:

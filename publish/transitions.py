@@ -1,20 +1,25 @@
 """The next-item transitions of a recommendation snapshot at publish (silverrec/retrieval/transitions.py).
 
-    [transitions] in publish.toml:  transitions = 50          # M successors per item (0 = none)
-                                    transition_weight = "auto"  # or a number w >= 0
+    publish.toml:  transitions = 100            # M successors per item (0 = none)
+                   transition_weight = "auto"   # or a number w >= 0
+                   transition_window = "auto"   # or a number of steps (1: the first-order chain)
+                   transition_decay = 0.8
 
-`transition_tables`: the first-order chain of the snapshot's stored histories (the checkpoint's
-`users`: every user's history at its training stage, the held-out test items absent): C[i, j]
-counts the consecutive pairs (i, j), P(j | i) = C[i, j] / sum_j C[i, j], and each item keeps its M
-likeliest successors (ties: the more popular successor first, then the lower row).
+`transition_tables`: the chain of the snapshot's stored histories (the checkpoint's `users`: every
+user's history at its training stage, the held-out test items absent): C[i, j] sums
+decay^(d - 1) over every time j follows i by d <= window steps within a history (window 1: the
+consecutive pairs, the first-order Markov chain), P(j | i) = C[i, j] / sum_j C[i, j], and each item
+keeps its M likeliest successors (ties: the more popular successor first, then the lower row).
 
 `choose_weight`: w in value + w * P, chosen on the validation items: each stored history's newest
 item is held out (its target), the chain is fitted on the histories without it, and one request per
 user (a seeded sample of at most VALID_USERS) asks the snapshot with those tables for its top 100,
 as served, once per w of the grid: GRID times the values' spread (the mean gap between a request's
 best value and its 100th at w = 0). The best NDCG@10 wins (the first of equals: w = 0 before any
-other, so a chain that does not help is switched off). The grid, each w's figures and the choice
-go to the manifest (`transitions`).
+other, so a chain that does not help is switched off). With transition_window = "auto" each window
+of WINDOWS gets its own validation tables and grid, and the best NDCG@10 picks the window too (the
+first of equals: the shorter). The grid, each w's figures and the choice go to the manifest
+(`transitions`).
 
 The towers' own validation figures are optimistic where their training saw the validation items (the
 OverArch and the bag tower train on them; the sequential tower does not), so the chosen w errs low.
@@ -29,31 +34,42 @@ import torch
 
 from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk
 
-GRID = (0.0, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)  # w / the values' spread
+GRID = (0.0, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0)  # w / the values' spread
+WINDOWS = (1, 3, 10)  # transition_window = "auto": the windows tried (1: the first-order chain)
 VALID_USERS = 4096
 METRIC = "NDCG@10"
 K_EVAL = 100
 
 
-def chain(offsets: np.ndarray, rows: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The first-order chain of histories (CSR: offsets int64 [U + 1], rows int64 [nnz], oldest first)
-    over `num_rows` rows -> (src, dst int64 [pairs], P(dst | src) float64 [pairs]), one entry per
-    distinct consecutive pair (i, j) within a history, sorted by (src, dst)."""
+def chain(offsets: np.ndarray, rows: np.ndarray, num_rows: int, window: int = 1,
+          decay: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The chain of histories (CSR: offsets int64 [U + 1], rows int64 [nnz], oldest first) over
+    `num_rows` rows -> (src, dst int64 [pairs], P(dst | src) float64 [pairs]), one entry per distinct
+    pair, sorted by (src, dst). A pair (i, j) is j at d <= `window` steps after i within one history,
+    weighing decay^(d - 1); P(j | i) = C[i, j] / sum_j C[i, j] over those weights. window 1: the
+    first-order Markov chain (consecutive pairs, each counting 1)."""
     offsets, rows = np.asarray(offsets, dtype=np.int64), np.asarray(rows, dtype=np.int64)
-    inner = np.ones(max(len(rows) - 1, 0), dtype=bool)  # pair (rows[e], rows[e + 1]) within one history
-    ends = offsets[1:-1]
-    inner[ends[(ends > 0) & (ends < len(rows))] - 1] = False
-    keys, counts = np.unique(rows[:-1][inner] * num_rows + rows[1:][inner], return_counts=True)
+    owner = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    keys, weights = [], []
+    for d in range(1, window + 1):
+        same = owner[:-d] == owner[d:]  # (rows[e], rows[e + d]) within one history
+        keys.append(rows[:-d][same] * num_rows + rows[d:][same])
+        weights.append(np.full(int(same.sum()), float(decay) ** (d - 1)))
+    keys, inverse = np.unique(np.concatenate(keys), return_inverse=True)
+    counts = np.bincount(inverse.reshape(-1), weights=np.concatenate(weights), minlength=len(keys))
     src, dst = keys // num_rows, keys % num_rows
     return src, dst, counts / np.bincount(src, weights=counts, minlength=num_rows)[src]
 
 
-def transition_tables(offsets: np.ndarray, rows: np.ndarray, num_rows: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def transition_tables(offsets: np.ndarray, rows: np.ndarray, num_rows: int, m: int, window: int = 1,
+                      decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The chain of histories (as `chain`) -> (next_rows int64 [num_rows, m], -1 = none; next_prob
     float32 [num_rows, m], 0 = none): each row's m likeliest successors (module docstring)."""
     if m < 1:
         raise ValueError(f"transitions must be >= 1, got {m}")
-    src, dst, prob = chain(offsets, rows, num_rows)
+    if window < 1 or not 0 < decay <= 1:
+        raise ValueError(f"transition_window must be >= 1 and transition_decay in (0, 1], got {window}, {decay}")
+    src, dst, prob = chain(offsets, rows, num_rows, window, decay)
     pop = np.bincount(np.asarray(rows, dtype=np.int64), minlength=num_rows)
     order = np.lexsort((dst, -pop[dst], -prob, src))  # by source, then P, popularity, row
     src, dst, prob = src[order], dst[order], prob[order]
@@ -117,5 +133,5 @@ def choose_weight(handler_with: Callable[[float], Any], row_to_item: np.ndarray,
     spread = float(gap.mean()) if gap.numel() and float(gap.mean()) > 0 else 1.0
     grid = [first] + [run(g * spread)[0] for g in GRID[1:]]
     best = max(grid, key=lambda r: (r[METRIC], -grid.index(r)))
-    return {"weight": best["weight"], "chosen_on": "validation", "users": int(len(users)),
+    return {"weight": best["weight"], METRIC: best[METRIC], "chosen_on": "validation", "users": int(len(users)),
             "value_spread": round(spread, 6), "grid": grid}

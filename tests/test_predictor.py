@@ -323,7 +323,7 @@ def test_transitions_snapshot_answers_as_python(rec, tmp_path_factory):
     from silverrec.publish.rec import PublishConfig, publish_rec
 
     snap = publish_rec(PublishConfig(checkpoint=str(rec.ckpt_path), overarch="mol", k0=20, nlist=8, transitions=6,
-                                     transition_weight=50.0), tmp_path_factory.mktemp("predictor_transitions") / "snap")
+                                     transition_weight=50.0, transition_window=3), tmp_path_factory.mktemp("predictor_transitions") / "snap")
     check(snap, "recommend", rec_bodies(rec)[:6] + rec_filter_bodies(rec)[:3])
     check(snap, "rank", rank_bodies(rec)[:2])
 

@@ -38,15 +38,20 @@ def rec(tmp_path_factory):
     return rec_setup(tmp_path_factory)
 
 
-def plain_chain(histories: list[list[int]]) -> tuple[dict[int, list[tuple[int, float]]], Counter]:
-    """row -> [(successor, P)] sorted by P desc, then popularity desc, then row; and popularity."""
-    pairs: Counter = Counter()
+def plain_chain(histories: list[list[int]], window: int = 1, decay: float = 1.0
+                ) -> tuple[dict[int, list[tuple[int, float]]], Counter]:
+    """row -> [(successor, P)] sorted by P desc, then popularity desc, then row; and popularity. A
+    successor is j at d <= window steps after i in one history, weighing decay ** (d - 1)."""
+    weight: dict[tuple[int, int], float] = {}
     pop: Counter = Counter()
     for h in histories:
         pop.update(h)
-        pairs.update(zip(h[:-1], h[1:]))
+        for e in range(len(h)):
+            for d in range(1, window + 1):
+                if e + d < len(h):
+                    weight[(h[e], h[e + d])] = weight.get((h[e], h[e + d]), 0.0) + decay ** (d - 1)
     out: dict[int, list[tuple[int, float]]] = {}
-    for (i, j), c in pairs.items():
+    for (i, j), c in weight.items():
         out.setdefault(i, []).append((j, c))
     for i, succ in out.items():
         total = sum(c for _, c in succ)
@@ -54,20 +59,25 @@ def plain_chain(histories: list[list[int]]) -> tuple[dict[int, list[tuple[int, f
     return out, pop
 
 
-def test_tables_equal_a_plain_count_of_consecutive_pairs():
+@pytest.mark.parametrize("window, decay", [(1, 1.0), (3, 0.5)])
+def test_tables_equal_a_plain_count_of_pairs(window, decay):
     rng = np.random.default_rng(3)
     n = 40
     histories = [rng.integers(0, n, rng.integers(0, 12)).tolist() for _ in range(60)]
     offsets = np.cumsum([0] + [len(h) for h in histories])
-    rows, prob = transition_tables(offsets, np.concatenate([np.asarray(h, dtype=np.int64) for h in histories]), n, 4)
-    chain, _ = plain_chain(histories)
+    flat = np.concatenate([np.asarray(h, dtype=np.int64) for h in histories])
+    rows, prob = transition_tables(offsets, flat, n, 4, window, decay)
+    chain, _ = plain_chain(histories, window, decay)
     assert rows.shape == (n, 4) and rows.dtype == torch.int64 and prob.dtype == torch.float32
     for i in range(n):
         want = chain.get(i, [])[:4]
+        # (decay 0.5: every weight and sum is exact, so equal P are equal on both sides and the tie rule decides)
         assert rows[i].tolist() == [j for j, _ in want] + [-1] * (4 - len(want)), i
         np.testing.assert_allclose(prob[i].numpy(), [p for _, p in want] + [0.0] * (4 - len(want)), rtol=1e-6)
     with pytest.raises(ValueError, match="transitions must be >= 1"):
-        transition_tables(offsets, np.zeros(offsets[-1], dtype=np.int64), n, 0)
+        transition_tables(offsets, flat, n, 0)
+    with pytest.raises(ValueError, match="transition_window must be >= 1"):
+        transition_tables(offsets, flat, n, 4, 0)
 
 
 def test_validation_histories_hold_out_each_newest_item():
@@ -172,6 +182,9 @@ def test_publish_chooses_the_weight_and_the_programs_equal_eager(rec, published)
     assert choice["per_item"] == M and choice["chosen_on"] == "validation"
     best = max(g["NDCG@10"] for g in choice["grid"])
     assert choice["weight"] in [g["weight"] for g in choice["grid"] if g["NDCG@10"] == best]
+    windows = choice["windows"]  # transition_window "auto": each window's best, the chosen one the best of them
+    assert [w["window"] for w in windows] == [1, 3, 10] and choice["NDCG@10"] == max(w["NDCG@10"] for w in windows)
+    assert choice["window"] == next(w["window"] for w in windows if w["NDCG@10"] == choice["NDCG@10"])
     assert built.spec.transitions == M and built.spec.transition_weight == pytest.approx(choice["weight"])
     us = users(rec, 3, start=50)
     requests = [{"user_id": us[0]}, {"history": rec.logs.history(us[1])[-5:], "filter": "NOT cat = c1"},
@@ -208,6 +221,9 @@ def test_compose_and_config_name_the_bad_part(rec):
         compose(spec.replace(transitions=M), dataclasses.replace(parts, transitions=(tables[0][:-1], tables[1][:-1])))
     for bad, match in [({"transitions": -2}, "transitions must be an int"),
                        ({"transitions": 4, "transition_weight": "big"}, "transition_weight must be"),
+                       ({"transitions": 4, "transition_window": 0}, "transition_window must be"),
+                       ({"transitions": 4, "transition_weight": 2.0}, "give the window too"),
+                       ({"transitions": 4, "transition_decay": 1.5}, "transition_decay must be a number in"),
                        ({"transitions": 4, "sources": ["ann", "generative"], "generative_checkpoint": "g"},
                         "one source is 'ann'")]:
         with pytest.raises(ConfigError, match=match):
