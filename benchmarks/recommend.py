@@ -814,7 +814,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     load_start = os.getloadavg()
     name = ("recommend_quick" if args.quick else "recommend") + ("_omp_default" if OMP_DEFAULT else "") + \
-        ("_e2e" if args.end_to_end_only else "") + ("_towers" if args.other_checkpoint else "")
+        ("_e2e" if args.end_to_end_only else "") + ("_towers" if args.other_checkpoint else "") + \
+        ("_transitions" if args.transitions else "")
     minutes = args.minutes if args.minutes is not None else (0.3 if args.quick else 1.0)
     overarch_minutes = 0.15 if args.quick else 0.5
     repeats = {1: 10, 16: 5, 64: 3} if args.quick else {1: 60, 16: 20, 64: 8}  # more rounds: a shared, loaded machine
@@ -911,7 +912,9 @@ def main(argv=None) -> int:
         "snapshot": {**{k: manifest.get(k) for k in ("nlist", "default_nprobe", "default_k0")},
                      **{k: manifest["spec"].get(k) for k in ("tower", "overarch", "value_model", "merge", "tasks")}}
         | {"max_probe": pipe.max_probe, "quantization_user_tower": manifest.get("quantization_user_tower"),
-           "training_stats": manifest.get("training")},
+           "training_stats": manifest.get("training"),
+           "transitions": {k: v for k, v in (manifest.get("transitions") or {}).items()
+                           if k in ("per_item", "window", "decay", "weight")}},
         "k": K, "k0": K0, "filter": FILTER, "filter_fraction": len(bm) / pipe.n, "batches": list(BATCHES),
         "repeats": repeats, "rank_repeats": rank_repeats, "rank_sizes": list(rank_sizes), "users": len(users),
         "history_length": {"median": float(np.median(lens)), "p90": float(np.percentile(lens, 90)), "max": int(lens.max())},

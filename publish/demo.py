@@ -8,7 +8,8 @@
    mixture-of-logits, list-wise).
    A second run reuses the checkpoint when the logs and the config are unchanged.
 3. `silverrec publish --config out/demo/publish.toml`: one snapshot (user tower, int8 IVF, Bloom
-   filter bank, embedding cache, OverArch, value model) -> out/demo/snapshot.
+   filter bank, embedding cache, OverArch, value model, next-item transitions with their window
+   and weight chosen on the validation items) -> out/demo/snapshot.
 4. `silverrec recommend` in a fresh process for a few users, with titles, then the same users with a
    filter evaluated in-model, every answer checked against movies.csv.
 5. The quality table (leave-one-out, full ranking, history masked): popularity, PureSVD, EASE,

@@ -34,7 +34,7 @@ import torch
 
 from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk
 
-GRID = (0.0, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0)  # w / the values' spread
+GRID = (0.0, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0, 4096.0)  # w / the values' spread
 WINDOWS = (1, 3, 10)  # transition_window = "auto": the windows tried (1: the first-order chain)
 VALID_USERS = 4096
 METRIC = "NDCG@10"
