@@ -31,7 +31,6 @@ from torch import Tensor, nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.bloom_filter)
 from silverrec.candidates import Candidates
-from silverrec.kernels.candidate_rows import exclude_rows
 from silverrec.retrieval.sources import AnnSource
 
 
@@ -57,31 +56,39 @@ class TransitionSource(nn.Module):
             raise ValueError(f"next_rows holds a row outside [-1, {n})")
         self.ann = ann
         self.num_items = int(n)
-        self.register_buffer("next_rows", next_rows)
-        self.register_buffer("next_prob", torch.where(next_rows >= 0, next_prob, torch.zeros_like(next_prob)))
+        # row N: the successors of "no history" (none), so that one gather serves every request
+        self.register_buffer("next_rows", torch.cat([next_rows, torch.full_like(next_rows[:1], -1)]))
+        prob = torch.where(next_rows >= 0, next_prob, torch.zeros_like(next_prob))
+        self.register_buffer("next_prob", torch.cat([prob, torch.zeros_like(prob[:1])]))
 
     def forward(self, user: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor, vops: Tensor, vrows: Tensor,
                 lists: Tensor, mode: Tensor, history: Tensor, sources: Tensor, k: int, k0: int, nprobe: int,
                 max_probe: int) -> Candidates:
         """-> Candidates: rows int64 [B, K1 + M] (the ANN's, then the chain's not found by it; -1 = none)
         and scores float32 [B, K1 + M], P(row | the newest history row), 0 for a row the chain does not
-        list and at padding."""
+        list and at padding. Membership (successor or ANN row, excluded) is a sorted search, O((K1 + M + E)
+        log), not K1 x M."""
         ann = self.ann(user, exclude, ops, rows, vops, vrows, lists, mode, history, sources, k, k0, nprobe,
                        max_probe).rows  # [B, K1]
         last = history[:, -1]
-        at = last.clamp_min(0)
-        nxt = torch.where((last >= 0)[:, None], self.next_rows[at], torch.full_like(self.next_rows[at], -1))  # [B, M]
-        prob = torch.where(nxt >= 0, self.next_prob[at], torch.zeros_like(self.next_prob[at]))
-        # P of each ANN row: the chain's probability where it lists the row (each next row once)
-        ann_prob = ((ann[:, :, None] == nxt[:, None, :]) & (nxt >= 0)[:, None, :]).to(prob.dtype) @ prob[:, :, None]
-        # the chain's own rows: passing the request's filter (one bank word per row), not excluded, not found
-        words = torch.ops.silverrec.bloom_filter(self.ann.index.bits, vops, vrows,
-                                                 torch.where(nxt >= 0, nxt >> 6, torch.full_like(nxt, -1)), 1)[:, :, 0]
-        passing = ((words >> (nxt & 63)) & 1) != 0
-        found = ((nxt[:, :, None] == ann[:, None, :]) & (ann >= 0)[:, None, :]).any(dim=2)
-        keep = passing & ~found & (exclude_rows(nxt, exclude, self.num_items) >= 0)
-        nxt = torch.where(keep, nxt, torch.full_like(nxt, -1))
-        cand = torch.cat([ann, nxt], dim=1)
-        scores = torch.cat([ann_prob[:, :, 0], torch.where(keep, prob, torch.zeros_like(prob))], dim=1)
+        at = torch.where(last >= 0, last, torch.full_like(last, self.num_items))
+        nxt, prob = self.next_rows[at], self.next_prob[at]  # [B, M]
+        # each ANN row among the successors (sorted): its successor slot m, its P
+        M = nxt.shape[1]
+        srt, order = torch.sort(nxt, dim=1)
+        pos = torch.searchsorted(srt, ann).clamp_max(M - 1)
+        hit = (srt.gather(1, pos) == ann) & (ann >= 0)
+        slot = torch.where(hit, order.gather(1, pos), torch.full_like(pos, M))  # M: no successor
+        ann_prob = torch.cat([prob, torch.zeros_like(prob[:, :1])], dim=1).gather(1, slot)
+        found = torch.zeros(nxt.shape[0], M + 1, dtype=torch.bool, device=nxt.device).scatter(
+            1, slot, torch.ones_like(hit))[:, :M]
+        # the successors: passing the request's filter (one bank word each; row -1's word -1 is an empty
+        # window), not excluded, not found by the ANN
+        words = torch.ops.silverrec.bloom_filter(self.ann.index.bits, vops, vrows, nxt >> 6, 1)[:, :, 0]
+        banned = torch.sort(exclude, dim=1).values  # (a sorted search: a dense [B, N] table cost 4x more)
+        excluded = banned.gather(1, torch.searchsorted(banned, nxt).clamp_max(banned.shape[1] - 1)) == nxt
+        keep = (((words >> (nxt & 63)) & 1) != 0) & ~found & ~excluded
+        cand = torch.cat([ann, torch.where(keep, nxt, torch.full_like(nxt, -1))], dim=1)
+        scores = torch.cat([ann_prob, torch.where(keep, prob, torch.zeros_like(prob))], dim=1)
         none = cand[:, :0]
         return Candidates(cand, none, none.float(), scores, none)
