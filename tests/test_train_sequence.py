@@ -263,3 +263,17 @@ def test_a_sequence_snapshot_serves_without_torchrec(published):
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-2000:]
     assert json.loads(got.stdout.strip().splitlines()[-1]) == snap.recommend({"history": history}, k=10).item_ids.tolist()
+
+
+def test_cpp_predictor_serves_the_sequential_snapshot(published):
+    """silverrec-predictor answers `recommend` and `rank` for a sequential snapshot as Python does."""
+    from tests.test_predictor import BINARY, check
+
+    if not BINARY.is_file():
+        pytest.skip(f"{BINARY} is not built")
+    logs, snap_dir, _ = published
+    users = [int(u) for u in logs.user_ids[:3]]
+    items = [int(i) for i in logs.item_ids]
+    check(snap_dir, "recommend", [{"user_id": users[0], "k": 5}, {"history": logs.history(users[1])[:6], "k": 7},
+                                  {"requests": [{"user_id": u} for u in users], "k": 4}])
+    check(snap_dir, "rank", [{"user_id": users[2], "items": items[:12]}, {"history": items[3:8], "items": items[20:23]}])
