@@ -163,15 +163,19 @@ def permute_item_table(user_tower: torch.nn.Module, perm: torch.Tensor) -> None:
         table.weight.copy_(table.weight[perm])
 
 
-def _sample_requests(ckpt: dict, perm_inv: np.ndarray, n: int = 256) -> list[np.ndarray]:
-    """Histories (canonical rows) of up to n training users, for the quantisation check."""
-    users = ckpt["users"]
-    row_of = {int(i): int(perm_inv[p]) for p, i in enumerate(ckpt["item_ids"].tolist())}
-    off, ids = users["offsets"], users["item_ids"]
-    out = []
-    for u in range(min(n, len(off) - 1)):
-        out.append(np.asarray([row_of[int(i)] for i in ids[off[u]:off[u + 1]]], dtype=np.int64))
-    return out
+SAMPLE_USERS = 256  # training users whose histories check the int8 user tower
+
+
+def stored_histories(users: dict[str, Any], row_to_item: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The checkpoint's stored histories (`users`: offsets, item ids) as canonical rows -> (offsets
+    int64 [U + 1], rows int64 [nnz]); row_to_item int64 [N] the item id of each canonical row."""
+    offsets = np.asarray(users["offsets"], dtype=np.int64)
+    ids = np.asarray(users["item_ids"], dtype=np.int64)
+    order = np.argsort(row_to_item)
+    rows = order[np.searchsorted(row_to_item, ids, sorter=order).clip(0, len(order) - 1)]
+    if not np.array_equal(row_to_item[rows], ids):
+        raise ConfigError("the checkpoint's stored histories name items outside its pool")
+    return offsets, rows
 
 
 def quantize_user_tower(user_tower, encoder, histories, cache_emb: torch.Tensor, mode: str, min_overlap: float,
@@ -245,8 +249,6 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     pool = Pool(item_ids, emb.numpy(), {f: list(v) for f, v in ckpt["item_features"].items()})
     index, manifest = build_filtered_ivf(pool, IVFConfig(nlist=cfg.nlist, seed=cfg.seed))
     perm = pool_rows(pool, index.row_to_item)  # canonical row -> pool row
-    perm_inv = torch.empty_like(perm)
-    perm_inv[perm] = torch.arange(n)
     cache = EmbeddingCache(emb[perm], ckpt["item_dense"][perm], ckpt["item_feature_names"])
     user = rebuild_user_tower(ckpt)
     permute_item_table(user, perm)
@@ -256,7 +258,9 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     from silverrec.retrieval.user_tower import FeatureEncoder
 
     encoder = FeatureEncoder.from_arrays(spec, item_csr)
-    sample = _sample_requests(ckpt, perm_inv.numpy())
+    row_to_item = index.row_to_item.to(torch.int64).numpy()
+    histories = off, rows = stored_histories(ckpt["users"], row_to_item)
+    sample = [rows[off[u]:off[u + 1]] for u in range(min(SAMPLE_USERS, len(off) - 1))]  # for the quantisation check
     user, quant = quantize_user_tower(user, encoder, sample, cache.emb.float(), cfg.quantize, cfg.min_overlap,
                                       cfg.mlp_dtype)
     if cfg.nprobe is not None:
@@ -296,8 +300,7 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
                            overarch=None if arch is None else kind, value_model=value_formula(formula),
                            merge=cfg.merge, overfetch=int(cfg.overfetch), candidates=int(cfg.candidates), **extra)
     if cfg.transitions:
-        model_spec = add_transitions(cfg, ckpt, model_spec, parts, manifest, index.row_to_item.to(torch.int64).numpy(),
-                                     perm_inv.numpy(), item_csr)
+        model_spec = add_transitions(cfg, ckpt, model_spec, parts, manifest, row_to_item, histories, item_csr)
     model = compose_checked(model_spec, parts, cfg.generative_checkpoint)
     record_composition(manifest, model)
     manifest.update({
@@ -310,22 +313,18 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
     users = None
     if "users" in ckpt:
         users = {k: np.asarray(v) for k, v in ckpt["users"].items()}
-    return Built(model, model_spec, parts, manifest, index.row_to_item.to(torch.int64).numpy(), item_csr, users)
+    return Built(model, model_spec, parts, manifest, row_to_item, item_csr, users)
 
 
 def add_transitions(cfg: PublishConfig, ckpt: dict, spec: ModelSpec, parts: ModelParts, manifest: dict[str, Any],
-                    row_to_item: np.ndarray, perm_inv: np.ndarray, item_csr) -> ModelSpec:
+                    row_to_item: np.ndarray, histories: tuple[np.ndarray, np.ndarray], item_csr) -> ModelSpec:
     """The next-item transitions (publish/transitions.py): the serving tables from the checkpoint's
-    stored histories into `parts`, the weight (the config's, or chosen on the validation items) into
+    stored histories (`stored_histories`) into `parts`, the weight (the config's, or chosen on the validation items) into
     the returned spec, the choice into manifest["transitions"]."""
     from silverrec.publish.quality import handler_for
-    from silverrec.publish.transitions import (METRIC, WINDOWS, choose_weight, stored_histories, transition_tables,
-                                               validation_histories)
+    from silverrec.publish.transitions import METRIC, WINDOWS, choose_weight, transition_tables, validation_histories
 
-    if "users" not in ckpt:
-        raise ConfigError(f"transitions are fitted on the checkpoint's stored histories; {cfg.checkpoint} has none")
-    row_of_item = {int(i): int(perm_inv[p]) for p, i in enumerate(ckpt["item_ids"].tolist())}
-    offsets, rows = stored_histories(ckpt["users"], row_of_item)
+    offsets, rows = histories
     n, m, decay = len(row_to_item), int(cfg.transitions), float(cfg.transition_decay)
     spec = spec.replace(transitions=m)
     if cfg.transition_weight != "auto":

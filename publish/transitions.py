@@ -5,8 +5,8 @@
                    transition_window = "auto"   # or a number of steps (1: the first-order chain)
                    transition_decay = 0.8
 
-`transition_tables`: the chain of the snapshot's stored histories (the checkpoint's `users`: every
-user's history at its training stage, the held-out test items absent): C[i, j] sums
+`transition_tables`: the chain of the snapshot's stored histories (publish/rec.py
+`stored_histories`: every user's history at its training stage, the held-out test items absent): C[i, j] sums
 decay^(d - 1) over every time j follows i by d <= window steps within a history (window 1: the
 consecutive pairs, the first-order Markov chain), P(j | i) = C[i, j] / sum_j C[i, j], and each item
 keeps its M likeliest successors (ties: the more popular successor first, then the lower row).
@@ -81,14 +81,6 @@ def transition_tables(offsets: np.ndarray, rows: np.ndarray, num_rows: int, m: i
     next_rows[src[keep], rank[keep]] = dst[keep]
     next_prob[src[keep], rank[keep]] = prob[keep]
     return torch.from_numpy(next_rows), torch.from_numpy(next_prob)
-
-
-def stored_histories(users: dict[str, Any], row_of_item: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """The checkpoint's stored histories (offsets, item ids) as canonical rows (offsets, rows)."""
-    offsets = np.asarray(users["offsets"], dtype=np.int64)
-    rows = np.fromiter((row_of_item[int(i)] for i in np.asarray(users["item_ids"])), dtype=np.int64,
-                       count=int(offsets[-1]))
-    return offsets, rows
 
 
 def validation_histories(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

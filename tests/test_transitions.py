@@ -23,7 +23,8 @@ from silverrec.errors import SnapshotError
 from silverrec.filtering.forward_index import ForwardIndex
 from silverrec.publish.config import ConfigError
 from silverrec.publish.quality import handler_for
-from silverrec.publish.transitions import stored_histories, transition_tables, validation_histories
+from silverrec.publish.rec import stored_histories
+from silverrec.publish.transitions import transition_tables, validation_histories
 from silverrec.spec import ModelSpec
 
 from tests.rec_fixtures import K0, N_ITEMS, TASKS, publish_keeping_model, rec_setup
@@ -87,8 +88,16 @@ def test_validation_histories_hold_out_each_newest_item():
 
 
 def canonical_histories(rec) -> tuple[np.ndarray, np.ndarray]:
+    """The checkpoint's stored histories as canonical rows, mapped here (plain dict lookups)."""
     row_of = {int(i): r for r, i in enumerate(rec.built.row_to_item.tolist())}
-    return stored_histories(rec.ckpt["users"], row_of)
+    users = rec.ckpt["users"]
+    return np.asarray(users["offsets"], dtype=np.int64), np.asarray([row_of[int(i)] for i in users["item_ids"]])
+
+
+def test_stored_histories_map_item_ids_to_canonical_rows(rec):
+    offsets, rows = stored_histories(rec.ckpt["users"], rec.built.row_to_item)
+    want_offsets, want_rows = canonical_histories(rec)
+    assert offsets.tolist() == want_offsets.tolist() and rows.tolist() == want_rows.tolist()
 
 
 @pytest.fixture(scope="module")

@@ -56,10 +56,12 @@ class TransitionSource(nn.Module):
             raise ValueError(f"next_rows holds a row outside [-1, {n})")
         self.ann = ann
         self.num_items = int(n)
-        # row N: the successors of "no history" (none), so that one gather serves every request
+        # row N: the successors of "no history" (none), so that one gather serves every request; next_prob's
+        # column M: 0, the P of "no successor" (float32 [N + 1, M + 1])
         self.register_buffer("next_rows", torch.cat([next_rows, torch.full_like(next_rows[:1], -1)]))
         prob = torch.where(next_rows >= 0, next_prob, torch.zeros_like(next_prob))
-        self.register_buffer("next_prob", torch.cat([prob, torch.zeros_like(prob[:1])]))
+        prob = torch.cat([prob, torch.zeros_like(prob[:1])])
+        self.register_buffer("next_prob", torch.cat([prob, torch.zeros_like(prob[:, :1])], dim=1))
 
     def forward(self, user: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor, vops: Tensor, vrows: Tensor,
                 lists: Tensor, mode: Tensor, history: Tensor, sources: Tensor, k: int, k0: int, nprobe: int,
@@ -72,14 +74,15 @@ class TransitionSource(nn.Module):
                        max_probe).rows  # [B, K1]
         last = history[:, -1]
         at = torch.where(last >= 0, last, torch.full_like(last, self.num_items))
-        nxt, prob = self.next_rows[at], self.next_prob[at]  # [B, M]
-        # each ANN row among the successors (sorted): its successor slot m, its P
+        nxt, prob_or_none = self.next_rows[at], self.next_prob[at]  # [B, M], [B, M + 1]
         M = nxt.shape[1]
+        prob = prob_or_none[:, :M]
+        # each ANN row among the successors (sorted): its successor slot m, its P
         srt, order = torch.sort(nxt, dim=1)
         pos = torch.searchsorted(srt, ann).clamp_max(M - 1)
         hit = (srt.gather(1, pos) == ann) & (ann >= 0)
         slot = torch.where(hit, order.gather(1, pos), torch.full_like(pos, M))  # M: no successor
-        ann_prob = torch.cat([prob, torch.zeros_like(prob[:, :1])], dim=1).gather(1, slot)
+        ann_prob = prob_or_none.gather(1, slot)
         found = torch.zeros(nxt.shape[0], M + 1, dtype=torch.bool, device=nxt.device).scatter(
             1, slot, torch.ones_like(hit))[:, :M]
         # the successors: passing the request's filter (one bank word each; row -1's word -1 is an empty
