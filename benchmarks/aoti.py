@@ -77,7 +77,7 @@ def rec_part(tmp: Path, checkpoint: str | None, quick: bool, repeat: int) -> tup
         ckpt_path = tmp / "model.ckpt"
         steps = (200, 50) if quick else (1500, 300)
         train(TrainConfig(interactions=str(inter), items=str(items), tasks=TASKS, overarch=["mol"], steps=steps[0],
-                          overarch_steps=steps[1]), ckpt_path, quiet_eval=True)
+                          overarch_steps=steps[1], user_tower="bag"), ckpt_path, quiet_eval=True)
     ckpt = load_checkpoint(ckpt_path)
     t = time.perf_counter()
     path = publish_rec(PublishConfig(checkpoint=str(ckpt_path), overarch="mol", k0=200, candidates=256,

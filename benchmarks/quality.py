@@ -162,8 +162,9 @@ def reused(path: Path, cfg: TrainConfig) -> dict:
     from silverrec.publish.train import load_checkpoint
 
     ckpt = load_checkpoint(path)
-    want = {k: v for k, v in json.loads(json.dumps(asdict(cfg), default=str)).items() if k not in PATH_KEYS}
-    have = {k: v for k, v in json.loads(json.dumps(ckpt["config"], default=str)).items() if k not in PATH_KEYS}
+    unused = PATH_KEYS + (("minutes",) if cfg.steps else ())  # fixed steps: the time cap never applied
+    want = {k: v for k, v in json.loads(json.dumps(asdict(cfg), default=str)).items() if k not in unused}
+    have = {k: v for k, v in json.loads(json.dumps(ckpt["config"], default=str)).items() if k not in unused}
     if want != have:
         diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
         raise SystemExit(f"{path} was trained with another configuration ({', '.join(diff)} differ): drop --reuse")

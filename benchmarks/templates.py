@@ -51,6 +51,7 @@ TRAIN_TOML = """\
 interactions = "logs/interactions.parquet"
 items = "logs/items.parquet"
 users = "logs/users.parquet"
+user_tower = "bag"
 dim = 64
 minutes = {minutes}
 overarch = ["mlp"]

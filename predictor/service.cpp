@@ -552,10 +552,12 @@ Job Service::prepare_recommend(const Json& body) const {
     }
   }
   for (size_t b = 0; b < parsed.size(); ++b) check_template(parsed[b], int64_t(b));
-  // the handler's own bound: at most the candidates the model ranks
+  // the handler's own bound: at most the candidates the model ranks (the ANN's, the next-item transitions'
+  // successors, the beams)
   const int64_t beams = generative_ ? config_.at("generative").at("beam_width").get<int64_t>() : 0;
   const int64_t candidates = config_.at("spec").value("candidates", int64_t(0));
-  check_int("k", job.k, 1, std::min(n, (ann_ ? (candidates ? candidates : n) : 0) + beams));
+  const int64_t successors = config_.at("spec").value("transitions", int64_t(0));
+  check_int("k", job.k, 1, std::min(n, (ann_ ? (candidates ? candidates : n) + successors : 0) + beams));
   job.users = std::move(parsed);
   job.group = "rec/" + std::to_string(job.k0) + "/" + std::to_string(job.nprobe) + "/" + std::to_string(job.max_probe) +
               "/" + mode + "/" + (job.exclude_history ? "1" : "0");

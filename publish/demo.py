@@ -8,8 +8,8 @@
    mixture-of-logits, list-wise).
    A second run reuses the checkpoint when the logs and the config are unchanged.
 3. `silverrec publish --config out/demo/publish.toml`: one snapshot (user tower, int8 IVF, Bloom
-   filter bank, embedding cache, OverArch, value model, next-item transitions with their window
-   and weight chosen on the validation items) -> out/demo/snapshot.
+   filter bank, embedding cache, OverArch, value model, next-item transitions with their window,
+   decay and weight chosen on the validation items) -> out/demo/snapshot.
 4. `silverrec recommend` in a fresh process for a few users, with titles, then the same users with a
    filter evaluated in-model, every answer checked against movies.csv.
 5. The quality table (leave-one-out, full ranking, history masked): popularity, PureSVD, EASE,
@@ -69,7 +69,7 @@ k0 = 200
 candidates = 256       # ranked per request: the 2 tasks' lists rank by rank (their union: mean 245, p90 279)
 quantize = "auto"      # int8 user-tower tables where their top-100 agrees with fp32's
 transitions = 100      # the newest history item's 100 likeliest next items join the candidates (value + w * P;
-                       # w chosen on the validation items)
+                       # the chain's window and decay and w chosen on the validation items)
 
 [value_model]          # the final score: a formula over the task scores (and item features)
 weights = {{ interacted = 1.0, liked = 0.5 }}

@@ -94,10 +94,10 @@ class PublishConfig:
     transitions: int = 0
     transition_weight: Any = "auto"
     # j counts as a successor of i up to transition_window steps after it, weighing transition_decay^(steps - 1)
-    # (window 1: the first-order Markov chain); "auto": the window of publish/transitions.py's WINDOWS that
-    # the validation items favour, chosen with the weight
+    # (window 1: the first-order Markov chain); "auto": the window and decay of publish/transitions.py's
+    # WINDOWS x DECAYS that the validation items favour, chosen with the weight
     transition_window: Any = "auto"
-    transition_decay: float = 0.8
+    transition_decay: Any = "auto"
 
     def __post_init__(self):
         if self.merge not in MERGES:
@@ -135,14 +135,14 @@ class PublishConfig:
         if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ConfigError(f"transition_window must be \"auto\" or an int >= 1, got {v!r}")
         d = self.transition_decay
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
-            raise ConfigError(f"transition_decay must be a number in (0, 1], got {d!r}")
+        if d != "auto" and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1):
+            raise ConfigError(f"transition_decay must be \"auto\" or a number in (0, 1], got {d!r}")
         w = self.transition_weight
         if w != "auto" and (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0):
             raise ConfigError(f"transition_weight must be \"auto\" or a finite number >= 0, got {w!r}")
-        if v == "auto" and self.transitions and self.transition_weight != "auto":
-            raise ConfigError("transition_window = \"auto\" is chosen with the weight on the validation items: "
-                              "with a fixed transition_weight, give the window too")
+        if "auto" in (v, d) and self.transitions and self.transition_weight != "auto":
+            raise ConfigError("transition_window and transition_decay \"auto\" are chosen with the weight on the "
+                              "validation items: with a fixed transition_weight, give the window and the decay too")
         if self.mlp_dtype not in ("fp32", "bf16", "auto"):
             raise ConfigError(f"mlp_dtype must be 'fp32', 'bf16' or 'auto', got {self.mlp_dtype!r}")
 
@@ -319,36 +319,31 @@ def build_rec_model(cfg: PublishConfig, ckpt: Optional[dict] = None, overarch: O
 def add_transitions(cfg: PublishConfig, ckpt: dict, spec: ModelSpec, parts: ModelParts, manifest: dict[str, Any],
                     row_to_item: np.ndarray, histories: tuple[np.ndarray, np.ndarray], item_csr) -> ModelSpec:
     """The next-item transitions (publish/transitions.py): the serving tables from the checkpoint's
-    stored histories (`stored_histories`) into `parts`, the weight (the config's, or chosen on the validation items) into
-    the returned spec, the choice into manifest["transitions"]."""
+    stored histories (`stored_histories`) into `parts`, the weight (the config's, or chosen with the
+    window and decay on the validation items) into the returned spec, the choice into
+    manifest["transitions"]."""
     from silverrec.publish.quality import handler_for
-    from silverrec.publish.transitions import METRIC, WINDOWS, choose_weight, transition_tables, validation_histories
+    from silverrec.publish.transitions import choose, transition_tables
 
     offsets, rows = histories
-    n, m, decay = len(row_to_item), int(cfg.transitions), float(cfg.transition_decay)
+    n, m = len(row_to_item), int(cfg.transitions)
     spec = spec.replace(transitions=m)
     if cfg.transition_weight != "auto":
-        window, choice = int(cfg.transition_window), {"weight": float(cfg.transition_weight), "chosen_on": "config"}
+        choice = {"window": int(cfg.transition_window), "decay": float(cfg.transition_decay),
+                  "weight": float(cfg.transition_weight), "chosen_on": "config"}
     else:
-        v_offsets, v_rows, targets = validation_histories(offsets, rows)
         config = {**manifest, **serving_config(cfg, UserFeatureSpec.from_json(ckpt["spec"]), parts.cache)}
-        tried = []
-        for window in WINDOWS if cfg.transition_window == "auto" else (int(cfg.transition_window),):
-            v_parts = dataclasses.replace(parts, transitions=transition_tables(v_offsets, v_rows, n, m, window, decay))
 
-            def handler_with(w: float, v_parts=v_parts):
-                model = compose_checked(spec.replace(transition_weight=w), v_parts)
-                return handler_for(Built(model, model.spec, v_parts, config, row_to_item, item_csr, None))
+        def handler_with(tables):
+            v_parts = dataclasses.replace(parts, transitions=tables)
+            model = compose_checked(spec.replace(transition_weight=0.0), v_parts)
+            return handler_for(Built(model, model.spec, v_parts, config, row_to_item, item_csr, None))
 
-            with step(f"choosing the transitions' weight on the validation items (window {window})"):
-                tried.append({"window": window, **choose_weight(handler_with, row_to_item, v_offsets, v_rows, targets,
-                                                                cfg.seed)})
-        best = dict(max(tried, key=lambda c: (c.get(METRIC, 0.0), -tried.index(c))))
-        window, choice = best.pop("window"), best
-        if len(tried) > 1:
-            choice["windows"] = [{k: c[k] for k in ("window", "weight", METRIC) if k in c} for c in tried]
-    parts.transitions = transition_tables(offsets, rows, n, m, window, decay)
-    manifest["transitions"] = {"per_item": m, "window": window, "decay": decay, **choice}
+        with step("choosing the transitions' table and weight on the validation items"):
+            choice = choose(handler_with, row_to_item, offsets, rows, m, cfg.seed, cfg.transition_window,
+                            cfg.transition_decay)
+    parts.transitions = transition_tables(offsets, rows, n, m, choice["window"], choice["decay"])
+    manifest["transitions"] = {"per_item": m, **choice}
     return spec.replace(transition_weight=float(choice["weight"]))
 
 

@@ -10,11 +10,12 @@ items, at stage "valid" on the train items only (for choosing hyper-parameters).
 
 1. Two-tower: user tower and item tower (publish/two_tower.py), sampled softmax over in-batch +
    uniform negatives with logQ correction, one loss per task over that task's positives. The user
-   tower is `user_tower = "bag"` (silverrec/retrieval/user_tower.py, TorchRec EBC over the history:
-   one example per step and history) or `"sequence"` (silverrec/retrieval/sequence_tower.py, a
+   tower is `user_tower = "sequence"` (the default; silverrec/retrieval/sequence_tower.py, a
    causal transformer: every position of a window of the history predicts the next item; its
    targets are the train part only, and it stops early when NDCG@10 on the validation items (the
-   valid-stage histories) has not improved for `patience` evaluations, keeping the best state).
+   valid-stage histories) has not improved for `patience` evaluations, keeping the best state) or
+   `"bag"` (silverrec/retrieval/user_tower.py, TorchRec EBC over the history: one example per step
+   and history; faster to train, below the sequential tower in quality).
 2. OverArch rankers (MLP and/or mixture-of-logits): trained on the frozen two-tower's own top-K0
    candidates of training examples whose target is among them (hard negatives), softmax
    cross-entropy over the candidate list, one loss per task.
@@ -47,6 +48,10 @@ SOFTMAX = ("auto", "full", "sampled")
 # measured ahead on MovieLens (9,742 items) and not on Video Games (23,715; docs/recommendation.md)
 FULL_SOFTMAX_ITEMS = 20_000
 USER_TOWERS = tuple(OWN_TOWERS)  # train.toml's user_tower: "bag" | "sequence"
+# each tower's (minutes, batch) where train.toml leaves them out: the sequential tower's batch is the one
+# its MovieLens figures were measured with, and its time is a cap that early stopping comes in under
+# (docs/recommendation.md); the bag tower trains on one example per history, in a fixed budget
+TOWER_DEFAULTS = {"bag": (1.5, 256), "sequence": (20.0, 64)}
 
 
 @dataclass
@@ -77,12 +82,12 @@ class TrainConfig:
     dim: int = 64
     history_len: int = 50
     recent_len: int = 5
-    minutes: float = 1.5  # two-tower budget
+    minutes: Optional[float] = None  # two-tower time cap (None: TOWER_DEFAULTS; "sequence" stops early before it)
     overarch_minutes: float = 0.5  # per OverArch kind
     overarch: list[str] = field(default_factory=lambda: ["mlp", "mol"])
     steps: Optional[int] = None  # fixed step counts instead of the time budgets (reproducible runs)
     overarch_steps: Optional[int] = None
-    batch: int = 256
+    batch: Optional[int] = None  # examples per step (None: TOWER_DEFAULTS; "sequence": histories, each every position)
     negatives: Any = 1024  # uniform negatives per step, or "all": every item once (with in_batch_negatives 0, the full softmax)
     in_batch_negatives: int = 1024  # most of a step's targets that join the negatives (the bag tower's 256: all)
     lr: float = 2e-3
@@ -92,8 +97,10 @@ class TrainConfig:
     max_dense_values: int = 32  # dense multi-hot columns per item feature (most frequent values)
     seed: int = 0
     stage: str = "test"
-    user_tower: str = "bag"  # "bag" (pooled history, TorchRec) or "sequence" (causal transformer)
-    sequence: Any = None  # the [sequence] table: SequenceConfig's fields
+    # "sequence" (causal transformer over the ordered history: ahead of "bag" on both development data
+    # sets, docs/recommendation.md) or "bag" (pooled history, TorchRec: trains in a minute, not 10 to 20)
+    user_tower: str = "sequence"
+    sequence: Any = None  # the [sequence] table: SequenceConfig's fields (model_dim: `dim` unless set)
     valid_every: int = 100  # sequential tower: steps between early-stopping evaluations
     patience: int = 5  # sequential tower: evaluations without a better validation NDCG@10 before stopping
     softmax: str = "auto"  # sequential tower's loss: "full" (every item), "sampled" (negatives above), "auto" (by pool size)
@@ -101,12 +108,15 @@ class TrainConfig:
     def __post_init__(self):
         if self.user_tower not in USER_TOWERS:
             raise ConfigError(f"user_tower must be one of {USER_TOWERS}, got {self.user_tower!r}")
+        minutes, batch = TOWER_DEFAULTS[self.user_tower]
+        self.minutes = minutes if self.minutes is None else self.minutes
+        self.batch = batch if self.batch is None else self.batch
         if not isinstance(self.sequence, SequenceConfig):
             table = self.sequence if self.sequence is not None else {}
             if not isinstance(table, dict):
                 raise ConfigError(f"[sequence] must be a table, got {table!r}")
-            try:
-                self.sequence = SequenceConfig(**table)
+            try:  # the transformer's width is the item tower's unless the table says otherwise
+                self.sequence = SequenceConfig(**{"model_dim": self.dim, **table})
             except TypeError as e:
                 raise ConfigError(f"[sequence]: {e}") from None
             except ValueError as e:
@@ -114,7 +124,8 @@ class TrainConfig:
         if self.user_tower == "sequence" and self.sequence.item_table == "tower" and self.dim != self.sequence.model_dim:
             raise ConfigError(f"sequence.item_table = 'tower' (the default) reads the item tower's outputs, so it needs "
                               f"dim = sequence.model_dim, got dim = {self.dim} and sequence.model_dim = "
-                              f"{self.sequence.model_dim}: set [sequence] model_dim = {self.dim}, or item_table = \"own\"")
+                              f"{self.sequence.model_dim}: drop [sequence] model_dim (it follows dim) or set it to "
+                              f"{self.dim}, or item_table = \"own\"")
         self.tasks = [t if isinstance(t, TaskSpec) else TaskSpec(**t) for t in self.tasks]
         if not self.tasks:
             raise ConfigError("config has no [[tasks]]")

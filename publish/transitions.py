@@ -3,7 +3,7 @@
     publish.toml:  transitions = 100            # M successors per item (0 = none)
                    transition_weight = "auto"   # or a number w >= 0
                    transition_window = "auto"   # or a number of steps (1: the first-order chain)
-                   transition_decay = 0.8
+                   transition_decay = "auto"    # or a number in (0, 1]
 
 `transition_tables`: the chain of the snapshot's stored histories (publish/rec.py
 `stored_histories`: every user's history at its training stage, the held-out test items absent): C[i, j] sums
@@ -11,14 +11,19 @@ decay^(d - 1) over every time j follows i by d <= window steps within a history 
 consecutive pairs, the first-order Markov chain), P(j | i) = C[i, j] / sum_j C[i, j], and each item
 keeps its M likeliest successors (ties: the more popular successor first, then the lower row).
 
-`choose_weight`: w in value + w * P, chosen on the validation items: each stored history's newest
-item is held out (its target), the chain is fitted on the histories without it, and one request per
-user (a seeded sample of at most VALID_USERS) asks the snapshot with those tables for its top 100,
-as served, once per w of the grid: GRID times the values' spread (the mean gap between a request's
-best value and its 100th at w = 0). The best NDCG@10 wins (the first of equals: w = 0 before any
-other, so a chain that does not help is switched off). With transition_window = "auto" each window
-of WINDOWS gets its own validation tables and grid, and the best NDCG@10 picks the window too (the
-first of equals: the shorter). The grid, each w's figures and the choice go to the manifest
+`choose`: the table (window, decay) and w in value + w * P, chosen on the validation items: each
+stored history's newest item is held out (its target), the chain is fitted on the histories
+without it, and one request per user (a seeded sample of at most VALID_USERS) asks the snapshot
+with those tables, as served, for every candidate it ranks at w = 0: their values. The candidates
+do not depend on w (the ANN's and the newest item's successors), so the top 100 at w is the top
+100 of value + w * P over them, computed here for each w of the grid (GRID times the values' spread:
+the mean gap between a request's best value and its 100th at w = 0): one forward per table, not
+one per w. The best NDCG@10 wins; the first of equals (w = 0 before any other, so a chain that does
+not help is switched off; the shorter window, the stronger decay). The tables tried are
+`tables_tried`: WINDOWS x DECAYS (transition_window / transition_decay "auto"; a given value
+narrows them), a window from the first-order chain to 20 steps and a decay from halving to none,
+the range the screens in docs/recommendation.md spanned; the choice within it is the validation
+items' alone. Each table's best w, the chosen table's whole grid and the choice go to the manifest
 (`transitions`).
 
 The towers' own validation figures are optimistic where their training saw the validation items (the
@@ -35,10 +40,19 @@ import torch
 from silverrec.publish.evaluate import metrics_from_ranks, ranks_from_topk
 
 GRID = (0.0, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0, 4096.0)  # w / the values' spread
-WINDOWS = (1, 3, 10)  # transition_window = "auto": the windows tried (1: the first-order chain)
+WINDOWS = (1, 2, 3, 5, 10, 20)  # transition_window = "auto": the windows tried (1: the first-order chain)
+DECAYS = (0.5, 0.8, 1.0)  # transition_decay = "auto": the decays tried (window 1 has no decay: 1.0)
 VALID_USERS = 4096
 METRIC = "NDCG@10"
 K_EVAL = 100
+
+
+def tables_tried(window: Any = "auto", decay: Any = "auto") -> list[tuple[int, float]]:
+    """(window, decay) of each validation table: WINDOWS x DECAYS, narrowed by a given window and/or
+    decay; window 1 weighs no later step, so it is one table (with the last decay)."""
+    windows = WINDOWS if window == "auto" else (int(window),)
+    decays = DECAYS if decay == "auto" else (float(decay),)
+    return [(w, d) for w in windows for d in decays if w > 1 or d == decays[-1]]
 
 
 def chain(offsets: np.ndarray, rows: np.ndarray, num_rows: int, window: int = 1,
@@ -96,34 +110,84 @@ def validation_histories(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndar
     return out, rows[keep], targets
 
 
-def choose_weight(handler_with: Callable[[float], Any], row_to_item: np.ndarray, offsets: np.ndarray,
-                  rows: np.ndarray, targets: np.ndarray, seed: int, batch: int = 64) -> dict[str, Any]:
-    """The weight (module docstring). `handler_with(w)`: a predictor over the snapshot with the
-    validation tables and weight w; (offsets, rows) the validation histories (canonical rows),
-    targets int64 [U] their held-out rows (-1 = none)."""
+def validation_users(offsets: np.ndarray, targets: np.ndarray, seed: int) -> np.ndarray:
+    """int64 [U'] the validation requests' users: a seeded sample of at most VALID_USERS of those with a
+    held-out item and a history before it, ascending."""
     users = np.flatnonzero((targets >= 0) & (np.diff(offsets) >= 1))
-    if len(users) == 0:
-        return {"weight": 0.0, "chosen_on": "no validation items"}
-    users = np.sort(np.random.default_rng(seed).permutation(users)[:VALID_USERS])
-    target_ids = torch.from_numpy(row_to_item[targets[users]].astype(np.int64))
+    return np.sort(np.random.default_rng(seed).permutation(users)[:VALID_USERS])
 
-    def run(w: float) -> tuple[dict[str, float], torch.Tensor]:
-        handler, ids, scores = handler_with(w), [], []
-        for s in range(0, len(users), batch):
-            hists = [rows[offsets[u]:offsets[u + 1]] for u in users[s:s + batch]]
-            res = handler.recommend([{"history": row_to_item[h]} for h in hists], k=K_EVAL,
-                                    exclude_limit=max(len(np.unique(h)) for h in hists))
-            ids.append(res.item_ids)
-            scores.append(res.scores)
-        m = metrics_from_ranks(ranks_from_topk(torch.cat(ids), target_ids))
-        return {"weight": round(w, 6), **{k: round(m[k], 5) for k in ("HR@10", METRIC, "HR@100")}}, torch.cat(scores)
 
-    first, value = run(0.0)
+def candidate_values(handler: Any, row_to_item: np.ndarray, offsets: np.ndarray, rows: np.ndarray,
+                     users: np.ndarray, tables: tuple[torch.Tensor, torch.Tensor],
+                     batch: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every candidate the snapshot (`handler`, at w = 0) ranks for each user's validation request
+    served at k = K_EVAL (its whole history excluded; `every_candidate`): (item ids int64 [U, C], -1 =
+    none; values float32 [U, C], -inf = none; P(item | the newest history row) float32 [U, C] from
+    `tables`, (next_rows int64 [N, M], next_prob float32 [N, M]), 0 where they list no such step)."""
+    next_rows, next_prob = tables
+    order = np.argsort(row_to_item)
+    ids, values, probs = [], [], []
+    for s in range(0, len(users), batch):
+        hists = [rows[offsets[u]:offsets[u + 1]] for u in users[s:s + batch]]
+        res = handler.recommend([{"history": row_to_item[h]} for h in hists], k=K_EVAL, every_candidate=True,
+                                exclude_limit=max(len(np.unique(h)) for h in hists))
+        item = res.item_ids.numpy()
+        cand = torch.from_numpy(np.where(item >= 0, order[np.searchsorted(row_to_item, item, sorter=order)
+                                                          .clip(max=len(order) - 1)], -2))  # rows; -2 = none
+        last = torch.from_numpy(np.array([h[-1] for h in hists], dtype=np.int64))
+        hit = next_rows[last][:, None, :] == cand[:, :, None]  # [b, C, M]
+        probs.append((hit.float() * next_prob[last][:, None, :]).sum(2))
+        ids.append(res.item_ids)
+        values.append(res.scores)
+    return torch.cat(ids), torch.cat(values), torch.cat(probs)
+
+
+def weight_grid(ids: torch.Tensor, value: torch.Tensor, prob: torch.Tensor,
+                target_ids: torch.Tensor) -> tuple[list[dict[str, Any]], float]:
+    """The validation figures of value + w * P's top K_EVAL (`candidate_values`' outputs; target_ids
+    int64 [U]) for each w of GRID times the values' spread -> (one row per w, the spread)."""
     real = value > float("-inf")
-    last = (real.sum(1, keepdim=True) - 1).clamp_min(0)  # each request's 100th value, or its last
+    last = (real[:, :K_EVAL].sum(1, keepdim=True) - 1).clamp_min(0)  # each request's 100th value, or its last
     gap = (value[:, 0] - value.gather(1, last)[:, 0])[real[:, 0]]
     spread = float(gap.mean()) if gap.numel() and float(gap.mean()) > 0 else 1.0
-    grid = [first] + [run(g * spread)[0] for g in GRID[1:]]
-    best = max(grid, key=lambda r: (r[METRIC], -grid.index(r)))
-    return {"weight": best["weight"], METRIC: best[METRIC], "chosen_on": "validation", "users": int(len(users)),
-            "value_spread": round(spread, 6), "grid": grid}
+    rows = []
+    for g in GRID:
+        w = g * spread
+        key = value + torch.tensor(w, dtype=torch.float32) * prob  # as the value stage adds it (float32)
+        top = torch.topk(key, min(K_EVAL, key.shape[1]), dim=1)
+        top_ids = torch.where(top.values > float("-inf"), ids.gather(1, top.indices), -1)
+        m = metrics_from_ranks(ranks_from_topk(top_ids, target_ids))
+        rows.append({"weight": round(w, 6), **{k: round(m[k], 5) for k in ("HR@10", METRIC, "HR@100")}})
+    return rows, spread
+
+
+def best_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row of the best METRIC, the first of equals."""
+    return max(rows, key=lambda r: (r[METRIC], -rows.index(r)))
+
+
+def choose(handler_with: Callable[[tuple[torch.Tensor, torch.Tensor]], Any], row_to_item: np.ndarray,
+           offsets: np.ndarray, rows: np.ndarray, m: int, seed: int, window: Any = "auto",
+           decay: Any = "auto") -> dict[str, Any]:
+    """The table and the weight (module docstring) -> the manifest's choice: window, decay, weight,
+    its figures, each table's best and the chosen table's grid. `handler_with(tables)`: a predictor
+    over the snapshot with those validation tables at w = 0; (offsets, rows) the stored histories
+    (canonical rows, oldest first); m successors per item."""
+    v_offsets, v_rows, targets = validation_histories(offsets, rows)
+    users = validation_users(v_offsets, targets, seed)
+    tried = tables_tried(window, decay)
+    if len(users) == 0:
+        w, d = tried[0]
+        return {"window": w, "decay": d, "weight": 0.0, "chosen_on": "no validation items"}
+    target_ids = torch.from_numpy(row_to_item[targets[users]].astype(np.int64))
+    n = len(row_to_item)
+    results = []
+    for w, d in tried:
+        tables = transition_tables(v_offsets, v_rows, n, m, w, d)
+        grid, spread = weight_grid(*candidate_values(handler_with(tables), row_to_item, v_offsets, v_rows, users, tables),
+                                   target_ids)
+        results.append({"window": w, "decay": d, "value_spread": round(spread, 6), "grid": grid, **best_of(grid)})
+    chosen = best_of(results)
+    return {**{k: chosen[k] for k in ("window", "decay", "weight", "HR@10", METRIC, "HR@100", "value_spread")},
+            "chosen_on": "validation", "users": int(len(users)), "grid": chosen["grid"],
+            "tables": [{k: r[k] for k in ("window", "decay", "weight", METRIC)} for r in results]}

@@ -37,6 +37,7 @@ OVERARCH_STEPS = 5  # the tests check how the OverArch is composed, not how good
 TRAIN_TOML = """\
 interactions = "interactions.parquet"
 items = "items.parquet"
+user_tower = "bag"           # the pooled tower: these tests check its TorchRec tables and int8 path
 dim = 16
 batch = 64
 negatives = 64

@@ -60,6 +60,7 @@ TRAIN_TOML = """\
 interactions = "interactions.parquet"
 items = "items.parquet"
 users = "users.parquet"
+user_tower = "bag"
 dim = 16
 history_len = 30
 recent_len = 5

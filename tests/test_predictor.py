@@ -319,12 +319,17 @@ def test_each_overarch_answers_as_python(rec, overarches, kind):
 def test_transitions_snapshot_answers_as_python(rec, tmp_path_factory):
     """Next-item transitions (retrieval/transitions.py): the C++ predictor hands the forward each
     request's newest history row, as the Python one does. A weight far above the tiny model's values
-    makes the successors reorder the lists."""
+    makes the successors reorder the lists. k may reach the candidates ranked: 30 from the ANN and
+    6 successors, 36 and no more."""
     from silverrec.publish.rec import PublishConfig, publish_rec
 
-    snap = publish_rec(PublishConfig(checkpoint=str(rec.ckpt_path), overarch="mol", k0=20, nlist=8, transitions=6,
-                                     transition_weight=50.0, transition_window=3), tmp_path_factory.mktemp("predictor_transitions") / "snap")
-    check(snap, "recommend", rec_bodies(rec)[:6] + rec_filter_bodies(rec)[:3])
+    snap = publish_rec(PublishConfig(checkpoint=str(rec.ckpt_path), overarch="mol", k0=20, nlist=8, candidates=30,
+                                     transitions=6, transition_weight=50.0, transition_window=3, transition_decay=0.8),
+                       tmp_path_factory.mktemp("predictor_transitions") / "snap")
+    user = int(rec.logs.user_ids[0])
+    answers = check(snap, "recommend", rec_bodies(rec)[:6] + rec_filter_bodies(rec)[:3] +
+                    [{"user_id": user, "k": 36}, {"user_id": user, "k": 37}])
+    assert "status" not in answers[-2] and "k must be" in answers[-1]["detail"]
     check(snap, "rank", rank_bodies(rec)[:2])
 
 

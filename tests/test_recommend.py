@@ -255,7 +255,7 @@ def test_trainer_trains_a_listwise_overarch_on_whole_candidate_lists(rec, tmp_pa
     from silverrec.publish.train import rebuild_overarch
 
     inter, items = write_logs(make_logs(), tmp_path)
-    cfg = TrainConfig(interactions=str(inter), items=str(items), dim=8, batch=16, negatives=8, k0=6,
+    cfg = TrainConfig(interactions=str(inter), items=str(items), user_tower="bag", dim=8, batch=16, negatives=8, k0=6,
                       steps=3, overarch_steps=4, overarch=["listwise"], overarch_negatives=1)
     ckpt = train(cfg, None, max_steps=4, quiet_eval=True)
     assert ckpt["stats"]["overarch_listwise"]["steps"] == 4

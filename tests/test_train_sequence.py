@@ -179,14 +179,32 @@ def test_the_softmax_is_chosen_by_config_and_pool_size():
 
 def test_the_default_item_table_needs_the_item_towers_width():
     """item_table "tower" (the default) feeds the item tower's dim-wide outputs to a model_dim-wide
-    transformer: a mismatch is refused when the config is read, naming both fixes."""
+    transformer: model_dim follows dim unless [sequence] sets it, and a mismatch set there is refused
+    when the config is read, naming the fixes."""
     from silverrec.publish.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"dim = 32 and sequence.model_dim = 64: set \[sequence\] model_dim = 32"):
-        TrainConfig(interactions="i", items="p", user_tower="sequence", dim=32)
-    TrainConfig(interactions="i", items="p", user_tower="sequence", dim=32, sequence={"model_dim": 32})
-    TrainConfig(interactions="i", items="p", user_tower="sequence", dim=32, sequence={"item_table": "own"})
+    with pytest.raises(ConfigError, match=r"dim = 32 and sequence.model_dim = 64: drop \[sequence\] model_dim "
+                                          r"\(it follows dim\) or set it to 32"):
+        TrainConfig(interactions="i", items="p", user_tower="sequence", dim=32, sequence={"model_dim": 64})
+    assert TrainConfig(interactions="i", items="p", user_tower="sequence", dim=32).sequence.model_dim == 32
+    own = TrainConfig(interactions="i", items="p", user_tower="sequence", dim=32, sequence={"item_table": "own"})
+    assert own.sequence.model_dim == 32
+    wide = TrainConfig(interactions="i", items="p", dim=32, sequence={"item_table": "own", "model_dim": 48})
+    assert wide.sequence.model_dim == 48
     TrainConfig(interactions="i", items="p", user_tower="bag", dim=32)  # the bag tower has no [sequence]
+
+
+def test_the_default_tower_is_the_sequential_one_with_its_own_budget():
+    """A config that names no tower trains the sequential one (the better on both development data
+    sets) with its batch and time cap; the bag tower keeps its own; a config's values win."""
+    from silverrec.publish.train import TOWER_DEFAULTS
+
+    seq = TrainConfig(interactions="i", items="p")
+    assert seq.user_tower == "sequence" and (seq.minutes, seq.batch) == TOWER_DEFAULTS["sequence"] == (20.0, 64)
+    bag = TrainConfig(interactions="i", items="p", user_tower="bag")
+    assert (bag.minutes, bag.batch) == TOWER_DEFAULTS["bag"] == (1.5, 256)
+    mine = TrainConfig(interactions="i", items="p", minutes=3.0, batch=32)
+    assert (mine.minutes, mine.batch) == (3.0, 32)
 
 
 @pytest.fixture(scope="module")

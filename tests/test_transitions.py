@@ -191,9 +191,12 @@ def test_publish_chooses_the_weight_and_the_programs_equal_eager(rec, published)
     assert choice["per_item"] == M and choice["chosen_on"] == "validation"
     best = max(g["NDCG@10"] for g in choice["grid"])
     assert choice["weight"] in [g["weight"] for g in choice["grid"] if g["NDCG@10"] == best]
-    windows = choice["windows"]  # transition_window "auto": each window's best, the chosen one the best of them
-    assert [w["window"] for w in windows] == [1, 3, 10] and choice["NDCG@10"] == max(w["NDCG@10"] for w in windows)
-    assert choice["window"] == next(w["window"] for w in windows if w["NDCG@10"] == choice["NDCG@10"])
+    tables = choice["tables"]  # window and decay "auto": each table's best, the chosen one the best of them
+    assert [(t["window"], t["decay"]) for t in tables] == [(1, 1.0)] + [(w, d) for w in (2, 3, 5, 10, 20)
+                                                                        for d in (0.5, 0.8, 1.0)]
+    assert choice["NDCG@10"] == max(t["NDCG@10"] for t in tables)
+    first = next(t for t in tables if t["NDCG@10"] == choice["NDCG@10"])
+    assert (choice["window"], choice["decay"]) == (first["window"], first["decay"])
     assert built.spec.transitions == M and built.spec.transition_weight == pytest.approx(choice["weight"])
     us = users(rec, 3, start=50)
     requests = [{"user_id": us[0]}, {"history": rec.logs.history(us[1])[-5:], "filter": "NOT cat = c1"},
@@ -204,6 +207,34 @@ def test_publish_chooses_the_weight_and_the_programs_equal_eager(rec, published)
         res = silverrec.load(snap_dir, backend=backend).recommend(requests, k=12)
         torch.testing.assert_close(res.item_ids, want.item_ids, rtol=0, atol=0, msg=backend)
         torch.testing.assert_close(res.scores, want.scores, rtol=1e-5, atol=1e-5, msg=backend)
+
+
+def test_the_grid_figures_are_the_served_lists_figures(rec, published):
+    """The choice reranks one forward's candidates per w: its figures for the chosen table at w = 0 and at
+    the largest w of the grid equal those of the model composed with that table and w, served as a user
+    would call it (top 100, the history excluded), NDCG@10 computed here."""
+    from silverrec.publish.transitions import validation_users
+
+    _, built = published
+    choice = built.manifest["transitions"]
+    offsets, rows = canonical_histories(rec)
+    v_off, v_rows, targets = validation_histories(offsets, rows)
+    us = validation_users(v_off, targets, rec.publish_cfg.seed)
+    assert len(us) == choice["users"]
+    tables = transition_tables(v_off, v_rows, N_ITEMS, M, choice["window"], choice["decay"])
+    parts = dataclasses.replace(built.parts, transitions=tables)
+    row_to_item = built.row_to_item
+    for row in (choice["grid"][0], choice["grid"][-1]):
+        model = compose(built.spec.replace(transition_weight=row["weight"]), parts)
+        handler = handler_for(built, model)
+        gains = []
+        for u in us:
+            hist = v_rows[v_off[u]:v_off[u + 1]]
+            got = handler.recommend([{"history": row_to_item[hist].tolist()}], k=100,
+                                    exclude_limit=len(set(hist.tolist()))).item_ids[0].tolist()
+            target = int(row_to_item[targets[u]])
+            gains.append(1 / np.log2(got.index(target) + 2) if target in got[:10] else 0.0)
+        assert float(np.mean(gains)) == pytest.approx(row["NDCG@10"], abs=2e-5), row["weight"]
 
 
 @pytest.mark.parametrize("changes, field", [
@@ -231,8 +262,10 @@ def test_compose_and_config_name_the_bad_part(rec):
     for bad, match in [({"transitions": -2}, "transitions must be an int"),
                        ({"transitions": 4, "transition_weight": "big"}, "transition_weight must be"),
                        ({"transitions": 4, "transition_window": 0}, "transition_window must be"),
-                       ({"transitions": 4, "transition_weight": 2.0}, "give the window too"),
-                       ({"transitions": 4, "transition_decay": 1.5}, "transition_decay must be a number in"),
+                       ({"transitions": 4, "transition_weight": 2.0}, "give the window and the decay too"),
+                       ({"transitions": 4, "transition_weight": 2.0, "transition_window": 3},
+                        "give the window and the decay too"),
+                       ({"transitions": 4, "transition_decay": 1.5}, "transition_decay must be \"auto\" or a number in"),
                        ({"transitions": 4, "sources": ["ann", "generative"], "generative_checkpoint": "g"},
                         "one source is 'ann'")]:
         with pytest.raises(ConfigError, match=match):

@@ -221,14 +221,16 @@ class RecHandler:
     def recommend(self, requests, k: int = 10, k0: Optional[int] = None, nprobe: Optional[int] = None,
                   max_probe: Optional[int] = None, mode: str = "auto", exclude_history: bool = True,
                   exclude_limit: Optional[int] = None, threads: Union[str, int, None] = "auto",
-                  target_recall: Optional[float] = None) -> Recommendations:
+                  target_recall: Optional[float] = None, every_candidate: bool = False) -> Recommendations:
         """Top-k items per request, one forward call (module docstring). `target_recall` (instead of
         nprobe): the recall@k0 of the retrieval wanted, mapped to an nprobe through the curve publish
         measured (`calibration` in the manifest). `exclude_limit` (default:
         the snapshot's) is the number of exclusion slots every request gets (`encode`). `threads`:
         the forward's intra-op threads: "auto" (one thread for at most ONE_THREAD_MAX_BATCH
         requests, else the process's setting), an int, or None (the process's setting); the
-        process's setting is restored after the call."""
+        process's setting is restored after the call. `every_candidate` (a snapshot whose one source
+        is the ANN): the list before its cut to k, every candidate the forward ranks for the request
+        served at k, best first (publish ranks them again under other weights, publish/transitions.py)."""
         if not isinstance(requests, list) and isinstance(requests, (RecRequest, Mapping)):
             requests = [requests]
         requests = [RecRequest.coerce(r, b) for b, r in enumerate(requests)]
@@ -237,7 +239,7 @@ class RecHandler:
         cfg, spec = self.config, self.model_spec
         n, T = len(self.row_to_item), len(self.tasks)
         beams = int(cfg["generative"]["beam_width"]) if "generative" in spec.sources else 0
-        ranked = (spec.candidates or n) if "ann" in spec.sources else 0
+        ranked = (spec.candidates or n) + spec.transitions if "ann" in spec.sources else 0  # the ANN's + successors
         _check_int("k", k, 1, min(n, ranked + beams))  # at most the candidates ranked
         k0 = max(k, int(cfg["default_k0"]) if k0 is None else _check_int("k0", k0, 1, n))
         nprobe, max_probe = self.probes(nprobe, max_probe, target_recall, k0)
@@ -260,6 +262,10 @@ class RecHandler:
                 if len(self._probed_modes) < 64:
                     self._probed_modes[len(filters)] = modes
         history, flags = self._sources(requests, histories)
+        if every_candidate:
+            if spec.sources != ("ann",):
+                raise QueryError("every_candidate needs a snapshot whose one source is 'ann'")
+            k = min(n, (spec.candidates or T * k0) + spec.transitions)  # the ANN's candidates + the successors
         if threads == "auto":
             threads = 1 if len(requests) <= ONE_THREAD_MAX_BATCH else None
         elif threads is not None:
