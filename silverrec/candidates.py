@@ -4,14 +4,15 @@ of the retrieval sources.
 Every field is indexed [b, c]: request b's candidate c. A field that a configuration's sources do
 not produce has width 0 (one slice, no tensor filled per call): a pure-ANN search maps its rows to
 item ids itself (`ids`) and may return no `rows`; only a decode fills `log_prob`; only a union of
-two sources fills `found_by`. `rows_only` makes the candidates of the `rank` entry point.
+two sources fills `found_by`. `RetrievalStage.given` makes the candidates of the `rank` entry point
+(`rows_only`, or with the next-item transitions' P).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from torch import Tensor
+from torch import Tensor, nn
 
 SOURCES = ("ann", "generative")  # retrieval sources, in the column order of the request's `sources` flags
 SOURCE_ANN, SOURCE_GENERATIVE = 0, 1  # columns of `sources` bool [B, 2]
@@ -36,3 +37,15 @@ def rows_only(rows: Tensor) -> Candidates:
     """Candidates that are given rows int64 [B, C] and nothing else (`RecModel.rank`)."""
     none = rows[:, :0]
     return Candidates(rows, none, none.float(), none.float(), none)
+
+
+class RetrievalStage(nn.Module):
+    """The base of every retrieval stage of `RecModel` (its `sources`): the forward finds candidates
+    (silverrec/retrieval/sources.py's signature); `given` says what the stage knows of rows given by the
+    request (the `rank` entry point): nothing here, the next-item transitions' P where it has them
+    (retrieval/transitions.py)."""
+
+    def given(self, values: Tensor, lengths: Tensor, rows: Tensor) -> Candidates:
+        """The request's user features (values int64 [nnz], lengths int32 [F * B], as the user tower
+        reads them) and given rows int64 [B, C] (-1 = none) -> their Candidates."""
+        return rows_only(rows)

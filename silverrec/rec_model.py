@@ -23,7 +23,8 @@ Every stage passes **rows** of one canonical row space (the IVF's cluster-major 
 for the decode alone); item ids appear only at the end (or straight from a pure-ANN search).
 
 `rank` is the early-stage ranking entry point: score given rows for a user (OverArch and value
-stages on those rows), no retrieval and no item tower.
+stages on those rows, and what the retrieval stage knows of them: the next-item transitions' P), no
+retrieval and no item tower.
 
 No host synchronisation in either entry point (the request's tensors are built by the predictor,
 `silverrec/serving/recommend.py`).
@@ -36,7 +37,6 @@ from typing import Tuple
 import torch
 from torch import Tensor, nn
 
-from silverrec.candidates import rows_only
 
 
 class RecModel(nn.Module):
@@ -98,9 +98,10 @@ class RecModel(nn.Module):
     @torch.jit.export
     def rank(self, values: Tensor, lengths: Tensor, dense: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
         """Early-stage ranking: rows int64 [B, C] (-1 = none) -> (value float32 [B, C], task scores
-        float32 [B, C, T]) from the OverArch and value stages."""
+        float32 [B, C, T]) from the OverArch and value stages (with next-item transitions: value + w P,
+        as `forward` ranks them, P given the newest row of the history in the user features)."""
         user = self.user_tower(values, lengths, dense)
-        cand = rows_only(rows)
+        cand = self.sources.given(values, lengths, rows)
         task_scores = self.overarch(user, cand)
         return self.value_model(task_scores, cand), task_scores
 

@@ -140,9 +140,10 @@ class ModelSpec:
             raise SnapshotError("an OverArch or a value model ranks cached candidates: spec.cache must be true")
         if self.rescore and self.cache:
             raise SnapshotError("spec.rescore is for a model without an embedding cache (the cache re-scores exactly)")
-        if self.transitions and (self.tower not in TRAINED_TOWERS or self.sources != ("ann",)):
-            raise SnapshotError("spec.transitions join the ANN's candidates of a recommendation model: a trained "
-                                f"tower and the one source 'ann', got tower {self.tower!r}, sources {list(self.sources)}")
+        if self.transitions and (self.tower not in OWN_TOWERS.values() or self.sources != ("ann",)):
+            raise SnapshotError("spec.transitions join the ANN's candidates of a recommendation model: silverrec's own "
+                                f"tower ({', '.join(OWN_TOWERS.values())}, whose requests hold the history as pool rows) "
+                                f"and the one source 'ann', got tower {self.tower!r}, sources {list(self.sources)}")
         if self.transition_weight and not self.transitions:
             raise SnapshotError("spec.transition_weight weighs the next-item transitions: spec.transitions must be >= 1")
         if self.sources != SOURCES and (self.generative_weight != 0 or self.source_priority != "none"):

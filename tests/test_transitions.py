@@ -164,6 +164,44 @@ def test_the_answer_is_the_union_ranked_by_value_plus_w_times_p(rec, chained):
     assert gained > 0  # the chain changed some list (else this test shows nothing)
 
 
+def test_rank_scores_given_items_as_the_answer_ranks_them(rec, chained):
+    """The `rank` entry point with transitions: the value of the model without them + W * P(item | the
+    newest history item), P looked up here in the tables; a request without a history (no newest row)
+    gets the value alone; and a recommended list ranked again gets the scores `forward` gave it."""
+    model, tables = chained
+    handler = rec.snap().rec_handler()
+    row_of = {int(i): r for r, i in enumerate(rec.built.row_to_item.tolist())}
+    us = users(rec, 3, start=20)
+    requests = [{"user_id": us[0]}, {"history": rec.logs.history(us[1])[-4:]}, {"user_id": us[2]}]
+    cand = torch.tensor([[row_of[int(i)] for i in rec.logs.item_ids[:30]]] * 3)
+    last = [row_of[int((r["history"] if "history" in r else rec.logs.history(r["user_id"]))[-1])] for r in requests]
+    cand[:, :3] = tables[0][last][:, :3]  # three successors of each newest item among the given rows
+    cand[2, -1] = -1  # padding stays padding
+    values, lengths, dense, _ = handler.encode([handler_request(r) for r in requests], False, 8)
+    with torch.inference_mode():
+        got = model.rank(values, lengths, dense, cand)[0]
+        base = rec.built.model.rank(values, lengths, dense, cand)[0]
+    gained = 0
+    for b in range(3):
+        succ = {int(j): float(p) for j, p in zip(tables[0][last[b]].tolist(), tables[1][last[b]].tolist()) if j >= 0}
+        want = [float(v) + W * succ.get(int(r), 0.0) if r >= 0 else float("-inf")
+                for r, v in zip(cand[b].tolist(), base[b].tolist())]
+        np.testing.assert_allclose(got[b].numpy(), want, rtol=1e-5, atol=1e-4)
+        gained += sum(int(r) in succ for r in cand[b].tolist())
+    assert gained >= 9
+    values, lengths, dense, _ = handler.encode([handler_request({"history": []})], False, 8)
+    with torch.inference_mode():  # no history, no newest row: the value alone
+        torch.testing.assert_close(model.rank(values, lengths, dense, cand[:1])[0],
+                                   rec.built.model.rank(values, lengths, dense, cand[:1])[0])
+    args = list(model_inputs(handler, requests[:1], k=10))
+    args[10] = torch.tensor([[last[0]]])
+    ids, scores = run(model, tuple(args))[:2]
+    rows = torch.tensor([[row_of[int(i)] for i in ids[0].tolist() if i >= 0]])
+    with torch.inference_mode():
+        again = model.rank(*model_inputs(handler, requests[:1], k=10)[:3], rows)[0]
+    np.testing.assert_allclose(again[0].numpy(), scores[0][:rows.shape[1]].numpy(), rtol=1e-5, atol=1e-4)
+
+
 def test_no_history_means_the_value_alone(rec, chained):
     model, _ = chained
     handler = rec.snap().rec_handler()
@@ -203,10 +241,16 @@ def test_publish_chooses_the_weight_and_the_programs_equal_eager(rec, published)
                 {"user_id": us[2]}]
     eager = handler_for(built)  # the composition publish exported, run by the predictor's own code
     want = eager.recommend(requests, k=12)
+    items = [int(i) for i in want.item_ids[0].tolist()[::-1]] + [int(rec.logs.item_ids[0])]  # its list, reordered
+    ranked = eager.rank(requests[0], items)
+    torch.testing.assert_close(ranked.scores[0, :12], want.scores[0].flip(0), rtol=1e-5, atol=1e-5)
     for backend in ("export", "torchscript"):
-        res = silverrec.load(snap_dir, backend=backend).recommend(requests, k=12)
+        snap = silverrec.load(snap_dir, backend=backend)
+        res = snap.recommend(requests, k=12)
         torch.testing.assert_close(res.item_ids, want.item_ids, rtol=0, atol=0, msg=backend)
         torch.testing.assert_close(res.scores, want.scores, rtol=1e-5, atol=1e-5, msg=backend)
+        torch.testing.assert_close(snap.rank(requests[0], items).scores, ranked.scores, rtol=1e-5, atol=1e-5,
+                                   msg=backend)
 
 
 def test_the_grid_figures_are_the_served_lists_figures(rec, published):
@@ -242,6 +286,7 @@ def test_the_grid_figures_are_the_served_lists_figures(rec, published):
     ({"transition_weight": -0.5}, "spec.transition_weight"),
     ({"transition_weight": 1.0}, "spec.transitions must be >= 1"),
     ({"transitions": 4, "sources": ("ann", "generative")}, "the one source 'ann'"),
+    ({"transitions": 4, "tower": "byo"}, "silverrec's own tower"),  # its requests may hold item ids, not rows
 ])
 def test_spec_refuses_bad_transitions(changes, field):
     with pytest.raises(SnapshotError, match=field):

@@ -35,7 +35,8 @@ from torch import Tensor, nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.bloom_filter)
 from silverrec.bitmask import unpack_bits
-from silverrec.candidates import FOUND_ANN, FOUND_GENERATIVE, SOURCE_ANN, SOURCE_GENERATIVE, SOURCES, Candidates
+from silverrec.candidates import (FOUND_ANN, FOUND_GENERATIVE, SOURCE_ANN, SOURCE_GENERATIVE, SOURCES, Candidates,
+                                  RetrievalStage)
 from silverrec.errors import QueryError
 from silverrec.generative.decoder import BOS, PAD
 from silverrec.generative.generative import GenerativeRetrieval
@@ -136,7 +137,7 @@ class GenerativeSource(nn.Module):
         return rows, scores, cand_lp
 
 
-class DecodeSource(nn.Module):
+class DecodeSource(RetrievalStage):
     """The decode as a retrieval stage: `GenerativeSource` with the filter bank its filter runs on.
 
     Alone (a generative-only snapshot) its forward is the retrieval stage (silverrec/retrieval/
@@ -178,7 +179,7 @@ class DecodeSource(nn.Module):
         return Candidates(found, found_by, log_prob, log_prob, rows_to_items(self.row_to_item, found))
 
 
-class HybridSources(nn.Module):
+class HybridSources(RetrievalStage):
     """The ANN source and the decode, their union (module docstring): the retrieval stage of a hybrid."""
 
     def __init__(self, ann: AnnSource, decode: DecodeSource):

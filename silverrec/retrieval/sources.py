@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.*)
-from silverrec.candidates import Candidates
+from silverrec.candidates import Candidates, RetrievalStage
 from silverrec.kernels.candidate_rows import exclude_rows
 from silverrec.kernels.rescore_rows import RESCORE_MAX_K, rescore_margin
 from silverrec.ranking.cache import EmbeddingCache
@@ -38,7 +38,7 @@ from silverrec.retrieval.item_ids import rows_to_items
 INDEX_TENSORS = "sources.index."
 
 
-class AnnSearch(nn.Module):
+class AnnSearch(RetrievalStage):
     """The pure-ANN retrieval (module docstring).
 
     Args:
@@ -76,7 +76,7 @@ class AnnSearch(nn.Module):
         return Candidates(found, none, scores[:, :0], scores, rows_to_items(idx.row_to_item, found))
 
 
-class AnnSource(nn.Module):
+class AnnSource(RetrievalStage):
     """A recommendation model's ANN source (module docstring).
 
     Args:

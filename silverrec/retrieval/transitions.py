@@ -26,15 +26,17 @@ row: M words per request, whatever the pool's size. No host synchronisation.
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
 from torch import Tensor, nn
 
 import silverrec.kernels  # noqa: F401  (registers torch.ops.silverrec.bloom_filter)
-from silverrec.candidates import Candidates
+from silverrec.candidates import Candidates, RetrievalStage
 from silverrec.retrieval.sources import AnnSource
 
 
-class TransitionSource(nn.Module):
+class TransitionSource(RetrievalStage):
     """The ANN source's candidates and the newest history item's likeliest next items (module docstring).
 
     Args:
@@ -63,6 +65,35 @@ class TransitionSource(nn.Module):
         prob = torch.cat([prob, torch.zeros_like(prob[:1])])
         self.register_buffer("next_prob", torch.cat([prob, torch.zeros_like(prob[:, :1])], dim=1))
 
+    def successors(self, last: Tensor) -> Tuple[Tensor, Tensor]:
+        """The newest history rows int64 [B] (-1 = no history) -> their successors int64 [B, M] (-1 =
+        none) and P float32 [B, M + 1] (column M: 0, the P of "no successor")."""
+        at = torch.where(last >= 0, last, torch.full_like(last, self.num_items))
+        return self.next_rows[at], self.next_prob[at]
+
+    def slots(self, nxt: Tensor, rows: Tensor) -> Tensor:
+        """Each of rows int64 [B, C] among the successors nxt int64 [B, M] -> its slot int64 [B, C] in
+        nxt, M where it is none of them (or -1). A sorted search, O((C + M) log M)."""
+        M = nxt.shape[1]
+        srt, order = torch.sort(nxt, dim=1)
+        pos = torch.searchsorted(srt, rows).clamp_max(M - 1)
+        hit = (srt.gather(1, pos) == rows) & (rows >= 0)
+        return torch.where(hit, order.gather(1, pos), torch.full_like(pos, M))
+
+    def given(self, values: Tensor, lengths: Tensor, rows: Tensor) -> Candidates:
+        """The `rank` entry point's rows int64 [B, C] with P(row | the newest history row) as scores
+        float32 [B, C]. The newest row is the last of the user features' first key, `hist_item` (the
+        history's pool rows, oldest first: retrieval/user_tower.py; none: no history), the row the
+        predictors hand `forward` in `history`."""
+        B = rows.shape[0]
+        n = lengths[:B].to(torch.int64)
+        padded = torch.cat([torch.full((1,), -1, dtype=values.dtype, device=values.device), values])  # 0: no history
+        last = torch.where(n > 0, padded[torch.cumsum(n, 0)], torch.full_like(n, -1))
+        nxt, prob_or_none = self.successors(last)
+        scores = prob_or_none.gather(1, self.slots(nxt, rows))
+        none = rows[:, :0]
+        return Candidates(rows, none, none.float(), scores, none)
+
     def forward(self, user: Tensor, exclude: Tensor, ops: Tensor, rows: Tensor, vops: Tensor, vrows: Tensor,
                 lists: Tensor, mode: Tensor, history: Tensor, sources: Tensor, k: int, k0: int, nprobe: int,
                 max_probe: int) -> Candidates:
@@ -72,19 +103,13 @@ class TransitionSource(nn.Module):
         log), not K1 x M."""
         ann = self.ann(user, exclude, ops, rows, vops, vrows, lists, mode, history, sources, k, k0, nprobe,
                        max_probe).rows  # [B, K1]
-        last = history[:, -1]
-        at = torch.where(last >= 0, last, torch.full_like(last, self.num_items))
-        nxt, prob_or_none = self.next_rows[at], self.next_prob[at]  # [B, M], [B, M + 1]
+        nxt, prob_or_none = self.successors(history[:, -1])
         M = nxt.shape[1]
         prob = prob_or_none[:, :M]
-        # each ANN row among the successors (sorted): its successor slot m, its P
-        srt, order = torch.sort(nxt, dim=1)
-        pos = torch.searchsorted(srt, ann).clamp_max(M - 1)
-        hit = (srt.gather(1, pos) == ann) & (ann >= 0)
-        slot = torch.where(hit, order.gather(1, pos), torch.full_like(pos, M))  # M: no successor
+        slot = self.slots(nxt, ann)
         ann_prob = prob_or_none.gather(1, slot)
         found = torch.zeros(nxt.shape[0], M + 1, dtype=torch.bool, device=nxt.device).scatter(
-            1, slot, torch.ones_like(hit))[:, :M]
+            1, slot, torch.ones_like(slot, dtype=torch.bool))[:, :M]
         # the successors: passing the request's filter (one bank word each; row -1's word -1 is an empty
         # window), not excluded, not found by the ANN
         words = torch.ops.silverrec.bloom_filter(self.ann.index.bits, vops, vrows, nxt >> 6, 1)[:, :, 0]
