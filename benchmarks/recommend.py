@@ -307,14 +307,20 @@ class Pipeline:
 
     def rank_recompute(self, tower: ItemTower, dense: np.ndarray, request: dict, rows: np.ndarray,
                        ids_to_rows: bool) -> np.ndarray:
-        """Early-stage ranking by recomputing the item tower: values float32 [C]."""
+        """Early-stage ranking by recomputing the item tower: values float32 [C] (+ w P(row | the newest
+        history row) with the snapshot's transitions, rows of the pool: ids_to_rows)."""
         hist = self.rows(request["history"])
         u = self.user([hist])
         r = self.rows(rows) if ids_to_rows else rows
         with torch.inference_mode():
             v = tower(torch.from_numpy(r))[None]  # [1, C, D]
             scores = self.overarch(u, v, torch.from_numpy(dense[r])[None]).numpy()
-        return scores[0] @ self.w
+        value = scores[0] @ self.w
+        if self.chain is not None and ids_to_rows and hist.size:
+            nxt, prob, w = self.chain
+            succ, p = nxt[hist[-1]], prob[hist[-1]]
+            value = value + w * ((r[:, None] == succ[None, :]).astype(np.float32) @ p)
+        return value
 
 
 @contextlib.contextmanager
