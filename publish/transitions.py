@@ -125,17 +125,16 @@ def candidate_values(handler: Any, row_to_item: np.ndarray, offsets: np.ndarray,
     none; values float32 [U, C], -inf = none; P(item | the newest history row) float32 [U, C] from
     `tables`, (next_rows int64 [N, M], next_prob float32 [N, M]), 0 where they list no such step)."""
     next_rows, next_prob = tables
-    order = np.argsort(row_to_item)
+    item_of = torch.from_numpy(row_to_item.astype(np.int64))
     ids, values, probs = [], [], []
     for s in range(0, len(users), batch):
         hists = [rows[offsets[u]:offsets[u + 1]] for u in users[s:s + batch]]
         res = handler.recommend([{"history": row_to_item[h]} for h in hists], k=K_EVAL, every_candidate=True,
                                 exclude_limit=max(len(np.unique(h)) for h in hists))
-        item = res.item_ids.numpy()
-        cand = torch.from_numpy(np.where(item >= 0, order[np.searchsorted(row_to_item, item, sorter=order)
-                                                          .clip(max=len(order) - 1)], -2))  # rows; -2 = none
         last = torch.from_numpy(np.array([h[-1] for h in hists], dtype=np.int64))
-        hit = next_rows[last][:, None, :] == cand[:, :, None]  # [b, C, M]
+        succ = next_rows[last]  # [b, M] rows, -1 = none: as item ids, -2 = none (the answer's padding is -1)
+        succ_ids = torch.where(succ >= 0, item_of[succ.clamp_min(0)], torch.full_like(succ, -2))
+        hit = succ_ids[:, None, :] == res.item_ids[:, :, None]  # [b, C, M]
         probs.append((hit.float() * next_prob[last][:, None, :]).sum(2))
         ids.append(res.item_ids)
         values.append(res.scores)

@@ -105,9 +105,8 @@ class SourceValue(nn.Module):
 class TransitionValue(nn.Module):
     """value + weight * P(row | the newest history item): a value stage (ValueStage or FirstTask) plus
     the next-item transitions' probability, which `TransitionSource` hands over as `cand.scores`
-    (float32 [B, C], 0 where the chain lists no such step). Candidates without it (the `rank` entry
-    point's given rows: scores [B, 0]) get the value alone. The weight is chosen on the validation
-    items at publish (publish/transitions.py)."""
+    (float32 [B, C], 0 where the chain lists no such step), in `forward` and in `rank` (its `given`).
+    The weight is chosen on the validation items at publish (publish/transitions.py)."""
 
     def __init__(self, value: nn.Module, weight: float):
         super().__init__()
@@ -115,7 +114,4 @@ class TransitionValue(nn.Module):
         self.weight = float(weight)
 
     def forward(self, task_scores: Tensor, cand: Candidates) -> Tensor:
-        value = self.value(task_scores, cand)
-        if cand.scores.shape[1] != value.shape[1]:
-            return value
-        return value + self.weight * cand.scores  # -inf at padding stays -inf
+        return self.value(task_scores, cand) + self.weight * cand.scores  # -inf at padding stays -inf
